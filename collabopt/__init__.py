@@ -1,0 +1,25 @@
+"""collabopt: train one PyTorch model together across unreliable machines.
+
+A framework-agnostic wrapper around hivemind. See :class:`CollaborativeOptimizer`.
+"""
+
+from collabopt.batch_size import ForwardSampleCounter, infer_batch_size
+from collabopt.errors import CollaborativeError, ConfigurationError, SwarmConnectionError
+from collabopt.lifecycle import Terminated
+from collabopt.optimizer import CollaborativeOptimizer, wait_for_peers
+from collabopt.swarm import parse_initial_peers
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollaborativeError",
+    "CollaborativeOptimizer",
+    "ConfigurationError",
+    "ForwardSampleCounter",
+    "SwarmConnectionError",
+    "Terminated",
+    "infer_batch_size",
+    "parse_initial_peers",
+    "wait_for_peers",
+    "__version__",
+]

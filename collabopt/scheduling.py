@@ -1,0 +1,224 @@
+"""Optimizer and LR-scheduler re-creation, and a schedule that advances once per global epoch.
+
+hivemind re-creates the optimizer from a factory when it offloads it or delays its steps. Users hold an
+optimizer *instance* and a scheduler *instance*; this module derives the factory from the optimizer instance
+and moves the user's scheduler onto the optimizer that hivemind really steps, so no ``scheduler_fn`` is needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from collabopt.errors import ConfigurationError
+
+Scheduler = Any  # LRScheduler or ReduceLROnPlateau (not an LRScheduler subclass on older torch)
+_UNSUPPORTED_OPTIMIZERS = ("LBFGS", "SparseAdam")
+
+
+def is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, (LRScheduler, ReduceLROnPlateau))
+
+
+def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Per-group hyperparameters (everything but ``params``), deep-copied."""
+    return [copy.deepcopy({k: v for k, v in group.items() if k != "params"}) for group in optimizer.param_groups]
+
+
+def optimizer_factory(optimizer: torch.optim.Optimizer) -> Callable[[list[dict]], torch.optim.Optimizer]:
+    """A factory ``f(param_groups) -> optimizer`` that rebuilds ``optimizer``'s class on new parameters.
+
+    Constructor arguments come from ``optimizer.defaults`` filtered by the constructor's signature (``defaults``
+    may hold keys the constructor does not accept, e.g. for AdamW); per-group values (lr, betas, ``initial_lr``
+    set by schedulers, ...) travel in the param groups themselves; existing optimizer state is copied.
+    """
+    cls = type(optimizer)
+    if cls.__name__ in _UNSUPPORTED_OPTIMIZERS:
+        raise ConfigurationError(
+            "optimizer",
+            f"{cls.__name__} is not supported by hivemind (it needs a closure or sparse gradients)",
+            "use a first-order optimizer such as AdamW or SGD",
+        )
+    signature = inspect.signature(cls.__init__)
+    parameters = list(signature.parameters.values())[1:]  # drop self
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    names = {p.name for p in parameters}
+    ctor_kwargs = {k: v for k, v in optimizer.defaults.items() if accepts_any or k in names}
+    missing = [
+        p.name
+        for p in parameters[1:]
+        if p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        and p.name not in ctor_kwargs
+    ]
+    if missing:
+        raise ConfigurationError(
+            "optimizer",
+            f"cannot rebuild {cls.__name__}: its constructor needs {missing}, which are not in optimizer.defaults",
+            "pass optimizer_factory=lambda params: YourOptimizer(params, ...)",
+        )
+    hyperparameters = group_hyperparameters(optimizer)
+    state = optimizer.state_dict() if optimizer.state else None
+
+    def factory(param_groups: list[dict]) -> torch.optim.Optimizer:
+        groups = [dict(hp, params=list(group["params"])) for hp, group in zip(hyperparameters, param_groups)]
+        new_optimizer = cls(groups, **ctor_kwargs)
+        if state is not None:
+            new_optimizer.load_state_dict(copy.deepcopy(state))
+        return new_optimizer
+
+    return factory
+
+
+def rebind_scheduler(scheduler: Scheduler, optimizer: torch.optim.Optimizer) -> None:
+    """Point ``scheduler`` (and the schedulers it chains) at ``optimizer``, in place."""
+    scheduler.optimizer = optimizer
+    for child in getattr(scheduler, "_schedulers", ()):
+        rebind_scheduler(child, optimizer)
+
+
+def scheduler_optimizers(scheduler: Scheduler) -> list[torch.optim.Optimizer]:
+    found = [scheduler.optimizer]
+    for child in getattr(scheduler, "_schedulers", ()):
+        found.extend(scheduler_optimizers(child))
+    return found
+
+
+def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Raise a :class:`ConfigurationError` if ``scheduler`` is not a scheduler bound to ``optimizer``."""
+    if not is_scheduler(scheduler):
+        raise ConfigurationError(
+            "scheduler",
+            f"expected a torch LR scheduler instance, got {type(scheduler).__name__}",
+            "pass e.g. torch.optim.lr_scheduler.OneCycleLR(optimizer, ...), or scheduler_fn=callable(optimizer)",
+        )
+    if any(bound is not optimizer for bound in scheduler_optimizers(scheduler)):
+        raise ConfigurationError(
+            "scheduler",
+            "it is bound to a different optimizer than the one being wrapped",
+            "create the scheduler on the same optimizer instance you pass to CollaborativeOptimizer",
+        )
+
+
+class EpochSchedule:
+    """Drives a scheduler so that after ``k`` global epochs it is in the state of ``k`` plain ``step()`` calls.
+
+    One epoch forward is one ``step()``. A jump (a late joiner downloading state, a peer catching up) resets the
+    scheduler and the group hyperparameters to their state at ``base_epoch`` and replays the steps, so every peer
+    holds the same learning rate whatever the downloaded optimizer carried. ``ReduceLROnPlateau`` is stepped
+    with the mean of the metrics reported during the epoch; on a jump it keeps the downloaded learning rate.
+    """
+
+    def __init__(self, scheduler: Scheduler, base_epoch: int = 0):
+        self.scheduler = scheduler
+        self.is_plateau = isinstance(scheduler, ReduceLROnPlateau)
+        self.epoch = base_epoch
+        self._metrics: list[float] = []
+        self._warned_no_metric = False
+        self.rebase(base_epoch)
+
+    def rebase(self, epoch: int) -> None:
+        """Declare the scheduler's current state to be the state at global epoch ``epoch``."""
+        self.base_epoch = self.epoch = epoch
+        self._base_state = copy.deepcopy(self.scheduler.state_dict())
+        self._base_groups = group_hyperparameters(self.scheduler.optimizer)
+
+    def report_metric(self, value: float) -> None:
+        value = float(value.item() if isinstance(value, torch.Tensor) else value)
+        if not math.isfinite(value):
+            return
+        self._metrics.append(value)
+
+    def _step(self, *args: Any) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            original_class(self.scheduler).step(self.scheduler, *args)
+
+    def _reset_to_base(self) -> None:
+        self.scheduler.load_state_dict(copy.deepcopy(self._base_state))
+        for group, hyperparameters in zip(self.scheduler.optimizer.param_groups, self._base_groups):
+            group.update(copy.deepcopy(hyperparameters))
+
+    def advance_to(self, epoch: int) -> None:
+        """Bring the schedule to global epoch ``epoch``."""
+        if epoch == self.epoch:
+            return
+        if self.is_plateau:
+            if epoch == self.epoch + 1:
+                if self._metrics:
+                    self._step(sum(self._metrics) / len(self._metrics))
+                elif not self._warned_no_metric:
+                    self._warned_no_metric = True
+                    warnings.warn(
+                        "ReduceLROnPlateau was not stepped at this global epoch: no metric was reported. Call "
+                        "scheduler.step(metric) or copt.report_metric(metric) during each epoch.",
+                        stacklevel=3,
+                    )
+            self.scheduler.last_epoch = epoch
+            self._metrics.clear()
+            self.epoch = epoch
+            return
+        if epoch == self.epoch + 1:
+            self._step()
+        else:
+            self._reset_to_base()
+            for _ in range(max(0, epoch - self.base_epoch)):
+                self._step()
+        self.epoch = epoch
+
+    def get_last_lr(self) -> list[float]:
+        return [float(group["lr"]) for group in self.scheduler.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.rebase(int(state["epoch"]))
+
+
+def install_step_guard(scheduler: Scheduler, on_metric: Callable[[float], None]) -> None:
+    """Make the user's ``scheduler.step()`` safe: collabopt steps it once per global epoch.
+
+    ``scheduler.step(metric)`` on ``ReduceLROnPlateau`` reports the metric; any other call is ignored with one
+    warning (stepping per local batch would desynchronize peers). The instance gets a subclass of its own class
+    (so ``state_dict()`` stays picklable); :func:`remove_step_guard` undoes it.
+    """
+    original = type(scheduler)
+    if getattr(original, "_collabopt_original_class", None) is not None:
+        original = original._collabopt_original_class
+    warned = False
+
+    def guarded_step(self: Any, *args: Any, **kwargs: Any) -> None:
+        nonlocal warned
+        if isinstance(self, ReduceLROnPlateau):
+            metric = args[0] if args else kwargs.get("metrics")
+            if metric is not None:
+                on_metric(metric)
+            return
+        if not warned:
+            warned = True
+            warnings.warn(
+                f"{original.__name__}.step() is called by collabopt once per global epoch; your call was "
+                "ignored. Remove it from your loop.",
+                stacklevel=2,
+            )
+
+    guarded = type(original.__name__, (original,), {"step": guarded_step, "_collabopt_original_class": original})
+    guarded.__module__ = original.__module__
+    scheduler.__class__ = guarded
+
+
+def original_class(scheduler: Scheduler) -> type:
+    return getattr(type(scheduler), "_collabopt_original_class", None) or type(scheduler)
+
+
+def remove_step_guard(scheduler: Scheduler) -> None:
+    scheduler.__class__ = original_class(scheduler)

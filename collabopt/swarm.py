@@ -1,0 +1,193 @@
+"""Starting or joining a swarm: DHT options, peer address validation and the join message."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from collabopt.errors import ConfigurationError, SwarmConnectionError
+
+try:  # hivemind >= 1.1.11 vendors its multiaddr implementation
+    from hivemind.utils.multiaddr import Multiaddr
+except ImportError:  # pragma: no cover - older layouts
+    from multiaddr import Multiaddr
+
+INITIAL_PEERS_ENV = "INITIAL_PEERS"
+DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+
+
+def parse_initial_peers(
+    initial_peers: str | Sequence[str] | None, env_vars: Sequence[str] = (INITIAL_PEERS_ENV,)
+) -> list[str]:
+    """Return the initial peers as a validated list of multiaddr strings.
+
+    ``initial_peers`` may be a list, or one string with addresses separated by commas or whitespace.
+    When it is ``None``, the first of ``env_vars`` that is set is used. An empty result means "start a new swarm".
+
+    >>> parse_initial_peers("/ip4/10.0.0.2/tcp/31337/p2p/QmXfzzKcYg6ARUVzmWz1CjJzUHMMF7i7CuBfi1W8gwjEP4")
+    ['/ip4/10.0.0.2/tcp/31337/p2p/QmXfzzKcYg6ARUVzmWz1CjJzUHMMF7i7CuBfi1W8gwjEP4']
+    """
+    parameter = "initial_peers"
+    if initial_peers is None:
+        for name in env_vars:
+            if os.environ.get(name, "").strip():
+                initial_peers, parameter = os.environ[name], f"the {name} environment variable"
+                break
+        else:
+            return []
+    if isinstance(initial_peers, str):
+        items = initial_peers.replace(",", " ").split()
+    elif isinstance(initial_peers, Sequence):
+        items = []
+        for item in initial_peers:
+            if not isinstance(item, (str, Multiaddr)):
+                raise ConfigurationError(
+                    parameter,
+                    f"expected multiaddr strings, got {type(item).__name__} {item!r}",
+                    "pass strings like '/ip4/1.2.3.4/tcp/31337/p2p/Qm...' as printed by the first peer",
+                )
+            items.extend(str(item).replace(",", " ").split())
+    else:
+        raise ConfigurationError(
+            parameter,
+            f"expected a list of multiaddrs or a comma-separated string, got {type(initial_peers).__name__}",
+            "pass e.g. initial_peers=['/ip4/1.2.3.4/tcp/31337/p2p/Qm...']",
+        )
+    for item in items:
+        validate_peer_maddr(item, parameter)
+    return items
+
+
+def validate_peer_maddr(maddr: str, parameter: str = "initial_peers") -> None:
+    """Raise :class:`ConfigurationError` unless ``maddr`` is a full multiaddr of a peer (with ``/p2p/<id>``)."""
+    fix = "copy the address exactly as the first peer printed it, e.g. '/ip4/1.2.3.4/tcp/31337/p2p/QmPeerId...'"
+    try:
+        parsed = Multiaddr(maddr)
+    except Exception as e:
+        raise ConfigurationError(parameter, f"{maddr!r} is not a valid multiaddr ({e})", fix) from None
+    protocols = [protocol.name for protocol in parsed.protocols()]
+    if "p2p" not in protocols:
+        raise ConfigurationError(parameter, f"{maddr!r} has no /p2p/<peer id> part", fix)
+
+
+def validate_listen_maddrs(maddrs: Sequence[str] | None, parameter: str) -> list[str] | None:
+    """Validate addresses to listen on or announce (no peer id needed)."""
+    if maddrs is None:
+        return None
+    if isinstance(maddrs, str):
+        maddrs = maddrs.replace(",", " ").split()
+    for maddr in maddrs:
+        try:
+            Multiaddr(str(maddr))
+        except Exception as e:
+            raise ConfigurationError(
+                parameter,
+                f"{maddr!r} is not a valid multiaddr ({e})",
+                "use the form '/ip4/0.0.0.0/tcp/31337' (or '/ip4/0.0.0.0/tcp/0' for any free port)",
+            ) from None
+    return [str(maddr) for maddr in maddrs]
+
+
+@dataclass
+class SwarmOptions:
+    """Everything needed to start this peer's DHT node. See :func:`start_dht`."""
+
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] | None = None
+    announce_maddrs: list[str] | None = None
+    client_mode: bool = False
+    identity_path: str | None = None
+    use_ipfs: bool = False
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    wait_timeout: float = 3.0
+    bootstrap_timeout: float | None = None
+    startup_timeout: float = 30.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.identity_path is not None and not isinstance(self.identity_path, (str, os.PathLike)):
+            raise ConfigurationError("identity_path", "must be a path to a private key file", "pass a str path")
+        for name in ("wait_timeout", "startup_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigurationError(name, f"must be a positive number of seconds, got {value!r}", "e.g. 10")
+        if self.bootstrap_timeout is not None and (
+            not isinstance(self.bootstrap_timeout, (int, float)) or self.bootstrap_timeout <= 0
+        ):
+            raise ConfigurationError(
+                "bootstrap_timeout", f"must be a positive number of seconds, got {self.bootstrap_timeout!r}", "e.g. 30"
+            )
+
+
+def start_dht(options: SwarmOptions):
+    """Start a hivemind DHT node in a background process; join the swarm of ``options.initial_peers``.
+
+    Raises :class:`SwarmConnectionError` with advice when no initial peer answers.
+    """
+    import hivemind
+
+    kwargs = dict(
+        initial_peers=options.initial_peers or None,
+        host_maddrs=options.host_maddrs if options.host_maddrs is not None else list(DEFAULT_HOST_MADDRS),
+        client_mode=options.client_mode,
+        use_ipfs=options.use_ipfs,
+        use_relay=options.use_relay,
+        use_auto_relay=options.use_auto_relay,
+        wait_timeout=options.wait_timeout,
+        startup_timeout=options.startup_timeout,
+        **options.extra,
+    )
+    if options.announce_maddrs is not None:
+        kwargs["announce_maddrs"] = options.announce_maddrs
+    if options.identity_path is not None:
+        kwargs["identity_path"] = str(options.identity_path)
+    if options.bootstrap_timeout is not None:
+        kwargs["bootstrap_timeout"] = options.bootstrap_timeout
+    try:
+        return hivemind.DHT(start=True, **kwargs)
+    except Exception as e:
+        if "bootstrap failed" in str(e) or "initial_peers" in str(e):
+            raise SwarmConnectionError(
+                f"none of the initial peers answered: {options.initial_peers}. Check that the first peer is "
+                "still running, that the address (IP, port, peer id) is the one it printed, and that its port is "
+                "reachable from this machine (firewall/NAT: consider client_mode=True or use_relay=True)."
+            ) from e
+        raise
+
+
+def _is_loopback(maddr: str) -> bool:
+    parts = str(maddr).split("/")
+    if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+        try:
+            return ipaddress.ip_address(parts[2]).is_loopback
+        except ValueError:
+            return False
+    return False
+
+
+def join_message(visible_maddrs: Sequence[Any], run_id: str, client_mode: bool = False) -> str:
+    """The helper text telling how other machines join this run."""
+    addresses = [str(m) for m in visible_maddrs]
+    public = [m for m in addresses if not _is_loopback(m)]
+    shown = public or addresses
+    if client_mode or not shown:
+        return (
+            f"collabopt: joined run_id={run_id!r} in client mode (this peer accepts no incoming connections);"
+            " start other peers with the INITIAL_PEERS of a non-client peer."
+        )
+    where = "" if public else " (loopback only: peers on this machine can join; pass host_maddrs to listen publicly)"
+    return (
+        f"collabopt: run_id={run_id!r}; other peers can join with{where}:\n"
+        f"    INITIAL_PEERS={','.join(shown)} python your_script.py\n"
+        f"  or CollaborativeOptimizer(..., initial_peers={shown!r})"
+    )
+
+
+def print_join_message(dht: Any, run_id: str, client_mode: bool, stream: TextIO | None = None) -> None:
+    """Print :func:`join_message` for a running DHT."""
+    print(join_message(dht.get_visible_maddrs(), run_id, client_mode), file=stream or sys.stderr, flush=True)
