@@ -560,6 +560,12 @@ class CollaborativeOptimizer:
         if self._schedule is not None:
             self._schedule.report_metric(value)
 
+    def flush(self) -> None:
+        """Wait for background work (delayed optimizer steps and averaging) and apply its results now."""
+        self._check_open()
+        self._opt.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
+        self._on_epoch_maybe_changed()
+
     def load_state_from_peers(self) -> None:
         """Download the newest parameters, optimizer state and epoch from the swarm now."""
         self._check_open()

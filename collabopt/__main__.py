@@ -1,0 +1,5 @@
+import sys
+
+from collabopt.cli import main
+
+sys.exit(main())

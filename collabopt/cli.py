@@ -1,0 +1,159 @@
+"""The ``collabopt`` command: ``demo`` (a local swarm), ``dht`` (a bootstrap peer), ``monitor`` (a run's state)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+from collabopt.errors import CollaborativeError
+
+
+def _add_swarm_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--initial-peers", nargs="*", default=None,
+                        help="multiaddrs of a running swarm (default: $INITIAL_PEERS)")
+    parser.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"],
+                        help="addresses to listen on (default: all IPv4 interfaces, any free port)")
+    parser.add_argument("--announce-maddrs", nargs="*", default=None, help="addresses to announce to others")
+    parser.add_argument("--identity-path", default=None, help="private key file: makes the peer id stable")
+    parser.add_argument("--use-ipfs", action="store_true", help="find initial peers through IPFS")
+    parser.add_argument("--no-relay", dest="use_relay", action="store_false", help="disable libp2p circuit relay")
+    parser.add_argument("--use-auto-relay", action="store_true", help="look for relays when behind NAT")
+
+
+def _swarm_options(args: argparse.Namespace):
+    from collabopt.swarm import SwarmOptions, parse_initial_peers, validate_listen_maddrs
+
+    options = SwarmOptions(
+        initial_peers=parse_initial_peers(args.initial_peers),
+        host_maddrs=validate_listen_maddrs(args.host_maddrs, "--host-maddrs"),
+        announce_maddrs=validate_listen_maddrs(args.announce_maddrs, "--announce-maddrs"),
+        identity_path=args.identity_path,
+        use_ipfs=args.use_ipfs,
+        use_relay=args.use_relay,
+        use_auto_relay=args.use_auto_relay,
+    )
+    options.validate()
+    return options
+
+
+def run_dht(args: argparse.Namespace) -> int:
+    """A standalone bootstrap peer: prints the INITIAL_PEERS value and serves until Ctrl+C / SIGTERM."""
+    from collabopt.lifecycle import SigtermHandler, preserved_sigint
+    from collabopt.swarm import start_dht
+
+    options = _swarm_options(args)
+    with preserved_sigint():
+        dht = start_dht(options)
+    sigterm = SigtermHandler()
+    sigterm.install()
+    try:
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        value = ",".join(maddrs)
+        print(f"INITIAL_PEERS={value}", flush=True)
+        print(f"collabopt dht: serving; start peers with  INITIAL_PEERS={value} python train.py", file=sys.stderr,
+              flush=True)
+        if args.peers_file:
+            with open(args.peers_file + ".tmp", "w") as f:
+                f.write(value)
+            import os
+
+            os.replace(args.peers_file + ".tmp", args.peers_file)
+        while dht.is_alive():
+            time.sleep(0.5)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except SystemExit as e:
+        return 0 if e.code in (None, 0, 128 + signal.SIGTERM) else int(e.code)
+    finally:
+        dht.shutdown()
+        sigterm.restore()
+
+
+def run_monitor(args: argparse.Namespace) -> int:
+    """Print the progress every peer of a run publishes to the DHT (signed records of hivemind's tracker)."""
+    from collabopt.lifecycle import preserved_sigint
+    from collabopt.metrics import read_swarm_progress
+    from collabopt.swarm import start_dht
+
+    options = _swarm_options(args)
+    options.client_mode = True
+    if not options.initial_peers:
+        print("collabopt monitor: pass --initial-peers or set INITIAL_PEERS", file=sys.stderr)
+        return 2
+    with preserved_sigint():
+        dht = start_dht(options)
+    try:
+        rounds = 0
+        while args.count <= 0 or rounds < args.count:
+            report = read_swarm_progress(dht, args.run_id)
+            print(json.dumps(report) if args.json else report_text(report), flush=True)
+            rounds += 1
+            if args.count <= 0 or rounds < args.count:
+                time.sleep(args.interval)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        dht.shutdown()
+
+
+def report_text(report: dict) -> str:
+    lines = [
+        f"run {report['run_id']}: {report['num_peers']} peers, epoch {report['global_epoch']}, "
+        f"{report['samples_accumulated']} samples this epoch, {report['samples_per_second']:.1f} samples/s"
+    ]
+    for peer in report["peers"]:
+        lines.append(
+            f"  {peer['peer_id'][:16]}  epoch {peer['epoch']}  samples {peer['samples_accumulated']}  "
+            f"{peer['samples_per_second']:.1f}/s{'  (client)' if peer['client_mode'] else ''}"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="collabopt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a small model with a local swarm of peer processes")
+    demo.add_argument("--peers", type=int, default=3, help="number of training peers (default 3)")
+    demo.add_argument("--epochs", type=int, default=6, help="global epochs to train (default 6)")
+    demo.add_argument("--target-batch-size", type=int, default=512, help="samples per global epoch")
+    demo.add_argument("--run-id", default=None, help="run id (default: a fresh random one)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument("--timeout", type=float, default=110.0, help="give up after this many seconds")
+
+    dht = sub.add_parser("dht", help="run a standalone bootstrap peer and print INITIAL_PEERS")
+    _add_swarm_args(dht)
+    dht.add_argument("--peers-file", default=None, help="also write the INITIAL_PEERS value to this file")
+
+    monitor = sub.add_parser("monitor", help="show the live state of a run read from the DHT")
+    _add_swarm_args(monitor)
+    monitor.add_argument("--run-id", required=True)
+    monitor.add_argument("--interval", type=float, default=2.0)
+    monitor.add_argument("--count", type=int, default=0, help="number of reports (default: until Ctrl+C)")
+    monitor.add_argument("--json", action="store_true", help="one JSON object per report")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "dht":
+            return run_dht(args)
+        if args.command == "monitor":
+            return run_monitor(args)
+        from collabopt.demo import run_demo
+
+        return run_demo(args)
+    except CollaborativeError as e:
+        print(f"collabopt {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Reading a run's state from the DHT.
+
+Every peer's hivemind progress tracker publishes a signed, schema-checked record under ``<run_id>_progress``
+(one subkey per peer, signed with that peer's key, so no peer can overwrite another's). A monitor reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def read_swarm_progress(dht: Any, run_id: str) -> dict[str, Any]:
+    """Summarize the progress records of ``run_id``: peers, global epoch, samples, throughput."""
+    from hivemind.dht.schema import SchemaValidator
+    from hivemind.optim.progress_tracker import LocalTrainingProgress, TrainingProgressSchema
+    from hivemind.utils import ValueWithExpiration
+
+    dht.add_validators([SchemaValidator(TrainingProgressSchema, prefix=run_id)])
+    found = dht.get(f"{run_id}_progress", latest=True)
+    records = found.value if isinstance(found, ValueWithExpiration) and isinstance(found.value, dict) else {}
+    peers = []
+    for entry in records.values():
+        value = getattr(entry, "value", None)
+        if value is None:
+            continue
+        try:
+            progress = LocalTrainingProgress.parse_obj(value)
+        except Exception:
+            continue  # not a valid record: ignore it
+        peers.append(
+            dict(
+                peer_id=progress.peer_id.hex() if isinstance(progress.peer_id, bytes) else str(progress.peer_id),
+                epoch=progress.epoch,
+                samples_accumulated=progress.samples_accumulated,
+                samples_per_second=progress.samples_per_second,
+                client_mode=progress.client_mode,
+                time=progress.time,
+            )
+        )
+    global_epoch = max((p["epoch"] for p in peers if not p["client_mode"]), default=0)
+    return dict(
+        run_id=run_id,
+        num_peers=len(peers),
+        global_epoch=global_epoch,
+        samples_accumulated=sum(p["samples_accumulated"] for p in peers if p["epoch"] == global_epoch),
+        samples_per_second=sum(p["samples_per_second"] for p in peers),
+        peers=sorted(peers, key=lambda p: p["peer_id"]),
+    )

@@ -1,0 +1,1 @@
+"""Adapters: ``collabopt.integrations.pytorch``, ``.accelerate`` and ``.lightning`` (import the one you use)."""

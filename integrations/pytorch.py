@@ -1,0 +1,75 @@
+"""Plain PyTorch loops: one call binds a model and its optimizer to a swarm.
+
+Example::
+
+    from collabopt.integrations.pytorch import collaborate
+
+    model = torch.nn.Linear(64, 10)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with collaborate(model, opt, run_id="digits", target_batch_size=1024) as copt:
+        for x, y in loader:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            copt.step()        # samples counted from model's forward calls
+            copt.zero_grad()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from collabopt.errors import ConfigurationError
+from collabopt.optimizer import CollaborativeOptimizer
+
+
+def collaborate(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    run_id: str,
+    target_batch_size: int,
+    scheduler: Any = None,
+    scaler: Any = None,
+    **kwargs: Any,
+) -> CollaborativeOptimizer:
+    """Wrap ``optimizer`` so that ``model`` trains as a peer of the swarm ``run_id``.
+
+    Samples are counted from ``model``'s forward calls in training mode (gradient accumulation and a short last
+    batch are counted exactly). ``scheduler`` advances once per global epoch. ``scaler`` is your
+    ``torch.amp.GradScaler`` if you use one: keep calling ``scaler.step(copt); scaler.update()``.
+    Every other keyword argument goes to :class:`~collabopt.CollaborativeOptimizer`.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigurationError("model", f"expected a torch.nn.Module, got {type(model).__name__}",
+                                 "pass the model you train")
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        model = model.module
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise ConfigurationError(
+            "torch.distributed",
+            "several processes per peer (torchrun / DDP) are not supported by this version of the plain adapter",
+            "run one process per peer (each joins the swarm with the same run_id), without torchrun",
+        )
+    model_params = {id(p) for p in model.parameters()}
+    if not any(id(p) in model_params for group in optimizer.param_groups for p in group["params"]):
+        raise ConfigurationError(
+            "optimizer", "it holds none of the model's parameters", "create it from model.parameters()"
+        )
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise ConfigurationError(
+            "scaler", f"expected a torch.amp.GradScaler, got {type(scaler).__name__}",
+            "pass torch.amp.GradScaler() (hivemind.GradScaler is not needed)",
+        )
+    return CollaborativeOptimizer(
+        optimizer,
+        run_id=run_id,
+        target_batch_size=target_batch_size,
+        scheduler=scheduler,
+        model=model,
+        grad_scaler=scaler,
+        **kwargs,
+    )
+
+
+__all__ = ["collaborate"]

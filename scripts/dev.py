@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Set up a virtual environment in .venv (first run only) and run the demo or the tests.
+
+    python3 scripts/dev.py demo      # a local swarm of 3 peers trains a digits classifier
+    python3 scripts/dev.py test      # the whole test suite
+    python3 scripts/dev.py bench     # the benchmarks (writes benchmarks/results/)
+
+Only Python >= 3.10 is needed. torch is installed pinned (TORCH_SPEC, default torch==2.13.0) when the
+environment has none; set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu to get the CPU-only build
+on a machine where pip would otherwise pull a large CUDA build.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = Path(os.environ.get("COLLABOPT_VENV", ROOT / ".venv"))
+PYTHON = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+EXTRAS = {"demo": "demo", "test": "all", "bench": "all"}
+
+
+def run(*args: str, **kwargs) -> None:
+    print("+", " ".join(args), flush=True)
+    subprocess.run(args, check=True, **kwargs)
+
+
+def has_module(module: str) -> bool:
+    return subprocess.run([str(PYTHON), "-c", f"import {module}"], capture_output=True).returncode == 0
+
+
+def ensure_env(extra: str) -> None:
+    if sys.version_info < (3, 10):
+        sys.exit(f"collabopt needs Python >= 3.10, this is {sys.version.split()[0]}")
+    if not PYTHON.exists():
+        print(f"creating a virtual environment in {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    pip = [str(PYTHON), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    if not has_module("torch"):
+        index = os.environ.get("TORCH_INDEX_URL")
+        run(*pip, os.environ.get("TORCH_SPEC", "torch==2.13.0"), *(["--index-url", index] if index else []))
+    stamp = VENV / f".collabopt-{extra}-installed"
+    pyproject = ROOT / "pyproject.toml"
+    if not stamp.exists() or stamp.stat().st_mtime < pyproject.stat().st_mtime:
+        run(*pip, "-e", f"{ROOT}[{extra}]")
+        stamp.touch()
+
+
+def main() -> int:
+    command = sys.argv[1] if len(sys.argv) > 1 else "demo"
+    rest = sys.argv[2:]
+    if command not in EXTRAS:
+        sys.exit(f"usage: python3 scripts/dev.py {{demo|test|bench}} [args...]  (got {command!r})")
+    ensure_env(EXTRAS[command])
+    if command == "demo":
+        cmd = [str(PYTHON), "-m", "collabopt", "demo", *rest]
+    elif command == "test":
+        cmd = [str(PYTHON), "-m", "pytest", "tests", *rest]
+    else:
+        cmd = [str(PYTHON), "-m", "benchmarks.run", *rest]
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, cwd=ROOT).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

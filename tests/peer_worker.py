@@ -1,0 +1,155 @@
+"""One training peer, run as its own OS process by the swarm tests.
+
+Usage: ``python tests/peer_worker.py config.json``. The config (written by ``tests/swarm.py``) says what to train
+and how; the peer writes ``<out>.json`` (metrics), ``<out>.pt`` (final parameters) and ``<out>.progress`` (its
+epoch, updated as it trains).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from schedulers import make_scheduler  # noqa: E402
+
+from collabopt import CollaborativeOptimizer  # noqa: E402
+
+
+def make_data(seed: int = 0, n: int = 4096, dim: int = 16, classes: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    w = torch.randn(dim, classes, generator=g)
+    return x, (x @ w).argmax(dim=1)
+
+
+def make_model(seed: int, dim: int = 16, classes: int = 4) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(dim, 32), torch.nn.ReLU(), torch.nn.Linear(32, classes))
+
+
+@torch.no_grad()
+def full_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    return float(F.cross_entropy(model(x), y))
+
+
+def batch_size_sequence(spec, rng: random.Random):
+    """``[8, 16]`` cycles; ``{"random": [lo, hi]}`` draws uniformly."""
+    i = 0
+    while True:
+        if isinstance(spec, dict):
+            yield rng.randint(*spec["random"])
+        else:
+            yield spec[i % len(spec)]
+        i += 1
+
+
+def write_json(path: str, value) -> None:
+    Path(path + ".tmp").write_text(json.dumps(value))
+    os.replace(path + ".tmp", path)
+
+
+def main(config_path: str) -> None:
+    cfg = json.loads(Path(config_path).read_text())
+    out = cfg["out"]
+    seed = cfg.get("seed", 0)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    x_all, y_all = make_data(cfg.get("data_seed", 0))
+    model = make_model(cfg.get("model_seed", seed))
+    lr = cfg.get("lr", 0.05)
+    opt_name = cfg.get("optimizer", "SGD")
+    if opt_name == "SGD":
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.get("momentum", 0.0))
+    else:
+        optimizer = getattr(torch.optim, opt_name)(model.parameters(), lr=lr)
+    scheduler = make_scheduler(cfg["scheduler"], optimizer) if cfg.get("scheduler") else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=cfg["amp_scale"]) if cfg.get("amp_scale") else None
+    options = dict(cfg.get("options", {}))
+    options.setdefault("host_maddrs", ["/ip4/127.0.0.1/tcp/0"])
+    options.setdefault("matchmaking_time", 2.0)
+    options.setdefault("averaging_timeout", 15.0)
+    count_mode = cfg.get("count", "forward")  # forward | batch | batch_size
+    accumulate = cfg.get("accumulate", 1)
+    epochs = cfg["epochs"]
+    step_sleep = cfg.get("step_sleep", 0.02)
+    deadline = time.monotonic() + cfg.get("max_seconds", 120)
+    plateau_metric = cfg.get("plateau_metric")
+
+    result = {"samples_fed": 0, "lrs": {}, "losses": [], "epochs_seen": []}
+    sizes = batch_size_sequence(cfg.get("batch_sizes", [16]), rng)
+    with CollaborativeOptimizer(
+        optimizer,
+        run_id=cfg["run_id"],
+        target_batch_size=cfg["target_batch_size"],
+        scheduler=scheduler,
+        model=model if count_mode == "forward" else None,
+        grad_scaler=scaler,
+        **options,
+    ) as copt:
+        result["start_epoch"] = copt.local_epoch
+        result["start_loss"] = full_loss(model, x_all, y_all)
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out + ".start.pt")
+        result["lrs"][str(copt.local_epoch)] = copt.get_lr()[0]
+        epoch_params = {}
+        while copt.local_epoch < epochs and time.monotonic() < deadline:
+            step_samples = 0
+            for _ in range(accumulate):
+                n = next(sizes)
+                idx = torch.randint(0, len(x_all), (n,))
+                x, y = x_all[idx], y_all[idx]
+                loss = F.cross_entropy(model(x), y)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                step_samples += n
+                result["losses"].append(float(loss))
+            result["samples_fed"] += step_samples
+            if plateau_metric is not None:
+                scheduler.step(plateau_metric)
+            kwargs = {}
+            if count_mode == "batch":
+                kwargs["batch"] = (x, y) if accumulate == 1 else None
+            elif count_mode == "batch_size":
+                kwargs["batch_size"] = step_samples
+            before = copt.local_epoch
+            if scaler is not None:
+                if cfg.get("unscale_first"):
+                    scaler.unscale_(copt)
+                scaler.step(copt, **kwargs)
+                scaler.update()
+            else:
+                copt.step(**kwargs)
+            copt.zero_grad()
+            if copt.local_epoch != before:
+                result["epochs_seen"].append(copt.local_epoch)
+                result["lrs"][str(copt.local_epoch)] = copt.get_lr()[0]
+                if cfg.get("save_epoch_params"):
+                    epoch_params[copt.local_epoch] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                write_json(out + ".progress", {"epoch": copt.local_epoch})
+            time.sleep(step_sleep)
+        copt.flush()
+        result.update(
+            final_epoch=copt.local_epoch,
+            final_loss=full_loss(model, x_all, y_all),
+            samples_reported=copt.samples_reported,
+            samples_skipped=copt.samples_skipped,
+            final_lr=copt.get_lr()[0],
+            num_peers=copt.num_peers,
+            scheduler_lr=scheduler.get_last_lr()[0] if scheduler is not None else None,
+        )
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out + ".pt")
+        if epoch_params:
+            torch.save(epoch_params, out + ".epochs.pt")
+        if cfg.get("linger", 0):
+            time.sleep(cfg["linger"])
+    write_json(out + ".json", result)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

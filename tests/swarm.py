@@ -1,0 +1,162 @@
+"""Helpers to run real swarms in tests: a bootstrap DHT process and peer processes on loopback.
+
+Every process is started fresh with ``subprocess`` (never forked from the pytest process) in its own session,
+so a test can kill a peer with all its children (DHT, p2pd, averagers) and nothing outlives the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "peer_worker.py"
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def unique_run_id(name: str) -> str:
+    """A run id no earlier test used (stale DHT records of a reused run id confuse new peers)."""
+    return f"{name}_{uuid.uuid4().hex[:10]}"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("INITIAL_PEERS", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    env["HIVEMIND_LOGLEVEL"] = env.get("HIVEMIND_LOGLEVEL", "WARNING")
+    env.update(extra)
+    return env
+
+
+class Process:
+    """A process started in its own session, with its output in a log file."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.popen = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, env=env or child_env(), cwd=ROOT,
+            start_new_session=True,
+        )
+        self.pid = self.popen.pid
+        self._descendants: set[int] = set()
+
+    def remember_descendants(self) -> None:
+        try:
+            self._descendants |= {c.pid for c in psutil.Process(self.pid).children(recursive=True)}
+        except psutil.Error:
+            pass
+
+    def descendants_alive(self) -> list[int]:
+        alive = []
+        for pid in self._descendants:
+            try:
+                proc = psutil.Process(pid)
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.Error:
+                pass
+        return alive
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def signal(self, signum: int) -> None:
+        self.remember_descendants()
+        self.popen.send_signal(signum)
+
+    def kill_tree(self) -> None:
+        self.remember_descendants()
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pid in self._descendants:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.wait(10)
+        self._log.close()
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+def start_bootstrap(tmp_path: Path) -> tuple[Process, str]:
+    """Start ``collabopt dht`` on loopback; return it and its INITIAL_PEERS value."""
+    peers_file = tmp_path / "initial_peers.txt"
+    proc = Process(
+        [sys.executable, "-m", "collabopt", "dht", "--host-maddrs", *LOOPBACK, "--peers-file", str(peers_file)],
+        tmp_path / "bootstrap.log",
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if peers_file.exists():
+            return proc, peers_file.read_text().strip()
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"bootstrap DHT exited: {proc.log()}")
+        time.sleep(0.2)
+    proc.kill_tree()
+    raise RuntimeError("bootstrap DHT did not start within 60 s")
+
+
+def start_peer(tmp_path: Path, name: str, config: dict[str, Any], initial_peers: str) -> Process:
+    """Start ``peer_worker.py`` with ``config``; its results go to ``<tmp_path>/<name>.json`` / ``.pt``."""
+    config = dict(config, out=str(tmp_path / name))
+    config_path = tmp_path / f"{name}.config.json"
+    config_path.write_text(json.dumps(config))
+    return Process(
+        [sys.executable, str(WORKER), str(config_path)],
+        tmp_path / f"{name}.log",
+        env=child_env(INITIAL_PEERS=initial_peers),
+    )
+
+
+def read_result(tmp_path: Path, name: str) -> dict[str, Any]:
+    path = tmp_path / f"{name}.json"
+    if not path.exists():
+        log = (tmp_path / f"{name}.log").read_text(errors="replace")
+        raise AssertionError(f"peer {name} wrote no result; its log ends with:\n{log[-4000:]}")
+    return json.loads(path.read_text())
+
+
+def read_params(tmp_path: Path, name: str):
+    import torch
+
+    return torch.load(tmp_path / f"{name}.pt")
+
+
+def wait_all(procs: dict[str, Process], timeout: float) -> dict[str, int | None]:
+    deadline = time.monotonic() + timeout
+    codes = {}
+    for name, proc in procs.items():
+        codes[name] = proc.wait(max(0.1, deadline - time.monotonic()))
+    return codes
+
+
+def max_param_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def wait_for_file(path: Path, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return True
+        time.sleep(0.1)
+    return False
