@@ -71,9 +71,9 @@ def _prepare_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             group["lr"] = 0.0 if not isinstance(group["lr"], torch.Tensor) else torch.zeros_like(group["lr"])
         optimizer.step()
     finally:
-        for group, lr in zip(optimizer.param_groups, saved_lrs):
+        for group, lr in zip(optimizer.param_groups, saved_lrs, strict=True):
             group["lr"] = lr
-        for p, grad in zip(params, old_grads):
+        for p, grad in zip(params, old_grads, strict=True):
             p.grad = grad
 
 
@@ -671,7 +671,7 @@ class CollaborativeOptimizer:
         if self.offload_optimizer:  # the offloaded copy must hold the (restored) model parameters
             with torch.no_grad():
                 opt_params = [p for group in self.optimizer.param_groups for p in group["params"]]
-                for main, offloaded in zip(self._main_params(), opt_params):
+                for main, offloaded in zip(self._main_params(), opt_params, strict=True):
                     offloaded.copy_(main)
         if self._schedule is not None and state.get("scheduler") is not None:
             self._schedule.load_state_dict(state["scheduler"])

@@ -68,7 +68,8 @@ def optimizer_factory(optimizer: torch.optim.Optimizer) -> Callable[[list[dict]]
     state = optimizer.state_dict() if optimizer.state else None
 
     def factory(param_groups: list[dict]) -> torch.optim.Optimizer:
-        groups = [dict(hp, params=list(group["params"])) for hp, group in zip(hyperparameters, param_groups)]
+        pairs = zip(hyperparameters, param_groups, strict=True)
+        groups = [dict(hp, params=list(group["params"])) for hp, group in pairs]
         new_optimizer = cls(groups, **ctor_kwargs)
         if state is not None:
             new_optimizer.load_state_dict(copy.deepcopy(state))
@@ -143,7 +144,7 @@ class EpochSchedule:
 
     def _reset_to_base(self) -> None:
         self.scheduler.load_state_dict(copy.deepcopy(self._base_state))
-        for group, hyperparameters in zip(self.scheduler.optimizer.param_groups, self._base_groups):
+        for group, hyperparameters in zip(self.scheduler.optimizer.param_groups, self._base_groups, strict=True):
             group.update(copy.deepcopy(hyperparameters))
 
     def advance_to(self, epoch: int) -> None:

@@ -151,7 +151,7 @@ def start_dht(options: SwarmOptions):
     try:
         return hivemind.DHT(start=True, **kwargs)
     except Exception as e:
-        if "bootstrap failed" in str(e) or "initial_peers" in str(e):
+        if options.initial_peers and ("bootstrap" in str(e) or "initial_peers" in str(e)):
             raise SwarmConnectionError(
                 f"none of the initial peers answered: {options.initial_peers}. Check that the first peer is "
                 "still running, that the address (IP, port, peer id) is the one it printed, and that its port is "

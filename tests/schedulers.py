@@ -12,7 +12,8 @@ def make_scheduler(spec: str, optimizer: torch.optim.Optimizer):
     if spec == "warmup_lambda":  # HF-style linear warmup then linear decay, a closure (not picklable)
         warmup, total = 3, 20
         return lr_scheduler.LambdaLR(
-            optimizer, lambda step: (step + 1) / warmup if step < warmup else max(0.0, (total - step) / (total - warmup))
+            optimizer,
+            lambda step: (step + 1) / warmup if step < warmup else max(0.0, (total - step) / (total - warmup)),
         )
     if spec == "sequential":
         return lr_scheduler.SequentialLR(

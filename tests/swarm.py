@@ -6,6 +6,7 @@ so a test can kill a peer with all its children (DHT, p2pd, averagers) and nothi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -43,7 +44,7 @@ class Process:
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.log_path = log_path
-        self._log = open(log_path, "w")
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in kill_tree()
         self.popen = subprocess.Popen(
             args, stdout=self._log, stderr=subprocess.STDOUT, env=env or child_env(), cwd=ROOT,
             start_new_session=True,
@@ -52,10 +53,8 @@ class Process:
         self._descendants: set[int] = set()
 
     def remember_descendants(self) -> None:
-        try:
+        with contextlib.suppress(psutil.Error):
             self._descendants |= {c.pid for c in psutil.Process(self.pid).children(recursive=True)}
-        except psutil.Error:
-            pass
 
     def descendants_alive(self) -> list[int]:
         alive = []
@@ -80,15 +79,11 @@ class Process:
 
     def kill_tree(self) -> None:
         self.remember_descendants()
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         for pid in self._descendants:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         self.wait(10)
         self._log.close()
 

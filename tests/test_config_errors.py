@@ -1,0 +1,154 @@
+"""Bad input is refused with a clear error naming the parameter and the fix, before any network starts."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from collabopt.integrations.pytorch import collaborate
+
+import collabopt.optimizer as optimizer_module
+from collabopt import CollaborativeOptimizer, ConfigurationError, SwarmConnectionError
+
+PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWJ7CitovXMdKJp8FY7EcxfuMcxBHcQotgYjYMNxQAiAkX"
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to start a DHT fails the test: errors must come first."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a DHT was started although the configuration is invalid")
+
+    monkeypatch.setattr(optimizer_module, "start_dht", forbidden)
+    monkeypatch.delenv("INITIAL_PEERS", raising=False)
+
+
+def model_and_opt():
+    model = torch.nn.Linear(3, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def other_scheduler(_opt):
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    return torch.optim.lr_scheduler.StepLR(other, step_size=1)
+
+
+def foreign_plateau(_opt):
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(other)
+
+
+def frozen_optimizer(_opt):
+    p = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    return torch.optim.SGD([p], lr=0.1)
+
+
+# (case id, keyword overrides or a callable(opt) -> overrides, parameter named in the message, text in the message)
+CASES = [
+    ("bad multiaddr", dict(initial_peers=["/ip4/1.2.3/tcp/5/p2p/Qm"]), "initial_peers", "not a valid multiaddr"),
+    ("not a multiaddr", dict(initial_peers="localhost:31337"), "initial_peers", "not a valid multiaddr"),
+    ("missing peer id", dict(initial_peers=["/ip4/127.0.0.1/tcp/31337"]), "initial_peers", "/p2p/"),
+    ("peers not strings", dict(initial_peers=[31337]), "initial_peers", "expected multiaddr strings"),
+    ("peers wrong type", dict(initial_peers=31337), "initial_peers", "comma-separated string"),
+    ("bad host_maddrs", dict(host_maddrs=["0.0.0.0:31337"]), "host_maddrs", "not a valid multiaddr"),
+    ("target_batch_size zero", dict(target_batch_size=0), "target_batch_size", "positive integer"),
+    ("target_batch_size negative", dict(target_batch_size=-5), "target_batch_size", "positive integer"),
+    ("target_batch_size float", dict(target_batch_size=10.5), "target_batch_size", "positive integer"),
+    ("batch_size zero", dict(batch_size=0), "batch_size", "positive integer"),
+    ("empty run_id", dict(run_id=""), "run_id", "letters, digits"),
+    ("run_id with spaces", dict(run_id="my run"), "run_id", "letters, digits"),
+    ("scheduler of another optimizer", lambda opt: dict(scheduler=other_scheduler(opt)), "scheduler",
+     "different optimizer"),
+    ("plateau of another optimizer", lambda opt: dict(scheduler=foreign_plateau(opt)), "scheduler",
+     "different optimizer"),
+    ("scheduler_fn not callable", dict(scheduler_fn=5), "scheduler_fn", "callable"),
+    ("scheduler not a scheduler", dict(scheduler="cosine"), "scheduler", "expected a torch LR scheduler"),
+    ("scheduler and scheduler_fn", lambda opt: dict(
+        scheduler=torch.optim.lr_scheduler.StepLR(opt, 1),
+        scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1)), "scheduler", "only one"),
+    ("scheduler_fn is an instance", lambda opt: dict(scheduler_fn=torch.optim.lr_scheduler.StepLR(opt, 1)),
+     "scheduler_fn", "callable"),
+    ("delay_grad_averaging alone", dict(delay_grad_averaging=True, offload_optimizer=True), "delay_grad_averaging",
+     "delay_optimizer_step=True"),
+    ("delay_optimizer_step without offload", dict(delay_optimizer_step=True), "delay_optimizer_step",
+     "offload_optimizer=True"),
+    ("reuse with local updates", dict(reuse_grad_buffers=True, use_local_updates=True), "reuse_grad_buffers",
+     "use_local_updates"),
+    ("client auxiliary", dict(client_mode=True, auxiliary=True), "auxiliary", "client-mode"),
+    ("matchmaking_time zero", dict(matchmaking_time=0), "matchmaking_time", "positive number"),
+    ("averaging_timeout negative", dict(averaging_timeout=-1.0), "averaging_timeout", "positive number"),
+    ("average_state_every zero", dict(average_state_every=0), "average_state_every", "positive integer"),
+    ("unknown option", dict(matchmaking_tmie=5.0), "matchmaking_tmie", "not an argument"),
+    ("managed option", dict(batch_size_per_step=32), "batch_size_per_step", "not an argument"),
+    ("bad compression", dict(grad_compression="fp16"), "grad_compression", "hivemind compression"),
+    ("dht of wrong type", dict(dht="127.0.0.1"), "dht", "hivemind.DHT"),
+    ("model not a module", dict(model=lambda x: x), "model", "torch.nn.Module"),
+    ("wait_timeout zero", dict(wait_timeout=0), "wait_timeout", "positive number"),
+    ("optimizer without trainable params", lambda opt: dict(optimizer=frozen_optimizer(opt)), "optimizer",
+     "requires grad"),
+    ("optimizer is not an optimizer", dict(optimizer="adam"), "optimizer", "torch.optim.Optimizer"),
+    ("LBFGS offloaded", lambda opt: dict(
+        optimizer=torch.optim.LBFGS(torch.nn.Linear(2, 2).parameters()), offload_optimizer=True), "optimizer",
+     "LBFGS"),
+]
+
+
+@pytest.mark.parametrize("case, overrides, parameter, text", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_before_any_network(no_network, case, overrides, parameter, text):
+    model, opt = model_and_opt()
+    if callable(overrides):
+        overrides = overrides(opt)
+    kwargs = dict(run_id="errors", target_batch_size=64, model=model)
+    kwargs.update(overrides)
+    optimizer = kwargs.pop("optimizer", opt)
+    with pytest.raises(ConfigurationError) as info:
+        CollaborativeOptimizer(optimizer, **kwargs)
+    message = str(info.value)
+    assert info.value.parameter.startswith(parameter), message
+    assert text in message, message
+    assert "Fix:" in message
+
+
+def test_bad_initial_peers_env_names_the_variable(no_network, monkeypatch):
+    monkeypatch.setenv("INITIAL_PEERS", "/ip4/127.0.0.1/tcp/31337")
+    model, opt = model_and_opt()
+    with pytest.raises(ConfigurationError, match="INITIAL_PEERS environment variable"):
+        CollaborativeOptimizer(opt, run_id="errors", target_batch_size=64)
+
+
+def test_dht_with_swarm_options_conflict(no_network):
+    import hivemind
+
+    model, opt = model_and_opt()
+    fake_dht = hivemind.DHT.__new__(hivemind.DHT)  # never started: only its type matters here
+    fake_dht._parent_pid = -1  # so that its __del__ does not try to shut it down
+    with pytest.raises(ConfigurationError, match="together with a dht you own"):
+        CollaborativeOptimizer(opt, run_id="errors", target_batch_size=64, dht=fake_dht, initial_peers=[PEER])
+
+
+def test_plain_adapter_refuses_foreign_optimizer_and_bad_scaler(no_network):
+    model, _ = model_and_opt()
+    foreign = torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1)
+    with pytest.raises(ConfigurationError, match="none of the model's parameters"):
+        collaborate(model, foreign, run_id="errors", target_batch_size=64)
+    _, opt = model_and_opt()
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    with pytest.raises(ConfigurationError, match="GradScaler"):
+        collaborate(model2, opt2, run_id="errors", target_batch_size=64, scaler=object())
+
+
+def test_at_least_fifteen_cases():
+    assert len(CASES) >= 15
+
+
+@pytest.mark.swarm
+def test_unreachable_initial_peer_fails_clearly(monkeypatch):
+    """A well-formed address nobody answers at: a SwarmConnectionError with advice, not a hang."""
+    monkeypatch.delenv("INITIAL_PEERS", raising=False)
+    model, opt = model_and_opt()
+    with pytest.raises(SwarmConnectionError, match="none of the initial peers answered"):
+        CollaborativeOptimizer(opt, run_id="errors", target_batch_size=64, initial_peers=[PEER],
+                               host_maddrs=["/ip4/127.0.0.1/tcp/0"], bootstrap_timeout=3)
