@@ -618,8 +618,13 @@ class CollaborativeOptimizer:
 
     @property
     def samples_per_second(self) -> float:
-        """Throughput of the whole swarm, as its peers report it."""
-        return float(self._opt.tracker.global_progress.samples_per_second)
+        """Throughput of the whole swarm (estimated as this peer's measured rate times the number of peers)."""
+        tracker = self._opt.tracker
+        # hivemind 1.1.12's GlobalTrainingProgress has no samples_per_second field
+        value = getattr(tracker.global_progress, "samples_per_second", None)
+        if value is None:
+            value = tracker.performance_ema.samples_per_second * max(1, tracker.global_progress.num_peers)
+        return float(value)
 
     @property
     def eta_next_epoch(self) -> float:
