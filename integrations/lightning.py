@@ -1,0 +1,490 @@
+"""Lightning: ``CollaborativeStrategy`` (also importable as ``HivemindStrategy``) trains a ``Trainer`` as a swarm peer.
+
+A drop-in replacement for lightning-hivemind's ``HivemindStrategy``: it accepts the same arguments, so users only
+change the import. It is a thin adapter over :class:`collabopt.CollaborativeOptimizer`:
+
+* the optimizer (and scheduler) returned by ``configure_optimizers`` are wrapped when ``Trainer.fit`` sets up;
+  the scheduler advances once per global epoch, also with ``offload_optimizer`` / ``delay_*`` (no ``scheduler_fn``
+  needed, one is still accepted), and ``ReduceLROnPlateau`` receives the monitored metric;
+* the samples of every batch that ``training_step`` trained on are counted, so ``accumulate_grad_batches`` and a
+  short last batch are counted exactly;
+* ``precision="16-mixed"`` (Lightning's ``torch.amp.GradScaler``) and ``"bf16-mixed"`` work;
+* ``devices>1`` on one machine is ONE peer: local DDP all-reduce, only global rank 0 joins the swarm
+  (see :mod:`collabopt.node`);
+* checkpoints hold the collaborative optimizer state (optimizer statistics, scheduler, local epoch), restored by
+  ``Trainer.fit(ckpt_path=...)``;
+* swarm metrics (``swarm/peers``, ``swarm/epoch``, ``swarm/samples_per_s``) go to the progress bar and loggers.
+
+Example::
+
+    from collabopt.integrations.lightning import CollaborativeStrategy   # or: import HivemindStrategy
+
+    trainer = Trainer(strategy=CollaborativeStrategy(target_batch_size=8192), accelerator="gpu", devices=1)
+    trainer.fit(model)      # other machines: INITIAL_PEERS=<printed address> python train.py
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from collabopt.batch_size import infer_batch_size
+from collabopt.errors import ConfigurationError
+from collabopt.optimizer import CollaborativeOptimizer
+from collabopt.scheduling import is_scheduler
+from collabopt.swarm import join_message, parse_initial_peers
+
+try:  # the unified ``lightning`` package first, then the standalone ``pytorch_lightning``
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.strategies import DDPStrategy, Strategy
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+except ImportError:  # pragma: no cover - exercised only where only pytorch_lightning is installed
+    try:
+        from pytorch_lightning import LightningModule, Trainer  # type: ignore[no-redef]
+        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+        from pytorch_lightning.core.optimizer import LightningOptimizer  # type: ignore[no-redef]
+        from pytorch_lightning.strategies import DDPStrategy, Strategy  # type: ignore[no-redef]
+        from pytorch_lightning.trainer.states import TrainerFn  # type: ignore[no-redef]
+        from pytorch_lightning.utilities.model_helpers import is_overridden  # type: ignore[no-redef]
+        from pytorch_lightning.utilities.rank_zero import rank_zero_warn  # type: ignore[no-redef]
+    except ImportError as error:
+        raise ImportError(
+            "collabopt.integrations.lightning needs Lightning: pip install 'collabopt[lightning]' "
+            "(or pip install lightning)"
+        ) from error
+
+logger = logging.getLogger(__name__)
+
+INITIAL_PEERS_ENV = ("INITIAL_PEERS", "PL_INITIAL_PEERS")
+# strategy arguments that are not CollaborativeOptimizer / hivemind.Optimizer arguments
+_MANAGED_HERE = {"optimizer", "scheduler", "model", "batch_size", "grad_scaler", "initial_peers_env", "dht"}
+
+
+def _accepted_option_names() -> set[str]:
+    import hivemind
+
+    names = set(inspect.signature(CollaborativeOptimizer.__init__).parameters)
+    names |= set(inspect.signature(hivemind.Optimizer.__init__).parameters)
+    names -= {"self", "params", "batch_size_per_step", "hivemind_kwargs", "target_batch_size", "run_id"}
+    return names - _MANAGED_HERE
+
+
+def _no_zero_grad(*args: Any, **kwargs: Any) -> None:
+    """Stands in for ``LightningModule.optimizer_zero_grad`` with ``reuse_grad_buffers=True``."""
+
+
+class _SchedulerProxy:
+    """What Lightning sees as the scheduler: its ``step()`` only reports metrics, collabopt steps the real one.
+
+    The real scheduler advances once per global epoch (inside :class:`CollaborativeOptimizer`); Lightning's per-step
+    or per-epoch calls must not move it. ``ReduceLROnPlateau.step(metric)`` reports ``metric`` for the epoch's mean.
+    State (checkpoints) and every other attribute are the real scheduler's.
+    """
+
+    def __init__(self, scheduler: Any, report_metric: Callable[[float], None]):
+        self.__dict__["_scheduler"] = scheduler
+        self.__dict__["_report_metric"] = report_metric
+
+    def step(self, metrics: Any = None, *args: Any, **kwargs: Any) -> None:
+        metric = kwargs.get("metrics", metrics)
+        if metric is not None and isinstance(self._scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            self._report_metric(metric)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scheduler, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._scheduler, name, value)
+
+
+class _SwarmMetricsCallback(Callback):
+    """Logs the swarm's state after every training batch (progress bar and loggers)."""
+
+    def __init__(self, strategy: CollaborativeStrategy):
+        self.strategy = strategy
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
+        if not trainer.is_global_zero:
+            return
+        metrics = self.strategy.swarm_metrics()
+        if metrics:
+            pl_module.log_dict(metrics, prog_bar=True, logger=True, on_step=True, on_epoch=False, batch_size=1,
+                               rank_zero_only=True)
+
+
+class CollaborativeStrategy(DDPStrategy):
+    """Train with a Lightning ``Trainer`` as one peer of a hivemind swarm, across unreliable machines.
+
+    Accepts every argument of lightning-hivemind's ``HivemindStrategy``. The first peer prints how other machines
+    join; they run the same script with ``INITIAL_PEERS=...`` (or ``PL_INITIAL_PEERS``, or ``initial_peers=``).
+
+    Args:
+        target_batch_size: samples the whole swarm accumulates per global optimizer step (a global epoch).
+        run_id: name of the training run, common to all its peers.
+        batch_size: fixed samples per batch; by default every batch is measured (first dimension of its tensors).
+        delay_state_averaging, delay_optimizer_step, delay_grad_averaging, offload_optimizer: overlap
+            communication with computation / keep the optimizer in host memory (``None`` means hivemind's default:
+            ``offload_optimizer=False``, ``delay_optimizer_step=delay_grad_averaging``).
+        reuse_grad_buffers: accumulate in ``param.grad``; ``optimizer_zero_grad`` of the module is disabled.
+        scheduler_fn: ``callable(optimizer) -> scheduler``; not needed: the scheduler from ``configure_optimizers``
+            keeps working in every mode.
+        matchmaking_time, averaging_timeout, verbose, averager_opts: hivemind options.
+        host_maddrs, initial_peers, use_ipfs, wait_timeout, bootstrap_timeout, use_relay, use_auto_relay,
+            identity_path: DHT options (``initial_peers`` defaults to ``$INITIAL_PEERS``, then ``$PL_INITIAL_PEERS``).
+        log_swarm_metrics: log ``swarm/peers``, ``swarm/epoch``, ``swarm/samples_per_s`` on every batch.
+        **optimizer_kwargs: any other argument of :class:`~collabopt.CollaborativeOptimizer` or
+            ``hivemind.Optimizer`` (``grad_compression``, ``state_averaging_compression``,
+            ``grad_averager_factory``, ``client_mode``, ``load_state_timeout``, ...).
+    """
+
+    strategy_name = "collaborative"
+
+    def __init__(
+        self,
+        target_batch_size: int,
+        run_id: str = "lightning_run",
+        batch_size: int | None = None,
+        delay_state_averaging: bool = False,
+        delay_optimizer_step: bool | None = None,
+        delay_grad_averaging: bool = False,
+        offload_optimizer: bool | None = None,
+        reuse_grad_buffers: bool = False,
+        scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None,
+        matchmaking_time: float = 5.0,
+        averaging_timeout: float = 30.0,
+        verbose: bool = False,
+        averager_opts: dict | None = None,
+        host_maddrs: list[str] | None = None,
+        initial_peers: str | list[str] | None = None,
+        use_ipfs: bool = False,
+        wait_timeout: float = 3,
+        bootstrap_timeout: float | None = None,
+        use_relay: bool = True,
+        use_auto_relay: bool = False,
+        identity_path: str | None = None,
+        log_swarm_metrics: bool = True,
+        **optimizer_kwargs: Any,
+    ):
+        super().__init__(start_method="popen")
+        if not isinstance(target_batch_size, int) or isinstance(target_batch_size, bool) or target_batch_size <= 0:
+            raise ConfigurationError("target_batch_size", f"must be a positive integer, got {target_batch_size!r}",
+                                     "pass e.g. target_batch_size=4096")
+        if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
+                                       or batch_size <= 0):
+            raise ConfigurationError("batch_size", f"must be a positive integer, got {batch_size!r}",
+                                     "pass e.g. batch_size=32, or leave it out to measure every batch")
+        accepted = _accepted_option_names()
+        for name in optimizer_kwargs:
+            if name not in accepted:
+                raise ConfigurationError(
+                    name, "is not an argument of CollaborativeStrategy, CollaborativeOptimizer or hivemind.Optimizer",
+                    f"check the spelling; accepted extra options: {', '.join(sorted(accepted))}",
+                )
+        if scheduler_fn is not None and not callable(scheduler_fn) and not is_scheduler(scheduler_fn):
+            raise ConfigurationError("scheduler_fn", f"expected a callable(optimizer) -> scheduler, got "
+                                     f"{type(scheduler_fn).__name__}", "return the scheduler from configure_optimizers")
+        # fail now (not when fit starts) on malformed addresses
+        parse_initial_peers(initial_peers, env_vars=INITIAL_PEERS_ENV)
+
+        self.target_batch_size = target_batch_size
+        self.run_id = run_id
+        self.batch_size = batch_size
+        self.reuse_grad_buffers = reuse_grad_buffers
+        self.log_swarm_metrics = log_swarm_metrics
+        self._scheduler_fn = scheduler_fn
+        options: dict[str, Any] = dict(
+            delay_state_averaging=delay_state_averaging,
+            delay_optimizer_step=delay_grad_averaging if delay_optimizer_step is None else delay_optimizer_step,
+            delay_grad_averaging=delay_grad_averaging,
+            offload_optimizer=bool(offload_optimizer),
+            reuse_grad_buffers=reuse_grad_buffers,
+            matchmaking_time=matchmaking_time,
+            averaging_timeout=averaging_timeout,
+            verbose=verbose,
+            host_maddrs=host_maddrs,
+            initial_peers=initial_peers,
+            use_ipfs=use_ipfs,
+            wait_timeout=wait_timeout,
+            bootstrap_timeout=bootstrap_timeout,
+            use_relay=use_relay,
+            use_auto_relay=use_auto_relay,
+            identity_path=identity_path,
+            initial_peers_env=INITIAL_PEERS_ENV,
+        )
+        if averager_opts is not None:
+            options["averager_opts"] = averager_opts
+        options.update(optimizer_kwargs)
+        self._options = options
+        self._copt: Any = None  # the CollaborativeOptimizer (or node wrapper) of the last fit
+        self._fit_plan: dict[str, Any] | None = None  # set between setup() and on_train_start()
+        self._pending_samples = 0  # samples trained on since the last optimizer step
+        self._saved_zero_grad: Any = None
+        self._metrics_callback: _SwarmMetricsCallback | None = None
+        self._original_scheduler_config: tuple[Any, Any] | None = None
+
+    # ------------------------------------------------------------------ one process = plain, several = one node
+
+    @property
+    def _several_processes(self) -> bool:
+        return self.num_processes * self.num_nodes > 1
+
+    def _configure_launcher(self) -> None:
+        if self.num_nodes > 1:
+            raise ConfigurationError(
+                "num_nodes", f"is {self.num_nodes}; each machine is its own peer of the swarm",
+                "start one Trainer(num_nodes=1) per machine with the same run_id (INITIAL_PEERS=... on the others)",
+            )
+        if self._several_processes:
+            super()._configure_launcher()
+        else:
+            self._launcher = None
+
+    def setup_environment(self) -> None:
+        if self._several_processes:
+            super().setup_environment()
+        else:  # one process: no process group, no DDP wrapper
+            assert self.accelerator is not None
+            self.accelerator.setup_device(self.root_device)
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return super()._setup_model(model) if self._several_processes else model
+
+    # ------------------------------------------------------------------ setup / teardown
+
+    def setup(self, trainer: Trainer) -> None:
+        if self._several_processes:
+            super().setup(trainer)
+        else:  # one process: no DDP wrapper, no process group
+            Strategy.setup(self, trainer)
+        self._fit_plan = self._plan_collaboration() if trainer.state.fn == TrainerFn.FITTING else None
+
+    def _plan_collaboration(self) -> dict[str, Any]:
+        """Check what ``configure_optimizers`` returned; nothing touches the network yet."""
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            raise ConfigurationError(
+                "automatic_optimization", "manual optimization is not supported by CollaborativeStrategy",
+                "use automatic optimization (return the loss from training_step, one optimizer)",
+            )
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        if len(optimizers) != 1:
+            raise ConfigurationError(
+                "configure_optimizers", f"returned {len(optimizers)} optimizers; a swarm peer trains with one",
+                "return a single optimizer (and at most one LR scheduler)",
+            )
+        configs = self.lr_scheduler_configs
+        if len(configs) > 1:
+            raise ConfigurationError(
+                "configure_optimizers", f"returned {len(configs)} LR schedulers",
+                "return one scheduler (combine several with torch.optim.lr_scheduler.SequentialLR / ChainedScheduler)",
+            )
+        scheduler_fn = self._scheduler_fn
+        if scheduler_fn is not None and configs:
+            raise ConfigurationError(
+                "scheduler_fn", "was given while configure_optimizers also returns a scheduler",
+                "drop scheduler_fn: the scheduler from configure_optimizers keeps working in every mode",
+            )
+        return {"optimizer": optimizers[0], "saved_state": None}
+
+    def on_train_start(self) -> None:
+        """Join the swarm: after Lightning restored a checkpoint, before the first batch."""
+        super().on_train_start()
+        plan = self._fit_plan
+        if plan is None:
+            return
+        self._fit_plan = None
+        configs = self.lr_scheduler_configs
+        scheduler = configs[0].scheduler if configs else None
+        scheduler_fn = self._scheduler_fn
+        if is_scheduler(scheduler_fn):  # lightning-hivemind also took a scheduler instance here
+            scheduler, scheduler_fn = scheduler_fn, None
+        copt = self._make_optimizer(plan["optimizer"], scheduler=scheduler, scheduler_fn=scheduler_fn)
+        self._copt = copt
+        self._pending_samples = 0
+        if plan["saved_state"] is not None:
+            copt.load_state_dict(plan["saved_state"])
+        catch_up = self._options.get("load_state_on_start", True) and not self._several_processes
+        if catch_up and copt.num_peers > 0 and copt.global_epoch > copt.local_epoch:
+            copt.load_state_from_peers()  # the swarm is ahead of this peer (or of its checkpoint)
+        if configs:
+            self._original_scheduler_config = (configs[0], configs[0].scheduler)
+            configs[0].scheduler = _SchedulerProxy(configs[0].scheduler, copt.report_metric)
+        module = self.lightning_module
+        assert module is not None and module.trainer is not None
+        if self.reuse_grad_buffers:
+            self._disable_zero_grad(module)
+        if self.log_swarm_metrics and self._metrics_callback is None:
+            self._metrics_callback = _SwarmMetricsCallback(self)
+            module.trainer.callbacks.append(self._metrics_callback)
+
+    def _make_optimizer(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        """A CollaborativeOptimizer, or with several processes a node (only global rank 0 joins the swarm)."""
+        from collabopt.node import collaborative_optimizer
+
+        options = dict(self._options, run_id=self.run_id, target_batch_size=self.target_batch_size, **kwargs)
+        options.setdefault("handle_signals", False)  # Lightning handles SIGTERM: it stops the loop, then teardown
+        print_join = options.pop("print_join_message", True)
+        options["print_join_message"] = False  # printed below, in Lightning's words
+        if not self._several_processes:
+            options["load_state_on_start"] = False  # done after the checkpoint is restored, see on_train_start
+        # hivemind forks its DHT and averager processes now: they must not inherit Lightning's SIGTERM handler
+        # (which only sets a flag), or they ignore the termination hivemind sends them at shutdown
+        previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            copt = collaborative_optimizer(optimizer, **options)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        swarm_copt = getattr(copt, "collaborative_optimizer", copt)  # a node's rank 0 holds the swarm optimizer
+        if print_join and swarm_copt is not None and swarm_copt.dht is not None:
+            script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
+            message = join_message(swarm_copt.dht.get_visible_maddrs(), self.run_id, swarm_copt.dht.client_mode)
+            message = message.replace("CollaborativeOptimizer(", "CollaborativeStrategy(")
+            print(message.replace("your_script.py", script), file=sys.stderr, flush=True)
+        return copt
+
+    def _disable_zero_grad(self, module: LightningModule) -> None:
+        if is_overridden("optimizer_zero_grad", module):
+            rank_zero_warn(
+                "CollaborativeStrategy(reuse_grad_buffers=True) disables your optimizer_zero_grad override: "
+                "gradients accumulate in param.grad until the swarm averages them, and collabopt clears them after."
+            )
+        self._saved_zero_grad = module.__dict__.get("optimizer_zero_grad", _no_zero_grad)
+        module.optimizer_zero_grad = _no_zero_grad  # type: ignore[method-assign]
+
+    def on_train_end(self) -> None:
+        if self._copt is not None and not self._copt.closed:
+            self._copt.flush()  # apply results of background steps before the final weights are read
+        super().on_train_end()
+
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if self._saved_zero_grad is not None and module is not None:
+            if self._saved_zero_grad is _no_zero_grad:
+                module.__dict__.pop("optimizer_zero_grad", None)
+            else:
+                module.optimizer_zero_grad = self._saved_zero_grad  # type: ignore[method-assign]
+            self._saved_zero_grad = None
+        if self._original_scheduler_config is not None:
+            config, scheduler = self._original_scheduler_config
+            config.scheduler = scheduler
+            self._original_scheduler_config = None
+        if self._metrics_callback is not None and self._lightning_module is not None:
+            trainer = self._lightning_module._trainer
+            if trainer is not None and self._metrics_callback in trainer.callbacks:
+                trainer.callbacks.remove(self._metrics_callback)
+            self._metrics_callback = None
+        if self._copt is not None:
+            self._copt.close()
+        super().teardown()
+
+    # ------------------------------------------------------------------ training
+
+    def _samples_in(self, batch: Any) -> int:
+        if self.batch_size is not None:
+            return self.batch_size
+        try:
+            return infer_batch_size(batch)
+        except ConfigurationError as error:
+            raise ConfigurationError(
+                "batch_size", f"cannot tell how many samples a batch holds ({error})",
+                "pass CollaborativeStrategy(batch_size=<samples per batch>)",
+            ) from None
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self._copt is not None and output is not None:  # None: the user skipped this batch
+            batch = args[0] if args else kwargs.get("batch")
+            self._pending_samples += self._samples_in(batch)
+        return output
+
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run ``training_step`` and backward (the closure), then report the samples to the swarm."""
+        if self._copt is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        model = self.lightning_module if model is None else model
+        closure_result = closure()  # run it first: the samples of this step are counted in training_step
+        samples, self._pending_samples = self._pending_samples, 0
+        if samples == 0:  # every batch since the last step was skipped: nothing to contribute
+            return closure_result
+        return self.precision_plugin.optimizer_step(
+            self._copt, model=model, closure=lambda: closure_result, batch_size=samples, **kwargs
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self._copt is not None and not self._copt.closed:
+            return self._copt.state_dict()
+        return super().optimizer_state(optimizer)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        states = checkpoint["optimizer_states"]
+        if self._fit_plan is None or not states:
+            return super().load_optimizer_state_dict(checkpoint)
+        state = states[0]
+        if not (isinstance(state, dict) and str(state.get("format", "")).startswith("collabopt/")):
+            raise ConfigurationError(
+                "ckpt_path", "this checkpoint was not written by CollaborativeStrategy (no collaborative state)",
+                "resume from a checkpoint saved while training with CollaborativeStrategy, or load only the weights",
+            )
+        self._fit_plan["saved_state"] = state  # applied once the swarm is joined (on_train_start)
+
+    # ------------------------------------------------------------------ visibility
+
+    @property
+    def collaborative_optimizer(self) -> Any:
+        """The :class:`~collabopt.CollaborativeOptimizer` while fitting (``None`` before and after)."""
+        return self._copt
+
+    @property
+    def num_peers(self) -> int:
+        """Peers training in this run, this one included (1 before training starts)."""
+        if self._copt is not None and not self._copt.closed:
+            return self._copt.num_peers
+        return 1
+
+    @property
+    def local_epoch(self) -> int:
+        """Global epochs (swarm-wide optimizer steps) this peer has taken part in."""
+        return self._copt.local_epoch if self._copt is not None else 0
+
+    def swarm_metrics(self) -> dict[str, float]:
+        """``swarm/peers``, ``swarm/epoch``, ``swarm/samples_per_s`` while fitting (empty otherwise)."""
+        copt = self._copt
+        if copt is None or copt.closed:
+            return {}
+        return {
+            "swarm/peers": float(copt.num_peers),
+            "swarm/epoch": float(copt.local_epoch),
+            "swarm/samples_per_s": float(copt.samples_per_second),
+        }
+
+
+HivemindStrategy = CollaborativeStrategy
+
+__all__ = ["CollaborativeStrategy", "HivemindStrategy", "INITIAL_PEERS_ENV"]

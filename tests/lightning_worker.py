@@ -1,0 +1,174 @@
+"""One Lightning peer, run as its own OS process by the Lightning swarm tests.
+
+Usage: ``python tests/lightning_worker.py config.json``. Trains a tiny classifier with ``Trainer(strategy=
+CollaborativeStrategy(...))`` until the peer reaches ``global_epochs``; writes ``<out>.rank<r>.json`` (metrics),
+``<out>.rank<r>.pt`` (final parameters) and ``<out>.progress`` (its epoch, as it trains). With ``save_ckpt`` it saves
+a checkpoint when it reaches its last epoch (and the collaborative state at that moment); with ``resume_ckpt`` it
+resumes from one and records the state it resumed with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from collabopt.integrations.lightning import CollaborativeStrategy
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def write_json(path: str, value) -> None:
+    Path(path + ".tmp").write_text(json.dumps(value))
+    os.replace(path + ".tmp", path)
+
+
+def make_data(n: int, seed: int = 0, dim: int = 16, classes: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    w = torch.randn(dim, classes, generator=g)
+    return x, (x @ w).argmax(dim=1)
+
+
+def make_scheduler(name: str, optimizer: torch.optim.Optimizer):
+    if name == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    if name == "lambda":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0 / (1 + epoch))
+    raise ValueError(name)
+
+
+class Net(pl.LightningModule):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.cfg = cfg
+        torch.manual_seed(cfg.get("model_seed", 0))
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        self.samples_fed = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.samples_fed += len(x)
+        time.sleep(self.cfg.get("step_sleep", 0.03))
+        return loss
+
+    def configure_optimizers(self):
+        lr = self.cfg.get("lr", 0.1)
+        if self.cfg.get("optimizer", "SGD") == "SGD":
+            opt = torch.optim.SGD(self.parameters(), lr=lr, momentum=0.9)
+        else:
+            opt = getattr(torch.optim, self.cfg["optimizer"])(self.parameters(), lr=lr)
+        if self.cfg.get("scheduler"):
+            scheduler = make_scheduler(self.cfg["scheduler"], opt)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return opt
+
+    def train_dataloader(self):
+        x, y = make_data(self.cfg.get("n_samples", 2048), self.cfg.get("data_seed", 0))
+        sizes = self.cfg.get("batch_size", 16)
+        return DataLoader(TensorDataset(x, y), batch_size=sizes, shuffle=True,
+                          generator=torch.Generator().manual_seed(self.cfg.get("seed", 0)))
+
+
+def copy_state(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: copy_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(copy_state(v) for v in obj)
+    return obj
+
+
+class Recorder(pl.Callback):
+    """Stops at ``global_epochs``, records LRs per epoch, swarm metrics, and the state a resumed run starts with."""
+
+    def __init__(self, cfg: dict, strategy: CollaborativeStrategy, out: str):
+        self.cfg, self.strategy, self.out = cfg, strategy, out
+        self.result: dict = {"lrs": {}, "max_peers_logged": 0, "progress_bar_keys": [], "logged_keys": []}
+        self.deadline = time.monotonic() + cfg.get("max_seconds", 90)
+        self.last_epoch = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        copt = self.strategy.collaborative_optimizer
+        if "start_epoch" not in self.result:
+            self.result["start_epoch"] = copt.local_epoch
+            self.result["start_lightning_epoch"] = trainer.current_epoch
+            self.result["start_lr"] = copt.get_lr()[0]
+            self.last_epoch = copt.local_epoch
+            if trainer.is_global_zero:
+                torch.save(copy_state(copt.state_dict()), self.out + ".start_state.pt")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        copt = self.strategy.collaborative_optimizer
+        epoch = copt.local_epoch
+        peers = trainer.progress_bar_metrics.get("swarm/peers")
+        if peers is not None:
+            self.result["max_peers_logged"] = max(self.result["max_peers_logged"], int(peers))
+            self.result["progress_bar_keys"] = sorted(trainer.progress_bar_metrics)
+            self.result["logged_keys"] = sorted(trainer.logged_metrics)
+        if epoch != self.last_epoch:
+            self.last_epoch = epoch
+            self.result["lrs"][str(epoch)] = copt.get_lr()[0]
+            if trainer.is_global_zero:
+                write_json(self.out + ".progress", {"epoch": epoch})
+        done = epoch >= self.cfg["global_epochs"]
+        if done and self.cfg.get("save_ckpt") and "saved_epoch" not in self.result:
+            trainer.save_checkpoint(self.cfg["save_ckpt"])
+            self.result["saved_epoch"] = epoch
+            self.result["saved_lightning_epoch"] = trainer.current_epoch
+            if trainer.is_global_zero:
+                torch.save(copy_state(copt.state_dict()), self.out + ".saved_state.pt")
+        if done or time.monotonic() > self.deadline:
+            trainer.should_stop = True
+
+
+def main(config_path: str) -> None:
+    cfg = json.loads(Path(config_path).read_text())
+    out = cfg["out"]
+    pl.seed_everything(cfg.get("seed", 0), workers=False, verbose=False)
+    options = dict(cfg.get("options", {}))
+    options.setdefault("host_maddrs", ["/ip4/127.0.0.1/tcp/0"])
+    options.setdefault("matchmaking_time", 2.0)
+    options.setdefault("averaging_timeout", 15.0)
+    strategy = CollaborativeStrategy(target_batch_size=cfg["target_batch_size"], run_id=cfg["run_id"], **options)
+    model = Net(cfg)
+    recorder = Recorder(cfg, strategy, out)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=cfg.get("devices", 1),
+        precision=cfg.get("precision", "32-true"),
+        accumulate_grad_batches=cfg.get("accumulate", 1),
+        max_epochs=1000,
+        callbacks=[recorder],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=pl.loggers.CSVLogger(str(Path(out).parent / "logs"), name=Path(out).name),
+    )
+    trainer.fit(model, ckpt_path=cfg.get("resume_ckpt"))
+    copt = strategy.collaborative_optimizer
+    rank = trainer.global_rank
+    result = dict(
+        recorder.result,
+        final_epoch=copt.local_epoch,
+        final_lr=copt.get_lr()[0],
+        samples_fed=model.samples_fed,
+        samples_reported=copt.samples_reported,
+        lightning_epoch=trainer.current_epoch,
+        world_size=trainer.world_size,
+    )
+    if cfg.get("scheduler"):
+        result["scheduler_last_epoch"] = trainer.lr_scheduler_configs[0].scheduler.last_epoch
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{out}.rank{rank}.pt")
+    write_json(f"{out}.rank{rank}.json", result)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
