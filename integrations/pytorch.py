@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
+from collabopt import node
 from collabopt.errors import ConfigurationError
+from collabopt.node import NodeOptimizer
 from collabopt.optimizer import CollaborativeOptimizer
 
 
@@ -32,25 +34,44 @@ def collaborate(
     scheduler: Any = None,
     scaler: Any = None,
     **kwargs: Any,
-) -> CollaborativeOptimizer:
+) -> CollaborativeOptimizer | NodeOptimizer:
     """Wrap ``optimizer`` so that ``model`` trains as a peer of the swarm ``run_id``.
 
     Samples are counted from ``model``'s forward calls in training mode (gradient accumulation and a short last
     batch are counted exactly). ``scheduler`` advances once per global epoch. ``scaler`` is your
     ``torch.amp.GradScaler`` if you use one: keep calling ``scaler.step(copt); scaler.update()``.
     Every other keyword argument goes to :class:`~collabopt.CollaborativeOptimizer`.
+
+    Under ``torchrun`` (torch.distributed initialised, several processes): call it on every rank with the
+    ``DistributedDataParallel``-wrapped model; the processes act as ONE peer (only rank 0 joins the swarm, samples
+    of all ranks are counted, parameters and LR stay identical on every rank) and a
+    :class:`~collabopt.node.NodeOptimizer` is returned. See :mod:`collabopt.node`.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError("model", f"expected a torch.nn.Module, got {type(model).__name__}",
                                  "pass the model you train")
-    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        model = model.module
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if isinstance(model, torch.nn.DataParallel) and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ConfigurationError(
-            "torch.distributed",
-            "several processes per peer (torchrun / DDP) are not supported by this version of the plain adapter",
-            "run one process per peer (each joins the swarm with the same run_id), without torchrun",
+            "model", "torch.nn.DataParallel is not supported",
+            "use DistributedDataParallel under torchrun (all processes of the machine then act as one peer)",
         )
+    sharded = type(model).__name__ in ("FullyShardedDataParallel", "FSDPModule") or any(
+        type(m).__name__.startswith("FSDP") for m in model.modules()
+    )
+    if sharded:
+        raise ConfigurationError(
+            "model", "FSDP (sharded parameters) is not supported: hivemind averages whole parameters",
+            "use DistributedDataParallel (replicated parameters)",
+        )
+    if node.is_node_job() and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ConfigurationError(
+            "model",
+            f"torch.distributed runs {torch.distributed.get_world_size()} processes but the model is not "
+            "wrapped in DistributedDataParallel, so the ranks' gradients would never be combined",
+            "wrap it first: model = torch.nn.parallel.DistributedDataParallel(model), then collaborate(model, ...)",
+        )
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
     model_params = {id(p) for p in model.parameters()}
     if not any(id(p) in model_params for group in optimizer.param_groups for p in group["params"]):
         raise ConfigurationError(
@@ -61,7 +82,7 @@ def collaborate(
             "scaler", f"expected a torch.amp.GradScaler, got {type(scaler).__name__}",
             "pass torch.amp.GradScaler() (hivemind.GradScaler is not needed)",
         )
-    return CollaborativeOptimizer(
+    return node.collaborative_optimizer(
         optimizer,
         run_id=run_id,
         target_batch_size=target_batch_size,
