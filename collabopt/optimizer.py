@@ -233,6 +233,12 @@ class CollaborativeOptimizer:
                 "requires offload_optimizer=True (otherwise a background step would race with your backward pass)",
                 "pass offload_optimizer=True",
             )
+        if delay_optimizer_step and not delay_state_averaging:
+            raise ConfigurationError(
+                "delay_optimizer_step",
+                "requires delay_state_averaging=True (hivemind runs the delayed step inside the background averaging)",
+                "pass delay_state_averaging=True as well",
+            )
         if use_local_updates and (reuse_grad_buffers or delay_grad_averaging):
             name = "reuse_grad_buffers" if reuse_grad_buffers else "delay_grad_averaging"
             raise ConfigurationError(

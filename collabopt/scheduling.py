@@ -21,6 +21,8 @@ from collabopt.errors import ConfigurationError
 
 Scheduler = Any  # LRScheduler or ReduceLROnPlateau (not an LRScheduler subclass on older torch)
 _UNSUPPORTED_OPTIMIZERS = ("LBFGS", "SparseAdam")
+PLATEAU_STATE_KEY = "collabopt_plateau_state"
+_PLATEAU_COUNTERS = ("best", "num_bad_epochs", "cooldown_counter")
 
 
 def is_scheduler(obj: Any) -> bool:
@@ -130,6 +132,8 @@ class EpochSchedule:
         self.base_epoch = self.epoch = epoch
         self._base_state = copy.deepcopy(self.scheduler.state_dict())
         self._base_groups = group_hyperparameters(self.scheduler.optimizer)
+        if self.is_plateau:
+            self._share_plateau_state()
 
     def report_metric(self, value: float) -> None:
         value = float(value.item() if isinstance(value, torch.Tensor) else value)
@@ -162,9 +166,12 @@ class EpochSchedule:
                         "scheduler.step(metric) or copt.report_metric(metric) during each epoch.",
                         stacklevel=3,
                     )
+            else:  # state downloaded from a peer: its plateau counters travelled in the optimizer's param group
+                self._load_shared_plateau_state()
             self.scheduler.last_epoch = epoch
             self._metrics.clear()
             self.epoch = epoch
+            self._share_plateau_state()
             return
         if epoch == self.epoch + 1:
             self._step()
@@ -173,6 +180,21 @@ class EpochSchedule:
             for _ in range(max(0, epoch - self.base_epoch)):
                 self._step()
         self.epoch = epoch
+
+    def _share_plateau_state(self) -> None:
+        """Keep the plateau counters in the optimizer's first param group: hivemind sends param groups (and so
+        these counters) to peers that download state, so a late joiner continues the same plateau schedule."""
+        self.scheduler.optimizer.param_groups[0][PLATEAU_STATE_KEY] = {
+            key: getattr(self.scheduler, key) for key in _PLATEAU_COUNTERS
+        }
+
+    def _load_shared_plateau_state(self) -> None:
+        shared = self.scheduler.optimizer.param_groups[0].get(PLATEAU_STATE_KEY)
+        if isinstance(shared, dict):
+            for key in _PLATEAU_COUNTERS:
+                if key in shared:
+                    setattr(self.scheduler, key, shared[key])
+        self.scheduler._last_lr = [float(group["lr"]) for group in self.scheduler.optimizer.param_groups]
 
     def get_last_lr(self) -> list[float]:
         return [float(group["lr"]) for group in self.scheduler.optimizer.param_groups]

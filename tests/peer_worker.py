@@ -83,6 +83,16 @@ def main(config_path: str) -> None:
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     plateau_metric = cfg.get("plateau_metric")
 
+    if cfg.get("start_after"):  # a late joiner: imports are done, wait until the swarm reached an epoch
+        trigger, min_epoch = Path(cfg["start_after"]["progress_file"]), cfg["start_after"]["epoch"]
+        while time.monotonic() < deadline:
+            try:
+                if json.loads(trigger.read_text())["epoch"] >= min_epoch:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.1)
+
     result = {"samples_fed": 0, "lrs": {}, "losses": [], "epochs_seen": []}
     sizes = batch_size_sequence(cfg.get("batch_sizes", [16]), rng)
     with CollaborativeOptimizer(
@@ -108,7 +118,7 @@ def main(config_path: str) -> None:
                 loss = F.cross_entropy(model(x), y)
                 (scaler.scale(loss) if scaler is not None else loss).backward()
                 step_samples += n
-                result["losses"].append(float(loss))
+                result["losses"].append(loss.item())
             result["samples_fed"] += step_samples
             if plateau_metric is not None:
                 scheduler.step(plateau_metric)
