@@ -132,6 +132,7 @@ class EpochSchedule:
         self.base_epoch = self.epoch = epoch
         self._base_state = copy.deepcopy(self.scheduler.state_dict())
         self._base_groups = group_hyperparameters(self.scheduler.optimizer)
+        self._last_groups = self._base_groups  # hyperparameters this schedule set last (see advance_to)
         if self.is_plateau:
             self._share_plateau_state()
 
@@ -174,12 +175,17 @@ class EpochSchedule:
             self._share_plateau_state()
             return
         if epoch == self.epoch + 1:
+            # hivemind may have reached this epoch by downloading a peer's state, whose param groups already hold
+            # the stepped hyperparameters: step from this schedule's own values, not from the downloaded ones
+            for group, hyperparameters in zip(self.scheduler.optimizer.param_groups, self._last_groups, strict=True):
+                group.update(copy.deepcopy(hyperparameters))
             self._step()
         else:
             self._reset_to_base()
             for _ in range(max(0, epoch - self.base_epoch)):
                 self._step()
         self.epoch = epoch
+        self._last_groups = group_hyperparameters(self.scheduler.optimizer)
 
     def _share_plateau_state(self) -> None:
         """Keep the plateau counters in the optimizer's first param group: hivemind sends param groups (and so
