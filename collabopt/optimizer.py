@@ -460,7 +460,10 @@ class CollaborativeOptimizer:
     def _discard_local_progress(self, samples: int) -> None:
         """An AMP step overflowed: drop what this peer accumulated since the last global epoch."""
         self.samples_skipped += samples
-        if self.reuse_grad_buffers:
+        if self.reuse_grad_buffers:  # param.grad also held the earlier steps of this epoch: they are lost too
+            lost = self._opt.grad_averager.local_samples_accumulated
+            self.samples_skipped += lost
+            self.samples_reported -= lost
             self._opt.tracker.report_local_progress(self._opt.local_epoch, samples_accumulated=0)
             self._opt.grad_averager.reset_accumulated_grads_()
             self._grad_units = None
@@ -487,8 +490,9 @@ class CollaborativeOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale = self.__dict__.pop("grad_scale", None)
-        found_inf = self.__dict__.pop("found_inf", None)
+        # set by torch.amp.GradScaler.step() for the duration of this call (it deletes them afterwards)
+        grad_scale = self.__dict__.get("grad_scale")
+        found_inf = self.__dict__.get("found_inf")
         if self.auxiliary:
             self._opt.step()
             self._on_epoch_maybe_changed()
