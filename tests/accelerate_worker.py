@@ -94,6 +94,8 @@ def main(config_path: str) -> None:
     if cfg.get("emulate_fp16"):
         accelerator.native_amp = True  # after prepare: only unscale_gradients() reads it (no fp16 autocast on CPU)
     copt = accelerator.collaborative_optimizer
+    if accelerator.is_main_process:
+        Path(out + ".ready").write_text("ready")
     if cfg.get("load_from"):
         accelerator.load_state(cfg["load_from"])
 
@@ -121,6 +123,7 @@ def main(config_path: str) -> None:
             if not accelerator.sync_gradients:
                 continue
             result["samples_fed"] += fed_since_sync
+            result["max_num_peers"] = max(result.get("max_num_peers", 0), copt.num_peers)
             fed_since_sync = 0
             if copt.local_epoch != before:
                 epoch = copt.local_epoch

@@ -40,6 +40,8 @@ def main(config_path: str) -> None:
     with collaborate(model, optimizer, run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"],
                      scheduler=scheduler, **options) as copt:
         result["type"] = type(copt).__name__
+        if rank == 0:
+            Path(out + ".ready").write_text("ready")
         if rank == 0 and cfg.get("rank0_delay_s"):  # simulate slow matchmaking inside rank 0's swarm step
             inner = copt.collaborative_optimizer
             original_step, delayed = inner.step, [False]
@@ -62,12 +64,25 @@ def main(config_path: str) -> None:
             copt.step()
             copt.zero_grad()
             steps += 1
+            result["max_num_peers"] = max(result.get("max_num_peers", 0), copt.num_peers)
             if copt.local_epoch != before:
                 result["epochs_seen"].append(copt.local_epoch)
                 result["lrs"][str(copt.local_epoch)] = optimizer.param_groups[0]["lr"]
                 result["num_peers_seen"].append(copt.num_peers)
+            if cfg.get("check_every_step"):  # are the ranks' parameters identical after this step?
+                digest = torch.cat([p.detach().double().flatten() for p in model.parameters()])
+                gathered = [torch.zeros_like(digest) for _ in range(dist.get_world_size())]
+                dist.all_gather(gathered, digest)
+                result["steps_out_of_sync"] = result.get("steps_out_of_sync", 0) + int(
+                    any(not torch.equal(gathered[0], g) for g in gathered[1:]))
+                changed = not torch.equal(digest, result.pop("_last", digest))
+                result["_last"] = digest
+                if changed and copt.local_epoch == before:
+                    result["param_changes_without_epoch_change"] = result.get("param_changes_without_epoch_change",
+                                                                              0) + 1
             time.sleep(cfg.get("step_sleep", 0.05))
         copt.flush()
+        result.pop("_last", None)
         result.update(final_epoch=copt.local_epoch, samples_reported=copt.samples_reported, steps=steps,
                       get_lr=copt.get_lr()[0], scheduler_lr=scheduler.get_last_lr()[0] if scheduler else None)
         torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, out + ".pt")

@@ -1,0 +1,109 @@
+"""A node (several torch.distributed processes) acting as ONE peer: torchrun + the plain adapter, real processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from schedulers import reference_lrs
+from swarm import (
+    Process,
+    child_env,
+    max_param_diff,
+    read_params,
+    read_result,
+    start_bootstrap,
+    start_peer,
+    unique_run_id,
+    wait_all,
+    wait_for_file,
+)
+
+WORKER = Path(__file__).resolve().parent / "node_torchrun_worker.py"
+LR, GAMMA = 0.5, 0.7  # the same schedule as peer_worker's "exponential" spec
+
+
+def torchrun(tmp_path: Path, name: str, cfg: dict, initial_peers: str | None = None) -> Process:
+    cfg = dict(cfg, out=str(tmp_path / name))
+    config_path = tmp_path / f"{name}.config.json"
+    config_path.write_text(json.dumps(cfg))
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
+            str(config_path)]
+    env = child_env(INITIAL_PEERS=initial_peers) if initial_peers else child_env()
+    return Process(args, tmp_path / f"{name}.log", env=env)
+
+
+def finish(procs: dict[str, Process], timeout: float) -> None:
+    try:
+        codes = wait_all(procs, timeout)
+    finally:
+        for proc in procs.values():
+            proc.kill_tree()
+    for name, code in codes.items():
+        assert code == 0, f"{name} exited with {code}:\n{procs[name].log_path.read_text(errors='replace')[-5000:]}"
+
+
+def ranks(tmp_path: Path, name: str) -> list[dict]:
+    return [read_result(tmp_path, f"{name}.rank{r}") for r in (0, 1)]
+
+
+@pytest.fixture
+def bootstrap(tmp_path):
+    proc, initial_peers = start_bootstrap(tmp_path)
+    yield initial_peers
+    proc.kill_tree()
+
+
+@pytest.mark.swarm
+def test_torchrun_node_is_one_peer_and_survives_slow_rank0(tmp_path, bootstrap):
+    """torchrun --nproc_per_node 2 + a plain peer: 2 peers in the swarm, 3 bit-identical processes, exact sample
+    counts, LR per global epoch on both ranks. The default process group has a 3 s timeout and rank 0's first swarm
+    step takes 8 s: rank 1 waits in collabopt's long-timeout group, so the job survives."""
+    run_id, epochs = unique_run_id("torchrun"), 5
+    node = torchrun(tmp_path, "node", dict(run_id=run_id, target_batch_size=800, epochs=epochs, lr=LR, gamma=GAMMA,
+                                           pg_timeout=3, rank0_delay_s=8, check_every_step=True), bootstrap)
+    if not wait_for_file(tmp_path / "node.rank0.ready", 90):  # the peer starts once the node is in the swarm
+        node.kill_tree()
+        pytest.fail(f"the node did not start:\n{node.log()[-5000:]}")
+    peer = start_peer(tmp_path, "peer", dict(run_id=run_id, target_batch_size=800, epochs=epochs, lr=LR,
+                                             scheduler="exponential", model_seed=0, batch_sizes=[16],
+                                             step_sleep=0.05, max_seconds=150), bootstrap)
+    finish({"node": node, "peer": peer}, timeout=170)
+
+    r0, r1 = ranks(tmp_path, "node")
+    peer_result = read_result(tmp_path, "peer")
+    assert r0["type"] == r1["type"] == "NodeOptimizer"
+    assert r0["max_num_peers"] == r1["max_num_peers"] == 2, (r0, r1)
+    assert peer_result["num_peers"] == 2
+    assert r0["final_epoch"] == r1["final_epoch"] == peer_result["final_epoch"] == epochs
+    assert r0["steps_out_of_sync"] == r1["steps_out_of_sync"] == 0
+    assert r0["samples_reported"] == r1["samples_reported"] == r0["samples_fed"] + r1["samples_fed"]
+    assert r0["samples_fed"] > 0 and r1["samples_fed"] > 0
+    expected = reference_lrs("exponential", LR, epochs)
+    for r in (r0, r1):
+        for epoch, lr in r["lrs"].items():
+            assert lr == pytest.approx(expected[int(epoch)], rel=1e-12), (r["rank"], epoch)
+        assert r["get_lr"] == r["scheduler_lr"] == pytest.approx(expected[epochs], rel=1e-12)
+    p0, p1, pp = (read_params(tmp_path, n) for n in ("node.rank0", "node.rank1", "peer"))
+    assert max_param_diff(p0, p1) == 0.0
+    assert max_param_diff(p0, pp) == 0.0
+    assert max_param_diff(p0, torch.load(tmp_path / "peer.start.pt")) > 1e-3
+
+
+@pytest.mark.swarm
+def test_torchrun_node_delayed_updates_reach_every_rank(tmp_path):
+    """offload_optimizer + delay_optimizer_step: hivemind applies the update at a later step (parameters change
+    without an epoch change); the version-counter check catches it and every rank stays identical at every step."""
+    node = torchrun(tmp_path, "node", dict(run_id=unique_run_id("delayed"), target_batch_size=200, epochs=4, lr=LR,
+                                           check_every_step=True, step_sleep=0.02,
+                                           options=dict(offload_optimizer=True, delay_optimizer_step=True,
+                                                        delay_state_averaging=True)))
+    finish({"node": node}, timeout=120)
+    r0, r1 = ranks(tmp_path, "node")
+    assert r0["final_epoch"] == r1["final_epoch"] == 4
+    assert r0["steps_out_of_sync"] == r1["steps_out_of_sync"] == 0
+    assert r0.get("param_changes_without_epoch_change", 0) >= 1, r0  # the delayed path was exercised
+    assert max_param_diff(read_params(tmp_path, "node.rank0"), read_params(tmp_path, "node.rank1")) == 0.0
