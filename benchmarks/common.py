@@ -1,0 +1,157 @@
+"""Shared helpers: machine/version info, robust statistics, model builders and subprocess helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def machine_info() -> dict[str, Any]:
+    """Machine, load and library versions, for the header of the report."""
+    import hivemind
+    import torch
+
+    import collabopt
+
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (float("nan"),) * 3
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "host": platform.node(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "load_avg_1m_at_start": round(load[0], 2),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "hivemind": hivemind.__version__,
+        "collabopt": getattr(collabopt, "__version__", "?"),
+        "git_commit": commit,
+    }
+
+
+def median(values: Sequence[float]) -> float:
+    values = [v for v in values if v == v]  # drop NaN
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def spread(values: Sequence[float]) -> str:
+    """``min..max`` of a sample, for the table."""
+    values = [v for v in values if v == v]
+    return f"{min(values):.3f}..{max(values):.3f}" if values else "-"
+
+
+def make_mlp(params_target: int, width: int = 1024, in_dim: int = 256, out_dim: int = 16):
+    """A ReLU MLP with about ``params_target`` parameters (a stack of ``width x width`` layers)."""
+    import torch
+
+    layers: list[torch.nn.Module] = [torch.nn.Linear(in_dim, width), torch.nn.ReLU()]
+    count = in_dim * width + width + width * out_dim + out_dim
+    while count + width * width + width <= params_target:
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+        count += width * width + width
+    layers.append(torch.nn.Linear(width, out_dim))
+    return torch.nn.Sequential(*layers)
+
+
+def num_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def write_json(path: str | Path, value: Any) -> None:
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    os.replace(tmp, path)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment for benchmark subprocesses: one intra-op thread each, quiet hivemind, no inherited peers."""
+    env = dict(os.environ)
+    env.pop("INITIAL_PEERS", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["HIVEMIND_LOGLEVEL"] = env.get("HIVEMIND_LOGLEVEL", "WARNING")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def run_module(module: str, config: dict[str, Any], workdir: Path, timeout: float, name: str) -> dict[str, Any]:
+    """Run ``python -m <module> <config.json>`` in a fresh process; return the JSON it wrote to ``config['out']``."""
+    config = dict(config, out=str(workdir / f"{name}.json"))
+    config_path = workdir / f"{name}.config.json"
+    write_json(config_path, config)
+    log_path = workdir / f"{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, str(config_path)], stdout=log, stderr=subprocess.STDOUT,
+            env=child_env(), cwd=ROOT, start_new_session=True,
+        )
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            proc.wait(10)
+            raise RuntimeError(f"{module} ({name}) ran past {timeout:.0f} s; log: {log_path}") from None
+        finally:
+            kill_group(proc.pid)  # stray hivemind children (p2pd, averagers)
+    if code != 0 or not Path(config["out"]).exists():
+        tail = log_path.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{module} ({name}) exited with {code}; log ends with:\n{tail}")
+    return json.loads(Path(config["out"]).read_text())
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group ``pid`` leads (processes started with ``start_new_session=True``)."""
+    import signal
+
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def seconds_per_step(params: int, width: int, in_dim: int, batch: int, steps: int = 20) -> float:
+    """Median seconds of one forward+backward of the benchmark MLP on one thread (to size epochs)."""
+    import torch
+    import torch.nn.functional as F
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_mlp(params, width=width, in_dim=in_dim)
+        x, y = torch.randn(batch, in_dim), torch.randint(0, 16, (batch,))
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            F.cross_entropy(model(x), y).backward()
+            times.append(time.perf_counter() - start)
+        return median(times[steps // 4:])
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,156 @@
+"""B2 local step cost: forward + backward + step of collabopt (and raw hivemind) against a plain torch loop.
+
+Every variant trains its own copy of the same MLP with the same batches and the same global update cadence
+(the plain loop calls ``optimizer.step()`` every ``steps_per_epoch`` local steps, which is when a lone peer's
+hivemind epoch ends). Variants run interleaved in rounds (A/B/C/.../A/B/C/...), and each round's time is divided
+by the plain loop's time of the same round, so machine noise that lasts longer than a round cancels.
+
+Run alone: ``python -m benchmarks.local_step config.json`` (the runner writes the config).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import make_mlp, median, num_params, spread, write_json
+
+VARIANTS = {
+    # name: (implementation, options)
+    "plain torch": ("torch", {}),
+    "hivemind": ("hivemind", {}),
+    "hivemind reuse": ("hivemind", {"reuse_grad_buffers": True}),
+    "collabopt": ("collabopt", {}),
+    "collabopt reuse": ("collabopt", {"reuse_grad_buffers": True}),
+    "collabopt offload": ("collabopt", {"offload_optimizer": True}),
+    "collabopt reuse+offload": ("collabopt", {"reuse_grad_buffers": True, "offload_optimizer": True}),
+}
+
+
+class Variant:
+    """One training loop: a model copy, its optimizer and a ``train(batches)`` that runs local steps."""
+
+    def __init__(self, name: str, cfg: dict[str, Any], dht: Any):
+        self.name = name
+        impl, options = VARIANTS[name]
+        self.impl = impl
+        torch.manual_seed(0)
+        self.model = make_mlp(cfg["params"], width=cfg["width"], in_dim=cfg["in_dim"])
+        self.batch = cfg["batch"]
+        self.k = cfg["steps_per_epoch"]
+        self.local_steps = 0
+        self.epochs = 0
+        lr = 1e-4
+        run_id = f"bench_b2_{uuid.uuid4().hex[:8]}"
+        target = self.batch * self.k
+        common = dict(matchmaking_time=cfg["matchmaking_time"], averaging_timeout=30.0)
+        if impl == "torch":
+            self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+        elif impl == "collabopt":
+            from collabopt import CollaborativeOptimizer
+
+            self.opt = CollaborativeOptimizer(
+                torch.optim.Adam(self.model.parameters(), lr=lr), run_id=run_id, target_batch_size=target,
+                model=self.model, dht=dht, print_join_message=False, handle_signals=False, **common, **options,
+            )
+        else:
+            import hivemind
+
+            offload = options.get("offload_optimizer", False)
+            self.opt = hivemind.Optimizer(
+                dht=dht, run_id=run_id, target_batch_size=target, batch_size_per_step=self.batch,
+                optimizer=(lambda params: torch.optim.Adam(params, lr=lr)) if offload
+                else torch.optim.Adam(self.model.parameters(), lr=lr),
+                params=self.model.parameters() if offload else None, **common, **options,
+            )
+
+    def epoch(self) -> int:
+        return self.epochs if self.impl == "torch" else self.opt.local_epoch
+
+    def train(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """Run one local step per batch; return (wall seconds, CPU seconds of this thread)."""
+        model, opt = self.model, self.opt
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        for x, y in batches:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            self.local_steps += 1
+            if self.impl == "torch":
+                if self.local_steps % self.k == 0:
+                    opt.step()
+                    opt.zero_grad()
+                    self.epochs += 1
+            elif self.impl == "collabopt":
+                opt.step()
+                opt.zero_grad()
+            else:
+                opt.step()
+                if not opt.grad_averager.reuse_grad_buffers:
+                    opt.zero_grad()
+        return time.perf_counter() - start, time.thread_time() - start_cpu
+
+    def close(self) -> None:
+        if self.impl == "collabopt":
+            self.opt.close()
+        elif self.impl == "hivemind":
+            self.opt.shutdown()
+
+
+def main(config_path: str) -> None:
+    cfg = json.loads(Path(config_path).read_text())
+    import hivemind
+
+    torch.set_num_threads(cfg.get("threads", 1))
+    warnings.filterwarnings("ignore")
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    names = cfg.get("variants", list(VARIANTS))
+    g = torch.Generator().manual_seed(1)
+    steps = cfg["steps_per_round"]
+    batches = [
+        (torch.randn(cfg["batch"], cfg["in_dim"], generator=g), torch.randint(0, 16, (cfg["batch"],), generator=g))
+        for _ in range(steps)
+    ]
+    variants = [Variant(name, cfg, dht) for name in names]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    try:
+        for v in variants:  # warm-up: first epochs create optimizer state, buffers, JIT paths
+            v.train(batches)
+        for r in range(cfg["rounds"]):
+            order = variants[r % len(variants):] + variants[: r % len(variants)]  # rotate so no variant is always first
+            for v in order:
+                wall, thread_cpu = v.train(batches)
+                times[v.name].append(wall)
+                cpu[v.name].append(thread_cpu)
+        base, base_cpu = times["plain torch"], cpu["plain torch"]
+        rows = []
+        for v in variants:
+            ratios = [t / b for t, b in zip(times[v.name], base, strict=True)]
+            cpu_ratios = [t / b for t, b in zip(cpu[v.name], base_cpu, strict=True)]
+            rows.append(dict(
+                variant=v.name, ratio=median(ratios), ratio_range=spread(ratios), cpu_ratio=median(cpu_ratios),
+                ms_per_step=1000 * median(times[v.name]) / steps, local_steps=v.local_steps, epochs=v.epoch(),
+            ))
+    finally:
+        for v in variants:
+            v.close()
+        dht.shutdown()
+    write_json(cfg["out"], dict(
+        params=num_params(variants[0].model), batch=cfg["batch"], steps_per_epoch=cfg["steps_per_epoch"],
+        steps_per_round=steps, rounds=cfg["rounds"], rows=rows,
+    ))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    sys.stdout.flush()
+    os._exit(0)  # skip hivemind's noisy interpreter-exit finalizers; everything was shut down above

@@ -1,0 +1,172 @@
+"""One benchmark peer, run as its own OS process (on loopback, or inside a network namespace for B3).
+
+Trains as a peer of a swarm with collabopt or with raw ``hivemind.Optimizer`` and records, per local step, when the
+(real or simulated) compute ran and how long ``step()`` took, plus when each gradient all-reduce was triggered and
+when it finished (wall-clock, comparable across processes of one machine).
+
+Usage: ``python -m benchmarks.peer config.json``; writes ``config['out']`` (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import make_mlp, write_json
+
+
+def compression_options(name: str | None, rank: int = 32) -> dict[str, Any]:
+    """hivemind.Optimizer arguments for a named gradient compression."""
+    import hivemind
+    from hivemind.compression import Float16Compression, SizeAdaptiveCompression, Uniform8BitQuantization
+
+    if not name:
+        return {}
+    if name == "fp16":
+        return {"grad_compression": Float16Compression()}
+    if name == "8bit":
+        return {"grad_compression": SizeAdaptiveCompression(
+            threshold=2**16, less=Float16Compression(), greater_equal=Uniform8BitQuantization())}
+    if name == "powersgd":
+        from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
+
+        return {"grad_averager_factory": partial(PowerSGDGradientAverager, averager_rank=rank)}
+    raise ValueError(f"unknown compression {name!r}; use fp16, 8bit or powersgd (hivemind {hivemind.__version__})")
+
+
+def instrument_averaging(grad_averager: Any, events: list[dict[str, Any]]) -> None:
+    """Record trigger and completion wall times of every gradient all-reduce this peer runs."""
+    original = grad_averager.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        event = {"trigger": time.time(), "prescheduled": kwargs.get("control") is not None}
+        control = original(*args, **kwargs)
+        if control is not None and hasattr(control, "add_done_callback"):
+            def done(future: Any) -> None:
+                event["done"] = time.time()
+                event["ok"] = not future.cancelled() and future.exception() is None
+            control.add_done_callback(done)
+        events.append(event)
+        return control
+
+    grad_averager.step = step
+
+
+def main(config_path: str) -> None:
+    cfg = json.loads(Path(config_path).read_text())
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = make_mlp(cfg["params"], width=cfg.get("width", 1024), in_dim=cfg.get("in_dim", 256))
+    batch = cfg["batch"]
+    real = cfg.get("compute", "real") == "real"
+    compute_seconds = cfg.get("compute_seconds", 0.0)
+    g = torch.Generator().manual_seed(cfg.get("seed", 0))
+    x = torch.randn(batch, cfg.get("in_dim", 256), generator=g)
+    y = torch.randint(0, 16, (batch,), generator=g)
+    fake_grads = None if real else [torch.randn(p.shape, generator=g) * 1e-3 for p in model.parameters()]
+    options = dict(cfg.get("options", {}))
+    options.update(compression_options(cfg.get("compression"), cfg.get("powersgd_rank", 32)))
+    host = cfg.get("host", "127.0.0.1")
+    impl = cfg["impl"]
+    common = dict(run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"],
+                  matchmaking_time=cfg.get("matchmaking_time", 3.0),
+                  averaging_timeout=cfg.get("averaging_timeout", 30.0),
+                  average_state_every=cfg.get("average_state_every", 1), **options)
+    needs_factory = any(options.get(k) for k in ("offload_optimizer", "delay_optimizer_step", "delay_grad_averaging"))
+    if impl == "collabopt":
+        from collabopt import CollaborativeOptimizer
+
+        opt = CollaborativeOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1e-3), model=model if real else None, batch_size=batch,
+            initial_peers=cfg["initial_peers"], host_maddrs=[f"/ip4/{host}/tcp/0"], print_join_message=False,
+            **common,
+        )
+        hm = opt.hivemind_optimizer
+    else:
+        import hivemind
+
+        dht = hivemind.DHT(start=True, initial_peers=cfg["initial_peers"].split(","),
+                           host_maddrs=[f"/ip4/{host}/tcp/0"])
+        opt = hm = hivemind.Optimizer(
+            dht=dht, batch_size_per_step=batch, verbose=False,
+            optimizer=(lambda params: torch.optim.SGD(params, lr=1e-3)) if needs_factory
+            else torch.optim.SGD(model.parameters(), lr=1e-3),
+            params=model.parameters() if needs_factory else None, **common,
+        )
+    ready_at = time.time()
+    if cfg.get("ready_file"):  # start together: the runner creates go_file once every peer is ready
+        Path(cfg["ready_file"]).touch()
+        wait_until = time.monotonic() + cfg.get("join_timeout", 120)
+        while not Path(cfg["go_file"]).exists() and time.monotonic() < wait_until:
+            time.sleep(0.05)
+    events: list[dict[str, Any]] = []
+    if hm.grad_averager is not None:
+        instrument_averaging(hm.grad_averager, events)
+    steps: list[tuple[float, float, float, int]] = []  # (compute start, compute seconds, step seconds, epoch)
+    epochs: list[tuple[float, int]] = []
+    created = time.time()
+    deadline = time.monotonic() + cfg.get("max_seconds", 300)
+    warmup_epochs = cfg.get("warmup_epochs", 1)
+    window: list[float] = []  # wall times [start, end] of the measured window
+    linger_until = None
+    params = list(model.parameters())
+
+    def record(**extra: Any) -> dict[str, Any]:
+        return dict(impl=impl, launched=cfg.get("launched"), ready=ready_at, created=created, steps=steps,
+                    epochs=epochs, averaging=events, window=window,
+                    num_peers=hm.tracker.global_progress.num_peers, final_epoch=hm.local_epoch,
+                    grad_bytes=sum(p.numel() * p.element_size() for p in params), **extra)
+
+    try:
+        while time.monotonic() < deadline:
+            if linger_until is not None and time.monotonic() >= linger_until:
+                break
+            start = time.time()
+            if real:
+                F.cross_entropy(model(x), y).backward()
+            else:
+                time.sleep(compute_seconds)
+                for p, grad in zip(params, fake_grads, strict=True):
+                    p.grad = grad
+            compute = time.time() - start
+            epoch_before = hm.local_epoch
+            t0 = time.time()
+            opt.step()
+            if impl == "collabopt" or not options.get("reuse_grad_buffers"):
+                opt.zero_grad()
+            t1 = time.time()
+            if linger_until is None:
+                steps.append((start, compute, t1 - t0, hm.local_epoch))
+            if hm.local_epoch != epoch_before:
+                epochs.append((t1, hm.local_epoch))
+                if not window and hm.local_epoch >= warmup_epochs:
+                    window.append(t1)
+            if window and linger_until is None and t1 >= window[0] + cfg["measure_seconds"]:
+                window.append(t1)
+                # results now; keep stepping a little so that peers whose window ends later are not left alone
+                write_json(cfg["out"], record())
+                linger_until = time.monotonic() + cfg.get("linger_seconds", 5.0)
+        if linger_until is None:
+            write_json(cfg["out"], record(error="ran out of time before the measured window ended"))
+    finally:
+        if impl == "collabopt":
+            opt.close()
+        else:
+            opt.shutdown()
+            dht.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    sys.stdout.flush()
+    os._exit(0)  # skip hivemind's noisy interpreter-exit finalizers; everything was shut down above

@@ -1,0 +1,294 @@
+"""Run the benchmarks and write ``benchmarks/results/results.{md,png,json}``.
+
+    python -m benchmarks.run                 # everything (about 20 minutes on 2 cores; B3 needs root + iproute2)
+    python -m benchmarks.run --only b2,b4    # a subset
+    python -m benchmarks.run --quick         # tiny sizes: checks the harness, the figures mean little
+
+Every figure is a ratio against a baseline measured in the same run (interleaved where possible), so that the
+noise of a shared machine cancels as far as it can. See the README section "Benchmarks".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import ROOT, machine_info, run_module
+
+RESULTS = ROOT / "benchmarks" / "results"
+GOALS = {"b1": 0.99, "b2": 1.02, "b3_bound": 0.9, "b3_util": 0.95}
+
+MLP = dict(width=1024, in_dim=256)
+FULL: dict[str, Any] = {
+    "b1": dict(params=1_000_000, width=512, in_dim=256, batch=32, epoch_seconds=4, warmup_epochs=1,
+               matchmaking_time=2.0, rounds=3, measure_seconds=12, max_seconds=120),
+    "b2": dict(params=6_000_000, **MLP, batch=32, steps_per_epoch=8, steps_per_round=16, rounds=15,
+               matchmaking_time=5.0),
+    "b4": dict(params=6_000_000, **MLP, batch=32, steps_per_epoch=4, epochs=2, matchmaking_time=5.0),
+    "b3": dict(**MLP, batch=32, compute_seconds=0.1, steps_per_epoch=50, matchmaking_time=3.0,
+               averaging_timeout=60.0, warmup_epochs=2, measure_seconds=25, max_seconds=200,
+               cases=[dict(peers=2, mbit=50, params=5_000_000, variant="no overlap",
+                           overrides=dict(measure_seconds=30))]
+               + [dict(peers=4, mbit=mbit, params=2_000_000, variant=variant)
+                  for mbit in (100, 20)
+                  for variant in ("no overlap", "overlap", "overlap + fp16", "overlap + 8-bit", "overlap + PowerSGD")]),
+}
+QUICK: dict[str, Any] = {
+    "b1": dict(FULL["b1"], params=200_000, width=256, rounds=1, epoch_seconds=2, measure_seconds=4, max_seconds=60),
+    "b2": dict(FULL["b2"], params=300_000, width=256, steps_per_round=8, steps_per_epoch=4, rounds=2,
+               variants=["plain torch", "collabopt", "collabopt reuse"]),
+    "b4": dict(FULL["b4"], params=300_000, width=256, epochs=1, modes=["plain torch", "none", "reuse"]),
+    "b3": dict(FULL["b3"], compute_seconds=0.05, steps_per_epoch=30, warmup_epochs=1, measure_seconds=4,
+               max_seconds=60, cases=[dict(peers=2, mbit=100, params=200_000, variant="no overlap")]),
+}
+
+
+def run_all(which: list[str], quick: bool, workdir: Path, log: Any = print) -> dict[str, Any]:
+    """Run the selected benchmarks; return everything the report needs."""
+    from benchmarks import overhead, wan
+
+    cfg = QUICK if quick else FULL
+    results: dict[str, Any] = {"machine": machine_info(), "quick": quick, "config": {k: cfg[k] for k in which}}
+    for name in which:
+        log(f"running {name.upper()} ...")
+        start = time.monotonic()
+        try:
+            if name == "b1":
+                results[name] = overhead.run(cfg[name], workdir)
+            elif name == "b2":
+                results[name] = run_module("benchmarks.local_step", cfg[name], workdir, timeout=900, name="b2")
+            elif name == "b3":
+                results[name] = wan.run(cfg[name], workdir, log=log)
+            elif name == "b4":
+                results[name] = run_module("benchmarks.memory", cfg[name], workdir, timeout=600, name="b4")
+        except Exception as e:  # report the failure, keep the other benchmarks
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        results[name]["seconds"] = round(time.monotonic() - start, 1)
+        log(f"{name.upper()} done in {results[name]['seconds']} s")
+    results["machine"]["load_avg_1m_at_end"] = round(__import__("os").getloadavg()[0], 2)
+    return results
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if isinstance(value, float):
+        return "-" if value != value else f"{value:.{digits}f}"
+    return str(value)
+
+
+def _verdict(ok: bool | None) -> str:
+    return "" if ok is None else ("met" if ok else "**missed**")
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The report: header (machine, versions, configuration) and one table per benchmark."""
+    m = results["machine"]
+    lines = [
+        "# collabopt benchmarks" + (" (quick run: tiny sizes, figures not meaningful)" if results["quick"] else ""),
+        "",
+        f"{m['date_utc']} · {m['cpu']} · {m['cpus']} CPUs · load avg {m['load_avg_1m_at_start']} at start, "
+        f"{m.get('load_avg_1m_at_end', '?')} at end · Linux {m['kernel']}",
+        f"Python {m['python']} · torch {m['torch']} · hivemind {m['hivemind']} · collabopt {m['collabopt']} "
+        f"(git {m['git_commit'] or '?'})",
+        "",
+        "Ratios are against a baseline measured in the same run; ranges are min..max over rounds.",
+        "",
+    ]
+    if "b1" in results:
+        r, c = results["b1"], results["config"]["b1"]
+        lines += ["## B1 wrapper overhead: 2 peers on loopback, collabopt vs raw hivemind.Optimizer", ""]
+        if "error" in r:
+            lines += [f"failed: {r['error']}", ""]
+        else:
+            lines += [
+                f"MLP {c['params']:,} params, batch {c['batch']}, target batch {r['target_batch_size']}, "
+                f"{c['rounds']} collabopt rounds between {c['rounds'] + 1} hivemind rounds, "
+                f"{c['measure_seconds']} s measured each.",
+                "",
+                "| metric | hivemind | collabopt | collabopt / hivemind (median) | range | goal |",
+                "|---|---|---|---|---|---|",
+                f"| swarm samples/s | {r['hivemind_samples_per_s']:.0f} | {r['collabopt_samples_per_s']:.0f} | "
+                f"{r['ratio']:.3f} | {r['ratio_range']} | ≥ {GOALS['b1']} {_verdict(r['ratio'] >= GOALS['b1'])} |",
+                "",
+            ]
+    if "b2" in results:
+        r = results["b2"]
+        lines += ["## B2 local step cost: forward + backward + step vs a plain torch loop", ""]
+        if "error" in r:
+            lines += [f"failed: {r['error']}", ""]
+        else:
+            lines += [
+                f"MLP {r['params']:,} params, Adam, batch {r['batch']}, optimizer step every {r['steps_per_epoch']} "
+                f"local steps (a lone peer's epoch), {r['rounds']} interleaved rounds of {r['steps_per_round']} "
+                "steps, 1 thread.",
+                "",
+                "| variant | time / plain torch (median) | range | main-thread CPU / plain | ms per step | goal |",
+                "|---|---|---|---|---|---|",
+            ]
+            for row in r["rows"]:
+                goal = ""
+                if row["variant"].startswith("collabopt"):
+                    goal = f"≤ {GOALS['b2']} {_verdict(row['ratio'] <= GOALS['b2'])}"
+                lines.append(f"| {row['variant']} | {row['ratio']:.3f} | {row['ratio_range']} | "
+                             f"{row['cpu_ratio']:.3f} | {row['ms_per_step']:.1f} | {goal} |")
+            lines.append("")
+    if "b3" in results:
+        r = results["b3"]
+        lines += ["## B3 WAN: peers in network namespaces, links limited with tc tbf", ""]
+        if "error" in r:
+            lines += [f"failed: {r['error']}", ""]
+        elif r.get("skipped"):
+            lines += [f"skipped: {r['skipped']}", ""]
+        else:
+            c = results["config"]["b3"]
+            lines += [
+                f"Simulated compute {c['compute_seconds']} s per step (sleep), {c['steps_per_epoch']} steps per peer "
+                "per epoch; gradients only (parameter averaging every 1000 epochs); SGD. all-reduce time: from the "
+                "last peer's trigger to the last peer done; bound = 2(N-1)/N·S/B.",
+                "",
+                "| peers | Mbit/s | variant | grads MB | all-reduce s | range | bound s | bound / all-reduce | "
+                "compute utilization |",
+                "|---|---|---|---|---|---|---|---|---|",
+            ]
+            for row in r["rows"]:
+                if "error" in row:
+                    lines.append(f"| {row['peers']} | {row['mbit']} | {row['variant']} | failed: {row['error']} |"
+                                 " | | | | |")
+                    continue
+                lines.append(
+                    f"| {row['peers']} | {row['mbit']} | {row['variant']} | {row['grad_mb']:.1f} | "
+                    f"{_fmt(row['allreduce_s'], 2)} | {row['allreduce_range']} | {row['bound_s']:.2f} | "
+                    f"{_fmt(row['bound_over_allreduce'])} | {row['utilization']:.3f} |")
+            lines += ["", f"Goals: bound / all-reduce ≥ {GOALS['b3_bound']} (uncompressed); compute utilization ≥ "
+                      f"{GOALS['b3_util']} with overlap at 100 Mbit/s.", ""]
+    if "b4" in results:
+        r = results["b4"]
+        lines += ["## B4 memory: tensor bytes held beyond the parameters, per mode", ""]
+        if "error" in r:
+            lines += [f"failed: {r['error']}", ""]
+        else:
+            cuda = any("cuda_max_allocated_over_params" in row for row in r["rows"])
+            lines += [
+                f"MLP {r['params']:,} params, Adam, device {r['device']}; measured mid-epoch (gradients accumulated).",
+                "",
+                "| mode | extra bytes / parameter bytes |"
+                + (" CUDA max allocated / parameter bytes |" if cuda else ""),
+                "|---|---|" + ("---|" if cuda else ""),
+            ]
+            for row in r["rows"]:
+                extra = f" {row['cuda_max_allocated_over_params']:.2f} |" if cuda else ""
+                lines.append(f"| {row['mode']} | {row['extra_over_params']:.2f} |{extra}")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> bool:
+    """Bar charts of the four benchmarks into ``path``; returns False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    (ax1, ax2), (ax3, ax4) = axes
+
+    def bars(ax: Any, labels: list[str], values: list[float], title: str, goal: float | None = None,
+             ylabel: str = "") -> None:
+        ax.bar(range(len(values)), values, color="#4c72b0")
+        ax.set_xticks(range(len(values)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel, fontsize=9)
+        if goal is not None:
+            ax.axhline(goal, color="#c44e52", linestyle="--", linewidth=1, label=f"goal {goal}")
+            ax.legend(fontsize=8)
+
+    def empty(ax: Any, title: str, text: str) -> None:
+        ax.set_title(title, fontsize=10)
+        ax.text(0.5, 0.5, text[:80], ha="center", va="center", fontsize=9, wrap=True)
+        ax.set_axis_off()
+
+    b1 = results.get("b1")
+    if b1 and "ratio" in b1:
+        bars(ax1, ["hivemind", "collabopt"], [1.0, b1["ratio"]], "B1 swarm samples/s (relative to hivemind)",
+             GOALS["b1"])
+    else:
+        empty(ax1, "B1", (b1 or {}).get("error", "not run"))
+    b2 = results.get("b2")
+    if b2 and "rows" in b2:
+        bars(ax2, [r["variant"] for r in b2["rows"]], [r["ratio"] for r in b2["rows"]],
+             "B2 local step time / plain torch", GOALS["b2"])
+    else:
+        empty(ax2, "B2", (b2 or {}).get("error", "not run"))
+    b3 = results.get("b3")
+    rows = [r for r in (b3 or {}).get("rows", []) if "error" not in r]
+    if rows:
+        labels = [f"{r['peers']}p {r['mbit']}M {r['variant']}" for r in rows]
+        x = range(len(rows))
+        ax3.bar([i - 0.2 for i in x], [r["utilization"] for r in rows], width=0.4, label="compute utilization")
+        ax3.bar([i + 0.2 for i in x], [r["bound_over_allreduce"] for r in rows], width=0.4,
+                label="bound / all-reduce time")
+        ax3.set_xticks(list(x), labels, rotation=35, ha="right", fontsize=7)
+        ax3.axhline(GOALS["b3_util"], color="#c44e52", linestyle="--", linewidth=1)
+        ax3.set_title("B3 WAN (tc tbf links)", fontsize=10)
+        ax3.legend(fontsize=8)
+    else:
+        empty(ax3, "B3", (b3 or {}).get("skipped") or (b3 or {}).get("error", "not run"))
+    b4 = results.get("b4")
+    if b4 and "rows" in b4:
+        bars(ax4, [r["mode"] for r in b4["rows"]], [r["extra_over_params"] for r in b4["rows"]],
+             "B4 extra tensor bytes / parameter bytes", ylabel="× parameter bytes")
+    else:
+        empty(ax4, "B4", (b4 or {}).get("error", "not run"))
+    m = results["machine"]
+    fig.suptitle(f"collabopt {m['collabopt']} vs hivemind {m['hivemind']} / torch {m['torch']} — {m['date_utc']}, "
+                 f"{m['cpus']} CPUs" + (" (quick run)" if results["quick"] else ""), fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(results: dict[str, Any], out: Path) -> list[Path]:
+    """Write results.json, results.md and results.png into ``out``; return the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "results.md"]
+    paths[0].write_text(json.dumps(results, indent=1))
+    paths[1].write_text(markdown(results))
+    if plot(results, out / "results.png"):
+        paths.append(out / "results.png")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="b1,b2,b3,b4", help="comma-separated subset of b1,b2,b3,b4")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (checks the harness only)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where to write results.{md,png,json}")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep logs and raw records here")
+    args = parser.parse_args(argv)
+    which = [name.strip().lower() for name in args.only.split(",") if name.strip()]
+    unknown = set(which) - {"b1", "b2", "b3", "b4"}
+    if unknown:
+        parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
+
+    def log(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="collabopt-bench-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        results = run_all(which, args.quick, workdir, log)
+    for path in write_report(results, args.out):
+        log(f"wrote {path}")
+    print(markdown(results))
+    return 1 if any("error" in results[k] for k in which) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

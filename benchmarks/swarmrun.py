@@ -1,0 +1,150 @@
+"""Starting benchmark swarms (bootstrap DHT + peer processes) and turning peer records into figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import ROOT, child_env, kill_group, median, write_json
+
+
+class Proc:
+    """A subprocess in its own session (so its whole tree can be killed), optionally inside a network namespace."""
+
+    def __init__(self, args: list[str], log_path: Path, netns: str | None = None):
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in kill()
+        self.popen = subprocess.Popen(prefix + args, stdout=self._log, stderr=subprocess.STDOUT, env=child_env(),
+                                      cwd=ROOT, start_new_session=True)
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        kill_group(self.popen.pid)
+        self.wait(10)
+        self._log.close()
+
+    def tail(self, chars: int = 3000) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+
+def start_bootstrap(workdir: Path, host: str = "127.0.0.1", netns: str | None = None) -> tuple[Proc, str]:
+    """Start ``collabopt dht`` listening on ``host``; return it and its INITIAL_PEERS value."""
+    peers_file = workdir / f"initial_peers_{netns or 'lo'}.txt"
+    peers_file.unlink(missing_ok=True)
+    proc = Proc([sys.executable, "-m", "collabopt", "dht", "--host-maddrs", f"/ip4/{host}/tcp/0", "--no-relay",
+                 "--peers-file", str(peers_file)], workdir / f"bootstrap_{netns or 'lo'}.log", netns)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if peers_file.exists() and peers_file.read_text().strip():
+            return proc, peers_file.read_text().strip()
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"bootstrap DHT exited: {proc.tail()}")
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("bootstrap DHT did not start within 60 s")
+
+
+def run_peers(workdir: Path, name: str, configs: list[dict[str, Any]], timeout: float,
+              netns: list[str | None] | None = None, linger: float = 8.0) -> list[dict[str, Any]]:
+    """Run one ``benchmarks.peer`` process per config at once; return their records (raises if one failed)."""
+    procs, outs, ready = [], [], []
+    go = workdir / f"{name}.go"
+    go.unlink(missing_ok=True)
+    try:
+        for i, cfg in enumerate(configs):
+            out = workdir / f"{name}_{i}.json"
+            out.unlink(missing_ok=True)
+            ready.append(workdir / f"{name}_{i}.ready")
+            ready[-1].unlink(missing_ok=True)
+            config_path = workdir / f"{name}_{i}.config.json"
+            write_json(config_path, dict(cfg, out=str(out), ready_file=str(ready[-1]), go_file=str(go),
+                                         launched=time.time()))
+            ns = netns[i] if netns else None
+            procs.append(Proc([sys.executable, "-m", "benchmarks.peer", str(config_path)],
+                              workdir / f"{name}_{i}.log", ns))
+            outs.append(out)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(r.exists() or p.popen.poll() is not None
+                                                      for p, r in zip(procs, ready, strict=True)):
+            time.sleep(0.1)
+        go.touch()  # every peer has joined: start training together
+        # a peer writes its record when its window ends, then lingers and leaves; don't wait for slow shutdowns
+        while time.monotonic() < deadline:
+            if all(out.exists() or p.popen.poll() is not None for p, out in zip(procs, outs, strict=True)):
+                break
+            time.sleep(0.5)
+        grace = time.monotonic() + linger
+        while time.monotonic() < grace and any(p.popen.poll() is None for p in procs):
+            time.sleep(0.5)
+    finally:
+        for p in procs:
+            p.kill()
+    records = []
+    for i, out in enumerate(outs):
+        if not out.exists():
+            raise RuntimeError(f"peer {name}_{i} wrote no record; log ends with:\n{procs[i].tail()}")
+        records.append(json.loads(out.read_text()))
+        if records[-1].get("error"):
+            raise RuntimeError(f"peer {name}_{i}: {records[-1]['error']}; log ends with:\n{procs[i].tail()}")
+    return records
+
+
+def measured_window(record: dict[str, Any], warmup_epochs: int) -> tuple[float, float]:
+    """(start, end) wall times of a peer's measured window: from its first epoch >= warmup to its last step."""
+    if len(record["window"]) != 2:
+        raise RuntimeError(f"peer reached no epoch >= {warmup_epochs} (final epoch {record['final_epoch']})")
+    return record["window"][0], record["window"][1]
+
+
+def throughput(records: list[dict[str, Any]], batch: int, warmup_epochs: int) -> float:
+    """Samples per second of the swarm: the sum over peers of samples in their measured window / its length."""
+    total = 0.0
+    for record in records:
+        start, end = measured_window(record, warmup_epochs)
+        n = sum(1 for s in record["steps"] if s[0] >= start and s[0] + s[1] + s[2] <= end + 1e-6)
+        total += n * batch / (end - start)
+    return total
+
+
+def utilization(records: list[dict[str, Any]], warmup_epochs: int) -> float:
+    """Mean over peers of (seconds spent computing) / (wall seconds) in the measured window."""
+    values = []
+    for record in records:
+        start, end = measured_window(record, warmup_epochs)
+        values.append(sum(s[1] for s in record["steps"] if start <= s[0] <= end) / (end - start))
+    return sum(values) / len(values)
+
+
+def allreduce_seconds(records: list[dict[str, Any]], skip_first: int = 1) -> list[float]:
+    """Durations of the gradient all-reduce rounds: from the last peer's trigger to the last peer done.
+
+    A round is one event of every peer with triggers less than 10 s apart. The first ``skip_first`` events of
+    each peer (joining, first matchmaking) and rounds that failed on some peer are left out.
+    """
+    per_peer = [[e for e in record["averaging"] if "done" in e][skip_first:] for record in records]
+    durations = []
+    for event in per_peer[0]:
+        group = [event]
+        for events in per_peer[1:]:
+            close = [e for e in events if abs(e["trigger"] - event["trigger"]) < 10.0]
+            if close:
+                group.append(min(close, key=lambda e: abs(e["trigger"] - event["trigger"])))
+        if len(group) == len(records) and all(e.get("ok") for e in group):
+            durations.append(max(e["done"] for e in group) - max(e["trigger"] for e in group))
+    return durations
+
+
+def summarize_allreduce(durations: list[float]) -> float:
+    return median(durations) if durations else float("nan")
