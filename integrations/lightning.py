@@ -279,16 +279,16 @@ class CollaborativeStrategy(DDPStrategy):
         """Check what ``configure_optimizers`` returned; nothing touches the network yet."""
         module = self.lightning_module
         assert module is not None
-        if not module.automatic_optimization:
-            raise ConfigurationError(
-                "automatic_optimization", "manual optimization is not supported by CollaborativeStrategy",
-                "use automatic optimization (return the loss from training_step, one optimizer)",
-            )
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         if len(optimizers) != 1:
             raise ConfigurationError(
                 "configure_optimizers", f"returned {len(optimizers)} optimizers; a swarm peer trains with one",
                 "return a single optimizer (and at most one LR scheduler)",
+            )
+        if not module.automatic_optimization:
+            raise ConfigurationError(
+                "automatic_optimization", "manual optimization is not supported by CollaborativeStrategy",
+                "use automatic optimization (return the loss from training_step, one optimizer)",
             )
         configs = self.lr_scheduler_configs
         if len(configs) > 1:

@@ -1,0 +1,257 @@
+"""Lightning adapter: real Trainers with CollaborativeStrategy, each in its own fresh OS process on loopback."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from swarm import Process, child_env, max_param_diff, start_bootstrap, unique_run_id, wait_all, wait_for_file
+
+WORKER = Path(__file__).resolve().parent / "lightning_worker.py"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lightning_train.py"
+
+
+@pytest.fixture
+def bootstrap(tmp_path):
+    proc, initial_peers = start_bootstrap(tmp_path)
+    yield initial_peers
+    proc.kill_tree()
+
+
+def start_trainer(tmp_path: Path, name: str, config: dict, initial_peers: str) -> Process:
+    config = dict(config, out=str(tmp_path / name))
+    config_path = tmp_path / f"{name}.config.json"
+    config_path.write_text(json.dumps(config))
+    return Process([sys.executable, str(WORKER), str(config_path)], tmp_path / f"{name}.log",
+                   env=child_env(INITIAL_PEERS=initial_peers))
+
+
+def finish(procs: dict[str, Process], timeout: float) -> None:
+    try:
+        codes = wait_all(procs, timeout)
+    finally:
+        for proc in procs.values():
+            proc.kill_tree()
+    for name, code in codes.items():
+        assert code == 0, f"trainer {name} exited with {code}:\n{procs[name].log()[-5000:]}"
+
+
+def result(tmp_path: Path, name: str, rank: int = 0) -> dict:
+    path = tmp_path / f"{name}.rank{rank}.json"
+    if not path.exists():
+        log = (tmp_path / f"{name}.log").read_text(errors="replace")
+        raise AssertionError(f"trainer {name} wrote no result; its log ends with:\n{log[-5000:]}")
+    return json.loads(path.read_text())
+
+
+def params(tmp_path: Path, name: str, rank: int = 0) -> dict:
+    return torch.load(tmp_path / f"{name}.rank{rank}.pt")
+
+
+def torch_lrs(scheduler: str, lr: float, epochs: int) -> list[float]:
+    """LR of plain torch after k = 0..epochs scheduler steps (the reference for 'k global epochs')."""
+    sys.path.insert(0, str(WORKER.parent))
+    from lightning_worker import make_scheduler
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    sched = make_scheduler(scheduler, opt)
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(epochs):
+        opt.step()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    return lrs
+
+
+# ---------------------------------------------------------------------------------------------- no swarm
+
+
+def test_bad_arguments_are_refused_before_any_network():
+    from collabopt.integrations.lightning import CollaborativeStrategy, HivemindStrategy
+
+    from collabopt import ConfigurationError
+
+    assert HivemindStrategy is CollaborativeStrategy
+    with pytest.raises(ConfigurationError, match="target_batch_sise"):
+        CollaborativeStrategy(target_batch_size=64, target_batch_sise=32)
+    with pytest.raises(ConfigurationError, match="initial_peers"):
+        CollaborativeStrategy(target_batch_size=64, initial_peers=["/ip4/1.2.3.4/tcp/notaport"])
+    with pytest.raises(ConfigurationError, match="target_batch_size"):
+        CollaborativeStrategy(target_batch_size=0)
+    with pytest.raises(ConfigurationError, match="scheduler_fn"):
+        CollaborativeStrategy(target_batch_size=64, scheduler_fn=3)
+
+
+def test_bad_initial_peers_env_is_refused(monkeypatch):
+    from collabopt.integrations.lightning import CollaborativeStrategy
+
+    from collabopt import ConfigurationError
+
+    monkeypatch.delenv("INITIAL_PEERS", raising=False)
+    monkeypatch.setenv("PL_INITIAL_PEERS", "not-a-multiaddr")
+    with pytest.raises(ConfigurationError, match="PL_INITIAL_PEERS"):
+        CollaborativeStrategy(target_batch_size=64)
+
+
+@pytest.mark.parametrize("case", ["two_optimizers", "manual", "two_schedulers", "scheduler_fn_and_scheduler"])
+def test_unsupported_modules_are_refused_before_joining(case, monkeypatch):
+    """Refused when fit sets up, before any DHT starts (so this runs safely inside the pytest process)."""
+    import lightning.pytorch as pl
+    from collabopt.integrations import lightning as adapter
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from collabopt import ConfigurationError
+
+    started = []
+    monkeypatch.setattr(adapter.CollaborativeStrategy, "_make_optimizer", lambda *a, **k: started.append(1))
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 2)
+            self.automatic_optimization = case not in ("manual", "two_optimizers")  # Lightning: 2 need manual
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+            if case == "two_optimizers":
+                return [opt, torch.optim.SGD(self.parameters(), lr=0.1)]
+            if case == "two_schedulers":
+                return [opt], [sched, torch.optim.lr_scheduler.StepLR(opt, 2)]
+            if case == "scheduler_fn_and_scheduler":
+                return [opt], [sched]
+            return opt
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+    scheduler_fn = None
+    if case == "scheduler_fn_and_scheduler":
+        scheduler_fn = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1)
+    strategy = adapter.CollaborativeStrategy(target_batch_size=64, scheduler_fn=scheduler_fn)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    expected = {"two_optimizers": "one optimizer|2 optimizers", "manual": "manual optimization",
+                "two_schedulers": "2 LR schedulers", "scheduler_fn_and_scheduler": "scheduler_fn"}[case]
+    with pytest.raises(ConfigurationError, match=expected):
+        trainer.fit(Module())
+    assert started == []
+
+
+def test_num_nodes_above_one_is_refused():
+    import lightning.pytorch as pl
+    from collabopt.integrations.lightning import CollaborativeStrategy
+
+    from collabopt import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="num_nodes"):
+        pl.Trainer(strategy=CollaborativeStrategy(target_batch_size=64), accelerator="cpu", devices=1, num_nodes=2)
+
+
+# ---------------------------------------------------------------------------------------------- real swarms
+
+
+@pytest.mark.swarm
+def test_two_trainers_in_sync_and_a_late_joiner_catches_up(tmp_path, bootstrap):
+    """A (offload + StepLR from configure_optimizers + accumulate_grad_batches=2), B (bf16-mixed) and C (joins
+    late) end at the same global epoch with bit-identical weights; samples counted = samples fed; LR = torch's."""
+    run_id = unique_run_id("lightning_sync")
+    epochs, lr = 8, 0.1  # epochs of a few seconds: C must find A and B still training
+    base = dict(run_id=run_id, target_batch_size=768, global_epochs=epochs, lr=lr, scheduler="step",
+                batch_size=16, step_sleep=0.05, max_seconds=100)
+    procs = {
+        "a": start_trainer(tmp_path, "a", dict(base, seed=1, accumulate=2, options={"offload_optimizer": True}),
+                           bootstrap),
+        "b": start_trainer(tmp_path, "b", dict(base, seed=2, precision="bf16-mixed"), bootstrap),
+    }
+    assert wait_for_file(tmp_path / "a.progress", 60), procs["a"].log()[-3000:]
+    deadline = time.monotonic() + 60
+    while json.loads((tmp_path / "a.progress").read_text())["epoch"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    procs["c"] = start_trainer(tmp_path, "c", dict(base, seed=3), bootstrap)
+    finish(procs, 150)
+
+    results = {name: result(tmp_path, name) for name in procs}
+    weights = {name: params(tmp_path, name) for name in procs}
+    for name, res in results.items():
+        assert res["final_epoch"] == epochs, (name, res)
+        if name != "c":
+            assert res["samples_reported"] == res["samples_fed"], (name, res)  # exact, also with accumulation
+        else:  # a late joiner's steps before it caught up are not counted by the swarm
+            assert 0 < res["samples_reported"] <= res["samples_fed"], res
+    for name in ("a", "b"):  # swarm metrics reached the progress bar and the logger
+        assert results[name]["max_peers_logged"] >= 2, results[name]
+        assert {"swarm/peers", "swarm/epoch", "swarm/samples_per_s"} <= set(results[name]["logged_keys"])
+        assert {"swarm/peers", "swarm/epoch", "swarm/samples_per_s"} <= set(results[name]["progress_bar_keys"])
+    assert results["c"]["start_epoch"] >= 1  # the late joiner downloaded the swarm's state before training
+    assert max_param_diff(weights["a"], weights["b"]) == 0.0
+    assert max_param_diff(weights["a"], weights["c"]) == 0.0
+    # LR after k global epochs == plain torch after k scheduler steps (offloaded optimizer on A)
+    reference = torch_lrs("step", lr, epochs)
+    for name in ("a", "b"):
+        for k, value in results[name]["lrs"].items():
+            assert value == pytest.approx(reference[int(k)], rel=1e-12), (name, k)
+        assert results[name]["scheduler_last_epoch"] == epochs
+    assert results["c"]["final_lr"] == pytest.approx(reference[epochs], rel=1e-12)
+    assert results["a"]["lightning_epoch"] >= 0  # Lightning epochs are unrelated to global epochs
+
+
+@pytest.mark.swarm
+def test_resume_from_checkpoint_restores_epoch_optimizer_and_scheduler(tmp_path, bootstrap):
+    run_id = unique_run_id("lightning_resume")
+    ckpt = tmp_path / "peer.ckpt"
+    base = dict(run_id=run_id, target_batch_size=96, optimizer="Adam", lr=0.01, scheduler="lambda", batch_size=16,
+                step_sleep=0.0, n_samples=160, options={"offload_optimizer": True})
+    first = {"first": start_trainer(tmp_path, "first", dict(base, global_epochs=3, save_ckpt=str(ckpt)), bootstrap)}
+    finish(first, 90)
+    saved = torch.load(tmp_path / "first.saved_state.pt")
+    saved_result = result(tmp_path, "first")
+    assert saved["local_epoch"] == 3 and ckpt.exists()
+
+    second = {"second": start_trainer(tmp_path, "second", dict(base, global_epochs=5, resume_ckpt=str(ckpt)),
+                                      bootstrap)}
+    finish(second, 90)
+    resumed = torch.load(tmp_path / "second.start_state.pt")
+    res = result(tmp_path, "second")
+    # continues from the saved epoch, with the saved optimizer statistics and scheduler state
+    assert res["start_epoch"] == 3
+    assert res["start_lightning_epoch"] == saved_result["saved_lightning_epoch"]
+    assert resumed["local_epoch"] == 3
+    assert resumed["samples_reported"] == saved["samples_reported"] > 0
+    assert resumed["scheduler"]["scheduler"]["last_epoch"] == saved["scheduler"]["scheduler"]["last_epoch"] == 3
+    saved_opt, resumed_opt = saved["optimizer"], resumed["optimizer"]
+    assert saved_opt["param_groups"][0]["lr"] == resumed_opt["param_groups"][0]["lr"]
+    assert len(saved_opt["state"]) == len(resumed_opt["state"]) > 0
+    for key, state in saved_opt["state"].items():
+        assert float(state["step"]) == float(resumed_opt["state"][key]["step"]) > 1
+        assert torch.equal(state["exp_avg"], resumed_opt["state"][key]["exp_avg"])
+        assert torch.equal(state["exp_avg_sq"], resumed_opt["state"][key]["exp_avg_sq"])
+    # and goes on: LR after 5 global epochs is torch's after 5 scheduler steps
+    reference = torch_lrs("lambda", 0.01, 5)
+    assert res["start_lr"] == pytest.approx(reference[3], rel=1e-12)
+    assert res["final_epoch"] == 5
+    assert res["final_lr"] == pytest.approx(reference[5], rel=1e-12)
+    assert res["scheduler_last_epoch"] == 5
+
+
+def test_schedule_steps_from_its_own_values_after_a_state_download():
+    """A peer that reaches epoch k+1 by downloading state gets param groups already stepped by the peer it
+    downloaded from; the schedule must not step them again (seen as an LR one step ahead in a Lightning swarm)."""
+    from collabopt.scheduling import EpochSchedule
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    schedule = EpochSchedule(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7))
+    schedule.advance_to(1)
+    opt.param_groups[0]["lr"] = 0.1 * 0.7**2  # downloaded from a peer that is at epoch 2 already
+    schedule.advance_to(2)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.7**2, rel=1e-12)
+    schedule.advance_to(3)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.7**3, rel=1e-12)
