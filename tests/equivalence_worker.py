@@ -33,7 +33,6 @@ def run(mode: dict) -> dict:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if mode.get("amp") else None
     skip = mode.get("skip_steps", ())  # fp32 reference: these batches are not used
     overflow = mode.get("overflow_step")  # AMP: this step's gradients are inf, so it is dropped
-    caught = []
     with warnings.catch_warnings(record=True) as caught, CollaborativeOptimizer(
         opt, run_id=f"equiv_{uuid.uuid4().hex[:8]}", target_batch_size=TARGET, model=model,
         reuse_grad_buffers=mode.get("reuse", False), offload_optimizer=mode.get("offload", False),

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from swarm import child_env, max_param_diff
 
 pytestmark = pytest.mark.swarm

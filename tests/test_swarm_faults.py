@@ -1,0 +1,127 @@
+"""Faults and lifecycle on real swarms: late joiners, a peer killed mid-training, Ctrl+C and SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+from swarm import (
+    max_param_diff,
+    read_params,
+    read_result,
+    start_bootstrap,
+    start_peer,
+    unique_run_id,
+    wait_all,
+    wait_for_file,
+)
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+
+
+@pytest.fixture
+def bootstrap(tmp_path):
+    proc, initial_peers = start_bootstrap(tmp_path)
+    yield initial_peers
+    proc.kill_tree()
+
+
+def progress_epoch(tmp_path, name) -> int:
+    try:
+        return json.loads((tmp_path / f"{name}.progress").read_text())["epoch"]
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def wait_for_epoch(tmp_path, proc, name, epoch, timeout=90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while progress_epoch(tmp_path, name) < epoch:
+        assert proc.popen.poll() is None, f"{name} exited early:\n{proc.log()[-3000:]}"
+        assert time.monotonic() < deadline, f"{name} did not reach epoch {epoch}:\n{proc.log()[-3000:]}"
+        time.sleep(0.05)
+
+
+def finish(procs, timeout=150):
+    try:
+        codes = wait_all(procs, timeout)
+    finally:
+        for proc in procs.values():
+            proc.kill_tree()
+    return codes
+
+
+def test_late_joiner_holds_swarm_parameters_before_first_contribution(tmp_path, bootstrap):
+    base = dict(run_id=unique_run_id("late"), target_batch_size=480, epochs=6, lr=0.3, step_sleep=0.05,
+                save_epoch_params=True)
+    procs = {
+        "a": start_peer(tmp_path, "a", dict(base, seed=1, model_seed=1), bootstrap),
+        "b": start_peer(tmp_path, "b", dict(base, seed=2, model_seed=2), bootstrap),
+        # its own, different initialization: it must be replaced by the swarm's parameters
+        "late": start_peer(tmp_path, "late", dict(base, seed=3, model_seed=3, start_after=dict(
+            progress_file=str(tmp_path / "a.progress"), epoch=2)), bootstrap),
+    }
+    codes = finish(procs)
+    assert all(code == 0 for code in codes.values()), {n: p.log()[-2000:] for n, p in procs.items()}
+    late = read_result(tmp_path, "late")
+    start_epoch = late["start_epoch"]
+    assert start_epoch >= 2
+    late_start = torch.load(tmp_path / "late.start.pt")
+    # it downloaded the state of a or b at that epoch: bit-identical to one of them (a and b, which started from
+    # different initializations, may differ from each other in the last bits: hivemind adds averaged deltas)
+    sources = [torch.load(tmp_path / f"{name}.epochs.pt").get(start_epoch) for name in ("a", "b")]
+    diffs = [max_param_diff(late_start, params) for params in sources if params is not None]
+    assert diffs and min(diffs) == 0.0, diffs
+    # and it did not keep its own initialization
+    torch.manual_seed(3)
+    own = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).state_dict()
+    assert max_param_diff(late_start, own) > 0.01
+    assert late["final_epoch"] >= 6
+
+
+def test_sigkill_one_of_three_peers_the_others_keep_training_in_sync(tmp_path, bootstrap):
+    base = dict(run_id=unique_run_id("kill"), target_batch_size=480, epochs=7, lr=0.3, step_sleep=0.05,
+                model_seed=0)
+    procs = {name: start_peer(tmp_path, name, dict(base, seed=i), bootstrap) for i, name in enumerate("abc")}
+    wait_for_epoch(tmp_path, procs["a"], "a", 2)
+    killed_at = progress_epoch(tmp_path, "c")
+    procs["c"].kill_tree()  # SIGKILL the peer and every process it started (DHT, p2pd, averagers)
+    survivors = {"a": procs["a"], "b": procs["b"]}
+    codes = finish(survivors)
+    assert codes == {"a": 0, "b": 0}, {n: p.log()[-3000:] for n, p in survivors.items()}
+    results = {name: read_result(tmp_path, name) for name in survivors}
+    for name, result in results.items():
+        assert result["final_epoch"] >= 7 > killed_at + 2, (name, result["final_epoch"], killed_at)
+    params = {name: read_params(tmp_path, name) for name in survivors}
+    assert max_param_diff(params["a"], params["b"]) == 0.0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_stops_a_peer_quickly_and_leaves_no_process(tmp_path, bootstrap, signum):
+    cfg = dict(run_id=unique_run_id("signal"), target_batch_size=64, epochs=10_000, lr=0.1, step_sleep=0.02,
+               max_seconds=300)
+    peer = start_peer(tmp_path, "peer", cfg, bootstrap)
+    try:
+        assert wait_for_file(tmp_path / "peer.progress", 90), peer.log()[-3000:]
+        peer.remember_descendants()
+        children = psutil.Process(peer.pid).children(recursive=True)
+        assert any("p2pd" in " ".join(c.cmdline()) for c in children), "expected a p2pd child to watch"
+        assert len(children) >= 3  # DHT process, its p2pd, averager processes
+        sent = time.monotonic()
+        peer.signal(signum)
+        code = peer.wait(10)  # the acceptance bound: it exits within 10 s
+        elapsed = time.monotonic() - sent
+        assert code is not None, f"peer still running 10 s after {signum!r}:\n{peer.log()[-3000:]}"
+        # SIGTERM: SystemExit(143); SIGINT: KeyboardInterrupt, which Python ends by re-raising SIGINT (-2)
+        expected = 128 + signal.SIGTERM if signum == signal.SIGTERM else -signal.SIGINT
+        assert code == expected, (code, peer.log()[-2000:])
+        deadline = time.monotonic() + 5
+        while peer.descendants_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert peer.descendants_alive() == [], f"left behind: {peer.descendants_alive()}"
+        print(f"{signum!r}: exited in {elapsed:.1f} s")
+    finally:
+        peer.kill_tree()
