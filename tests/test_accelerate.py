@@ -7,6 +7,7 @@ The 2-CPU form is ``accelerate launch --multi_gpu --num_processes 2 ...`` with `
 from __future__ import annotations
 
 import json
+import re
 import socket
 import sys
 import time
@@ -171,3 +172,20 @@ def test_accelerate_save_state_kill_load_state_resumes(tmp_path):
     start = [torch.load(tmp_path / f"second.rank{r}.start.pt") for r in (0, 1)]
     assert max_param_diff(start[0], read_params(tmp_path, "first.rank0")) == 0.0
     assert max_param_diff(start[1], read_params(tmp_path, "first.rank0")) == 0.0
+
+
+def test_accelerate_example_script_trains_as_one_peer(tmp_path):
+    """examples/accelerate_train.py under the documented 2-CPU launch command: one peer joins (one join message,
+    from rank 0), it trains to a useful held-out accuracy and exits cleanly."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "accelerate_train.py"
+    args = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu",
+            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), str(example), "--cpu", "--epochs", "5",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    proc = Process(args, tmp_path / "example.log")
+    finish({"example": proc}, timeout=150)
+    log = (tmp_path / "example.log").read_text(errors="replace")
+    assert log.count("other peers can join with") == 1, log[-3000:]
+    accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", log).group(1))
+    assert accuracy > 0.7, log[-3000:]
+    assert (tmp_path / "ckpt").is_dir()
