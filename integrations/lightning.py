@@ -479,7 +479,7 @@ class CollaborativeStrategy(DDPStrategy):
         if copt is None or copt.closed:
             return {}
         return {
-            "swarm/peers": float(copt.num_peers),
+            "swarm/peers": float(max(1, copt.num_peers)),  # this peer trains even before its record is seen
             "swarm/epoch": float(copt.local_epoch),
             "swarm/samples_per_s": float(copt.samples_per_second),
         }

@@ -39,6 +39,8 @@ def make_scheduler(name: str, optimizer: torch.optim.Optimizer):
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     if name == "lambda":
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0 / (1 + epoch))
+    if name == "plateau":
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
     raise ValueError(name)
 
 
@@ -54,6 +56,8 @@ class Net(pl.LightningModule):
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         self.samples_fed += len(x)
+        if self.cfg.get("scheduler") == "plateau":
+            self.log("plateau_metric", 1.0)  # a plateau: the LR is cut at every global epoch after the first
         time.sleep(self.cfg.get("step_sleep", 0.03))
         return loss
 
@@ -65,7 +69,10 @@ class Net(pl.LightningModule):
             opt = getattr(torch.optim, self.cfg["optimizer"])(self.parameters(), lr=lr)
         if self.cfg.get("scheduler"):
             scheduler = make_scheduler(self.cfg["scheduler"], opt)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+            config = {"scheduler": scheduler, "interval": "step"}
+            if self.cfg["scheduler"] == "plateau":
+                config["monitor"] = "plateau_metric"
+            return {"optimizer": opt, "lr_scheduler": config}
         return opt
 
     def train_dataloader(self):
@@ -73,6 +80,16 @@ class Net(pl.LightningModule):
         sizes = self.cfg.get("batch_size", 16)
         return DataLoader(TensorDataset(x, y), batch_size=sizes, shuffle=True,
                           generator=torch.Generator().manual_seed(self.cfg.get("seed", 0)))
+
+
+class NetWithZeroGrad(Net):
+    """A module that overrides ``optimizer_zero_grad`` (disabled by ``reuse_grad_buffers=True``)."""
+
+    zero_grad_calls = 0
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        self.zero_grad_calls += 1
+        optimizer.zero_grad()
 
 
 def copy_state(obj):
@@ -97,6 +114,13 @@ class Recorder(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         copt = self.strategy.collaborative_optimizer
         if "start_epoch" not in self.result:
+            if self.cfg.get("barrier") and trainer.is_global_zero:  # other ranks wait in the first collective
+                # start training together: every peer of the test has joined the swarm (epochs are short)
+                Path(self.out + ".ready").write_text("1")
+                deadline = time.monotonic() + 60
+                while not all(Path(p + ".ready").exists() for p in self.cfg["barrier"]):
+                    assert time.monotonic() < deadline, "the other peers did not come"
+                    time.sleep(0.1)
             self.result["start_epoch"] = copt.local_epoch
             self.result["start_lightning_epoch"] = trainer.current_epoch
             self.result["start_lr"] = copt.get_lr()[0]
@@ -137,7 +161,7 @@ def main(config_path: str) -> None:
     options.setdefault("matchmaking_time", 2.0)
     options.setdefault("averaging_timeout", 15.0)
     strategy = CollaborativeStrategy(target_batch_size=cfg["target_batch_size"], run_id=cfg["run_id"], **options)
-    model = Net(cfg)
+    model = NetWithZeroGrad(cfg) if cfg.get("override_zero_grad") else Net(cfg)
     recorder = Recorder(cfg, strategy, out)
     trainer = pl.Trainer(
         strategy=strategy,
@@ -166,6 +190,10 @@ def main(config_path: str) -> None:
     )
     if cfg.get("scheduler"):
         result["scheduler_last_epoch"] = trainer.lr_scheduler_configs[0].scheduler.last_epoch
+        result["scheduler_class"] = type(trainer.lr_scheduler_configs[0].scheduler).__name__
+    if cfg.get("override_zero_grad"):
+        result["zero_grad_calls_while_fitting"] = model.zero_grad_calls
+        result["zero_grad_restored"] = "optimizer_zero_grad" not in model.__dict__
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{out}.rank{rank}.pt")
     write_json(f"{out}.rank{rank}.json", result)
 

@@ -63,7 +63,7 @@ def torch_lrs(scheduler: str, lr: float, epochs: int) -> list[float]:
     lrs = [opt.param_groups[0]["lr"]]
     for _ in range(epochs):
         opt.step()
-        sched.step()
+        sched.step(1.0) if scheduler == "plateau" else sched.step()
         lrs.append(opt.param_groups[0]["lr"])
     return lrs
 
@@ -255,3 +255,56 @@ def test_schedule_steps_from_its_own_values_after_a_state_download():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.7**2, rel=1e-12)
     schedule.advance_to(3)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.7**3, rel=1e-12)
+
+
+@pytest.mark.swarm
+def test_two_device_node_is_one_peer_in_sync_with_a_single_device_peer(tmp_path, bootstrap):
+    """accelerator="cpu", devices=2 (gloo DDP) is ONE swarm peer: with a 1-device peer the swarm has 2 peers and
+    all 3 processes end bit-identical; the node reports the samples of both its ranks."""
+    run_id = unique_run_id("lightning_node")
+    epochs, lr = 4, 0.1
+    base = dict(run_id=run_id, target_batch_size=512, global_epochs=epochs, lr=lr, scheduler="step", batch_size=16,
+                step_sleep=0.05, max_seconds=100, barrier=[str(tmp_path / "node"), str(tmp_path / "single")])
+    procs = {
+        "node": start_trainer(tmp_path, "node", dict(base, seed=1, devices=2), bootstrap),
+        "single": start_trainer(tmp_path, "single", dict(base, seed=2), bootstrap),
+    }
+    finish(procs, 150)
+    ranks = [result(tmp_path, "node", 0), result(tmp_path, "node", 1)]
+    single = result(tmp_path, "single")
+    assert ranks[0]["world_size"] == ranks[1]["world_size"] == 2
+    for res in (*ranks, single):
+        assert res["final_epoch"] == epochs, res
+        assert res["final_lr"] == pytest.approx(torch_lrs("step", lr, epochs)[epochs], rel=1e-12)
+    # one node = one peer: the swarm never counted 3 peers
+    assert single["max_peers_logged"] == ranks[0]["max_peers_logged"] == 2, (single, ranks[0])
+    # the node reported the samples of both ranks, exactly
+    assert ranks[0]["samples_reported"] == ranks[0]["samples_fed"] + ranks[1]["samples_fed"], ranks
+    assert single["samples_reported"] == single["samples_fed"]
+    weights = [params(tmp_path, "node", 0), params(tmp_path, "node", 1), params(tmp_path, "single")]
+    assert max_param_diff(weights[0], weights[1]) == 0.0
+    assert max_param_diff(weights[0], weights[2]) == 0.0
+
+
+@pytest.mark.swarm
+def test_reuse_grad_buffers_disables_zero_grad_override_and_plateau_follows_global_epochs(tmp_path, bootstrap):
+    """reuse_grad_buffers=True: the module's optimizer_zero_grad override is disabled with a warning (and restored
+    after fit); ReduceLROnPlateau from configure_optimizers (monitor=...) is stepped once per global epoch."""
+    run_id = unique_run_id("lightning_reuse")
+    epochs, lr = 4, 0.1
+    config = dict(run_id=run_id, target_batch_size=96, global_epochs=epochs, lr=lr, scheduler="plateau",
+                  batch_size=16, step_sleep=0.0, override_zero_grad=True, options={"reuse_grad_buffers": True})
+    procs = {"peer": start_trainer(tmp_path, "peer", config, bootstrap)}
+    finish(procs, 90)
+    res = result(tmp_path, "peer")
+    assert "disables your optimizer_zero_grad override" in (tmp_path / "peer.log").read_text()
+    assert res["zero_grad_calls_while_fitting"] == 0
+    assert res["zero_grad_restored"]
+    assert res["samples_reported"] == res["samples_fed"]
+    assert res["scheduler_class"] == "ReduceLROnPlateau"  # the user's instance is back in the Trainer after fit
+    reference = torch_lrs("plateau", lr, epochs)
+    assert reference[epochs] < reference[1]  # the reference really cuts the LR
+    assert res["final_epoch"] == epochs
+    for k, value in res["lrs"].items():
+        assert value == pytest.approx(reference[int(k)], rel=1e-12), (k, value, reference)
+    assert res["final_lr"] == pytest.approx(reference[epochs], rel=1e-12)
