@@ -125,8 +125,8 @@ class _SwarmMetricsCallback(Callback):
             return
         metrics = self.strategy.swarm_metrics()
         if metrics:
-            pl_module.log_dict(metrics, prog_bar=True, logger=True, on_step=True, on_epoch=False, batch_size=1,
-                               rank_zero_only=True)
+            pl_module.log_dict(metrics, prog_bar=True, logger=bool(trainer.loggers), on_step=True, on_epoch=False,
+                               batch_size=1, rank_zero_only=True)
 
 
 class CollaborativeStrategy(DDPStrategy):

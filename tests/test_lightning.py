@@ -167,10 +167,11 @@ def test_two_trainers_in_sync_and_a_late_joiner_catches_up(tmp_path, bootstrap):
     epochs, lr = 8, 0.1  # epochs of a few seconds: C must find A and B still training
     base = dict(run_id=run_id, target_batch_size=768, global_epochs=epochs, lr=lr, scheduler="step",
                 batch_size=16, step_sleep=0.05, max_seconds=100)
+    together = dict(barrier=[str(tmp_path / "a"), str(tmp_path / "b")])  # A and B start training together
     procs = {
-        "a": start_trainer(tmp_path, "a", dict(base, seed=1, accumulate=2, options={"offload_optimizer": True}),
-                           bootstrap),
-        "b": start_trainer(tmp_path, "b", dict(base, seed=2, precision="bf16-mixed"), bootstrap),
+        "a": start_trainer(tmp_path, "a", dict(base, **together, seed=1, accumulate=2,
+                                               options={"offload_optimizer": True}), bootstrap),
+        "b": start_trainer(tmp_path, "b", dict(base, **together, seed=2, precision="bf16-mixed"), bootstrap),
     }
     assert wait_for_file(tmp_path / "a.progress", 60), procs["a"].log()[-3000:]
     deadline = time.monotonic() + 60
@@ -308,3 +309,22 @@ def test_reuse_grad_buffers_disables_zero_grad_override_and_plateau_follows_glob
     for k, value in res["lrs"].items():
         assert value == pytest.approx(reference[int(k)], rel=1e-12), (k, value, reference)
     assert res["final_lr"] == pytest.approx(reference[epochs], rel=1e-12)
+
+
+@pytest.mark.swarm
+def test_example_script_trains_and_prints_how_to_join(tmp_path):
+    run_id = unique_run_id("lightning_example")
+    proc = Process([sys.executable, str(EXAMPLE), "--run-id", run_id, "--target-batch-size", "256",
+                    "--global-epochs", "4", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], tmp_path / "example.log")
+    try:
+        code = proc.wait(90)
+    finally:
+        proc.kill_tree()
+    log = (tmp_path / "example.log").read_text(errors="replace")
+    assert code == 0, log[-5000:]
+    # the helper message of lightning-hivemind: how other machines join
+    assert "INITIAL_PEERS=/ip4/127.0.0.1/tcp/" in log and "CollaborativeStrategy(..., initial_peers=" in log
+    line = next(line for line in log.splitlines() if line.startswith("finished at global epoch"))
+    start, final = (float(v) for v in line.split("test accuracy ")[1].split(" -> "))
+    assert line.startswith("finished at global epoch 4:"), line
+    assert final > start + 0.2, line  # it learned (chance is 0.1)
