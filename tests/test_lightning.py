@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -328,3 +329,24 @@ def test_example_script_trains_and_prints_how_to_join(tmp_path):
     start, final = (float(v) for v in line.split("test accuracy ")[1].split(" -> "))
     assert line.startswith("finished at global epoch 4:"), line
     assert final > start + 0.2, line  # it learned (chance is 0.1)
+
+
+@pytest.mark.swarm
+def test_sigterm_stops_the_trainer_and_leaves_no_process_behind(tmp_path, bootstrap):
+    config = dict(run_id=unique_run_id("lightning_sigterm"), target_batch_size=64, global_epochs=10_000,
+                  batch_size=16, step_sleep=0.02, max_seconds=120)
+    proc = start_trainer(tmp_path, "peer", config, bootstrap)
+    try:
+        assert wait_for_file(tmp_path / "peer.progress", 60), proc.log()[-3000:]
+        proc.remember_descendants()
+        assert proc.descendants_alive(), "hivemind's DHT / averager processes should be running"
+        proc.signal(signal.SIGTERM)
+        code = proc.wait(30)
+        assert code is not None, "the trainer did not stop within 30 s of SIGTERM"
+        deadline = time.monotonic() + 10
+        while proc.descendants_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.descendants_alive() == []
+    finally:
+        proc.kill_tree()
+    assert not (tmp_path / "peer.rank0.json").exists()  # it stopped (Lightning raises), it did not finish
