@@ -163,11 +163,15 @@ def main(config_path: str) -> None:
     strategy = CollaborativeStrategy(target_batch_size=cfg["target_batch_size"], run_id=cfg["run_id"], **options)
     model = NetWithZeroGrad(cfg) if cfg.get("override_zero_grad") else Net(cfg)
     recorder = Recorder(cfg, strategy, out)
+    precision: dict = {"precision": cfg.get("precision", "32-true")}
+    if cfg.get("fp16_scaler_on_cpu"):  # the 16-mixed code path (GradScaler) on a CPU: Lightning's own plugin
+        scaler = torch.amp.GradScaler("cpu", init_scale=cfg["fp16_scaler_on_cpu"])
+        precision = {"plugins": [pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=cfg.get("devices", 1),
-        precision=cfg.get("precision", "32-true"),
+        **precision,
         accumulate_grad_batches=cfg.get("accumulate", 1),
         max_epochs=1000,
         callbacks=[recorder],
@@ -185,6 +189,7 @@ def main(config_path: str) -> None:
         final_lr=copt.get_lr()[0],
         samples_fed=model.samples_fed,
         samples_reported=copt.samples_reported,
+        samples_skipped=copt.samples_skipped,
         lightning_epoch=trainer.current_epoch,
         world_size=trainer.world_size,
     )
