@@ -353,3 +353,21 @@ def test_sigterm_stops_the_trainer_and_leaves_no_process_behind(tmp_path, bootst
     finally:
         proc.kill_tree()
     assert not (tmp_path / "peer.rank0.json").exists()  # it stopped (Lightning raises), it did not finish
+
+
+@pytest.mark.swarm
+def test_works_with_standalone_pytorch_lightning_when_lightning_is_absent(tmp_path):
+    pytest.importorskip("pytorch_lightning")
+    script = WORKER.parent / "lightning_standalone_pl.py"
+    proc = Process([sys.executable, str(script), unique_run_id("lightning_pl")], tmp_path / "pl.log")
+    try:
+        code = proc.wait(90)
+    finally:
+        proc.kill_tree()
+    log = (tmp_path / "pl.log").read_text(errors="replace")
+    assert code == 0, log[-5000:]
+    res = json.loads(next(line for line in log.splitlines() if line.startswith("{")))
+    assert res["strategy_base"] == "pytorch_lightning.strategies.ddp.DDPStrategy"
+    assert not res["lightning_loaded"]
+    assert res["local_epoch"] == 2
+    assert res["samples_reported"] == res["samples_fed"] > 0
