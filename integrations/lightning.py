@@ -26,7 +26,6 @@ Example::
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 import signal
 import sys
@@ -63,8 +62,6 @@ except ImportError:  # pragma: no cover - exercised only where only pytorch_ligh
             "collabopt.integrations.lightning needs Lightning: pip install 'collabopt[lightning]' "
             "(or pip install lightning)"
         ) from error
-
-logger = logging.getLogger(__name__)
 
 INITIAL_PEERS_ENV = ("INITIAL_PEERS", "PL_INITIAL_PEERS")
 # strategy arguments that are not CollaborativeOptimizer / hivemind.Optimizer arguments
@@ -443,16 +440,24 @@ class CollaborativeStrategy(DDPStrategy):
         return super().optimizer_state(optimizer)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Restore the optimizer from a checkpoint (``Trainer.fit(ckpt_path=...)``).
+
+        A checkpoint written by this strategy holds the collaborative state (optimizer statistics, scheduler,
+        global epoch); it is applied once the swarm is joined. A checkpoint of ordinary (non-swarm) training
+        restores the torch optimizer's statistics; the swarm run then starts at global epoch 0.
+        """
         states = checkpoint["optimizer_states"]
-        if self._fit_plan is None or not states:
-            return super().load_optimizer_state_dict(checkpoint)
-        state = states[0]
-        if not (isinstance(state, dict) and str(state.get("format", "")).startswith("collabopt/")):
+        state = states[0] if states else None
+        is_collaborative = isinstance(state, dict) and str(state.get("format", "")).startswith("collabopt/")
+        if self._fit_plan is not None and is_collaborative:
+            self._fit_plan["saved_state"] = state  # applied in on_train_start
+            return
+        if is_collaborative:
             raise ConfigurationError(
-                "ckpt_path", "this checkpoint was not written by CollaborativeStrategy (no collaborative state)",
-                "resume from a checkpoint saved while training with CollaborativeStrategy, or load only the weights",
+                "ckpt_path", "holds collaborative optimizer state, which is restored only by Trainer.fit",
+                "resume with trainer.fit(model, ckpt_path=...)",
             )
-        self._fit_plan["saved_state"] = state  # applied once the swarm is joined (on_train_start)
+        super().load_optimizer_state_dict(checkpoint)
 
     # ------------------------------------------------------------------ visibility
 
