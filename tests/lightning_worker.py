@@ -51,13 +51,17 @@ class Net(pl.LightningModule):
         torch.manual_seed(cfg.get("model_seed", 0))
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
         self.samples_fed = 0
+        self.batches_skipped = 0
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.cross_entropy(self.net(x), y)
-        self.samples_fed += len(x)
         if self.cfg.get("scheduler") == "plateau":
             self.log("plateau_metric", 1.0)  # a plateau: the LR is cut at every global epoch after the first
+        if self.cfg.get("skip_every") and batch_idx % self.cfg["skip_every"] == 0:
+            self.batches_skipped += 1
+            return None  # Lightning skips this batch: it must not count as samples
+        loss = F.cross_entropy(self.net(x), y)
+        self.samples_fed += len(x)
         time.sleep(self.cfg.get("step_sleep", 0.03))
         return loss
 
@@ -188,6 +192,7 @@ def main(config_path: str) -> None:
         final_epoch=copt.local_epoch,
         final_lr=copt.get_lr()[0],
         samples_fed=model.samples_fed,
+        batches_skipped=model.batches_skipped,
         samples_reported=copt.samples_reported,
         samples_skipped=copt.samples_skipped,
         lightning_epoch=trainer.current_epoch,

@@ -298,14 +298,15 @@ def test_reuse_grad_buffers_disables_zero_grad_override_and_plateau_follows_glob
     run_id = unique_run_id("lightning_reuse")
     epochs, lr = 4, 0.1
     config = dict(run_id=run_id, target_batch_size=96, global_epochs=epochs, lr=lr, scheduler="plateau",
-                  batch_size=16, step_sleep=0.0, override_zero_grad=True, options={"reuse_grad_buffers": True})
+                  batch_size=16, step_sleep=0.0, override_zero_grad=True, options={"reuse_grad_buffers": True},
+                  skip_every=3)  # training_step returns None on every 3rd batch: those samples are not counted
     procs = {"peer": start_trainer(tmp_path, "peer", config, bootstrap)}
     finish(procs, 90)
     res = result(tmp_path, "peer")
     assert "disables your optimizer_zero_grad override" in (tmp_path / "peer.log").read_text()
     assert res["zero_grad_calls_while_fitting"] == 0
     assert res["zero_grad_restored"]
-    assert res["samples_reported"] == res["samples_fed"]
+    assert res["samples_reported"] == res["samples_fed"] and res["batches_skipped"] > 0
     assert res["scheduler_class"] == "ReduceLROnPlateau"  # the user's instance is back in the Trainer after fit
     reference = torch_lrs("plateau", lr, epochs)
     assert reference[epochs] < reference[1]  # the reference really cuts the LR
