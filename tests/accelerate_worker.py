@@ -25,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collabopt.integrations.accelerate import CollaborativeAccelerator  # noqa: E402
 from peer_worker import make_data, make_model, write_json  # noqa: E402
 
+from collabopt import wait_for_peers  # noqa: E402
+from collabopt.node import NodeOptimizer  # noqa: E402
+
 
 class MemoryTracker(GeneralTracker):
     """Keeps what accelerator.log() sends (the test checks the swarm metrics arrive)."""
@@ -96,6 +99,13 @@ def main(config_path: str) -> None:
     copt = accelerator.collaborative_optimizer
     if accelerator.is_main_process:
         Path(out + ".ready").write_text("ready")
+    # start once the other peer is visible (a node alone would race through the epochs);
+    # wait_peers counts the others: this node is not counted before its first step
+    if cfg.get("wait_peers"):
+        if accelerator.is_main_process:
+            swarm_opt = copt.collaborative_optimizer if isinstance(copt, NodeOptimizer) else copt
+            assert wait_for_peers(swarm_opt, cfg["wait_peers"], timeout=60), "the other peer did not show up"
+        accelerator.wait_for_everyone()
     if cfg.get("load_from"):
         accelerator.load_state(cfg["load_from"])
 

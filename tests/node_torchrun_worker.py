@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collabopt.integrations.pytorch import collaborate  # noqa: E402
 from peer_worker import make_data, make_model, write_json  # noqa: E402
 
+from collabopt import wait_for_peers  # noqa: E402
+
 
 def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
@@ -42,6 +44,12 @@ def main(config_path: str) -> None:
         result["type"] = type(copt).__name__
         if rank == 0:
             Path(out + ".ready").write_text("ready")
+            # start once the other peer is visible (a node alone would race through the epochs);
+            # wait_peers counts the others: this node is not counted before its first step
+            if cfg.get("wait_peers"):
+                assert wait_for_peers(copt.collaborative_optimizer, cfg["wait_peers"], timeout=60), "no other peer"
+        # long-timeout group: the default one has pg_timeout seconds
+        dist.barrier(group=dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=5)))
         if rank == 0 and cfg.get("rank0_delay_s"):  # simulate slow matchmaking inside rank 0's swarm step
             inner = copt.collaborative_optimizer
             original_step, delayed = inner.step, [False]

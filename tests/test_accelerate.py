@@ -78,12 +78,12 @@ def test_accelerate_node_and_peer_train_in_sync(tmp_path, bootstrap):
     """2 accelerate processes (gradient_accumulation_steps=2) + 1 plain peer: the swarm sees 2 peers, all 3
     processes end bit-identical, every fed sample is counted once, the scheduler advances once per epoch."""
     run_id, epochs = unique_run_id("acc_swarm"), 4
-    node = launch(tmp_path, "node", dict(run_id=run_id, target_batch_size=1000, epochs=epochs, ga=2, lr=LR,
-                                         gamma=GAMMA, step_sleep=0.03), bootstrap)
+    node = launch(tmp_path, "node", dict(run_id=run_id, target_batch_size=3000, epochs=epochs, ga=2, lr=LR,
+                                         gamma=GAMMA, step_sleep=0.05, wait_peers=1), bootstrap)
     if not wait_for_file(tmp_path / "node.rank0.ready", 90):  # the peer starts once the node is in the swarm
         node.kill_tree()
         pytest.fail(f"the node did not start:\n{node.log()[-5000:]}")
-    peer = start_peer(tmp_path, "peer", dict(run_id=run_id, target_batch_size=1000, epochs=epochs, lr=LR,
+    peer = start_peer(tmp_path, "peer", dict(run_id=run_id, target_batch_size=3000, epochs=epochs, lr=LR,
                                              scheduler="exponential", model_seed=0, batch_sizes=[16],
                                              step_sleep=0.05, max_seconds=150), bootstrap)
     finish({"node": node, "peer": peer}, timeout=170)

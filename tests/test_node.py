@@ -63,12 +63,13 @@ def test_torchrun_node_is_one_peer_and_survives_slow_rank0(tmp_path, bootstrap):
     counts, LR per global epoch on both ranks. The default process group has a 3 s timeout and rank 0's first swarm
     step takes 8 s: rank 1 waits in collabopt's long-timeout group, so the job survives."""
     run_id, epochs = unique_run_id("torchrun"), 5
-    node = torchrun(tmp_path, "node", dict(run_id=run_id, target_batch_size=800, epochs=epochs, lr=LR, gamma=GAMMA,
-                                           pg_timeout=3, rank0_delay_s=8, check_every_step=True), bootstrap)
+    node = torchrun(tmp_path, "node", dict(run_id=run_id, target_batch_size=2000, epochs=epochs, lr=LR, gamma=GAMMA,
+                                           pg_timeout=3, rank0_delay_s=8, check_every_step=True, wait_peers=1),
+                    bootstrap)
     if not wait_for_file(tmp_path / "node.rank0.ready", 90):  # the peer starts once the node is in the swarm
         node.kill_tree()
         pytest.fail(f"the node did not start:\n{node.log()[-5000:]}")
-    peer = start_peer(tmp_path, "peer", dict(run_id=run_id, target_batch_size=800, epochs=epochs, lr=LR,
+    peer = start_peer(tmp_path, "peer", dict(run_id=run_id, target_batch_size=2000, epochs=epochs, lr=LR,
                                              scheduler="exponential", model_seed=0, batch_sizes=[16],
                                              step_sleep=0.05, max_seconds=150), bootstrap)
     finish({"node": node, "peer": peer}, timeout=170)
