@@ -88,6 +88,34 @@ def test_bad_arguments_are_refused_before_any_network():
         CollaborativeStrategy(target_batch_size=64, scheduler_fn=3)
 
 
+def test_signature_is_a_drop_in_for_lightning_hivemind():
+    """Same parameter names, order and defaults as lightning-hivemind's HivemindStrategy (reference 003), plus its
+    DHT options; hivemind options (compression, PowerSGD) are accepted through **optimizer_kwargs."""
+    import inspect
+
+    from collabopt.integrations.lightning import CollaborativeStrategy
+    from hivemind.compression import Float16Compression
+    from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
+
+    reference = dict(target_batch_size=inspect.Parameter.empty, run_id="lightning_run", batch_size=None,
+                     delay_state_averaging=False, delay_optimizer_step=None, delay_grad_averaging=False,
+                     offload_optimizer=None, reuse_grad_buffers=False, scheduler_fn=None, matchmaking_time=5.0,
+                     averaging_timeout=30.0, verbose=False, averager_opts=None, host_maddrs=None, initial_peers=None)
+    params = list(inspect.signature(CollaborativeStrategy.__init__).parameters.values())[1:]
+    assert [p.name for p in params[:len(reference)]] == list(reference)
+    assert {p.name: p.default for p in params[:len(reference)]} == reference
+    names = {p.name for p in params}
+    assert {"use_ipfs", "wait_timeout", "bootstrap_timeout", "use_relay", "use_auto_relay", "identity_path"} <= names
+    assert params[-1].kind is inspect.Parameter.VAR_KEYWORD
+    strategy = CollaborativeStrategy(
+        8192, "run", None, grad_compression=Float16Compression(),
+        state_averaging_compression=Float16Compression(),
+        grad_averager_factory=functools.partial(PowerSGDGradientAverager, averager_rank=4),
+    )
+    assert strategy.target_batch_size == 8192 and strategy.run_id == "run"
+    assert strategy.num_peers == 1 and strategy.collaborative_optimizer is None  # nothing started yet
+
+
 def test_bad_initial_peers_env_is_refused(monkeypatch):
     from collabopt.integrations.lightning import CollaborativeStrategy
 
