@@ -50,11 +50,8 @@ def collaborate(
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError("model", f"expected a torch.nn.Module, got {type(model).__name__}",
                                  "pass the model you train")
-    if isinstance(model, torch.nn.DataParallel) and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise ConfigurationError(
-            "model", "torch.nn.DataParallel is not supported",
-            "use DistributedDataParallel under torchrun (all processes of the machine then act as one peer)",
-        )
+    if isinstance(model, torch.nn.DataParallel):  # one process driving several GPUs: a plain peer
+        model = model.module
     sharded = type(model).__name__ in ("FullyShardedDataParallel", "FSDPModule") or any(
         type(m).__name__.startswith("FSDP") for m in model.modules()
     )

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collabopt.integrations.pytorch import collaborate  # noqa: E402
 from peer_worker import make_data, make_model, write_json  # noqa: E402
 
-from collabopt import wait_for_peers  # noqa: E402
+from collabopt import ConfigurationError, wait_for_peers  # noqa: E402
 
 
 def main(config_path: str) -> None:
@@ -39,6 +39,10 @@ def main(config_path: str) -> None:
     options.setdefault("matchmaking_time", 2.0)
     options.setdefault("averaging_timeout", 15.0)
     result = {"rank": rank, "samples_fed": 0, "lrs": {}, "epochs_seen": [], "num_peers_seen": []}
+    try:  # several processes, model not wrapped in DDP: refused before anything starts
+        collaborate(model.module, optimizer, run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"])
+    except ConfigurationError as e:
+        result["refused_unwrapped_model"] = "DistributedDataParallel" in str(e)
     with collaborate(model, optimizer, run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"],
                      scheduler=scheduler, **options) as copt:
         result["type"] = type(copt).__name__

@@ -180,7 +180,7 @@ def test_accelerate_example_script_trains_as_one_peer(tmp_path):
     example = Path(__file__).resolve().parents[1] / "examples" / "accelerate_train.py"
     args = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu",
             "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(free_port()), str(example), "--cpu", "--epochs", "5",
+            "--main_process_port", str(free_port()), str(example), "--cpu", "--epochs", "4",
             "--checkpoint-dir", str(tmp_path / "ckpt")]
     proc = Process(args, tmp_path / "example.log")
     finish({"example": proc}, timeout=150)

@@ -62,7 +62,7 @@ def test_torchrun_node_is_one_peer_and_survives_slow_rank0(tmp_path, bootstrap):
     """torchrun --nproc_per_node 2 + a plain peer: 2 peers in the swarm, 3 bit-identical processes, exact sample
     counts, LR per global epoch on both ranks. The default process group has a 3 s timeout and rank 0's first swarm
     step takes 8 s: rank 1 waits in collabopt's long-timeout group, so the job survives."""
-    run_id, epochs = unique_run_id("torchrun"), 5
+    run_id, epochs = unique_run_id("torchrun"), 4
     node = torchrun(tmp_path, "node", dict(run_id=run_id, target_batch_size=2000, epochs=epochs, lr=LR, gamma=GAMMA,
                                            pg_timeout=3, rank0_delay_s=8, check_every_step=True, wait_peers=1),
                     bootstrap)
@@ -105,6 +105,7 @@ def test_torchrun_node_delayed_updates_reach_every_rank(tmp_path):
     finish({"node": node}, timeout=120)
     r0, r1 = ranks(tmp_path, "node")
     assert r0["final_epoch"] == r1["final_epoch"] == 4
+    assert r0["refused_unwrapped_model"] and r1["refused_unwrapped_model"]  # collaborate() needs the DDP model
     assert r0["steps_out_of_sync"] == r1["steps_out_of_sync"] == 0
     assert r0.get("param_changes_without_epoch_change", 0) >= 1, r0  # the delayed path was exercised
     assert max_param_diff(read_params(tmp_path, "node.rank0"), read_params(tmp_path, "node.rank1")) == 0.0
