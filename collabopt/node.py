@@ -181,6 +181,8 @@ class NodeOptimizer:
             self._send_error_or_ok(error)
             if error is not None:
                 self._closed = True
+                if self._counter is not None:
+                    self._counter.remove()
                 raise error
         else:
             self._receive_error_or_ok()
