@@ -118,9 +118,10 @@ class Recorder(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         copt = self.strategy.collaborative_optimizer
         if "start_epoch" not in self.result:
+            if trainer.is_global_zero:
+                Path(self.out + ".ready").write_text("1")  # joined the swarm (and caught up with it)
             if self.cfg.get("barrier") and trainer.is_global_zero:  # other ranks wait in the first collective
                 # start training together: every peer of the test has joined the swarm (epochs are short)
-                Path(self.out + ".ready").write_text("1")
                 deadline = time.monotonic() + 60
                 while not all(Path(p + ".ready").exists() for p in self.cfg["barrier"]):
                     assert time.monotonic() < deadline, "the other peers did not come"
@@ -145,6 +146,14 @@ class Recorder(pl.Callback):
             self.result["lrs"][str(epoch)] = copt.get_lr()[0]
             if trainer.is_global_zero:
                 write_json(self.out + ".progress", {"epoch": epoch})
+        pause = self.cfg.get("pause_at")
+        if pause and epoch >= pause["epoch"] and not self.result.get("paused"):
+            # wait for a late joiner: it then downloads the state of this epoch, whatever the machine's load
+            self.result["paused"] = True
+            deadline = time.monotonic() + 90
+            while not Path(pause["until"] + ".ready").exists():
+                assert time.monotonic() < deadline, "the late joiner did not come"
+                time.sleep(0.1)
         done = epoch >= self.cfg["global_epochs"]
         if done and self.cfg.get("save_ckpt") and "saved_epoch" not in self.result:
             trainer.save_checkpoint(self.cfg["save_ckpt"])

@@ -194,10 +194,12 @@ def test_two_trainers_in_sync_and_a_late_joiner_catches_up(tmp_path, bootstrap):
     and C (bf16-mixed, joins late) end at the same global epoch with bit-identical weights; samples counted =
     samples fed; LR = torch's."""
     run_id = unique_run_id("lightning_sync")
-    epochs, lr = 8, 0.1  # epochs of a few seconds: C must find A and B still training
+    epochs, lr = 6, 0.1  # epochs of a few seconds
     base = dict(run_id=run_id, target_batch_size=768, global_epochs=epochs, lr=lr, scheduler="step",
                 batch_size=16, step_sleep=0.05, max_seconds=100)
-    together = dict(barrier=[str(tmp_path / "a"), str(tmp_path / "b")])  # A and B start training together
+    # A and B start training together, and wait at epoch 2 until C has joined (and downloaded their state)
+    together = dict(barrier=[str(tmp_path / "a"), str(tmp_path / "b")],
+                    pause_at=dict(epoch=2, until=str(tmp_path / "c")))
     procs = {
         "a": start_trainer(tmp_path, "a", dict(base, **together, seed=1, accumulate=2,
                                                options={"offload_optimizer": True}), bootstrap),
@@ -206,7 +208,7 @@ def test_two_trainers_in_sync_and_a_late_joiner_catches_up(tmp_path, bootstrap):
     }
     assert wait_for_file(tmp_path / "a.progress", 60), procs["a"].log()[-3000:]
     deadline = time.monotonic() + 60
-    while json.loads((tmp_path / "a.progress").read_text())["epoch"] < 1 and time.monotonic() < deadline:
+    while json.loads((tmp_path / "a.progress").read_text())["epoch"] < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     procs["c"] = start_trainer(tmp_path, "c", dict(base, seed=3, precision="bf16-mixed"), bootstrap)
     finish(procs, 150)
@@ -224,7 +226,7 @@ def test_two_trainers_in_sync_and_a_late_joiner_catches_up(tmp_path, bootstrap):
         assert results[name]["max_peers_logged"] >= 2, results[name]
         assert {"swarm/peers", "swarm/epoch", "swarm/samples_per_s"} <= set(results[name]["logged_keys"])
         assert {"swarm/peers", "swarm/epoch", "swarm/samples_per_s"} <= set(results[name]["progress_bar_keys"])
-    assert results["c"]["start_epoch"] >= 1  # the late joiner downloaded the swarm's state before training
+    assert results["c"]["start_epoch"] == 2  # the late joiner downloaded the swarm's state before training
     assert max_param_diff(weights["a"], weights["b"]) == 0.0
     assert max_param_diff(weights["a"], weights["c"]) == 0.0
     # LR after k global epochs == plain torch after k scheduler steps (offloaded optimizer on A)
