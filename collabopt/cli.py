@@ -77,11 +77,12 @@ def run_dht(args: argparse.Namespace) -> int:
 def run_monitor(args: argparse.Namespace) -> int:
     """Print the progress every peer of a run publishes to the DHT (signed records of hivemind's tracker)."""
     from collabopt.lifecycle import preserved_sigint
-    from collabopt.metrics import read_swarm_progress
+    from collabopt.metrics import read_swarm_progress, reader_validators
     from collabopt.swarm import start_dht
 
     options = _swarm_options(args)
     options.client_mode = True
+    options.record_validators = reader_validators()
     if not options.initial_peers:
         print("collabopt monitor: pass --initial-peers or set INITIAL_PEERS", file=sys.stderr)
         return 2
@@ -121,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a small model with a local swarm of peer processes")
     demo.add_argument("--peers", type=int, default=3, help="number of training peers (default 3)")
-    demo.add_argument("--epochs", type=int, default=6, help="global epochs to train (default 6)")
-    demo.add_argument("--target-batch-size", type=int, default=512, help="samples per global epoch")
+    demo.add_argument("--epochs", type=int, default=15, help="global epochs to train (default 15)")
+    demo.add_argument("--target-batch-size", type=int, default=1024, help="samples per global epoch (default 1024)")
     demo.add_argument("--run-id", default=None, help="run id (default: a fresh random one)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--timeout", type=float, default=110.0, help="give up after this many seconds")

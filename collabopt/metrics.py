@@ -6,17 +6,33 @@ Every peer's hivemind progress tracker publishes a signed, schema-checked record
 
 from __future__ import annotations
 
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 
-def read_swarm_progress(dht: Any, run_id: str) -> dict[str, Any]:
-    """Summarize the progress records of ``run_id``: peers, global epoch, samples, throughput."""
-    from hivemind.dht.schema import SchemaValidator
-    from hivemind.optim.progress_tracker import LocalTrainingProgress, TrainingProgressSchema
+def reader_validators() -> list:
+    """Validators a DHT must be *created* with to read the signed progress records (they strip signatures).
+
+    Added later with ``dht.add_validators`` they do not help, and without them hivemind cannot decode the
+    records (its get() then never returns): pass ``record_validators=reader_validators()`` to the DHT.
+    """
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    return [RSASignatureValidator()]
+
+
+def read_swarm_progress(dht: Any, run_id: str, timeout: float = 10.0) -> dict[str, Any]:
+    """Summarize the progress records of ``run_id``: peers, global epoch, samples, throughput.
+
+    ``dht`` must have been created with :func:`reader_validators` (or be the DHT of a peer of the run).
+    """
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
     from hivemind.utils import ValueWithExpiration
 
-    dht.add_validators([SchemaValidator(TrainingProgressSchema, prefix=run_id)])
-    found = dht.get(f"{run_id}_progress", latest=True)
+    try:
+        found = dht.get(f"{run_id}_progress", latest=True, return_future=True).result(timeout=timeout)
+    except FutureTimeout:
+        found = None
     records = found.value if isinstance(found, ValueWithExpiration) and isinstance(found.value, dict) else {}
     peers = []
     for entry in records.values():

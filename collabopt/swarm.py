@@ -107,6 +107,7 @@ class SwarmOptions:
     wait_timeout: float = 3.0
     bootstrap_timeout: float | None = None
     startup_timeout: float = 30.0
+    record_validators: list[Any] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -140,6 +141,7 @@ def start_dht(options: SwarmOptions):
         use_auto_relay=options.use_auto_relay,
         wait_timeout=options.wait_timeout,
         startup_timeout=options.startup_timeout,
+        record_validators=options.record_validators,
         **options.extra,
     )
     if options.announce_maddrs is not None:

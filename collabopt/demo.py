@@ -1,0 +1,202 @@
+"""``collabopt demo``: a local swarm of peer processes trains a digits classifier together.
+
+The coordinator (this process) runs the bootstrap DHT, starts ``--peers`` peer processes on loopback (different
+seeds and batch sizes), shows a live progress bar read from the progress records peers publish to the DHT, and
+ends with a summary: global epochs, held-out accuracy, samples contributed per peer and the largest parameter
+difference between peers (0: they hold bit-identical parameters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from collabopt.errors import ConfigurationError
+
+BATCH_SIZES = ([16, 24, 32], [32, 48], [8, 16, 24, 40])  # per peer: varying batch sizes, cycled
+
+
+def _require_demo_extras() -> None:
+    try:
+        import sklearn  # noqa: F401
+        import tqdm  # noqa: F401
+    except ImportError as e:
+        raise ConfigurationError(
+            "collabopt demo", f"needs the demo extras ({e.name} is missing)", "pip install 'collabopt[demo]'"
+        ) from None
+
+
+def load_digits_split(seed: int = 0):
+    """scikit-learn's bundled 8x8 digits (no download): a fixed 80/20 train/test split, scaled to [0, 1]."""
+    import torch
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    split = int(0.8 * len(x))
+    return (x[order[:split]], y[order[:split]]), (x[order[split:]], y[order[split:]])
+
+
+def make_model():
+    import torch
+
+    torch.manual_seed(0)  # every peer starts from the same weights (the swarm would align them anyway)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+def run_peer(index: int, config: dict[str, Any]) -> None:
+    """One peer process: trains until the swarm reached ``epochs`` global epochs, then writes its results."""
+    import torch
+    import torch.nn.functional as F
+
+    from collabopt import CollaborativeOptimizer
+
+    (x_train, y_train), (x_test, y_test) = load_digits_split()
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: min(1.0, (epoch + 1) / 3))  # warmup
+    generator = torch.Generator().manual_seed(1000 + index)
+    sizes = BATCH_SIZES[index % len(BATCH_SIZES)]
+    fed = 0
+    with CollaborativeOptimizer(
+        optimizer,
+        run_id=config["run_id"],
+        target_batch_size=config["target_batch_size"],
+        scheduler=scheduler,
+        model=model,
+        initial_peers=config["initial_peers"],
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        matchmaking_time=2.0,
+        averaging_timeout=15.0,
+        print_join_message=False,
+    ) as copt:
+        step = 0
+        deadline = time.monotonic() + config["timeout"]
+        # start together: a peer alone would race through the first epochs before the others have joined
+        out = Path(config["out_dir"])
+        (out / f"peer{index}.ready").touch()
+        while not (out / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while copt.local_epoch < config["epochs"] and time.monotonic() < deadline:
+            n = sizes[step % len(sizes)]
+            idx = torch.randint(0, len(x_train), (n,), generator=generator)
+            loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+            loss.backward()
+            copt.step()  # samples counted from the model's forward call
+            copt.zero_grad()
+            fed += n
+            step += 1
+            time.sleep(0.1)  # a stand-in for a bigger model's compute: epochs last a few seconds, so that peers meet
+        # stay in the swarm until every peer is done: a peer that fell behind catches up by downloading our state
+        (out / f"peer{index}.done").touch()
+        while not (out / "stop").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with torch.no_grad():
+            accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
+        torch.save(model.state_dict(), out / f"peer{index}.pt")
+        (out / f"peer{index}.json").write_text(json.dumps(dict(
+            epoch=copt.local_epoch, samples_reported=copt.samples_reported, samples_fed=fed, accuracy=accuracy,
+        )))
+
+
+def _max_param_diff(paths: list[Path]) -> float:
+    import torch
+
+    states = [torch.load(p) for p in paths]
+    return max(
+        (float((a[k] - b[k]).abs().max()) for a in states for b in states for k in a),
+        default=float("nan"),
+    )
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Entry point of ``collabopt demo``."""
+    _require_demo_extras()
+    if args.peers < 1 or args.epochs < 1 or args.target_batch_size < 1:
+        raise ConfigurationError("--peers/--epochs/--target-batch-size", "must be positive", "e.g. --peers 3")
+    from tqdm import tqdm
+
+    from collabopt.lifecycle import preserved_sigint
+    from collabopt.metrics import read_swarm_progress, reader_validators
+    from collabopt.swarm import SwarmOptions, start_dht
+
+    run_id = args.run_id or f"demo_{uuid.uuid4().hex[:8]}"
+    print(f"collabopt demo: {args.peers} peers train a digits classifier together (run_id={run_id})", flush=True)
+    with preserved_sigint():
+        dht = start_dht(SwarmOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=reader_validators()))
+    initial_peers = [str(m) for m in dht.get_visible_maddrs()]
+    procs: list[subprocess.Popen] = []
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="collabopt-demo-") as out_dir:
+        try:
+            config = dict(run_id=run_id, target_batch_size=args.target_batch_size, epochs=args.epochs, lr=1e-2,
+                          initial_peers=initial_peers, out_dir=out_dir, timeout=args.timeout)
+            env = dict(os.environ, OMP_NUM_THREADS="1", HIVEMIND_LOGLEVEL=os.environ.get("HIVEMIND_LOGLEVEL", "ERROR"))
+            for index in range(args.peers):
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "collabopt.demo", str(index), json.dumps(config)], env=env,
+                    stdout=subprocess.DEVNULL, stderr=open(Path(out_dir) / f"peer{index}.log", "w"),  # noqa: SIM115
+                ))
+            bar = tqdm(total=args.epochs, desc="global epochs", unit="epoch", disable=args.no_progress,
+                       dynamic_ncols=True)
+            while any(p.poll() is None for p in procs):
+                if all((Path(out_dir) / f"peer{i}.ready").exists() for i in range(args.peers)):
+                    (Path(out_dir) / "go").touch()
+                if all((Path(out_dir) / f"peer{i}.done").exists() for i in range(args.peers)):
+                    (Path(out_dir) / "stop").touch()
+                if time.monotonic() - start > args.timeout + 30:
+                    raise TimeoutError(f"the demo did not finish within {args.timeout:.0f} s")
+                report = read_swarm_progress(dht, run_id)
+                bar.n = min(report["global_epoch"], args.epochs)
+                bar.set_postfix(peers=report["num_peers"], samples=report["samples_accumulated"],
+                                sps=f"{report['samples_per_second']:.0f}/s", refresh=False)
+                bar.refresh()
+                time.sleep(0.5)
+            bar.n = args.epochs if all(p.returncode == 0 for p in procs) else bar.n
+            bar.close()
+            failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+            if failed:
+                for i in failed:
+                    log = (Path(out_dir) / f"peer{i}.log").read_text(errors="replace")
+                    print(f"peer {i} failed (exit {procs[i].returncode}):\n{log[-3000:]}", file=sys.stderr)
+                return 1
+            return _summary(Path(out_dir), args, time.monotonic() - start)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs:
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            dht.shutdown()
+
+
+def _summary(out_dir: Path, args: argparse.Namespace, elapsed: float) -> int:
+    results = [json.loads((out_dir / f"peer{i}.json").read_text()) for i in range(args.peers)]
+    max_diff = _max_param_diff([out_dir / f"peer{i}.pt" for i in range(args.peers)])
+    print(f"\nSummary ({elapsed:.0f} s)")
+    print(f"  global epochs reached: {min(r['epoch'] for r in results)}")
+    print(f"  held-out accuracy:     {results[0]['accuracy']:.1%}")
+    for i, r in enumerate(results):
+        print(f"  peer {i}: contributed {r['samples_reported']} samples (fed {r['samples_fed']}), "
+              f"batch sizes {BATCH_SIZES[i % len(BATCH_SIZES)]}, accuracy {r['accuracy']:.1%}")
+    print(f"  max parameter difference between peers: {max_diff:g}")
+    ok = max_diff == 0.0 and all(r["epoch"] >= args.epochs for r in results)
+    print("  peers are in sync" if ok else "  PEERS DIVERGED OR DID NOT FINISH", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    run_peer(int(sys.argv[1]), json.loads(sys.argv[2]))

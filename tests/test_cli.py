@@ -1,0 +1,61 @@
+"""The command line: `collabopt demo` (the main job), `collabopt dht` and `collabopt monitor`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from swarm import ROOT, child_env, start_bootstrap, start_peer, unique_run_id, wait_all, wait_for_file
+
+pytestmark = pytest.mark.swarm
+
+
+def test_demo_trains_a_swarm_in_sync():
+    proc = subprocess.run(
+        [sys.executable, "-m", "collabopt", "demo", "--peers", "3", "--epochs", "4", "--no-progress"],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "global epochs reached: 4" in out, out
+    assert "max parameter difference between peers: 0\n" in out, out
+    assert out.count("contributed") == 3
+    accuracy = float(out.split("held-out accuracy:")[1].split("%")[0])
+    assert accuracy > 30.0, out  # 4 global steps on a 10-class problem: well above chance (10%)
+
+
+def test_dht_prints_initial_peers_and_monitor_reads_the_run(tmp_path):
+    bootstrap, initial_peers = start_bootstrap(tmp_path)
+    assert initial_peers.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in initial_peers
+    run_id = unique_run_id("monitor")
+    peer = start_peer(tmp_path, "peer", dict(run_id=run_id, target_batch_size=10_000, epochs=1, step_sleep=0.05,
+                                             max_seconds=40, linger=0), initial_peers)
+    try:
+        assert wait_for_file(tmp_path / "peer.config.json", 5)
+        import time
+
+        time.sleep(8)  # let the peer start and report progress
+        monitor = subprocess.run(
+            [sys.executable, "-m", "collabopt", "monitor", "--run-id", run_id, "--initial-peers", initial_peers,
+             "--count", "1", "--json", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
+        )
+        assert monitor.returncode == 0, monitor.stderr[-3000:]
+        report = json.loads(monitor.stdout.strip().splitlines()[-1])
+        assert report["run_id"] == run_id
+        assert report["num_peers"] == 1, report
+        assert report["peers"][0]["samples_accumulated"] > 0, report
+    finally:
+        peer.kill_tree()
+        bootstrap.kill_tree()
+    assert "INITIAL_PEERS=" in bootstrap.log()
+    wait_all({}, 0)
+
+
+def test_cli_refuses_bad_peers_before_starting():
+    proc = subprocess.run([sys.executable, "-m", "collabopt", "dht", "--initial-peers", "/ip4/1.2.3/tcp/1"],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "initial_peers" in proc.stderr and "Fix:" in proc.stderr
