@@ -691,7 +691,11 @@ class CollaborativeOptimizer:
         if self._schedule is not None and state.get("scheduler") is not None:
             self._schedule.load_state_dict(state["scheduler"])
         self.samples_reported = int(state.get("samples_reported", 0))
-        self._opt.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
+        # update_epoch (not just report_local_progress): the tracker's cached global progress must move to the
+        # restored epoch too, or local samples do not count toward it until its next fetch (a resumed run whose swarm
+        # holds no newer record wasted ~10x the target before its first step)
+        with self._opt.tracker.pause_updates():
+            self._opt.tracker.update_epoch(self.local_epoch)
         self._on_epoch_maybe_changed()
 
     # ------------------------------------------------------------------ lifecycle
