@@ -251,8 +251,9 @@ def test_resume_from_checkpoint_restores_epoch_optimizer_and_scheduler(tmp_path,
     saved_result = result(tmp_path, "first")
     assert saved["local_epoch"] == 3 and ckpt.exists()
 
-    second = {"second": start_trainer(tmp_path, "second", dict(base, global_epochs=5, resume_ckpt=str(ckpt)),
-                                      bootstrap)}
+    # the whole swarm restarts from the checkpoint: no DHT record of the run remains (a fresh run id stands for that)
+    restart = dict(base, run_id=unique_run_id("lightning_resume"), global_epochs=5, resume_ckpt=str(ckpt))
+    second = {"second": start_trainer(tmp_path, "second", restart, bootstrap)}
     finish(second, 90)
     resumed = torch.load(tmp_path / "second.start_state.pt")
     res = result(tmp_path, "second")
@@ -273,6 +274,7 @@ def test_resume_from_checkpoint_restores_epoch_optimizer_and_scheduler(tmp_path,
     reference = torch_lrs("lambda", 0.01, 5)
     assert res["start_lr"] == pytest.approx(reference[3], rel=1e-12)
     assert res["final_epoch"] == 5
+    assert res["samples_fed"] == 2 * 96  # no step wasted after the resume: 2 epochs of the target, exactly
     assert res["final_lr"] == pytest.approx(reference[5], rel=1e-12)
     assert res["scheduler_last_epoch"] == 5
 
