@@ -27,7 +27,7 @@ MLP = dict(width=1024, in_dim=256)
 FULL: dict[str, Any] = {
     "b1": dict(params=1_000_000, width=512, in_dim=256, batch=32, epoch_seconds=4, warmup_epochs=1,
                matchmaking_time=2.0, rounds=3, measure_seconds=12, max_seconds=120),
-    "b2": dict(params=6_000_000, **MLP, batch=32, steps_per_epoch=8, steps_per_round=16, rounds=15,
+    "b2": dict(params=6_000_000, **MLP, batch=32, steps_per_epoch=64, steps_per_round=32, rounds=12,
                matchmaking_time=5.0),
     "b4": dict(params=6_000_000, **MLP, batch=32, steps_per_epoch=4, epochs=2, matchmaking_time=5.0),
     "b3": dict(**MLP, batch=32, compute_seconds=0.1, steps_per_epoch=50, matchmaking_time=3.0,
@@ -40,7 +40,7 @@ FULL: dict[str, Any] = {
 }
 QUICK: dict[str, Any] = {
     "b1": dict(FULL["b1"], params=200_000, width=256, rounds=1, epoch_seconds=2, measure_seconds=4, max_seconds=60),
-    "b2": dict(FULL["b2"], params=300_000, width=256, steps_per_round=8, steps_per_epoch=4, rounds=2,
+    "b2": dict(FULL["b2"], params=300_000, width=256, steps_per_round=8, steps_per_epoch=16, rounds=2,
                variants=["plain torch", "collabopt", "collabopt reuse"]),
     "b4": dict(FULL["b4"], params=300_000, width=256, epochs=1, modes=["plain torch", "none", "reuse"]),
     "b3": dict(FULL["b3"], compute_seconds=0.05, steps_per_epoch=30, warmup_epochs=1, measure_seconds=4,
