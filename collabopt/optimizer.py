@@ -315,6 +315,7 @@ class CollaborativeOptimizer:
         self.samples_reported = 0  # samples this peer passed to hivemind
         self.samples_skipped = 0  # samples of steps skipped because of inf/nan gradients (AMP)
         self.local_steps = 0
+        self._failed_syncs = 0
         self._zero_grad_warned = False
         self._grad_units: float | None = None  # scale of param.grad in reuse+AMP mode
         self._sigterm = SigtermHandler()
@@ -527,11 +528,32 @@ class CollaborativeOptimizer:
         )
         if accepted:
             self.samples_reported += samples
+            self._failed_syncs = 0
+        elif self._opt.local_epoch < self._opt.tracker.global_epoch:
+            self._give_up_sync_if_nobody_serves()
         if self.reuse_grad_buffers and amp:
             self._scale_grads(units)  # keep param.grad in the units of the current loss scale
             self._grad_units = units
         self._on_epoch_maybe_changed()
         return loss
+
+    def _give_up_sync_if_nobody_serves(self, attempts: int = 3) -> None:
+        """hivemind drops a step and downloads state when the swarm is ahead. When the peers that are ahead have
+        left (their progress records outlive them), nobody can serve that state and hivemind would retry at every
+        step forever. After ``attempts`` such steps, continue from this peer's own parameters at the swarm's epoch.
+        """
+        self._failed_syncs += 1
+        if self._failed_syncs < attempts:
+            return
+        self._failed_syncs = 0
+        epoch = self._opt.tracker.global_epoch
+        warnings.warn(
+            f"collabopt: the swarm is at epoch {epoch} but no peer could send its state ({attempts} attempts); "
+            "continuing from this peer's own parameters at that epoch",
+            stacklevel=3,
+        )
+        self._opt.state_averager.local_epoch = epoch
+        self._opt.tracker.report_local_progress(epoch, samples_accumulated=0)
 
     def _has_accumulated(self) -> bool:
         return self._opt.grad_averager is not None and self._opt.grad_averager.local_times_accumulated > 0

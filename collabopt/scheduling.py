@@ -149,12 +149,14 @@ class EpochSchedule:
 
     def _reset_to_base(self) -> None:
         self.scheduler.load_state_dict(copy.deepcopy(self._base_state))
-        for group, hyperparameters in zip(self.scheduler.optimizer.param_groups, self._base_groups, strict=True):
-            group.update(copy.deepcopy(hyperparameters))
+        self._restore_groups(self._base_groups)
 
     def advance_to(self, epoch: int) -> None:
         """Bring the schedule to global epoch ``epoch``."""
         if epoch == self.epoch:
+            if not self.is_plateau and self._learning_rates_replaced():
+                # a state download at the same epoch brought the serving peer's param groups: keep our schedule's
+                self._restore_groups(self._last_groups)
             return
         if self.is_plateau:
             if epoch == self.epoch + 1:
@@ -177,8 +179,7 @@ class EpochSchedule:
         if epoch == self.epoch + 1:
             # hivemind may have reached this epoch by downloading a peer's state, whose param groups already hold
             # the stepped hyperparameters: step from this schedule's own values, not from the downloaded ones
-            for group, hyperparameters in zip(self.scheduler.optimizer.param_groups, self._last_groups, strict=True):
-                group.update(copy.deepcopy(hyperparameters))
+            self._restore_groups(self._last_groups)
             self._step()
         else:
             self._reset_to_base()
@@ -186,6 +187,14 @@ class EpochSchedule:
                 self._step()
         self.epoch = epoch
         self._last_groups = group_hyperparameters(self.scheduler.optimizer)
+
+    def _learning_rates_replaced(self) -> bool:
+        current = self.scheduler.optimizer.param_groups
+        return any(group["lr"] != last["lr"] for group, last in zip(current, self._last_groups, strict=True))
+
+    def _restore_groups(self, hyperparameters: list[dict[str, Any]]) -> None:
+        for group, values in zip(self.scheduler.optimizer.param_groups, hyperparameters, strict=True):
+            group.update(copy.deepcopy(values))
 
     def _share_plateau_state(self) -> None:
         """Keep the plateau counters in the optimizer's first param group: hivemind sends param groups (and so

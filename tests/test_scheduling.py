@@ -128,6 +128,15 @@ def test_schedule_on_rebuilt_optimizer_matches_plain_torch_including_jumps(name)
             assert got == pytest.approx(expected[epoch], rel=1e-12), (name, epoch)
 
 
+def test_same_epoch_state_download_keeps_the_schedule_learning_rate():
+    opt = torch.optim.SGD(make_params(), lr=1.0)
+    schedule = EpochSchedule(L.ExponentialLR(opt, gamma=0.5))
+    schedule.advance_to(2)
+    opt.param_groups[0]["lr"] = 0.125  # a download at epoch 2 brought another peer's (already stepped) LR
+    schedule.advance_to(2)
+    assert opt.param_groups[0]["lr"] == 0.25
+
+
 def test_plateau_steps_once_per_epoch_with_mean_metric():
     opt = torch.optim.SGD(make_params(), lr=1.0)
     sched = L.ReduceLROnPlateau(opt, factor=0.5, patience=0)

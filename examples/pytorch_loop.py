@@ -1,0 +1,79 @@
+"""A plain PyTorch training loop that trains together with every other copy of itself.
+
+First machine (starts a new swarm and prints how to join it):
+
+    python examples/pytorch_loop.py --run-id digits
+
+Every other machine (copy the INITIAL_PEERS value the first one printed):
+
+    INITIAL_PEERS=/ip4/203.0.113.5/tcp/41235/p2p/12D3KooW... python examples/pytorch_loop.py --run-id digits
+
+Needs scikit-learn for its bundled digits dataset (`pip install 'collabopt[demo]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from collabopt.integrations.pytorch import collaborate
+from sklearn.datasets import load_digits
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-id", default="digits_example")
+    parser.add_argument("--target-batch-size", type=int, default=1024, help="samples per global step")
+    parser.add_argument("--batch-size", type=int, default=32, help="local batch size")
+    parser.add_argument("--epochs", type=int, default=20, help="stop after this many global epochs")
+    parser.add_argument("--initial-peers", default=None, help="default: $INITIAL_PEERS; none starts a new swarm")
+    parser.add_argument("--host-maddrs", nargs="*", default=None, help="e.g. /ip4/0.0.0.0/tcp/31337")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="resume from / save to this file")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compute-delay", type=float, default=0.05,
+                        help="seconds of simulated compute per step: this tiny model is so fast that a global epoch "
+                             "would end before other peers can join it; a real model needs none")
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target)
+    loader = DataLoader(TensorDataset(x[:1400], y[:1400]), batch_size=args.batch_size, shuffle=True)
+    x_test, y_test = x[1400:], y[1400:]
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # the schedule counts global epochs (one per target_batch_size samples of the whole swarm)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=args.epochs + 1)
+
+    with collaborate(model, optimizer, run_id=args.run_id, target_batch_size=args.target_batch_size,
+                     scheduler=scheduler, initial_peers=args.initial_peers, host_maddrs=args.host_maddrs) as copt:
+        if args.checkpoint is not None and args.checkpoint.exists():
+            saved = torch.load(args.checkpoint)
+            model.load_state_dict(saved["model"])
+            copt.load_state_dict(saved["optimizer"])
+            print(f"resumed from {args.checkpoint} at epoch {copt.local_epoch}")
+        while copt.local_epoch < args.epochs:
+            for inputs, targets in loader:
+                loss = F.cross_entropy(model(inputs), targets)
+                loss.backward()
+                copt.step()  # the samples are counted from model's forward call
+                copt.zero_grad()
+                time.sleep(args.compute_delay)
+                if copt.local_epoch >= args.epochs:
+                    break
+            with torch.no_grad():
+                accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+            print(f"epoch {copt.local_epoch}: {copt.num_peers} peers, lr {copt.get_lr()[0]:.2e}, "
+                  f"held-out accuracy {accuracy:.1%}", flush=True)
+        if args.checkpoint is not None:
+            torch.save({"model": model.state_dict(), "optimizer": copt.state_dict()}, args.checkpoint)
+
+
+if __name__ == "__main__":
+    main()
