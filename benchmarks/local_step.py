@@ -2,8 +2,11 @@
 
 Every variant trains its own copy of the same MLP with the same batches and the same global update cadence
 (the plain loop calls ``optimizer.step()`` every ``steps_per_epoch`` local steps, which is when a lone peer's
-hivemind epoch ends). Variants run interleaved in rounds (A/B/C/.../A/B/C/...), and each round's time is divided
-by the plain loop's time of the same round, so machine noise that lasts longer than a round cancels.
+hivemind epoch ends). Variants run interleaved in rounds (A/B/C/.../A/B/C/...) of exactly one epoch each, and each
+round's time is divided by the plain loop's time of the same round, so machine noise that lasts longer than a round
+cancels. (Rounds shorter than an epoch would leave a peer idle mid-epoch; hivemind's progress tracker then thinks
+the epoch is overdue and steps early, so the cadence would differ.) The number of epochs each variant ran is
+reported as a check.
 
 Run alone: ``python -m benchmarks.local_step config.json`` (the runner writes the config).
 """
@@ -114,7 +117,7 @@ def main(config_path: str) -> None:
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     names = cfg.get("variants", list(VARIANTS))
     g = torch.Generator().manual_seed(1)
-    steps = cfg["steps_per_round"]
+    steps = cfg["steps_per_epoch"]
     batches = [
         (torch.randn(cfg["batch"], cfg["in_dim"], generator=g), torch.randint(0, 16, (cfg["batch"],), generator=g))
         for _ in range(steps)

@@ -27,20 +27,20 @@ MLP = dict(width=1024, in_dim=256)
 FULL: dict[str, Any] = {
     "b1": dict(params=1_000_000, width=512, in_dim=256, batch=32, epoch_seconds=4, warmup_epochs=1,
                matchmaking_time=2.0, rounds=3, measure_seconds=12, max_seconds=120),
-    "b2": dict(params=6_000_000, **MLP, batch=32, steps_per_epoch=64, steps_per_round=32, rounds=12,
+    "b2": dict(params=6_000_000, **MLP, batch=32, steps_per_epoch=64, rounds=10,
                matchmaking_time=5.0),
     "b4": dict(params=6_000_000, **MLP, batch=32, steps_per_epoch=4, epochs=2, matchmaking_time=5.0),
     "b3": dict(**MLP, batch=32, compute_seconds=0.1, steps_per_epoch=50, matchmaking_time=3.0,
                averaging_timeout=60.0, warmup_epochs=2, measure_seconds=25, max_seconds=200,
-               cases=[dict(peers=2, mbit=50, params=5_000_000, variant="no overlap",
-                           overrides=dict(measure_seconds=30))]
+               cases=[dict(peers=2, mbit=50, params=5_000_000, variant="no overlap", impl=impl,
+                           overrides=dict(measure_seconds=30)) for impl in ("hivemind", "collabopt")]
                + [dict(peers=4, mbit=mbit, params=2_000_000, variant=variant)
                   for mbit in (100, 20)
                   for variant in ("no overlap", "overlap", "overlap + fp16", "overlap + 8-bit", "overlap + PowerSGD")]),
 }
 QUICK: dict[str, Any] = {
     "b1": dict(FULL["b1"], params=200_000, width=256, rounds=1, epoch_seconds=2, measure_seconds=4, max_seconds=60),
-    "b2": dict(FULL["b2"], params=300_000, width=256, steps_per_round=8, steps_per_epoch=16, rounds=2,
+    "b2": dict(FULL["b2"], params=300_000, width=256, steps_per_epoch=16, rounds=2,
                variants=["plain torch", "collabopt", "collabopt reuse"]),
     "b4": dict(FULL["b4"], params=300_000, width=256, epochs=1, modes=["plain torch", "none", "reuse"]),
     "b3": dict(FULL["b3"], compute_seconds=0.05, steps_per_epoch=30, warmup_epochs=1, measure_seconds=4,
@@ -95,7 +95,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"Python {m['python']} · torch {m['torch']} · hivemind {m['hivemind']} · collabopt {m['collabopt']} "
         f"(git {m['git_commit'] or '?'})",
         "",
-        "Ratios are against a baseline measured in the same run; ranges are min..max over rounds.",
+        "Ratios are against a baseline measured in the same run; ranges are min..max over rounds."
+        + (f" Some tables come from an earlier run ({m['earlier_run']}) on the same machine." if m.get("earlier_run")
+           else ""),
         "",
     ]
     if "b1" in results:
@@ -126,15 +128,17 @@ def markdown(results: dict[str, Any]) -> str:
                 f"local steps (a lone peer's epoch), {r['rounds']} interleaved rounds of {r['steps_per_round']} "
                 "steps, 1 thread.",
                 "",
-                "| variant | time / plain torch (median) | range | main-thread CPU / plain | ms per step | goal |",
-                "|---|---|---|---|---|---|",
+                "| variant | time / plain torch (median) | range | main-thread CPU / plain | ms per step | "
+                "global steps / local steps | goal |",
+                "|---|---|---|---|---|---|---|",
             ]
             for row in r["rows"]:
                 goal = ""
                 if row["variant"].startswith("collabopt"):
                     goal = f"≤ {GOALS['b2']} {_verdict(row['ratio'] <= GOALS['b2'])}"
                 lines.append(f"| {row['variant']} | {row['ratio']:.3f} | {row['ratio_range']} | "
-                             f"{row['cpu_ratio']:.3f} | {row['ms_per_step']:.1f} | {goal} |")
+                             f"{row['cpu_ratio']:.3f} | {row['ms_per_step']:.1f} | "
+                             f"{row.get('epochs', '?')} / {row.get('local_steps', '?')} | {goal} |")
             lines.append("")
     if "b3" in results:
         r = results["b3"]
@@ -150,17 +154,18 @@ def markdown(results: dict[str, Any]) -> str:
                 "per epoch; gradients only (parameter averaging every 1000 epochs); SGD. all-reduce time: from the "
                 "last peer's trigger to the last peer done; bound = 2(N-1)/N·S/B.",
                 "",
-                "| peers | Mbit/s | variant | grads MB | all-reduce s | range | bound s | bound / all-reduce | "
-                "compute utilization |",
-                "|---|---|---|---|---|---|---|---|---|",
+                "| peers | Mbit/s | peers run | variant | grads MB | all-reduce s | range | bound s | "
+                "bound / all-reduce | compute utilization |",
+                "|---|---|---|---|---|---|---|---|---|---|",
             ]
             for row in r["rows"]:
                 if "error" in row:
-                    lines.append(f"| {row['peers']} | {row['mbit']} | {row['variant']} | failed: {row['error']} |"
-                                 " | | | | |")
+                    lines.append(f"| {row['peers']} | {row['mbit']} | {row.get('impl', 'collabopt')} | "
+                                 f"{row['variant']} | failed: {row['error']} | | | | | |")
                     continue
                 lines.append(
-                    f"| {row['peers']} | {row['mbit']} | {row['variant']} | {row['grad_mb']:.1f} | "
+                    f"| {row['peers']} | {row['mbit']} | {row.get('impl', 'collabopt')} | {row['variant']} | "
+                    f"{row['grad_mb']:.1f} | "
                     f"{_fmt(row['allreduce_s'], 2)} | {row['allreduce_range']} | {row['bound_s']:.2f} | "
                     f"{_fmt(row['bound_over_allreduce'])} | {row['utilization']:.3f} |")
             lines += ["", f"Goals: bound / all-reduce ≥ {GOALS['b3_bound']} (uncompressed); compute utilization ≥ "
@@ -228,7 +233,8 @@ def plot(results: dict[str, Any], path: Path) -> bool:
     b3 = results.get("b3")
     rows = [r for r in (b3 or {}).get("rows", []) if "error" not in r]
     if rows:
-        labels = [f"{r['peers']}p {r['mbit']}M {r['variant']}" for r in rows]
+        labels = [f"{r['peers']}p {r['mbit']}M {r['variant']}" + (" (hivemind)" if r.get("impl") == "hivemind" else "")
+                  for r in rows]
         x = range(len(rows))
         ax3.bar([i - 0.2 for i in x], [r["utilization"] for r in rows], width=0.4, label="compute utilization")
         ax3.bar([i + 0.2 for i in x], [r["bound_over_allreduce"] for r in rows], width=0.4,
@@ -271,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (checks the harness only)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write results.{md,png,json}")
     parser.add_argument("--workdir", type=Path, default=None, help="keep logs and raw records here")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other benchmarks' figures from the existing results.json in --out")
     args = parser.parse_args(argv)
     which = [name.strip().lower() for name in args.only.split(",") if name.strip()]
     unknown = set(which) - {"b1", "b2", "b3", "b4"}
@@ -284,6 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         results = run_all(which, args.quick, workdir, log)
+    previous = args.out / "results.json"
+    if args.update and previous.exists():
+        old = json.loads(previous.read_text())
+        if old.get("quick") == results["quick"]:
+            for name in {"b1", "b2", "b3", "b4"} - set(which):
+                if name in old:
+                    results[name] = old[name]
+                    results["config"][name] = old["config"][name]
+            results["machine"]["earlier_run"] = old["machine"]["date_utc"]
     for path in write_report(results, args.out):
         log(f"wrote {path}")
     print(markdown(results))

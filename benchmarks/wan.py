@@ -20,7 +20,8 @@ from benchmarks.common import median, spread
 from benchmarks.netns import TestNet, unavailable_reason
 from benchmarks.swarmrun import allreduce_seconds, run_peers, start_bootstrap, utilization
 
-OVERLAP = {"offload_optimizer": True, "delay_optimizer_step": True, "delay_grad_averaging": True}
+OVERLAP = {"offload_optimizer": True, "delay_optimizer_step": True, "delay_grad_averaging": True,
+           "delay_state_averaging": True}
 VARIANTS: dict[str, tuple[dict[str, Any], str | None]] = {
     "no overlap": ({}, None),
     "overlap": (OVERLAP, None),
@@ -36,16 +37,16 @@ def bound_seconds(n: int, grad_bytes: int, rate_mbit: float) -> float:
 
 
 def run_case(workdir: Path, name: str, n: int, rate_mbit: float, params: int, variant: str,
-             cfg: dict[str, Any]) -> dict[str, Any]:
+             cfg: dict[str, Any], impl: str = "collabopt") -> dict[str, Any]:
     """One swarm of ``n`` peers at ``rate_mbit`` per link; returns the figures of this case."""
     options, compression = VARIANTS[variant]
     compute = cfg["compute_seconds"]
     steps_per_epoch = cfg["steps_per_epoch"]
-    row: dict[str, Any] = dict(case=name, peers=n, mbit=rate_mbit, variant=variant)
+    row: dict[str, Any] = dict(case=name, peers=n, mbit=rate_mbit, variant=variant, impl=impl)
     with TestNet(n, rate_mbit) as net:
         bootstrap, initial_peers = start_bootstrap(workdir, host=net.bootstrap_addr, netns=net.bootstrap)
         try:
-            peer = dict(impl="collabopt", run_id=f"bench_b3_{uuid.uuid4().hex[:8]}", initial_peers=initial_peers,
+            peer = dict(impl=impl, run_id=f"bench_b3_{uuid.uuid4().hex[:8]}", initial_peers=initial_peers,
                         params=params, width=cfg["width"], in_dim=cfg["in_dim"], batch=cfg["batch"],
                         compute="sleep", compute_seconds=compute,
                         target_batch_size=n * cfg["batch"] * steps_per_epoch, matchmaking_time=cfg["matchmaking_time"],
@@ -75,13 +76,15 @@ def run(cfg: dict[str, Any], workdir: Path, log: Any = print) -> dict[str, Any]:
         return dict(skipped=reason, rows=[])
     rows = []
     for case in cfg["cases"]:
+        impl = case.get("impl", "collabopt")
         name = f"{case['peers']}p_{case['mbit']}mbit_{case['variant'].replace(' ', '').replace('+', '_')}"
+        name += "_hivemind" if impl == "hivemind" else ""
         log(f"B3 {name} ...")
         try:
             row = run_case(workdir, name, case["peers"], case["mbit"], case["params"], case["variant"],
-                           dict(cfg, **case.get("overrides", {})))
+                           dict(cfg, **case.get("overrides", {})), impl=impl)
         except Exception as e:  # keep going: one broken configuration must not hide the others
-            row = dict(case=name, peers=case["peers"], mbit=case["mbit"], variant=case["variant"],
+            row = dict(case=name, peers=case["peers"], mbit=case["mbit"], variant=case["variant"], impl=impl,
                        error=str(e).splitlines()[0][:300])
             (workdir / f"b3_{name}.error.txt").write_text(str(e))
         log(f"B3 {name}: {row}")
