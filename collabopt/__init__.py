@@ -6,6 +6,7 @@ A framework-agnostic wrapper around hivemind. See :class:`CollaborativeOptimizer
 from collabopt.batch_size import ForwardSampleCounter, infer_batch_size
 from collabopt.errors import CollaborativeError, ConfigurationError, SwarmConnectionError
 from collabopt.lifecycle import Terminated
+from collabopt.node import NodeOptimizer, collaborative_optimizer
 from collabopt.optimizer import CollaborativeOptimizer, wait_for_peers
 from collabopt.swarm import parse_initial_peers
 
@@ -16,8 +17,10 @@ __all__ = [
     "CollaborativeOptimizer",
     "ConfigurationError",
     "ForwardSampleCounter",
+    "NodeOptimizer",
     "SwarmConnectionError",
     "Terminated",
+    "collaborative_optimizer",
     "infer_batch_size",
     "parse_initial_peers",
     "wait_for_peers",

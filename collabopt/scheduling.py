@@ -124,6 +124,7 @@ class EpochSchedule:
         self.is_plateau = isinstance(scheduler, ReduceLROnPlateau)
         self.epoch = base_epoch
         self._metrics: list[float] = []
+        self._last_metric: float | None = None
         self._warned_no_metric = False
         self.rebase(base_epoch)
 
@@ -159,9 +160,14 @@ class EpochSchedule:
                 self._restore_groups(self._last_groups)
             return
         if self.is_plateau:
-            if epoch == self.epoch + 1:
+            shared = self.scheduler.optimizer.param_groups[0].get(PLATEAU_STATE_KEY)
+            if isinstance(shared, dict) and shared.get("epoch") != self.epoch:
+                # hivemind downloaded a peer's state: its LR and plateau counters came in the param group
+                self._load_shared_plateau_state(shared, epoch)
+            elif epoch == self.epoch + 1:
                 if self._metrics:
-                    self._step(sum(self._metrics) / len(self._metrics))
+                    self._last_metric = sum(self._metrics) / len(self._metrics)
+                    self._step(self._last_metric)
                 elif not self._warned_no_metric:
                     self._warned_no_metric = True
                     warnings.warn(
@@ -169,8 +175,6 @@ class EpochSchedule:
                         "scheduler.step(metric) or copt.report_metric(metric) during each epoch.",
                         stacklevel=3,
                     )
-            else:  # state downloaded from a peer: its plateau counters travelled in the optimizer's param group
-                self._load_shared_plateau_state()
             self.scheduler.last_epoch = epoch
             self._metrics.clear()
             self.epoch = epoch
@@ -199,17 +203,25 @@ class EpochSchedule:
     def _share_plateau_state(self) -> None:
         """Keep the plateau counters in the optimizer's first param group: hivemind sends param groups (and so
         these counters) to peers that download state, so a late joiner continues the same plateau schedule."""
-        self.scheduler.optimizer.param_groups[0][PLATEAU_STATE_KEY] = {
-            key: getattr(self.scheduler, key) for key in _PLATEAU_COUNTERS
-        }
+        self.scheduler.optimizer.param_groups[0][PLATEAU_STATE_KEY] = dict(
+            {key: getattr(self.scheduler, key) for key in _PLATEAU_COUNTERS},
+            epoch=self.epoch,
+            last_metric=self._last_metric,
+        )
 
-    def _load_shared_plateau_state(self) -> None:
-        shared = self.scheduler.optimizer.param_groups[0].get(PLATEAU_STATE_KEY)
-        if isinstance(shared, dict):
-            for key in _PLATEAU_COUNTERS:
-                if key in shared:
-                    setattr(self.scheduler, key, shared[key])
+    def _load_shared_plateau_state(self, shared: dict[str, Any], epoch: int) -> None:
+        """Continue a downloaded plateau schedule. The serving peer may have been an epoch behind its own counter
+        (hivemind bumps the epoch of a peer that downloads state one epoch old): replay the missing epochs with
+        the last metric it used."""
+        for key in _PLATEAU_COUNTERS:
+            if key in shared:
+                setattr(self.scheduler, key, shared[key])
+        self._last_metric = shared.get("last_metric")
         self.scheduler._last_lr = [float(group["lr"]) for group in self.scheduler.optimizer.param_groups]
+        missing = epoch - int(shared.get("epoch", epoch))
+        if self._last_metric is not None:
+            for _ in range(max(0, missing)):
+                self._step(self._last_metric)
 
     def get_last_lr(self) -> list[float]:
         return [float(group["lr"]) for group in self.scheduler.optimizer.param_groups]

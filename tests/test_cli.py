@@ -14,16 +14,16 @@ pytestmark = pytest.mark.swarm
 
 def test_demo_trains_a_swarm_in_sync():
     proc = subprocess.run(
-        [sys.executable, "-m", "collabopt", "demo", "--peers", "3", "--epochs", "4", "--no-progress"],
+        [sys.executable, "-m", "collabopt", "demo", "--peers", "3", "--epochs", "3", "--no-progress"],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "global epochs reached: 4" in out, out
+    assert "global epochs reached: 3" in out, out
     assert "max parameter difference between peers: 0\n" in out, out
     assert out.count("contributed") == 3
     accuracy = float(out.split("held-out accuracy:")[1].split("%")[0])
-    assert accuracy > 30.0, out  # 4 global steps on a 10-class problem: well above chance (10%)
+    assert accuracy > 25.0, out  # 3 global steps on a 10-class problem: well above chance (10%)
 
 
 def test_dht_prints_initial_peers_and_monitor_reads_the_run(tmp_path):

@@ -152,6 +152,32 @@ def test_plateau_steps_once_per_epoch_with_mean_metric():
     assert opt.param_groups[0]["lr"] == 0.25  # two reductions happened: the test is not vacuous
 
 
+def test_plateau_state_travels_with_a_download_even_one_epoch_old():
+    """A late joiner downloads a peer's param groups (LR and plateau counters of epoch 2) while hivemind says
+    epoch 3: it continues exactly where plain torch is after 3 steps."""
+    def reference(steps):
+        opt = torch.optim.SGD(make_params(), lr=1.0)
+        sched = L.ReduceLROnPlateau(opt, factor=0.5, patience=1)
+        for _ in range(steps):
+            sched.step(1.0)
+        return opt.param_groups[0]["lr"]
+
+    server_opt = torch.optim.SGD(make_params(), lr=1.0)
+    server = EpochSchedule(L.ReduceLROnPlateau(server_opt, factor=0.5, patience=1))
+    for epoch in (1, 2):
+        server.report_metric(1.0)
+        server.advance_to(epoch)
+    joiner_opt = torch.optim.SGD(make_params(), lr=1.0)
+    joiner = EpochSchedule(L.ReduceLROnPlateau(joiner_opt, factor=0.5, patience=1))
+    joiner_opt.load_state_dict(copy.deepcopy(server_opt.state_dict()))  # what hivemind's state download does
+    joiner.advance_to(3)
+    assert joiner_opt.param_groups[0]["lr"] == reference(3) == 0.5
+    for epoch in (4, 5):
+        joiner.report_metric(1.0)
+        joiner.advance_to(epoch)
+        assert joiner_opt.param_groups[0]["lr"] == reference(epoch), epoch
+
+
 def test_user_step_calls_are_guarded_and_state_dict_stays_picklable():
     opt = torch.optim.SGD(make_params(), lr=1.0)
     sched = L.ExponentialLR(opt, gamma=0.5)
