@@ -31,7 +31,9 @@ def run(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
                         width=cfg["width"], in_dim=cfg["in_dim"], batch=cfg["batch"], compute="real",
                         target_batch_size=target, num_peers=2, matchmaking_time=cfg["matchmaking_time"],
                         warmup_epochs=cfg["warmup_epochs"], measure_seconds=cfg["measure_seconds"],
-                        max_seconds=cfg["max_seconds"])
+                        max_seconds=cfg["max_seconds"],
+                        # the same config on both sides, spelled out: hivemind's default background averaging
+                        options=dict(delay_state_averaging=True))
             records = run_peers(workdir, f"b1_{i}_{impl}", [dict(peer, seed=s) for s in range(2)],
                                 timeout=cfg["max_seconds"] + 60)
             rate = throughput(records, cfg["batch"], warmup_epochs=cfg["warmup_epochs"])
