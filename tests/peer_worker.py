@@ -74,8 +74,8 @@ def main(config_path: str) -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=cfg["amp_scale"]) if cfg.get("amp_scale") else None
     options = dict(cfg.get("options", {}))
     options.setdefault("host_maddrs", ["/ip4/127.0.0.1/tcp/0"])
-    options.setdefault("matchmaking_time", 2.0)
-    options.setdefault("averaging_timeout", 15.0)
+    options.setdefault("matchmaking_time", 3.0)
+    options.setdefault("averaging_timeout", 30.0)
     count_mode = cfg.get("count", "forward")  # forward | batch | batch_size
     accumulate = cfg.get("accumulate", 1)
     epochs = cfg["epochs"]

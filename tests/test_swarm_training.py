@@ -30,7 +30,7 @@ def run_swarm(tmp_path, initial_peers, configs: dict[str, dict], timeout: float 
 
 def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
     run_id = unique_run_id("three")
-    base = dict(run_id=run_id, target_batch_size=768, epochs=4, model_seed=0, lr=0.5, step_sleep=0.05)
+    base = dict(run_id=run_id, target_batch_size=768, epochs=5, model_seed=0, lr=0.8, step_sleep=0.05)
     configs = {
         "a": dict(base, seed=1, batch_sizes={"random": [8, 24]}),
         "b": dict(base, seed=2, batch_sizes=[5, 17, 32], count="batch"),
@@ -39,10 +39,10 @@ def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
     results = run_swarm(tmp_path, bootstrap, configs)
     params = {name: read_params(tmp_path, name) for name in configs}
     for name, result in results.items():
-        assert result["final_epoch"] >= 3, (name, result["final_epoch"])
+        assert result["final_epoch"] >= 5, (name, result["final_epoch"])
         # every sample fed was counted (no step was discarded in a healthy swarm)
         assert result["samples_reported"] == result["samples_fed"], (name, result)
-        assert result["final_loss"] < 0.8 * result["start_loss"], (name, result["start_loss"], result["final_loss"])
+        assert result["final_loss"] < 0.85 * result["start_loss"], (name, result["start_loss"], result["final_loss"])
     assert len({r["final_epoch"] for r in results.values()}) == 1
     assert max_param_diff(params["a"], params["b"]) == 0.0
     assert max_param_diff(params["a"], params["c"]) == 0.0
