@@ -9,6 +9,14 @@ from __future__ import annotations
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+SNAPSHOT_FIELDS = ("local_epoch", "global_epoch", "num_peers", "samples_accumulated", "target_batch_size",
+                   "samples_per_second", "eta_next_epoch")
+
+
+def swarm_snapshot(optimizer: Any) -> dict[str, float]:
+    """The metrics of a collaborative optimizer (``metrics()`` of the core and of the node wrapper)."""
+    return dict({name: getattr(optimizer, name) for name in SNAPSHOT_FIELDS}, lr=optimizer.get_lr()[0])
+
 
 def reader_validators() -> list:
     """Validators a DHT must be *created* with to read the signed progress records (they strip signatures).

@@ -63,6 +63,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from collabopt.batch_size import ForwardSampleCounter, infer_batch_size
 from collabopt.errors import ConfigurationError
+from collabopt.metrics import swarm_snapshot
 from collabopt.optimizer import CollaborativeOptimizer
 from collabopt.scheduling import check_scheduler, install_step_guard, remove_step_guard
 
@@ -505,16 +506,8 @@ class NodeOptimizer:
         return list(self._lrs)
 
     def metrics(self) -> dict[str, float]:
-        return {
-            "local_epoch": self.local_epoch,
-            "global_epoch": self.global_epoch,
-            "num_peers": self.num_peers,
-            "samples_accumulated": self.samples_accumulated,
-            "target_batch_size": self.target_batch_size,
-            "samples_per_second": self.samples_per_second,
-            "eta_next_epoch": self.eta_next_epoch,
-            "lr": self.get_lr()[0],
-        }
+        """A snapshot of the swarm state (the same on every rank), for a progress bar or a logger."""
+        return swarm_snapshot(self)
 
     # ------------------------------------------------------------------ state
 

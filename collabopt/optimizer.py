@@ -17,6 +17,7 @@ from collabopt import scheduling, swarm
 from collabopt.batch_size import ForwardSampleCounter, infer_batch_size
 from collabopt.errors import ConfigurationError
 from collabopt.lifecycle import SigtermHandler, preserved_sigint
+from collabopt.metrics import swarm_snapshot
 from collabopt.scheduling import (
     EpochSchedule,
     check_scheduler,
@@ -674,16 +675,7 @@ class CollaborativeOptimizer:
 
     def metrics(self) -> dict[str, float]:
         """A snapshot of the swarm state, ready for a progress bar or a logger."""
-        return {
-            "local_epoch": self.local_epoch,
-            "global_epoch": self.global_epoch,
-            "num_peers": self.num_peers,
-            "samples_accumulated": self.samples_accumulated,
-            "target_batch_size": self.target_batch_size,
-            "samples_per_second": self.samples_per_second,
-            "eta_next_epoch": self.eta_next_epoch,
-            "lr": self.get_lr()[0],
-        }
+        return swarm_snapshot(self)
 
     # ------------------------------------------------------------------ state
 

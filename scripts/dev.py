@@ -34,7 +34,7 @@ def has_module(module: str) -> bool:
 
 
 def ensure_env(extra: str) -> None:
-    if sys.version_info < (3, 10):
+    if sys.version_info < (3, 10):  # noqa: UP036 - this script runs before anything is installed
         sys.exit(f"collabopt needs Python >= 3.10, this is {sys.version.split()[0]}")
     if not PYTHON.exists():
         print(f"creating a virtual environment in {VENV}", flush=True)

@@ -11,17 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm import Process, child_env, max_param_diff, start_bootstrap, unique_run_id, wait_all, wait_for_file
+from swarm import Process, child_env, max_param_diff, unique_run_id, wait_all, wait_for_file
 
 WORKER = Path(__file__).resolve().parent / "lightning_worker.py"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lightning_train.py"
-
-
-@pytest.fixture
-def bootstrap(tmp_path):
-    proc, initial_peers = start_bootstrap(tmp_path)
-    yield initial_peers
-    proc.kill_tree()
 
 
 def start_trainer(tmp_path: Path, name: str, config: dict, initial_peers: str) -> Process:

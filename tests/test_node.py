@@ -15,7 +15,6 @@ from swarm import (
     max_param_diff,
     read_params,
     read_result,
-    start_bootstrap,
     start_peer,
     unique_run_id,
     wait_all,
@@ -48,13 +47,6 @@ def finish(procs: dict[str, Process], timeout: float) -> None:
 
 def ranks(tmp_path: Path, name: str) -> list[dict]:
     return [read_result(tmp_path, f"{name}.rank{r}") for r in (0, 1)]
-
-
-@pytest.fixture
-def bootstrap(tmp_path):
-    proc, initial_peers = start_bootstrap(tmp_path)
-    yield initial_peers
-    proc.kill_tree()
 
 
 @pytest.mark.swarm

@@ -13,7 +13,6 @@ from swarm import (
     max_param_diff,
     read_params,
     read_result,
-    start_bootstrap,
     start_peer,
     unique_run_id,
     wait_all,
@@ -21,13 +20,6 @@ from swarm import (
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
-
-
-@pytest.fixture
-def bootstrap(tmp_path):
-    proc, initial_peers = start_bootstrap(tmp_path)
-    yield initial_peers
-    proc.kill_tree()
 
 
 def progress_epoch(tmp_path, name) -> int:

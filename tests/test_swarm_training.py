@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from swarm import max_param_diff, read_params, read_result, start_bootstrap, start_peer, unique_run_id, wait_all
+from swarm import max_param_diff, read_params, read_result, start_peer, unique_run_id, wait_all
 
 pytestmark = pytest.mark.swarm
-
-
-@pytest.fixture
-def bootstrap(tmp_path):
-    proc, initial_peers = start_bootstrap(tmp_path)
-    yield initial_peers
-    proc.kill_tree()
 
 
 def run_swarm(tmp_path, initial_peers, configs: dict[str, dict], timeout: float = 150):
