@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a small model with a local swarm of peer processes")
     demo.add_argument("--peers", type=int, default=3, help="number of training peers (default 3)")
-    demo.add_argument("--epochs", type=int, default=15, help="global epochs to train (default 15)")
+    demo.add_argument("--epochs", type=int, default=12, help="global epochs to train (default 12)")
     demo.add_argument("--target-batch-size", type=int, default=1024, help="samples per global epoch (default 1024)")
     demo.add_argument("--run-id", default=None, help="run id (default: a fresh random one)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
