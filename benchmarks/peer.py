@@ -98,7 +98,7 @@ def main(config_path: str) -> None:
         dht = hivemind.DHT(start=True, initial_peers=cfg["initial_peers"].split(","),
                            host_maddrs=[f"/ip4/{host}/tcp/0"])
         opt = hm = hivemind.Optimizer(
-            dht=dht, batch_size_per_step=batch, verbose=False,
+            dht=dht, batch_size_per_step=batch,
             optimizer=(lambda params: torch.optim.SGD(params, lr=1e-3)) if needs_factory
             else torch.optim.SGD(model.parameters(), lr=1e-3),
             params=model.parameters() if needs_factory else None, **common,
