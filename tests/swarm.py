@@ -145,6 +145,18 @@ def wait_all(procs: dict[str, Process], timeout: float) -> dict[str, int | None]
     return codes
 
 
+def finish(procs: dict[str, Process], timeout: float) -> None:
+    """Wait for every process, kill what is left of them (with their children), and fail unless all exited 0."""
+    try:
+        codes = wait_all(procs, timeout)
+    finally:
+        for proc in procs.values():
+            proc.kill_tree()
+    failed = {name: code for name, code in codes.items() if code != 0}
+    logs = (f"{name} exited with {code}:\n{procs[name].log()[-5000:]}" for name, code in failed.items())
+    assert not failed, "\n".join(logs)
+
+
 def max_param_diff(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 

@@ -19,12 +19,12 @@ from schedulers import reference_lrs
 from swarm import (
     Process,
     child_env,
+    finish,
     max_param_diff,
     read_params,
     read_result,
     start_peer,
     unique_run_id,
-    wait_all,
     wait_for_file,
 )
 
@@ -50,16 +50,6 @@ def launch(tmp_path: Path, name: str, cfg: dict, initial_peers: str | None = Non
             "--main_process_port", str(free_port()), str(WORKER), str(config_path)]
     env = child_env(INITIAL_PEERS=initial_peers) if initial_peers else child_env()
     return Process(args, tmp_path / f"{name}.log", env=env)
-
-
-def finish(procs: dict[str, Process], timeout: float) -> None:
-    try:
-        codes = wait_all(procs, timeout)
-    finally:
-        for proc in procs.values():
-            proc.kill_tree()
-    for name, code in codes.items():
-        assert code == 0, f"{name} exited with {code}:\n{procs[name].log_path.read_text(errors='replace')[-5000:]}"
 
 
 def ranks(tmp_path: Path, name: str) -> list[dict]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm import Process, child_env, max_param_diff, unique_run_id, wait_all, wait_for_file
+from swarm import Process, child_env, finish, max_param_diff, unique_run_id, wait_for_file
 
 WORKER = Path(__file__).resolve().parent / "lightning_worker.py"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lightning_train.py"
@@ -23,16 +23,6 @@ def start_trainer(tmp_path: Path, name: str, config: dict, initial_peers: str) -
     config_path.write_text(json.dumps(config))
     return Process([sys.executable, str(WORKER), str(config_path)], tmp_path / f"{name}.log",
                    env=child_env(INITIAL_PEERS=initial_peers))
-
-
-def finish(procs: dict[str, Process], timeout: float) -> None:
-    try:
-        codes = wait_all(procs, timeout)
-    finally:
-        for proc in procs.values():
-            proc.kill_tree()
-    for name, code in codes.items():
-        assert code == 0, f"trainer {name} exited with {code}:\n{procs[name].log()[-5000:]}"
 
 
 def result(tmp_path: Path, name: str, rank: int = 0) -> dict:

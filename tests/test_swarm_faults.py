@@ -10,12 +10,12 @@ import psutil
 import pytest
 import torch
 from swarm import (
+    finish,
     max_param_diff,
     read_params,
     read_result,
     start_peer,
     unique_run_id,
-    wait_all,
     wait_for_file,
 )
 
@@ -37,15 +37,6 @@ def wait_for_epoch(tmp_path, proc, name, epoch, timeout=90.0) -> None:
         time.sleep(0.05)
 
 
-def finish(procs, timeout=150):
-    try:
-        codes = wait_all(procs, timeout)
-    finally:
-        for proc in procs.values():
-            proc.kill_tree()
-    return codes
-
-
 def test_late_joiner_holds_swarm_parameters_before_first_contribution(tmp_path, bootstrap):
     base = dict(run_id=unique_run_id("late"), target_batch_size=480, epochs=6, lr=0.3, step_sleep=0.05,
                 save_epoch_params=True)
@@ -56,8 +47,7 @@ def test_late_joiner_holds_swarm_parameters_before_first_contribution(tmp_path, 
         "late": start_peer(tmp_path, "late", dict(base, seed=3, model_seed=3, start_after=dict(
             progress_file=str(tmp_path / "a.progress"), epoch=2)), bootstrap),
     }
-    codes = finish(procs)
-    assert all(code == 0 for code in codes.values()), {n: p.log()[-2000:] for n, p in procs.items()}
+    finish(procs, 150)
     late = read_result(tmp_path, "late")
     start_epoch = late["start_epoch"]
     assert start_epoch >= 2
@@ -82,8 +72,7 @@ def test_sigkill_one_of_three_peers_the_others_keep_training_in_sync(tmp_path, b
     killed_at = progress_epoch(tmp_path, "c")
     procs["c"].kill_tree()  # SIGKILL the peer and every process it started (DHT, p2pd, averagers)
     survivors = {"a": procs["a"], "b": procs["b"]}
-    codes = finish(survivors)
-    assert codes == {"a": 0, "b": 0}, {n: p.log()[-3000:] for n, p in survivors.items()}
+    finish(survivors, 150)
     results = {name: read_result(tmp_path, name) for name in survivors}
     for name, result in results.items():
         assert result["final_epoch"] >= 7 > killed_at + 2, (name, result["final_epoch"], killed_at)

@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from swarm import max_param_diff, read_params, read_result, start_peer, unique_run_id, wait_all
+from swarm import finish, max_param_diff, read_params, read_result, start_peer, unique_run_id
 
 pytestmark = pytest.mark.swarm
 
 
 def run_swarm(tmp_path, initial_peers, configs: dict[str, dict], timeout: float = 150):
     procs = {name: start_peer(tmp_path, name, cfg, initial_peers) for name, cfg in configs.items()}
-    try:
-        codes = wait_all(procs, timeout)
-    finally:
-        for proc in procs.values():
-            proc.kill_tree()
-    for name, code in codes.items():
-        assert code == 0, f"peer {name} exited with {code}:\n{procs[name].log()[-4000:]}"
+    finish(procs, timeout)
     return {name: read_result(tmp_path, name) for name in configs}
 
 
