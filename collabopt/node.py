@@ -38,10 +38,11 @@ API for adapters (plain loop / torchrun, Accelerate, Lightning ``devices>1``)::
     copt.local_epoch, copt.num_peers, copt.metrics(), copt.get_lr()   # same values on every rank
     state = copt.state_dict()        # collective-free; rank 0's holds the optimizer statistics: save that one
     copt.load_state_dict(state)      # collective-free; every rank loads the same saved state (load the model first)
-    copt.close()                     # on every rank; rank 0 leaves the swarm
+    copt.close()                     # on every rank; rank 0 leaves the swarm, then the ranks leave together
 
 ``step``, ``zero_grad`` and construction are collective: every rank must call them the same number of times.
-``state_dict``, ``load_state_dict``, ``close`` and the properties are local. ``NodeOptimizer`` supports
+``state_dict``, ``load_state_dict`` and the properties are local; ``close`` ends with a barrier (2-minute limit).
+``NodeOptimizer`` supports
 ``torch.amp.GradScaler`` (``scaler.step(copt)``) like ``CollaborativeOptimizer``. ``is_node_job()`` tells whether
 :func:`collaborative_optimizer` will build a node.
 """
@@ -547,7 +548,9 @@ class NodeOptimizer:
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Local: rank 0 leaves the swarm; every rank releases its hooks. Idempotent. Call it on every rank."""
+        """Rank 0 leaves the swarm; every rank releases its hooks; the ranks then leave together (a barrier with a
+        2-minute limit, so a rank that never closes cannot block the others for long). Idempotent. Call it on
+        every rank."""
         if self._closed:
             return
         self._closed = True
@@ -563,6 +566,10 @@ class NodeOptimizer:
                 remove_step_guard(self.user_scheduler)
             if self._wait_group is not None:
                 with contextlib.suppress(Exception):  # the default group may be gone already
+                    # leave together: a rank that tore its gloo groups down while rank 0 was still leaving the
+                    # swarm was seen to abort at exit ("terminate called without an active exception")
+                    dist.monitored_barrier(group=self._wait_group, timeout=datetime.timedelta(seconds=120))
+                with contextlib.suppress(Exception):
                     dist.destroy_process_group(self._wait_group)
 
     @property
