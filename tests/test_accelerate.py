@@ -17,6 +17,7 @@ import pytest
 import torch
 from schedulers import reference_lrs
 from swarm import (
+    SWARM_ROUNDING,
     Process,
     child_env,
     finish,
@@ -95,7 +96,7 @@ def test_accelerate_node_and_peer_train_in_sync(tmp_path, bootstrap):
     p0, p1 = read_params(tmp_path, "node.rank0"), read_params(tmp_path, "node.rank1")
     pp = read_params(tmp_path, "peer")
     assert max_param_diff(p0, p1) == 0.0
-    assert max_param_diff(p0, pp) == 0.0
+    assert max_param_diff(p0, pp) <= SWARM_ROUNDING
     assert max_param_diff(p0, torch.load(tmp_path / "peer.start.pt")) > 1e-3
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from swarm import ROOT, child_env, start_bootstrap, start_peer, unique_run_id, wait_all, wait_for_file
+from swarm import ROOT, SWARM_ROUNDING, child_env, start_bootstrap, start_peer, unique_run_id, wait_all, wait_for_file
 
 pytestmark = pytest.mark.swarm
 
@@ -20,7 +20,8 @@ def test_demo_trains_a_swarm_in_sync():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "global epochs reached: 3" in out, out
-    assert "max parameter difference between peers: 0\n" in out, out
+    max_diff = float(out.split("max parameter difference between peers:")[1].split()[0])
+    assert max_diff <= SWARM_ROUNDING and "peers are in sync" in out, out
     assert out.count("contributed") == 3
     accuracy = float(out.split("held-out accuracy:")[1].split("%")[0])
     assert accuracy > 25.0, out  # 3 global steps on a 10-class problem: well above chance (10%)

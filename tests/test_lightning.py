@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm import Process, child_env, finish, max_param_diff, unique_run_id, wait_for_file
+from swarm import SWARM_ROUNDING, Process, child_env, finish, max_param_diff, unique_run_id, wait_for_file
 
 WORKER = Path(__file__).resolve().parent / "lightning_worker.py"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lightning_train.py"
@@ -210,8 +210,8 @@ def test_two_trainers_in_sync_and_a_late_joiner_catches_up(tmp_path, bootstrap):
         assert {"swarm/peers", "swarm/epoch", "swarm/samples_per_s"} <= set(results[name]["logged_keys"])
         assert {"swarm/peers", "swarm/epoch", "swarm/samples_per_s"} <= set(results[name]["progress_bar_keys"])
     assert results["c"]["start_epoch"] == 2  # the late joiner downloaded the swarm's state before training
-    assert max_param_diff(weights["a"], weights["b"]) == 0.0
-    assert max_param_diff(weights["a"], weights["c"]) == 0.0
+    assert max_param_diff(weights["a"], weights["b"]) <= SWARM_ROUNDING
+    assert max_param_diff(weights["a"], weights["c"]) <= SWARM_ROUNDING
     # LR after k global epochs == plain torch after k scheduler steps (offloaded optimizer on A)
     reference = torch_lrs("step", lr, epochs)
     for name in ("a", "b"):
@@ -303,9 +303,8 @@ def test_two_device_node_is_one_peer_in_sync_with_a_single_device_peer(tmp_path,
     assert single["samples_reported"] == single["samples_fed"]
     weights = [params(tmp_path, "node", 0), params(tmp_path, "node", 1), params(tmp_path, "single")]
     assert max_param_diff(weights[0], weights[1]) == 0.0  # the node's ranks: broadcast, always bit-identical
-    # node vs the other peer: bit-identical in a healthy run; after an averaging round that failed under load,
-    # hivemind's delta all-reduce leaves last-bit differences (seen once: 5.8e-11 in a loaded fresh-clone run)
-    assert max_param_diff(weights[0], weights[2]) <= 1e-6
+    # node vs the other peer: equal to float rounding (seen once: 5.8e-11), see SWARM_ROUNDING
+    assert max_param_diff(weights[0], weights[2]) <= SWARM_ROUNDING
 
 
 @pytest.mark.swarm

@@ -10,6 +10,7 @@ import psutil
 import pytest
 import torch
 from swarm import (
+    SWARM_ROUNDING,
     finish,
     max_param_diff,
     read_params,
@@ -77,7 +78,7 @@ def test_sigkill_one_of_three_peers_the_others_keep_training_in_sync(tmp_path, b
     for name, result in results.items():
         assert result["final_epoch"] >= 7 > killed_at + 2, (name, result["final_epoch"], killed_at)
     params = {name: read_params(tmp_path, name) for name in survivors}
-    assert max_param_diff(params["a"], params["b"]) == 0.0
+    assert max_param_diff(params["a"], params["b"]) <= SWARM_ROUNDING
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from swarm import finish, max_param_diff, read_params, read_result, start_peer, unique_run_id
+from swarm import SWARM_ROUNDING, finish, max_param_diff, read_params, read_result, start_peer, unique_run_id
 
 pytestmark = pytest.mark.swarm
 
@@ -31,8 +31,8 @@ def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
         assert result["samples_reported"] == result["samples_fed"], (name, result)
         assert result["final_loss"] < 0.85 * result["start_loss"], (name, result["start_loss"], result["final_loss"])
     assert len({r["final_epoch"] for r in results.values()}) == 1
-    assert max_param_diff(params["a"], params["b"]) == 0.0
-    assert max_param_diff(params["a"], params["c"]) == 0.0
+    assert max_param_diff(params["a"], params["b"]) <= SWARM_ROUNDING
+    assert max_param_diff(params["a"], params["c"]) <= SWARM_ROUNDING
     # the peers really trained: parameters moved away from the common initialization
     start = torch.load(tmp_path / "a.start.pt")
     assert max_param_diff(params["a"], start) > 1e-3
