@@ -87,7 +87,14 @@ def run_peer(index: int, config: dict[str, Any]) -> None:
         (out / f"peer{index}.ready").touch()
         while not (out / "go").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        while copt.local_epoch < config["epochs"] and time.monotonic() < deadline:
+        # the finish line: a peer that reached the last epoch trains on until every peer has. hivemind matches
+        # averaging rounds by time, not by epoch, so a peer that missed the start of one round counts the next ones
+        # one epoch late; if the others stopped at the last epoch, it would take its last step alone.
+        while time.monotonic() < deadline:
+            if copt.local_epoch >= config["epochs"]:
+                (out / f"peer{index}.done").touch()
+                if all((out / f"peer{i}.done").exists() for i in range(config["peers"])):
+                    break
             n = sizes[step % len(sizes)]
             idx = torch.randint(0, len(x_train), (n,), generator=generator)
             loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
@@ -97,10 +104,6 @@ def run_peer(index: int, config: dict[str, Any]) -> None:
             fed += n
             step += 1
             time.sleep(0.1)  # a stand-in for a bigger model's compute: epochs last a few seconds, so that peers meet
-        # stay in the swarm until every peer is done: a peer that fell behind catches up by downloading our state
-        (out / f"peer{index}.done").touch()
-        while not (out / "stop").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
         with torch.no_grad():
             accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
         torch.save(model.state_dict(), out / f"peer{index}.pt")
@@ -140,7 +143,7 @@ def run_demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="collabopt-demo-") as out_dir:
         try:
             config = dict(run_id=run_id, target_batch_size=args.target_batch_size, epochs=args.epochs, lr=1e-2,
-                          initial_peers=initial_peers, out_dir=out_dir, timeout=args.timeout)
+                          initial_peers=initial_peers, out_dir=out_dir, timeout=args.timeout, peers=args.peers)
             env = dict(os.environ, OMP_NUM_THREADS="1", HIVEMIND_LOGLEVEL=os.environ.get("HIVEMIND_LOGLEVEL", "ERROR"))
             for index in range(args.peers):
                 procs.append(subprocess.Popen(
@@ -152,8 +155,6 @@ def run_demo(args: argparse.Namespace) -> int:
             while any(p.poll() is None for p in procs):
                 if all((Path(out_dir) / f"peer{i}.ready").exists() for i in range(args.peers)):
                     (Path(out_dir) / "go").touch()
-                if all((Path(out_dir) / f"peer{i}.done").exists() for i in range(args.peers)):
-                    (Path(out_dir) / "stop").touch()
                 if time.monotonic() - start > args.timeout + 30:
                     raise TimeoutError(f"the demo did not finish within {args.timeout:.0f} s")
                 report = read_swarm_progress(dht, run_id)

@@ -6,6 +6,7 @@ Every peer's hivemind progress tracker publishes a signed, schema-checked record
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -70,3 +71,37 @@ def read_swarm_progress(dht: Any, run_id: str, timeout: float = 10.0) -> dict[st
         samples_per_second=sum(p["samples_per_second"] for p in peers),
         peers=sorted(peers, key=lambda p: p["peer_id"]),
     )
+
+
+WAITING_RECORD_LIFETIME = 20.0  # seconds a "waiting for peers" record outlives its last refresh
+
+
+def announce_waiting(dht: Any, run_id: str, timeout: float = 10.0) -> str:
+    """Publish that this peer is in the run and waiting for others; return its id (as in :func:`present_peers`).
+
+    hivemind publishes a peer's progress record only once it has accumulated samples, so a peer that waits before
+    its first step is invisible to the others; this record makes it visible for ``WAITING_RECORD_LIFETIME`` s.
+    """
+    from hivemind.utils import get_dht_time
+
+    me = dht.peer_id.to_bytes().hex()
+    now = get_dht_time()
+    future = dht.store(f"{run_id}_waiting", subkey=me, value=now, expiration_time=now + WAITING_RECORD_LIFETIME,
+                       return_future=True)
+    with contextlib.suppress(FutureTimeout):  # not stored in time: the next refresh tries again
+        future.result(timeout=timeout)
+    return me
+
+
+def present_peers(dht: Any, run_id: str, timeout: float = 10.0) -> set[str]:
+    """Ids of the peers of ``run_id`` that are training (progress records) or waiting (:func:`announce_waiting`)."""
+    from hivemind.utils import ValueWithExpiration
+
+    present = {peer["peer_id"] for peer in read_swarm_progress(dht, run_id, timeout)["peers"]}
+    try:
+        found = dht.get(f"{run_id}_waiting", latest=True, return_future=True).result(timeout=timeout)
+    except FutureTimeout:
+        found = None
+    if isinstance(found, ValueWithExpiration) and isinstance(found.value, dict):
+        present.update(str(subkey) for subkey in found.value)
+    return present

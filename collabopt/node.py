@@ -421,6 +421,21 @@ class NodeOptimizer:
                 error = e
         self._sync(error=error)
 
+    def wait_for_peers(self, num_peers: int, timeout: float = 60.0) -> bool:
+        """Collective: rank 0 waits as :meth:`CollaborativeOptimizer.wait_for_peers` (the node counts once); every
+        rank returns its answer."""
+        self._check_open()
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = self._copt.wait_for_peers(num_peers, timeout)
+            except ConfigurationError as e:
+                box[0] = ("config", e.parameter, e.problem, e.fix)
+        dist.broadcast_object_list(box, src=0, group=self._wait_group)
+        if isinstance(box[0], tuple):
+            raise ConfigurationError(*box[0][1:])
+        return bool(box[0])
+
     # ------------------------------------------------------------------ visibility
 
     @property

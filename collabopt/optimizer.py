@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -17,7 +18,7 @@ from collabopt import scheduling, swarm
 from collabopt.batch_size import ForwardSampleCounter, infer_batch_size
 from collabopt.errors import ConfigurationError
 from collabopt.lifecycle import SigtermHandler, preserved_sigint
-from collabopt.metrics import swarm_snapshot
+from collabopt.metrics import announce_waiting, present_peers, swarm_snapshot
 from collabopt.scheduling import (
     EpochSchedule,
     check_scheduler,
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 # hivemind.Optimizer arguments that CollaborativeOptimizer sets itself (not accepted in **hivemind_kwargs)
+_HIVEMIND_REQUEST_TIMEOUT = 3.0  # hivemind's default averager request_timeout (seconds)
 _MANAGED = {"dht", "run_id", "target_batch_size", "batch_size_per_step", "optimizer", "params", "scheduler",
             "client_mode"}
 
@@ -120,7 +122,11 @@ class CollaborativeOptimizer:
         offload_optimizer, delay_optimizer_step, delay_grad_averaging, delay_state_averaging, average_state_every,
             use_local_updates, auxiliary, matchmaking_time, averaging_timeout, load_state_timeout,
             grad_compression, state_averaging_compression, grad_averager_factory, averager_opts, ...:
-            forwarded to ``hivemind.Optimizer`` (any other keyword argument of it too). ``delay_state_averaging``
+            forwarded to ``hivemind.Optimizer`` (any other keyword argument of it too). A ``matchmaking_time`` of
+            3 s or less gets ``averager_opts["request_timeout"] = matchmaking_time / 2`` unless you set it
+            (hivemind's 3 s join-request timeout must stay below the matchmaking time, or matchmaking can
+            deadlock); the request timeout reaches the gradient averager too (hivemind passes ``averager_opts``
+            to its state averager only). ``delay_state_averaging``
             defaults to False (as lightning-hivemind): parameters are averaged within the global step, so peers
             hold identical parameters after every global epoch. hivemind's default True averages in the
             background, one step later, for more throughput (benchmarks B1 measured ~20% more samples/s).
@@ -267,10 +273,25 @@ class CollaborativeOptimizer:
             self._check_compression("grad_compression", hivemind_kwargs["grad_compression"])
         if "state_averaging_compression" in hivemind_kwargs:
             self._check_compression("state_averaging_compression", hivemind_kwargs["state_averaging_compression"])
+        averager_opts = hivemind_kwargs.get("averager_opts")
+        if averager_opts is not None and not isinstance(averager_opts, dict):
+            raise ConfigurationError("averager_opts", f"expected a dict, got {type(averager_opts).__name__}",
+                                     "pass e.g. averager_opts=dict(request_timeout=1.0)")
         if use_local_updates and hivemind_kwargs.get("grad_averager_factory") is not None:
             raise ConfigurationError(
                 "grad_averager_factory", "is not used with use_local_updates=True", "drop one of them"
             )
+        request_timeout = (averager_opts or {}).get("request_timeout")
+        if request_timeout is None and matchmaking_time <= _HIVEMIND_REQUEST_TIMEOUT:
+            # hivemind warns that a join request timeout >= matchmaking_time can deadlock matchmaking
+            request_timeout = matchmaking_time / 2
+            hivemind_kwargs["averager_opts"] = dict(averager_opts or {}, request_timeout=request_timeout)
+        if request_timeout is not None and not use_local_updates:
+            # hivemind 1.1.12 hands averager_opts to its state averager only: give the gradient averager the same
+            from hivemind.optim.grad_averager import GradientAverager
+
+            factory = hivemind_kwargs.get("grad_averager_factory") or GradientAverager
+            hivemind_kwargs["grad_averager_factory"] = functools.partial(factory, request_timeout=request_timeout)
 
         swarm_options_given = {
             name: value
@@ -644,8 +665,9 @@ class CollaborativeOptimizer:
 
     @property
     def num_peers(self) -> int:
-        """Peers currently training in this run (including this one)."""
-        return self._opt.tracker.global_progress.num_peers
+        """Peers currently training in this run, this one included (hivemind's count, refreshed every few seconds;
+        at least 1: hivemind counts a peer only after its first step)."""
+        return max(1, self._opt.tracker.global_progress.num_peers)
 
     @property
     def samples_accumulated(self) -> int:
@@ -676,6 +698,26 @@ class CollaborativeOptimizer:
     def metrics(self) -> dict[str, float]:
         """A snapshot of the swarm state, ready for a progress bar or a logger."""
         return swarm_snapshot(self)
+
+    def wait_for_peers(self, num_peers: int, timeout: float = 60.0) -> bool:
+        """Block until ``num_peers`` peers, this one included, are in the swarm; return whether they were within
+        ``timeout`` seconds. Peers count once they train or while they wait here, so every peer of a small swarm
+        can call it before its first step (a demo, a test, a run that should not start alone)::
+
+            if not copt.wait_for_peers(2, timeout=120):
+                print("training alone for now")
+        """
+        self._check_open()
+        _positive_int("num_peers", num_peers, "2")
+        _positive_number("timeout", timeout, "60.0", allow_zero=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            me = announce_waiting(self.dht, self.run_id)
+            if len(present_peers(self.dht, self.run_id) | {me}) >= num_peers:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     # ------------------------------------------------------------------ state
 
@@ -755,11 +797,10 @@ class CollaborativeOptimizer:
         return f"CollaborativeOptimizer(run_id={self.run_id!r}, {state})"
 
 
-def wait_for_peers(copt: CollaborativeOptimizer, num_peers: int, timeout: float = 60.0) -> bool:
-    """Block until the swarm has ``num_peers`` peers (or ``timeout`` seconds pass). Returns whether it did."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if copt.num_peers >= num_peers:
-            return True
-        time.sleep(0.2)
-    return False
+def wait_for_peers(copt: Any, num_peers: int, timeout: float = 60.0) -> bool:
+    """Block until the swarm has ``num_peers`` peers, ``copt``'s own included; return whether it did in time.
+
+    Same as ``copt.wait_for_peers(num_peers, timeout)``, for a :class:`CollaborativeOptimizer` or a
+    :class:`~collabopt.node.NodeOptimizer` (call it on every rank of a node).
+    """
+    return copt.wait_for_peers(num_peers, timeout)

@@ -23,6 +23,8 @@ from collabopt.integrations.pytorch import collaborate
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
+from collabopt import wait_for_peers
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,6 +36,8 @@ def main() -> None:
     parser.add_argument("--host-maddrs", nargs="*", default=None, help="e.g. /ip4/0.0.0.0/tcp/31337")
     parser.add_argument("--checkpoint", type=Path, default=None, help="resume from / save to this file")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-peers", type=int, default=1,
+                        help="wait (up to 2 minutes) until this many peers are in the swarm before training")
     parser.add_argument("--compute-delay", type=float, default=0.05,
                         help="seconds of simulated compute per step: this tiny model is so fast that a global epoch "
                              "would end before other peers can join it; a real model needs none")
@@ -58,6 +62,8 @@ def main() -> None:
             model.load_state_dict(saved["model"])
             copt.load_state_dict(saved["optimizer"])
             print(f"resumed from {args.checkpoint} at epoch {copt.local_epoch}")
+        if args.min_peers > 1 and not wait_for_peers(copt, args.min_peers, timeout=120):
+            print(f"fewer than {args.min_peers} peers after 2 minutes: training with {copt.num_peers}")
         while copt.local_epoch < args.epochs:
             for inputs, targets in loader:
                 loss = F.cross_entropy(model(inputs), targets)

@@ -23,10 +23,7 @@ from accelerate.tracking import GeneralTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collabopt.integrations.accelerate import CollaborativeAccelerator  # noqa: E402
-from peer_worker import make_data, make_model, write_json  # noqa: E402
-
-from collabopt import wait_for_peers  # noqa: E402
-from collabopt.node import NodeOptimizer  # noqa: E402
+from peer_worker import at_finish_line, make_data, make_model, rank0_decides, write_json  # noqa: E402
 
 
 class MemoryTracker(GeneralTracker):
@@ -79,7 +76,7 @@ def main(config_path: str) -> None:
         cpu=True, gradient_accumulation_steps=cfg.get("ga", 1), mixed_precision=cfg.get("mixed_precision", "no"),
         log_with=[tracker],
         run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        matchmaking_time=2.0, averaging_timeout=15.0, reuse_grad_buffers=cfg.get("reuse", False),
+        matchmaking_time=2.0, averaging_timeout=15.0, reuse_grad_buffers=cfg.get("reuse", False), verbose=True,
     )
     if cfg.get("emulate_fp16"):
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -99,13 +96,8 @@ def main(config_path: str) -> None:
     copt = accelerator.collaborative_optimizer
     if accelerator.is_main_process:
         Path(out + ".ready").write_text("ready")
-    # start once the other peer is visible (a node alone would race through the epochs);
-    # wait_peers counts the others: this node is not counted before its first step
-    if cfg.get("wait_peers"):
-        if accelerator.is_main_process:
-            swarm_opt = copt.collaborative_optimizer if isinstance(copt, NodeOptimizer) else copt
-            assert wait_for_peers(swarm_opt, cfg["wait_peers"], timeout=60), "the other peer did not show up"
-        accelerator.wait_for_everyone()
+    if cfg.get("wait_peers"):  # start once the other peer is there (a node alone would race through the epochs)
+        assert copt.wait_for_peers(cfg["wait_peers"], timeout=60), "the other peer did not show up"  # every rank
     if cfg.get("load_from"):
         accelerator.load_state(cfg["load_from"])
 
@@ -137,6 +129,8 @@ def main(config_path: str) -> None:
             fed_since_sync = 0
             if copt.local_epoch != before:
                 epoch = copt.local_epoch
+                if accelerator.is_main_process:
+                    write_json(cfg["out"] + ".progress", {"epoch": epoch})
                 result["epochs_seen"].append(epoch)
                 result["lrs"][str(epoch)] = optimizer.param_groups[0]["lr"]
                 result["sched_lrs"][str(epoch)] = scheduler.get_last_lr()[0]
@@ -148,7 +142,9 @@ def main(config_path: str) -> None:
                     result["saved_lr"] = optimizer.param_groups[0]["lr"]
                     done = True
                     break
-            if copt.local_epoch >= cfg["epochs"]:
+            # every rank sees the same local_epoch; rank 0 reads the other peers' progress for all of them
+            if copt.local_epoch >= cfg["epochs"] and rank0_decides(at_finish_line(cfg, copt.local_epoch,
+                                                                                   cfg["epochs"])):
                 done = True
                 break
             time.sleep(cfg.get("step_sleep", 0.03))

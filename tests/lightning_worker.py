@@ -21,6 +21,9 @@ import torch.nn.functional as F
 from collabopt.integrations.lightning import CollaborativeStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_worker import at_finish_line  # noqa: E402
+
 
 def write_json(path: str, value) -> None:
     Path(path + ".tmp").write_text(json.dumps(value))
@@ -161,7 +164,9 @@ class Recorder(pl.Callback):
             self.result["saved_lightning_epoch"] = trainer.current_epoch
             if trainer.is_global_zero:
                 torch.save(copy_state(copt.state_dict()), self.out + ".saved_state.pt")
-        if done or time.monotonic() > self.deadline:
+        # rank 0 reads the other peers' progress (the finish line) and decides for every rank of this node
+        finished = done and trainer.strategy.broadcast(at_finish_line(self.cfg, epoch, self.cfg["global_epochs"]))
+        if finished or time.monotonic() > self.deadline:
             trainer.should_stop = True
 
 
@@ -171,6 +176,7 @@ def main(config_path: str) -> None:
     pl.seed_everything(cfg.get("seed", 0), workers=False, verbose=False)
     options = dict(cfg.get("options", {}))
     options.setdefault("host_maddrs", ["/ip4/127.0.0.1/tcp/0"])
+    options.setdefault("verbose", True)  # hivemind logs each round: what a failure report needs
     options.setdefault("matchmaking_time", 2.0)
     options.setdefault("averaging_timeout", 15.0)
     strategy = CollaborativeStrategy(target_batch_size=cfg["target_batch_size"], run_id=cfg["run_id"], **options)

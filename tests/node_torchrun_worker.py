@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collabopt.integrations.pytorch import collaborate  # noqa: E402
-from peer_worker import make_data, make_model, write_json  # noqa: E402
+from peer_worker import at_finish_line, make_data, make_model, rank0_decides, write_json  # noqa: E402
 
 from collabopt import ConfigurationError, wait_for_peers  # noqa: E402
 
@@ -36,6 +36,7 @@ def main(config_path: str) -> None:
     scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=cfg["gamma"]) if cfg.get("gamma") else None
     options = dict(cfg.get("options", {}))
     options.setdefault("host_maddrs", ["/ip4/127.0.0.1/tcp/0"])
+    options.setdefault("verbose", True)  # hivemind logs each round: what a failure report needs
     options.setdefault("matchmaking_time", 2.0)
     options.setdefault("averaging_timeout", 15.0)
     result = {"rank": rank, "samples_fed": 0, "lrs": {}, "epochs_seen": [], "num_peers_seen": []}
@@ -48,10 +49,8 @@ def main(config_path: str) -> None:
         result["type"] = type(copt).__name__
         if rank == 0:
             Path(out + ".ready").write_text("ready")
-            # start once the other peer is visible (a node alone would race through the epochs);
-            # wait_peers counts the others: this node is not counted before its first step
-            if cfg.get("wait_peers"):
-                assert wait_for_peers(copt.collaborative_optimizer, cfg["wait_peers"], timeout=60), "no other peer"
+        if cfg.get("wait_peers"):  # start once the other peer is there (a node alone would race through the epochs)
+            assert wait_for_peers(copt, cfg["wait_peers"], timeout=60), "no other peer"  # collective, long timeout
         # long-timeout group: the default one has pg_timeout seconds
         dist.barrier(group=dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=5)))
         if rank == 0 and cfg.get("rank0_delay_s"):  # simulate slow matchmaking inside rank 0's swarm step
@@ -67,7 +66,8 @@ def main(config_path: str) -> None:
             inner.step = slow_step
         result["lrs"][str(copt.local_epoch)] = optimizer.param_groups[0]["lr"]
         steps = 0
-        while copt.local_epoch < cfg["epochs"] and steps < cfg.get("max_steps", 2000):
+        while (not rank0_decides(at_finish_line(cfg, copt.local_epoch, cfg["epochs"]))
+               and steps < cfg.get("max_steps", 2000)):
             n = cfg.get("batch_sizes", [8, 12])[(steps + rank) % len(cfg.get("batch_sizes", [8, 12]))]
             idx = torch.randint(0, len(x_all), (n,))
             F.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
@@ -78,6 +78,8 @@ def main(config_path: str) -> None:
             steps += 1
             result["max_num_peers"] = max(result.get("max_num_peers", 0), copt.num_peers)
             if copt.local_epoch != before:
+                if rank == 0:
+                    write_json(cfg["out"] + ".progress", {"epoch": copt.local_epoch})
                 result["epochs_seen"].append(copt.local_epoch)
                 result["lrs"][str(copt.local_epoch)] = optimizer.param_groups[0]["lr"]
                 result["num_peers_seen"].append(copt.num_peers)

@@ -56,6 +56,36 @@ def write_json(path: str, value) -> None:
     os.replace(path + ".tmp", path)
 
 
+def at_finish_line(cfg: dict, epoch: int, target: int) -> bool:
+    """Whether this peer (at ``epoch``) and every peer named in ``cfg["finish_with"]`` reached ``target``.
+
+    Peers that got there keep training until all did. hivemind matches averaging rounds by time, not by epoch: a
+    peer that missed the start of one round joins the next one and from then on counts every round one epoch
+    later than the others. Stopping at a fixed epoch, the others would be gone when it takes its last step, which
+    it would take alone (with its own gradients). Each peer's epoch is read from its ``<out>.progress`` file.
+    """
+    if epoch < target:
+        return False
+    for prefix in cfg.get("finish_with", []):
+        try:
+            if json.loads(Path(prefix + ".progress").read_text())["epoch"] < target:
+                return False
+        except (OSError, ValueError, KeyError):
+            return False
+    return True
+
+
+def rank0_decides(flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank of a node (the ranks must stop at the same step); ``flag`` without one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    box = torch.tensor([int(flag)])
+    dist.broadcast(box, src=0)
+    return bool(box.item())
+
+
 def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
     out = cfg["out"]
@@ -74,7 +104,8 @@ def main(config_path: str) -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=cfg["amp_scale"]) if cfg.get("amp_scale") else None
     options = dict(cfg.get("options", {}))
     options.setdefault("host_maddrs", ["/ip4/127.0.0.1/tcp/0"])
-    options.setdefault("matchmaking_time", 3.0)
+    options.setdefault("verbose", True)  # hivemind logs each round: what a failure report needs
+    options.setdefault("matchmaking_time", 2.0)
     options.setdefault("averaging_timeout", 30.0)
     count_mode = cfg.get("count", "forward")  # forward | batch | batch_size
     accumulate = cfg.get("accumulate", 1)
@@ -109,7 +140,7 @@ def main(config_path: str) -> None:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out + ".start.pt")
         result["lrs"][str(copt.local_epoch)] = copt.get_lr()[0]
         epoch_params = {}
-        while copt.local_epoch < epochs and time.monotonic() < deadline:
+        while not at_finish_line(cfg, copt.local_epoch, epochs) and time.monotonic() < deadline:
             step_samples = 0
             for _ in range(accumulate):
                 n = next(sizes)

@@ -31,6 +31,12 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 SWARM_ROUNDING = 1e-6
 
 
+def finish_line(tmp_path: Path, *names: str) -> list[str]:
+    """``finish_with`` for a worker config: it trains on until every named peer reached the last epoch too (see
+    ``peer_worker.at_finish_line``: hivemind may count a round one epoch later on one peer)."""
+    return [str(tmp_path / name) for name in names]
+
+
 def unique_run_id(name: str) -> str:
     """A run id no earlier test used (stale DHT records of a reused run id confuse new peers)."""
     return f"{name}_{uuid.uuid4().hex[:10]}"
@@ -41,7 +47,7 @@ def child_env(**extra: str) -> dict[str, str]:
     env.pop("INITIAL_PEERS", None)
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = "1"
-    env["HIVEMIND_LOGLEVEL"] = env.get("HIVEMIND_LOGLEVEL", "WARNING")
+    env["HIVEMIND_LOGLEVEL"] = env.get("HIVEMIND_LOGLEVEL", "INFO")  # with verbose=True: every averaging round
     env.update(extra)
     return env
 
@@ -175,3 +181,47 @@ def wait_for_file(path: Path, timeout: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def train_node_with_peer(tmp_path: Path, node: Process, *, run_id: str, target_batch_size: int, epochs: int,
+                         lr: float, initial_peers: str) -> tuple[dict, dict, dict]:
+    """Run a started 2-rank ``node`` (results ``node.rank0/1``) with a plain peer that joins once the node is in
+    the swarm, then check what "one node = one peer" means; return the results of rank 0, rank 1 and the peer.
+
+    The node's config needs ``finish_with=finish_line(tmp_path, "peer")``.
+    Checked: 2 peers in the swarm (3 if every rank had joined), the last epoch reached everywhere, every sample fed
+    on either rank reported once, the ``exponential`` LR schedule (lr, gamma 0.7) per global epoch on both ranks,
+    ranks bit-identical, the peer equal to the node to :data:`SWARM_ROUNDING`, and the parameters trained.
+    """
+    import pytest
+    import torch
+    from schedulers import reference_lrs
+
+    if not wait_for_file(tmp_path / "node.rank0.ready", 90):
+        node.kill_tree()
+        pytest.fail(f"the node did not start:\n{node.log()[-5000:]}")
+    peer = start_peer(tmp_path, "peer", dict(run_id=run_id, target_batch_size=target_batch_size, epochs=epochs,
+                                             lr=lr, scheduler="exponential", model_seed=0, batch_sizes=[16],
+                                             step_sleep=0.05, max_seconds=150,
+                                             finish_with=finish_line(tmp_path, "node")), initial_peers)
+    finish({"node": node, "peer": peer}, timeout=170)
+
+    r0, r1 = (read_result(tmp_path, f"node.rank{rank}") for rank in (0, 1))
+    peer_result = read_result(tmp_path, "peer")
+    assert r0["type"] == r1["type"] == "NodeOptimizer"
+    assert r0["max_num_peers"] == r1["max_num_peers"] == 2, (r0, r1)
+    assert peer_result["num_peers"] == 2
+    assert r0["final_epoch"] == r1["final_epoch"] >= epochs and peer_result["final_epoch"] >= epochs
+    assert abs(r0["final_epoch"] - peer_result["final_epoch"]) <= 1  # see peer_worker.at_finish_line
+    assert r0["samples_reported"] == r1["samples_reported"] == r0["samples_fed"] + r1["samples_fed"]
+    assert r0["samples_fed"] > 0 and r1["samples_fed"] > 0
+    expected = reference_lrs("exponential", lr, epochs + 2)
+    for r in (r0, r1):
+        for epoch, value in r["lrs"].items():
+            assert value == pytest.approx(expected[int(epoch)], rel=1e-12), (r["rank"], epoch)
+        assert r["get_lr"] == pytest.approx(expected[r["final_epoch"]], rel=1e-12)
+    p0, p1, pp = (read_params(tmp_path, name) for name in ("node.rank0", "node.rank1", "peer"))
+    assert max_param_diff(p0, p1) == 0.0
+    assert max_param_diff(p0, pp) <= SWARM_ROUNDING
+    assert max_param_diff(p0, torch.load(tmp_path / "peer.start.pt")) > 1e-3
+    return r0, r1, peer_result

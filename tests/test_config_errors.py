@@ -92,6 +92,7 @@ CASES = [
     ("optimizer without trainable params", lambda opt: dict(optimizer=frozen_optimizer(opt)), "optimizer",
      "requires grad"),
     ("optimizer is not an optimizer", dict(optimizer="adam"), "optimizer", "torch.optim.Optimizer"),
+    ("averager_opts not a dict", dict(averager_opts=[("request_timeout", 1.0)]), "averager_opts", "expected a dict"),
     ("LBFGS offloaded", lambda opt: dict(
         optimizer=torch.optim.LBFGS(torch.nn.Linear(2, 2).parameters()), offload_optimizer=True), "optimizer",
      "LBFGS"),
@@ -112,6 +113,40 @@ def test_bad_input_is_refused_before_any_network(no_network, case, overrides, pa
     assert info.value.parameter.startswith(parameter), message
     assert text in message, message
     assert "Fix:" in message
+
+
+@pytest.mark.parametrize("options, expected", [
+    (dict(matchmaking_time=2.0), 1.0),  # hivemind's 3 s would be >= matchmaking_time: it warns of deadlocks
+    (dict(matchmaking_time=2.0, averager_opts=dict(request_timeout=0.5, min_group_size=2)), 0.5),
+    (dict(matchmaking_time=10.0), None),  # hivemind's default is fine
+])
+def test_join_request_timeout_stays_below_matchmaking_time(monkeypatch, options, expected):
+    import types
+
+    import hivemind
+
+    class Stop(Exception):
+        pass
+
+    captured = {}
+
+    def fake_optimizer(**kwargs):
+        captured.update(kwargs)
+        raise Stop  # argument handling only: no hivemind optimizer is built
+
+    monkeypatch.setattr(optimizer_module, "start_dht", lambda _: types.SimpleNamespace(client_mode=False,
+                                                                                        shutdown=lambda: None))
+    real_parameters = optimizer_module._hivemind_optimizer_parameters()
+    monkeypatch.setattr(optimizer_module, "_hivemind_optimizer_parameters", lambda: real_parameters)
+    monkeypatch.setattr(hivemind, "Optimizer", fake_optimizer)
+    model, opt = model_and_opt()
+    with pytest.raises(Stop):
+        CollaborativeOptimizer(opt, run_id="timeouts", target_batch_size=64, handle_signals=False, **options)
+    assert (captured.get("averager_opts") or {}).get("request_timeout") == expected
+    factory = captured.get("grad_averager_factory")  # hivemind hands averager_opts to its state averager only
+    assert (factory.keywords["request_timeout"] if factory is not None else None) == expected
+    if "averager_opts" in options:
+        assert captured["averager_opts"]["min_group_size"] == 2  # the user's other options are kept
 
 
 def test_bad_initial_peers_env_names_the_variable(no_network, monkeypatch):

@@ -19,7 +19,8 @@ def test_two_copies_of_the_example_train_together_and_resume(tmp_path):
     args = ["--run-id", run_id, "--epochs", "4", "--target-batch-size", "1024", "--host-maddrs",
             "/ip4/127.0.0.1/tcp/0"]
     procs = {
-        name: Process([sys.executable, EXAMPLE, *args, "--seed", str(i), "--checkpoint", str(tmp_path / f"{name}.pt")],
+        name: Process([sys.executable, EXAMPLE, *args, "--seed", str(i), "--min-peers", "2",
+                       "--checkpoint", str(tmp_path / f"{name}.pt")],
                       tmp_path / f"{name}.log", env=child_env(INITIAL_PEERS=initial_peers))
         for i, name in enumerate(["first", "second"])
     }

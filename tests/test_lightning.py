@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm import SWARM_ROUNDING, Process, child_env, finish, max_param_diff, unique_run_id, wait_for_file
+from swarm import (
+    SWARM_ROUNDING,
+    Process,
+    child_env,
+    finish,
+    finish_line,
+    max_param_diff,
+    unique_run_id,
+    wait_for_file,
+)
 
 WORKER = Path(__file__).resolve().parent / "lightning_worker.py"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lightning_train.py"
@@ -179,7 +188,7 @@ def test_two_trainers_in_sync_and_a_late_joiner_catches_up(tmp_path, bootstrap):
     run_id = unique_run_id("lightning_sync")
     epochs, lr = 6, 0.1  # epochs of a few seconds
     base = dict(run_id=run_id, target_batch_size=768, global_epochs=epochs, lr=lr, scheduler="step",
-                batch_size=16, step_sleep=0.05, max_seconds=100)
+                batch_size=16, step_sleep=0.05, max_seconds=100, finish_with=finish_line(tmp_path, "a", "b", "c"))
     # A and B start training together, and wait at epoch 2 until C has joined (and downloaded their state)
     together = dict(barrier=[str(tmp_path / "a"), str(tmp_path / "b")],
                     pause_at=dict(epoch=2, until=str(tmp_path / "c")))
@@ -199,7 +208,7 @@ def test_two_trainers_in_sync_and_a_late_joiner_catches_up(tmp_path, bootstrap):
     results = {name: result(tmp_path, name) for name in procs}
     weights = {name: params(tmp_path, name) for name in procs}
     for name, res in results.items():
-        assert res["final_epoch"] == epochs, (name, res)
+        assert res["final_epoch"] >= epochs, (name, res)  # one more where a peer counted a round late
         if name != "c":  # exact, also with accumulation (B: AMP steps skipped on inf/nan count as skipped)
             assert res["samples_reported"] + res["samples_skipped"] == res["samples_fed"], (name, res)
             assert res["samples_skipped"] <= 16 * 2, (name, res)
@@ -213,12 +222,12 @@ def test_two_trainers_in_sync_and_a_late_joiner_catches_up(tmp_path, bootstrap):
     assert max_param_diff(weights["a"], weights["b"]) <= SWARM_ROUNDING
     assert max_param_diff(weights["a"], weights["c"]) <= SWARM_ROUNDING
     # LR after k global epochs == plain torch after k scheduler steps (offloaded optimizer on A)
-    reference = torch_lrs("step", lr, epochs)
+    reference = torch_lrs("step", lr, epochs + 2)
     for name in ("a", "b"):
         for k, value in results[name]["lrs"].items():
             assert value == pytest.approx(reference[int(k)], rel=1e-12), (name, k)
-        assert results[name]["scheduler_last_epoch"] == epochs
-    assert results["c"]["final_lr"] == pytest.approx(reference[epochs], rel=1e-12)
+        assert results[name]["scheduler_last_epoch"] == results[name]["final_epoch"]
+    assert results["c"]["final_lr"] == pytest.approx(reference[results["c"]["final_epoch"]], rel=1e-12)
     assert results["a"]["lightning_epoch"] >= 0  # Lightning epochs are unrelated to global epochs
 
 
@@ -284,7 +293,8 @@ def test_two_device_node_is_one_peer_in_sync_with_a_single_device_peer(tmp_path,
     run_id = unique_run_id("lightning_node")
     epochs, lr = 4, 0.1
     base = dict(run_id=run_id, target_batch_size=512, global_epochs=epochs, lr=lr, scheduler="step", batch_size=16,
-                step_sleep=0.05, max_seconds=100, barrier=[str(tmp_path / "node"), str(tmp_path / "single")])
+                step_sleep=0.05, max_seconds=100, barrier=[str(tmp_path / "node"), str(tmp_path / "single")],
+                finish_with=finish_line(tmp_path, "node", "single"))
     procs = {
         "node": start_trainer(tmp_path, "node", dict(base, seed=1, devices=2), bootstrap),
         "single": start_trainer(tmp_path, "single", dict(base, seed=2), bootstrap),
@@ -293,9 +303,11 @@ def test_two_device_node_is_one_peer_in_sync_with_a_single_device_peer(tmp_path,
     ranks = [result(tmp_path, "node", 0), result(tmp_path, "node", 1)]
     single = result(tmp_path, "single")
     assert ranks[0]["world_size"] == ranks[1]["world_size"] == 2
+    reference = torch_lrs("step", lr, epochs + 2)
     for res in (*ranks, single):
-        assert res["final_epoch"] == epochs, res
-        assert res["final_lr"] == pytest.approx(torch_lrs("step", lr, epochs)[epochs], rel=1e-12)
+        assert res["final_epoch"] >= epochs, res  # one more where a peer counted a round late
+        assert res["final_lr"] == pytest.approx(reference[res["final_epoch"]], rel=1e-12)
+    assert ranks[0]["final_epoch"] == ranks[1]["final_epoch"]
     # one node = one peer: the swarm never counted 3 peers
     assert single["max_peers_logged"] == ranks[0]["max_peers_logged"] == 2, (single, ranks[0])
     # the node reported the samples of both ranks, exactly

@@ -12,6 +12,7 @@ import torch
 from swarm import (
     SWARM_ROUNDING,
     finish,
+    finish_line,
     max_param_diff,
     read_params,
     read_result,
@@ -40,7 +41,7 @@ def wait_for_epoch(tmp_path, proc, name, epoch, timeout=90.0) -> None:
 
 def test_late_joiner_holds_swarm_parameters_before_first_contribution(tmp_path, bootstrap):
     base = dict(run_id=unique_run_id("late"), target_batch_size=480, epochs=6, lr=0.3, step_sleep=0.05,
-                save_epoch_params=True)
+                save_epoch_params=True, finish_with=finish_line(tmp_path, "a", "b", "late"))
     procs = {
         "a": start_peer(tmp_path, "a", dict(base, seed=1, model_seed=1), bootstrap),
         "b": start_peer(tmp_path, "b", dict(base, seed=2, model_seed=2), bootstrap),
@@ -67,7 +68,7 @@ def test_late_joiner_holds_swarm_parameters_before_first_contribution(tmp_path, 
 
 def test_sigkill_one_of_three_peers_the_others_keep_training_in_sync(tmp_path, bootstrap):
     base = dict(run_id=unique_run_id("kill"), target_batch_size=480, epochs=7, lr=0.3, step_sleep=0.05,
-                model_seed=0)
+                model_seed=0, finish_with=finish_line(tmp_path, "a", "b"))  # not c: it is killed
     procs = {name: start_peer(tmp_path, name, dict(base, seed=i), bootstrap) for i, name in enumerate("abc")}
     wait_for_epoch(tmp_path, procs["a"], "a", 2)
     killed_at = progress_epoch(tmp_path, "c")

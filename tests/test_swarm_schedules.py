@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from schedulers import reference_lrs
 from swarm import (
+    finish_line,
     max_param_diff,
     read_params,
     read_result,
@@ -34,7 +35,8 @@ def test_lr_follows_global_epochs_on_every_peer_including_late_joiner(tmp_path, 
     expected = reference_lrs(spec, lr, epochs + 2, plateau_metric=1.0)
     bootstrap, initial_peers = start_bootstrap(tmp_path)
     base = dict(run_id=unique_run_id(spec), target_batch_size=640, epochs=epochs, lr=lr, model_seed=0,
-                scheduler=spec, options=options, step_sleep=0.05, batch_sizes=[16])
+                scheduler=spec, options=options, step_sleep=0.05, batch_sizes=[16],
+                finish_with=finish_line(tmp_path, "a", "b", "late"))
     if spec == "plateau":
         base["plateau_metric"] = 1.0  # a plateau: the LR is cut at every epoch after the first
     procs = {}

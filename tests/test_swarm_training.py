@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from swarm import SWARM_ROUNDING, finish, max_param_diff, read_params, read_result, start_peer, unique_run_id
+from swarm import (
+    SWARM_ROUNDING,
+    finish,
+    finish_line,
+    max_param_diff,
+    read_params,
+    read_result,
+    start_peer,
+    unique_run_id,
+)
 
 pytestmark = pytest.mark.swarm
 
@@ -17,7 +26,8 @@ def run_swarm(tmp_path, initial_peers, configs: dict[str, dict], timeout: float 
 
 def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
     run_id = unique_run_id("three")
-    base = dict(run_id=run_id, target_batch_size=768, epochs=5, model_seed=0, lr=0.8, step_sleep=0.05)
+    base = dict(run_id=run_id, target_batch_size=768, epochs=5, model_seed=0, lr=0.8, step_sleep=0.05,
+                finish_with=finish_line(tmp_path, "a", "b", "c"))
     configs = {
         "a": dict(base, seed=1, batch_sizes={"random": [8, 24]}),
         "b": dict(base, seed=2, batch_sizes=[5, 17, 32], count="batch"),
@@ -30,7 +40,8 @@ def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
         # every sample fed was counted (no step was discarded in a healthy swarm)
         assert result["samples_reported"] == result["samples_fed"], (name, result)
         assert result["final_loss"] < 0.85 * result["start_loss"], (name, result["start_loss"], result["final_loss"])
-    assert len({r["final_epoch"] for r in results.values()}) == 1
+    # the same epoch, or one apart: hivemind may count a round one epoch later on a peer (see at_finish_line)
+    assert max(r["final_epoch"] for r in results.values()) - min(r["final_epoch"] for r in results.values()) <= 1
     assert max_param_diff(params["a"], params["b"]) <= SWARM_ROUNDING
     assert max_param_diff(params["a"], params["c"]) <= SWARM_ROUNDING
     # the peers really trained: parameters moved away from the common initialization
