@@ -84,9 +84,7 @@ def run_peer(index: int, config: dict[str, Any]) -> None:
         deadline = time.monotonic() + config["timeout"]
         # start together: a peer alone would race through the first epochs before the others have joined
         out = Path(config["out_dir"])
-        (out / f"peer{index}.ready").touch()
-        while not (out / "go").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        copt.wait_for_peers(config["peers"], timeout=config["timeout"])
         # the finish line: a peer that reached the last epoch trains on until every peer has. hivemind matches
         # averaging rounds by time, not by epoch, so a peer that missed the start of one round counts the next ones
         # one epoch late; if the others stopped at the last epoch, it would take its last step alone.
@@ -153,8 +151,6 @@ def run_demo(args: argparse.Namespace) -> int:
             bar = tqdm(total=args.epochs, desc="global epochs", unit="epoch", disable=args.no_progress,
                        dynamic_ncols=True)
             while any(p.poll() is None for p in procs):
-                if all((Path(out_dir) / f"peer{i}.ready").exists() for i in range(args.peers)):
-                    (Path(out_dir) / "go").touch()
                 if time.monotonic() - start > args.timeout + 30:
                     raise TimeoutError(f"the demo did not finish within {args.timeout:.0f} s")
                 report = read_swarm_progress(dht, run_id)

@@ -1,4 +1,4 @@
-"""Reading a run's state from the DHT.
+"""Reading (and announcing) a run's state on the DHT.
 
 Every peer's hivemind progress tracker publishes a signed, schema-checked record under ``<run_id>_progress``
 (one subkey per peer, signed with that peer's key, so no peer can overwrite another's). A monitor reads them.
@@ -73,35 +73,27 @@ def read_swarm_progress(dht: Any, run_id: str, timeout: float = 10.0) -> dict[st
     )
 
 
-WAITING_RECORD_LIFETIME = 20.0  # seconds a "waiting for peers" record outlives its last refresh
 
+def announce_progress(tracker: Any, timeout: float = 10.0) -> None:
+    """Publish this peer's progress record (hivemind's ``ProgressTracker``) now, with zero samples.
 
-def announce_waiting(dht: Any, run_id: str, timeout: float = 10.0) -> str:
-    """Publish that this peer is in the run and waiting for others; return its id (as in :func:`present_peers`).
-
-    hivemind publishes a peer's progress record only once it has accumulated samples, so a peer that waits before
-    its first step is invisible to the others; this record makes it visible for ``WAITING_RECORD_LIFETIME`` s.
+    hivemind publishes a peer's record only once it has accumulated samples, so peers that wait for each other
+    before their first step never see each other. Stored under the tracker's own signed subkey; the tracker
+    replaces it with its own reports as soon as this peer trains.
     """
     from hivemind.utils import get_dht_time
 
-    me = dht.peer_id.to_bytes().hex()
     now = get_dht_time()
-    future = dht.store(f"{run_id}_waiting", subkey=me, value=now, expiration_time=now + WAITING_RECORD_LIFETIME,
-                       return_future=True)
-    with contextlib.suppress(FutureTimeout):  # not stored in time: the next refresh tries again
+    future = tracker.dht.store(key=tracker.training_progress_key, subkey=tracker._local_public_key,
+                               value=tracker.local_progress.dict(), expiration_time=now + tracker.metadata_expiration,
+                               return_future=True)
+    with contextlib.suppress(FutureTimeout):  # not stored in time: the next call tries again
         future.result(timeout=timeout)
-    return me
 
 
-def present_peers(dht: Any, run_id: str, timeout: float = 10.0) -> set[str]:
-    """Ids of the peers of ``run_id`` that are training (progress records) or waiting (:func:`announce_waiting`)."""
-    from hivemind.utils import ValueWithExpiration
+def refresh_progress(tracker: Any) -> None:
+    """Make hivemind's progress tracker fetch the swarm's progress now rather than at its next scheduled time."""
+    from hivemind.utils import get_dht_time
 
-    present = {peer["peer_id"] for peer in read_swarm_progress(dht, run_id, timeout)["peers"]}
-    try:
-        found = dht.get(f"{run_id}_waiting", latest=True, return_future=True).result(timeout=timeout)
-    except FutureTimeout:
-        found = None
-    if isinstance(found, ValueWithExpiration) and isinstance(found.value, dict):
-        present.update(str(subkey) for subkey in found.value)
-    return present
+    tracker.global_progress.next_fetch_time = get_dht_time()
+    tracker.global_state_updated.set()  # wakes the fetcher, which then finds its next fetch due

@@ -18,7 +18,7 @@ from collabopt import scheduling, swarm
 from collabopt.batch_size import ForwardSampleCounter, infer_batch_size
 from collabopt.errors import ConfigurationError
 from collabopt.lifecycle import SigtermHandler, preserved_sigint
-from collabopt.metrics import announce_waiting, present_peers, swarm_snapshot
+from collabopt.metrics import announce_progress, refresh_progress, swarm_snapshot
 from collabopt.scheduling import (
     EpochSchedule,
     check_scheduler,
@@ -700,24 +700,29 @@ class CollaborativeOptimizer:
         return swarm_snapshot(self)
 
     def wait_for_peers(self, num_peers: int, timeout: float = 60.0) -> bool:
-        """Block until ``num_peers`` peers, this one included, are in the swarm; return whether they were within
-        ``timeout`` seconds. Peers count once they train or while they wait here, so every peer of a small swarm
-        can call it before its first step (a demo, a test, a run that should not start alone)::
+        """Block until hivemind counts ``num_peers`` peers in the swarm, this one included; return whether it did
+        within ``timeout`` seconds. Peers count once they train or while they wait here, so every peer of a small
+        swarm can call it before its first step (a demo, a test, a run that should not start alone)::
 
             if not copt.wait_for_peers(2, timeout=120):
                 print("training alone for now")
+
+        On return, this peer's own view of the swarm includes the others, so its first global step is taken
+        together with them rather than alone.
         """
         self._check_open()
         _positive_int("num_peers", num_peers, "2")
         _positive_number("timeout", timeout, "60.0", allow_zero=True)
+        tracker = self._opt.tracker
         deadline = time.monotonic() + timeout
         while True:
-            me = announce_waiting(self.dht, self.run_id)
-            if len(present_peers(self.dht, self.run_id) | {me}) >= num_peers:
+            announce_progress(tracker)  # hivemind itself would publish this peer only after its first samples
+            refresh_progress(tracker)
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            if tracker.global_progress.num_peers >= num_peers:
                 return True
             if time.monotonic() >= deadline:
                 return False
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     # ------------------------------------------------------------------ state
 

@@ -123,12 +123,8 @@ class Recorder(pl.Callback):
         if "start_epoch" not in self.result:
             if trainer.is_global_zero:
                 Path(self.out + ".ready").write_text("1")  # joined the swarm (and caught up with it)
-            if self.cfg.get("barrier") and trainer.is_global_zero:  # other ranks wait in the first collective
-                # start training together: every peer of the test has joined the swarm (epochs are short)
-                deadline = time.monotonic() + 60
-                while not all(Path(p + ".ready").exists() for p in self.cfg["barrier"]):
-                    assert time.monotonic() < deadline, "the other peers did not come"
-                    time.sleep(0.1)
+            if self.cfg.get("barrier"):  # start training together (epochs are short); collective on a node
+                assert copt.wait_for_peers(len(self.cfg["barrier"]), timeout=60), "the other peers did not come"
             self.result["start_epoch"] = copt.local_epoch
             self.result["start_lightning_epoch"] = trainer.current_epoch
             self.result["start_lr"] = copt.get_lr()[0]
