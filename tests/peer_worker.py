@@ -135,6 +135,8 @@ def main(config_path: str) -> None:
         grad_scaler=scaler,
         **options,
     ) as copt:
+        if cfg.get("wait_peers"):  # start together: a peer alone races through epochs the others then download
+            assert copt.wait_for_peers(cfg["wait_peers"], timeout=90), "the other peers did not come"
         result["start_epoch"] = copt.local_epoch
         result["start_loss"] = full_loss(model, x_all, y_all)
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out + ".start.pt")

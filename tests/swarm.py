@@ -202,7 +202,7 @@ def train_node_with_peer(tmp_path: Path, node: Process, *, run_id: str, target_b
         pytest.fail(f"the node did not start:\n{node.log()[-5000:]}")
     peer = start_peer(tmp_path, "peer", dict(run_id=run_id, target_batch_size=target_batch_size, epochs=epochs,
                                              lr=lr, scheduler="exponential", model_seed=0, batch_sizes=[16],
-                                             step_sleep=0.05, max_seconds=150,
+                                             step_sleep=0.05, max_seconds=150, wait_peers=2,
                                              finish_with=finish_line(tmp_path, "node")), initial_peers)
     finish({"node": node, "peer": peer}, timeout=170)
 

@@ -43,8 +43,8 @@ def test_late_joiner_holds_swarm_parameters_before_first_contribution(tmp_path, 
     base = dict(run_id=unique_run_id("late"), target_batch_size=480, epochs=6, lr=0.3, step_sleep=0.05,
                 save_epoch_params=True, finish_with=finish_line(tmp_path, "a", "b", "late"))
     procs = {
-        "a": start_peer(tmp_path, "a", dict(base, seed=1, model_seed=1), bootstrap),
-        "b": start_peer(tmp_path, "b", dict(base, seed=2, model_seed=2), bootstrap),
+        "a": start_peer(tmp_path, "a", dict(base, seed=1, model_seed=1, wait_peers=2), bootstrap),
+        "b": start_peer(tmp_path, "b", dict(base, seed=2, model_seed=2, wait_peers=2), bootstrap),
         # its own, different initialization: it must be replaced by the swarm's parameters
         "late": start_peer(tmp_path, "late", dict(base, seed=3, model_seed=3, start_after=dict(
             progress_file=str(tmp_path / "a.progress"), epoch=2)), bootstrap),
@@ -68,7 +68,7 @@ def test_late_joiner_holds_swarm_parameters_before_first_contribution(tmp_path, 
 
 def test_sigkill_one_of_three_peers_the_others_keep_training_in_sync(tmp_path, bootstrap):
     base = dict(run_id=unique_run_id("kill"), target_batch_size=480, epochs=7, lr=0.3, step_sleep=0.05,
-                model_seed=0, finish_with=finish_line(tmp_path, "a", "b"))  # not c: it is killed
+                model_seed=0, wait_peers=3, finish_with=finish_line(tmp_path, "a", "b"))  # not c: it is killed
     procs = {name: start_peer(tmp_path, name, dict(base, seed=i), bootstrap) for i, name in enumerate("abc")}
     wait_for_epoch(tmp_path, procs["a"], "a", 2)
     killed_at = progress_epoch(tmp_path, "c")

@@ -41,8 +41,8 @@ def test_lr_follows_global_epochs_on_every_peer_including_late_joiner(tmp_path, 
         base["plateau_metric"] = 1.0  # a plateau: the LR is cut at every epoch after the first
     procs = {}
     try:
-        procs["a"] = start_peer(tmp_path, "a", dict(base, seed=1), initial_peers)
-        procs["b"] = start_peer(tmp_path, "b", dict(base, seed=2, batch_sizes=[8, 24]), initial_peers)
+        procs["a"] = start_peer(tmp_path, "a", dict(base, seed=1, wait_peers=2), initial_peers)
+        procs["b"] = start_peer(tmp_path, "b", dict(base, seed=2, batch_sizes=[8, 24], wait_peers=2), initial_peers)
         late = dict(base, seed=3, start_after=dict(progress_file=str(tmp_path / "a.progress"), epoch=2))
         procs["late"] = start_peer(tmp_path, "late", late, initial_peers)
         codes = wait_all(procs, 150)
