@@ -160,8 +160,11 @@ class Recorder(pl.Callback):
             self.result["saved_lightning_epoch"] = trainer.current_epoch
             if trainer.is_global_zero:
                 torch.save(copy_state(copt.state_dict()), self.out + ".saved_state.pt")
-        # rank 0 reads the other peers' progress (the finish line) and decides for every rank of this node
-        finished = done and trainer.strategy.broadcast(at_finish_line(self.cfg, epoch, self.cfg["global_epochs"]))
+        # rank 0 reads the other peers' progress (the finish line) and decides for every rank of this node; stop
+        # only where an optimizer step was just taken (accumulate_grad_batches), or fed samples would not be counted
+        boundary = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        finished = done and boundary and trainer.strategy.broadcast(
+            at_finish_line(self.cfg, epoch, self.cfg["global_epochs"]))
         if finished or time.monotonic() > self.deadline:
             trainer.should_stop = True
 
