@@ -73,7 +73,6 @@ def read_swarm_progress(dht: Any, run_id: str, timeout: float = 10.0) -> dict[st
     )
 
 
-
 def announce_progress(tracker: Any, timeout: float = 10.0) -> None:
     """Publish this peer's progress record (hivemind's ``ProgressTracker``) now, with zero samples.
 

@@ -65,7 +65,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from collabopt.batch_size import ForwardSampleCounter, infer_batch_size
 from collabopt.errors import ConfigurationError
 from collabopt.metrics import swarm_snapshot
-from collabopt.optimizer import CollaborativeOptimizer
+from collabopt.optimizer import CollaborativeOptimizer, _positive_int, _positive_number
 from collabopt.scheduling import check_scheduler, install_step_guard, remove_step_guard
 
 logger = logging.getLogger(__name__)
@@ -423,18 +423,19 @@ class NodeOptimizer:
 
     def wait_for_peers(self, num_peers: int, timeout: float = 60.0) -> bool:
         """Collective: rank 0 waits as :meth:`CollaborativeOptimizer.wait_for_peers` (the node counts once); every
-        rank returns its answer."""
+        rank returns its answer, with the swarm metrics refreshed."""
         self._check_open()
-        box: list[Any] = [None]
+        _positive_int("num_peers", num_peers, "2")  # on every rank, before any collective
+        _positive_number("timeout", timeout, "60.0", allow_zero=True)
+        error, reached = None, [False]
         if self.rank == 0:
             try:
-                box[0] = self._copt.wait_for_peers(num_peers, timeout)
-            except ConfigurationError as e:
-                box[0] = ("config", e.parameter, e.problem, e.fix)
-        dist.broadcast_object_list(box, src=0, group=self._wait_group)
-        if isinstance(box[0], tuple):
-            raise ConfigurationError(*box[0][1:])
-        return bool(box[0])
+                reached[0] = self._copt.wait_for_peers(num_peers, timeout)
+            except BaseException as e:
+                error = e
+        self._sync(error=error)  # a failure on rank 0 is raised on every rank, as in step() and flush()
+        dist.broadcast_object_list(reached, src=0, group=self._wait_group)
+        return bool(reached[0])
 
     # ------------------------------------------------------------------ visibility
 

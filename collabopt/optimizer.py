@@ -32,8 +32,8 @@ from collabopt.swarm import SwarmOptions, parse_initial_peers, start_dht, valida
 logger = logging.getLogger(__name__)
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
-# hivemind.Optimizer arguments that CollaborativeOptimizer sets itself (not accepted in **hivemind_kwargs)
 _HIVEMIND_REQUEST_TIMEOUT = 3.0  # hivemind's default averager request_timeout (seconds)
+# hivemind.Optimizer arguments that CollaborativeOptimizer sets itself (not accepted in **hivemind_kwargs)
 _MANAGED = {"dht", "run_id", "target_batch_size", "batch_size_per_step", "optimizer", "params", "scheduler",
             "client_mode"}
 

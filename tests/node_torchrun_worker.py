@@ -50,9 +50,8 @@ def main(config_path: str) -> None:
         if rank == 0:
             Path(out + ".ready").write_text("ready")
         if cfg.get("wait_peers"):  # start once the other peer is there (a node alone would race through the epochs)
-            assert wait_for_peers(copt, cfg["wait_peers"], timeout=60), "no other peer"  # collective, long timeout
-        # long-timeout group: the default one has pg_timeout seconds
-        dist.barrier(group=dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=5)))
+            # collective, in collabopt's long-timeout group: the default group times out after pg_timeout seconds
+            assert wait_for_peers(copt, cfg["wait_peers"], timeout=60), "no other peer"
         if rank == 0 and cfg.get("rank0_delay_s"):  # simulate slow matchmaking inside rank 0's swarm step
             inner = copt.collaborative_optimizer
             original_step, delayed = inner.step, [False]
