@@ -154,7 +154,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 if time.monotonic() - start > args.timeout + 30:
                     raise TimeoutError(f"the demo did not finish within {args.timeout:.0f} s")
                 report = read_swarm_progress(dht, run_id)
-                bar.n = min(report["global_epoch"], args.epochs)
+                bar.n = max(bar.n, min(report["global_epoch"], args.epochs))  # records expire as peers leave
                 bar.set_postfix(peers=report["num_peers"], samples=report["samples_accumulated"],
                                 sps=f"{report['samples_per_second']:.0f}/s", refresh=False)
                 bar.refresh()
