@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm import child_env, max_param_diff
+from helpers import child_env, max_param_diff
 
 pytestmark = pytest.mark.swarm
 WORKER = Path(__file__).resolve().parent / "equivalence_worker.py"

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from swarm import (
+from helpers import (
     Process,
     child_env,
     finish,

@@ -19,10 +19,8 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from collabopt.integrations.lightning import CollaborativeStrategy
+from peer_worker import at_finish_line
 from torch.utils.data import DataLoader, TensorDataset
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_worker import at_finish_line  # noqa: E402
 
 
 def write_json(path: str, value) -> None:

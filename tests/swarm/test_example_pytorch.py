@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from swarm import ROOT, Process, child_env, start_bootstrap, unique_run_id, wait_all
+from helpers import ROOT, Process, child_env, start_bootstrap, unique_run_id, wait_all
 
 pytestmark = pytest.mark.swarm
 EXAMPLE = str(ROOT / "examples" / "pytorch_loop.py")

@@ -16,7 +16,7 @@ from collabopt.integrations.accelerate import CollaborativeAccelerator
 from collabopt import ConfigurationError
 from collabopt.node import NodeOptimizer, collaborative_optimizer, is_node_job
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SWARM = dict(run_id="unit_accelerate", target_batch_size=64)
 
 

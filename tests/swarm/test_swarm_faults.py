@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 import torch
-from swarm import (
+from helpers import (
     SWARM_ROUNDING,
     finish,
     finish_line,

@@ -15,12 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from collabopt.integrations.pytorch import collaborate
+from peer_worker import at_finish_line, make_data, make_model, rank0_decides, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from collabopt.integrations.pytorch import collaborate  # noqa: E402
-from peer_worker import at_finish_line, make_data, make_model, rank0_decides, write_json  # noqa: E402
-
-from collabopt import ConfigurationError, wait_for_peers  # noqa: E402
+from collabopt import ConfigurationError, wait_for_peers
 
 
 def main(config_path: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from swarm import (
+from helpers import (
     SWARM_ROUNDING,
     finish,
     finish_line,

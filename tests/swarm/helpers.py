@@ -19,8 +19,9 @@ from typing import Any
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "peer_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "peer_worker.py"
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
@@ -45,6 +46,7 @@ def unique_run_id(name: str) -> str:
 def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("INITIAL_PEERS", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)  # the workers' imports
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = "1"
     env["HIVEMIND_LOGLEVEL"] = env.get("HIVEMIND_LOGLEVEL", "INFO")  # with verbose=True: every averaging round

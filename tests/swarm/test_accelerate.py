@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from schedulers import reference_lrs
-from swarm import (
+from helpers import (
     Process,
     child_env,
     finish,
@@ -28,6 +27,7 @@ from swarm import (
     unique_run_id,
     wait_for_file,
 )
+from schedulers import reference_lrs
 
 pytestmark = pytest.mark.swarm
 
@@ -137,7 +137,7 @@ def test_accelerate_save_state_kill_load_state_resumes(tmp_path):
 def test_accelerate_example_script_trains_as_one_peer(tmp_path):
     """examples/accelerate_train.py under the documented 2-CPU launch command: one peer joins (one join message,
     from rank 0), it trains to a useful held-out accuracy and exits cleanly."""
-    example = Path(__file__).resolve().parents[1] / "examples" / "accelerate_train.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "accelerate_train.py"
     args = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu",
             "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
             "--main_process_port", str(free_port()), str(example), "--cpu", "--epochs", "4",

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from schedulers import reference_lrs
-from swarm import (
+from helpers import (
     finish_line,
     max_param_diff,
     read_params,
@@ -14,6 +13,7 @@ from swarm import (
     unique_run_id,
     wait_all,
 )
+from schedulers import reference_lrs
 
 pytestmark = pytest.mark.swarm
 

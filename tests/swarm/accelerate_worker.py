@@ -20,10 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate.tracking import GeneralTracker
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from collabopt.integrations.accelerate import CollaborativeAccelerator  # noqa: E402
-from peer_worker import at_finish_line, make_data, make_model, rank0_decides, write_json  # noqa: E402
+from collabopt.integrations.accelerate import CollaborativeAccelerator
+from peer_worker import at_finish_line, make_data, make_model, rank0_decides, write_json
 
 
 class MemoryTracker(GeneralTracker):

@@ -16,11 +16,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from schedulers import make_scheduler
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from schedulers import make_scheduler  # noqa: E402
-
-from collabopt import CollaborativeOptimizer  # noqa: E402
+from collabopt import CollaborativeOptimizer
 
 
 def make_data(seed: int = 0, n: int = 4096, dim: int = 16, classes: int = 4):
