@@ -1,8 +1,8 @@
-"""Shared helpers: machine/version info, robust statistics, model builders and subprocess helpers."""
+"""Shared helpers: machine/version info, robust statistics, model builders and running a benchmark module
+(processes through :mod:`collabopt.processes`, the harness the tests and the demo use too)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
@@ -13,6 +13,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from collabopt import processes
+from collabopt.processes import Process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,15 +96,10 @@ def write_json(path: str | Path, value: Any) -> None:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """Environment for benchmark subprocesses: one intra-op thread each, quiet hivemind, no inherited peers."""
-    env = dict(os.environ)
-    env.pop("INITIAL_PEERS", None)
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["HIVEMIND_LOGLEVEL"] = env.get("HIVEMIND_LOGLEVEL", "WARNING")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
+    """Environment for benchmark subprocesses: the harness's (one intra-op thread, no inherited peers), quiet
+    hivemind, and the repository on PYTHONPATH (``python -m benchmarks.peer``)."""
+    return processes.child_env("WARNING", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                               **extra)
 
 
 def run_module(module: str, config: dict[str, Any], workdir: Path, timeout: float, name: str) -> dict[str, Any]:
@@ -110,31 +108,14 @@ def run_module(module: str, config: dict[str, Any], workdir: Path, timeout: floa
     config_path = workdir / f"{name}.config.json"
     write_json(config_path, config)
     log_path = workdir / f"{name}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, str(config_path)], stdout=log, stderr=subprocess.STDOUT,
-            env=child_env(), cwd=ROOT, start_new_session=True,
-        )
-        try:
-            code = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            kill_group(proc.pid)
-            proc.wait(10)
-            raise RuntimeError(f"{module} ({name}) ran past {timeout:.0f} s; log: {log_path}") from None
-        finally:
-            kill_group(proc.pid)  # stray hivemind children (p2pd, averagers)
+    with Process([sys.executable, "-m", module, str(config_path)], log_path, env=child_env(), cwd=ROOT) as proc:
+        code = proc.wait(timeout)  # leaving the block kills what is left (stray hivemind children: p2pd, averagers)
+    if code is None:
+        raise RuntimeError(f"{module} ({name}) ran past {timeout:.0f} s; log: {log_path}")
     if code != 0 or not Path(config["out"]).exists():
         tail = log_path.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{module} ({name}) exited with {code}; log ends with:\n{tail}")
     return json.loads(Path(config["out"]).read_text())
-
-
-def kill_group(pid: int) -> None:
-    """SIGKILL the process group ``pid`` leads (processes started with ``start_new_session=True``)."""
-    import signal
-
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
 
 
 def seconds_per_step(params: int, width: int, in_dim: int, batch: int, steps: int = 20) -> float:

@@ -40,7 +40,7 @@ def run(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
             rates[impl].append(rate)
             order.append((impl, rate, min(r["num_peers"] for r in records)))
     finally:
-        bootstrap.kill()
+        bootstrap.kill_tree()
     hm = rates["hivemind"]
     ratios = [c / ((hm[i] + hm[i + 1]) / 2) for i, c in enumerate(rates["collabopt"])]
     return dict(target_batch_size=target, seconds_per_step_alone=step, ratio=median(ratios),

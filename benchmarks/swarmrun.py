@@ -1,59 +1,23 @@
-"""Starting benchmark swarms (bootstrap DHT + peer processes) and turning peer records into figures."""
+"""Starting benchmark swarms (bootstrap DHT + peer processes, with :mod:`collabopt.processes`) and turning peer
+records into figures."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, child_env, kill_group, median, write_json
+from benchmarks.common import ROOT, child_env, median, write_json
+from collabopt import processes
+from collabopt.processes import Process
 
 
-class Proc:
-    """A subprocess in its own session (so its whole tree can be killed), optionally inside a network namespace."""
-
-    def __init__(self, args: list[str], log_path: Path, netns: str | None = None):
-        prefix = ["ip", "netns", "exec", netns] if netns else []
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in kill()
-        self.popen = subprocess.Popen(prefix + args, stdout=self._log, stderr=subprocess.STDOUT, env=child_env(),
-                                      cwd=ROOT, start_new_session=True)
-
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def kill(self) -> None:
-        kill_group(self.popen.pid)
-        self.wait(10)
-        self._log.close()
-
-    def tail(self, chars: int = 3000) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-
-def start_bootstrap(workdir: Path, host: str = "127.0.0.1", netns: str | None = None) -> tuple[Proc, str]:
-    """Start ``collabopt dht`` listening on ``host``; return it and its INITIAL_PEERS value."""
-    peers_file = workdir / f"initial_peers_{netns or 'lo'}.txt"
-    peers_file.unlink(missing_ok=True)
-    proc = Proc([sys.executable, "-m", "collabopt", "dht", "--host-maddrs", f"/ip4/{host}/tcp/0", "--no-relay",
-                 "--peers-file", str(peers_file)], workdir / f"bootstrap_{netns or 'lo'}.log", netns)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if peers_file.exists() and peers_file.read_text().strip():
-            return proc, peers_file.read_text().strip()
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"bootstrap DHT exited: {proc.tail()}")
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("bootstrap DHT did not start within 60 s")
+def start_bootstrap(workdir: Path, host: str = "127.0.0.1", netns: str | None = None) -> tuple[Process, str]:
+    """Start ``collabopt dht`` (no relay) listening on ``host``; return it and its INITIAL_PEERS value."""
+    return processes.start_bootstrap(workdir, name=f"bootstrap_{netns or 'lo'}", host=host, dht_args=["--no-relay"],
+                                     env=child_env(), cwd=ROOT, netns=netns)
 
 
 def run_peers(workdir: Path, name: str, configs: list[dict[str, Any]], timeout: float,
@@ -72,25 +36,25 @@ def run_peers(workdir: Path, name: str, configs: list[dict[str, Any]], timeout: 
             write_json(config_path, dict(cfg, out=str(out), ready_file=str(ready[-1]), go_file=str(go),
                                          launched=time.time()))
             ns = netns[i] if netns else None
-            procs.append(Proc([sys.executable, "-m", "benchmarks.peer", str(config_path)],
-                              workdir / f"{name}_{i}.log", ns))
+            procs.append(Process([sys.executable, "-m", "benchmarks.peer", str(config_path)],
+                                 workdir / f"{name}_{i}.log", env=child_env(), cwd=ROOT, netns=ns))
             outs.append(out)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not all(r.exists() or p.popen.poll() is not None
+        while time.monotonic() < deadline and not all(r.exists() or p.poll() is not None
                                                       for p, r in zip(procs, ready, strict=True)):
             time.sleep(0.1)
         go.touch()  # every peer has joined: start training together
         # a peer writes its record when its window ends, then lingers and leaves; don't wait for slow shutdowns
         while time.monotonic() < deadline:
-            if all(out.exists() or p.popen.poll() is not None for p, out in zip(procs, outs, strict=True)):
+            if all(out.exists() or p.poll() is not None for p, out in zip(procs, outs, strict=True)):
                 break
             time.sleep(0.5)
         grace = time.monotonic() + linger
-        while time.monotonic() < grace and any(p.popen.poll() is None for p in procs):
+        while time.monotonic() < grace and any(p.poll() is None for p in procs):
             time.sleep(0.5)
     finally:
         for p in procs:
-            p.kill()
+            p.kill_tree()
     records = []
     for i, out in enumerate(outs):
         if not out.exists():

@@ -56,7 +56,7 @@ def run_case(workdir: Path, name: str, n: int, rate_mbit: float, params: int, va
             records = run_peers(workdir, f"b3_{name}", [dict(peer, host=net.addr[i], seed=i) for i in range(n)],
                                 timeout=cfg["max_seconds"] + 90, netns=net.peers)
         finally:
-            bootstrap.kill()
+            bootstrap.kill_tree()
     grad_bytes = records[0]["grad_bytes"]
     durations = allreduce_seconds(records)
     bound = bound_seconds(n, grad_bytes, rate_mbit)

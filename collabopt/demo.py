@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -129,6 +127,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from collabopt.lifecycle import preserved_sigint
     from collabopt.metrics import read_swarm_progress, reader_validators
+    from collabopt.processes import Process, child_env, stop_all
     from collabopt.swarm import SwarmOptions, start_dht
 
     run_id = args.run_id or f"demo_{uuid.uuid4().hex[:8]}"
@@ -136,18 +135,16 @@ def run_demo(args: argparse.Namespace) -> int:
     with preserved_sigint():
         dht = start_dht(SwarmOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=reader_validators()))
     initial_peers = [str(m) for m in dht.get_visible_maddrs()]
-    procs: list[subprocess.Popen] = []
+    procs: list[Process] = []
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="collabopt-demo-") as out_dir:
         try:
             config = dict(run_id=run_id, target_batch_size=args.target_batch_size, epochs=args.epochs, lr=1e-2,
                           initial_peers=initial_peers, out_dir=out_dir, timeout=args.timeout, peers=args.peers)
-            env = dict(os.environ, OMP_NUM_THREADS="1", HIVEMIND_LOGLEVEL=os.environ.get("HIVEMIND_LOGLEVEL", "ERROR"))
+            env = child_env("ERROR", OMP_NUM_THREADS="1")
             for index in range(args.peers):
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "collabopt.demo", str(index), json.dumps(config)], env=env,
-                    stdout=subprocess.DEVNULL, stderr=open(Path(out_dir) / f"peer{index}.log", "w"),  # noqa: SIM115
-                ))
+                procs.append(Process([sys.executable, "-m", "collabopt.demo", str(index), json.dumps(config)],
+                                     Path(out_dir) / f"peer{index}.log", env=env))
             bar = tqdm(total=args.epochs, desc="global epochs", unit="epoch", disable=args.no_progress,
                        dynamic_ncols=True)
             while any(p.poll() is None for p in procs):
@@ -164,19 +161,11 @@ def run_demo(args: argparse.Namespace) -> int:
             failed = [i for i, p in enumerate(procs) if p.returncode != 0]
             if failed:
                 for i in failed:
-                    log = (Path(out_dir) / f"peer{i}.log").read_text(errors="replace")
-                    print(f"peer {i} failed (exit {procs[i].returncode}):\n{log[-3000:]}", file=sys.stderr)
+                    print(f"peer {i} failed (exit {procs[i].returncode}):\n{procs[i].tail()}", file=sys.stderr)
                 return 1
             return _summary(Path(out_dir), args, time.monotonic() - start)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs:
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_all(procs, grace=15)  # SIGTERM, then SIGKILL to each peer's whole process tree
             dht.shutdown()
 
 

@@ -1,7 +1,8 @@
-"""Helpers to run real swarms in tests: a bootstrap DHT process and peer processes on loopback.
+"""Test conveniences for real swarms on loopback, on top of :mod:`collabopt.processes` (the process harness the
+demo and the benchmarks use too): a bootstrap DHT, peer processes, their results, and the checks the tests share.
 
-Every process is started fresh with ``subprocess`` (never forked from the pytest process) in its own session,
-so a test can kill a peer with all its children (DHT, p2pd, averagers) and nothing outlives the test.
+:class:`Process` adds to the harness's process what the fault tests check: which descendants (DHT, p2pd,
+averagers) a peer had, and whether any of them outlived it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -19,10 +19,11 @@ from typing import Any
 
 import psutil
 
+from collabopt import processes
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "peer_worker.py"
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
 # Peers of a swarm agree to float rounding, not always to the last bit: hivemind's all-reduce returns each peer
@@ -44,27 +45,17 @@ def unique_run_id(name: str) -> str:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("INITIAL_PEERS", None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)  # the workers' imports
-    env["PYTHONUNBUFFERED"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    env["HIVEMIND_LOGLEVEL"] = env.get("HIVEMIND_LOGLEVEL", "INFO")  # with verbose=True: every averaging round
-    env.update(extra)
-    return env
+    """The harness's child environment with hivemind logging every averaging round (INFO, for the logs of failed
+    tests), one intra-op thread, and this folder on PYTHONPATH (the workers import each other)."""
+    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    return processes.child_env("INFO", OMP_NUM_THREADS="1", PYTHONPATH=pythonpath, **extra)
 
 
-class Process:
-    """A process started in its own session, with its output in a log file."""
+class Process(processes.Process):
+    """A harness process started from the repository root, which remembers its descendants."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in kill_tree()
-        self.popen = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, env=env or child_env(), cwd=ROOT,
-            start_new_session=True,
-        )
-        self.pid = self.popen.pid
+        super().__init__(args, log_path, env=env or child_env(), cwd=ROOT)
         self._descendants: set[int] = set()
 
     def remember_descendants(self) -> None:
@@ -75,55 +66,28 @@ class Process:
         alive = []
         for pid in self._descendants:
             try:
-                proc = psutil.Process(pid)
-                if proc.status() != psutil.STATUS_ZOMBIE:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
                     alive.append(pid)
             except psutil.Error:
                 pass
         return alive
 
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
     def signal(self, signum: int) -> None:
         self.remember_descendants()
-        self.popen.send_signal(signum)
+        super().signal(signum)
 
     def kill_tree(self) -> None:
+        """Kill the process group and any remembered descendant that left it."""
         self.remember_descendants()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        for pid in self._descendants:
+        for pid in self.descendants_alive():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        self.wait(10)
-        self._log.close()
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
+        super().kill_tree()
 
 
-def start_bootstrap(tmp_path: Path) -> tuple[Process, str]:
-    """Start ``collabopt dht`` on loopback; return it and its INITIAL_PEERS value."""
-    peers_file = tmp_path / "initial_peers.txt"
-    proc = Process(
-        [sys.executable, "-m", "collabopt", "dht", "--host-maddrs", *LOOPBACK, "--peers-file", str(peers_file)],
-        tmp_path / "bootstrap.log",
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if peers_file.exists():
-            return proc, peers_file.read_text().strip()
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"bootstrap DHT exited: {proc.log()}")
-        time.sleep(0.2)
-    proc.kill_tree()
-    raise RuntimeError("bootstrap DHT did not start within 60 s")
+def start_bootstrap(tmp_path: Path) -> tuple[processes.Process, str]:
+    """Start ``collabopt dht`` on loopback (log: ``<tmp_path>/bootstrap.log``); return it and its INITIAL_PEERS."""
+    return processes.start_bootstrap(tmp_path, env=child_env(), cwd=ROOT)
 
 
 def start_peer(tmp_path: Path, name: str, config: dict[str, Any], initial_peers: str) -> Process:
@@ -152,7 +116,7 @@ def read_params(tmp_path: Path, name: str):
     return torch.load(tmp_path / f"{name}.pt")
 
 
-def wait_all(procs: dict[str, Process], timeout: float) -> dict[str, int | None]:
+def wait_all(procs: dict[str, processes.Process], timeout: float) -> dict[str, int | None]:
     deadline = time.monotonic() + timeout
     codes = {}
     for name, proc in procs.items():
@@ -160,7 +124,7 @@ def wait_all(procs: dict[str, Process], timeout: float) -> dict[str, int | None]
     return codes
 
 
-def finish(procs: dict[str, Process], timeout: float) -> None:
+def finish(procs: dict[str, processes.Process], timeout: float) -> None:
     """Wait for every process, kill what is left of them (with their children), and fail unless all exited 0."""
     try:
         codes = wait_all(procs, timeout)
