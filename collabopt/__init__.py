@@ -4,21 +4,28 @@ A framework-agnostic wrapper around hivemind. See :class:`CollaborativeOptimizer
 """
 
 from collabopt.batch_size import ForwardSampleCounter, infer_batch_size
+from collabopt.config import CollabConfig
 from collabopt.errors import CollaborativeError, ConfigurationError, SwarmConnectionError
+from collabopt.interface import StepResult, SwarmOptimizer
 from collabopt.lifecycle import Terminated
 from collabopt.node import NodeOptimizer, collaborative_optimizer
 from collabopt.optimizer import CollaborativeOptimizer, wait_for_peers
+from collabopt.scheduling import CollaborativeScheduler
 from collabopt.swarm import parse_initial_peers
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollabConfig",
     "CollaborativeError",
     "CollaborativeOptimizer",
+    "CollaborativeScheduler",
     "ConfigurationError",
     "ForwardSampleCounter",
     "NodeOptimizer",
+    "StepResult",
     "SwarmConnectionError",
+    "SwarmOptimizer",
     "Terminated",
     "collaborative_optimizer",
     "infer_batch_size",

@@ -110,3 +110,26 @@ class ForwardSampleCounter:
 
     def remove(self) -> None:
         self._handle.remove()
+
+
+def resolve_samples(batch: Any, batch_size: int | None, counter: ForwardSampleCounter | None,
+                    fixed_batch_size: int | None) -> int:
+    """Samples of one local step, by the precedence of this module's docstring (the forward count is always
+    consumed). Raises :class:`ConfigurationError` when nothing tells."""
+    counted = counter.pop() if counter is not None else 0
+    if batch_size is not None:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+            raise ConfigurationError("batch_size", f"must be a positive integer, got {batch_size!r}",
+                                     "pass e.g. step(batch_size=len(inputs))")
+        return batch_size
+    if batch is not None:
+        return infer_batch_size(batch)
+    if counted > 0:
+        return counted
+    if fixed_batch_size is not None:
+        return fixed_batch_size
+    raise ConfigurationError(
+        "step", "cannot tell how many samples this step contributed",
+        "call step(batch_size=len(x)) or step(batch=(x, y)), or pass model= (samples are then counted from its "
+        "forward calls) or a fixed batch_size= to CollaborativeOptimizer",
+    )

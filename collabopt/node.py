@@ -50,32 +50,41 @@ API for adapters (plain loop / torchrun, Accelerate, Lightning ``devices>1``)::
 from __future__ import annotations
 
 import contextlib
-import copy
+import dataclasses
 import datetime
 import logging
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from collabopt.batch_size import ForwardSampleCounter, infer_batch_size
+from collabopt.batch_size import ForwardSampleCounter, resolve_samples
+from collabopt.config import (
+    CORE_OBJECTS,
+    CollabConfig,
+    check_model,
+    check_optimizer,
+    make_config,
+    positive_int,
+    positive_number,
+)
 from collabopt.errors import ConfigurationError
-from collabopt.metrics import swarm_snapshot
-from collabopt.optimizer import CollaborativeOptimizer, _positive_int, _positive_number
-from collabopt.scheduling import check_scheduler, install_step_guard, remove_step_guard
+from collabopt.interface import StepResult, check_state, pack_state, swarm_snapshot
+from collabopt.optimizer import CollaborativeOptimizer
+from collabopt.scheduling import (
+    CollaborativeScheduler,
+    check_scheduler,
+    group_hyperparameters,
+    install_step_guard,
+    remove_step_guard,
+)
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_NODE_TIMEOUT = 24 * 3600.0  # seconds other ranks may wait for rank 0 (matchmaking, state download)
-
-# header layout (float64 tensor broadcast from rank 0 after every step)
-_ERROR, _PARAMS, _OBJECT, _GRADS_RESET, _GRAD_FACTOR, _LOCAL_EPOCH, _GLOBAL_EPOCH, _NUM_PEERS = range(8)
-_SAMPLES_ACC, _SAMPLES_PER_S, _ETA, _SAMPLES_REPORTED, _SAMPLES_SKIPPED = range(8, 13)
-_HEADER_SIZE = 13
 
 
 def is_node_job() -> bool:
@@ -89,16 +98,65 @@ def collaborative_optimizer(
     """Build the right object for this process: a :class:`NodeOptimizer` when torch.distributed runs several
     processes (call it on every rank), else a plain :class:`~collabopt.CollaborativeOptimizer`.
 
-    ``kwargs`` are those of ``CollaborativeOptimizer`` (plus ``node_timeout`` for a node).
+    ``kwargs`` are those of ``CollaborativeOptimizer`` (``node_timeout`` is used by a node only).
     """
     if is_node_job():
         return NodeOptimizer(optimizer, model=model, **kwargs)
-    kwargs.pop("node_timeout", None)
     return CollaborativeOptimizer(optimizer, model=model, **kwargs)
 
 
-def _group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [copy.deepcopy({k: v for k, v in group.items() if k != "params"}) for group in optimizer.param_groups]
+@dataclass
+class NodeStatus:
+    """What rank 0 tells every rank after each collective call: the step's outcome and the swarm's state. It
+    travels as one float64 tensor (one broadcast), field by field."""
+
+    error: bool = False
+    params_changed: bool = False
+    hyperparameters_follow: bool = False
+    # the step's outcome (StepResult)
+    step_samples: int = 0
+    step_skipped: int = 0
+    epoch_changed: bool = False
+    grads_reset: bool = False
+    grad_scale: float = 1.0
+    # the swarm's state
+    local_epoch: int = 0
+    global_epoch: int = 0
+    num_peers: int = 1
+    samples_accumulated: int = 0
+    samples_per_second: float = 0.0
+    eta_next_epoch: float = 0.0
+    samples_reported: int = 0
+    samples_skipped: int = 0
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([float(getattr(self, name)) for name in _STATUS_FIELDS], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> NodeStatus:
+        values = tensor.tolist()
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        cast = {"bool": bool, "int": int, "float": float}
+        return cls(**{name: cast[kinds[name]](value) for name, value in zip(_STATUS_FIELDS, values, strict=True)})
+
+    def step_result(self, loss: Any = None) -> StepResult:
+        return StepResult(samples=self.step_samples, skipped=self.step_skipped, epoch_changed=self.epoch_changed,
+                          grads_reset=self.grads_reset, grad_scale=self.grad_scale, loss=loss)
+
+    @classmethod
+    def read(cls, copt: CollaborativeOptimizer, **outcome: Any) -> NodeStatus:
+        """The status of rank 0's core now, with ``outcome`` (the step's) filled in."""
+        status = cls(local_epoch=copt.local_epoch, samples_reported=copt.samples_reported,
+                     samples_skipped=copt.samples_skipped, **outcome)
+        for name in ("global_epoch", "num_peers", "samples_accumulated", "samples_per_second", "eta_next_epoch"):
+            try:  # informational values: a failure to read one must not break the node
+                setattr(status, name, getattr(copt, name))
+            except Exception as e:
+                logger.debug("collabopt: cannot read a swarm metric: %r", e)
+        return status
+
+
+_STATUS_FIELDS = tuple(f.name for f in dataclasses.fields(NodeStatus))
 
 
 class NodeOptimizer:
@@ -111,9 +169,10 @@ class NodeOptimizer:
         optimizer: the rank's torch optimizer over the (DDP-wrapped) model's parameters.
         model: count each rank's samples from this module's forward calls in training mode.
         scheduler: LR scheduler on ``optimizer``; advanced once per global epoch, identically on every rank.
-        batch_size: fixed samples per step *per rank*, used when nothing else tells the count.
-        node_timeout: seconds other ranks may wait for rank 0 (matchmaking, averaging, state download).
-        **kwargs: every other ``CollaborativeOptimizer`` argument; only rank 0 uses the swarm options.
+        config: a ready :class:`~collabopt.config.CollabConfig` instead of options.
+        core_factory: builds rank 0's core (``CollaborativeOptimizer``; tests pass one over a fake peer).
+        **options: every other ``CollaborativeOptimizer`` option; ``batch_size`` counts *per rank*;
+            ``node_timeout``: seconds other ranks may wait for rank 0 (matchmaking, averaging, state download).
     """
 
     _step_supports_amp_scaling = True  # torch.amp.GradScaler sets grad_scale / found_inf before step()
@@ -124,9 +183,9 @@ class NodeOptimizer:
         *,
         model: torch.nn.Module | None = None,
         scheduler: Any = None,
-        batch_size: int | None = None,
-        node_timeout: float = DEFAULT_NODE_TIMEOUT,
-        **kwargs: Any,
+        config: CollabConfig | None = None,
+        core_factory: Callable[..., CollaborativeOptimizer] = CollaborativeOptimizer,
+        **options: Any,
     ):
         self._closed = True
         if not (dist.is_available() and dist.is_initialized()):
@@ -134,149 +193,121 @@ class NodeOptimizer:
                 "torch.distributed", "is not initialised", "call torch.distributed.init_process_group() first, or "
                 "use collabopt.node.collaborative_optimizer(), which builds a plain CollaborativeOptimizer then"
             )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigurationError(
-                "optimizer", f"expected a torch.optim.Optimizer instance, got {type(optimizer).__name__}",
-                "pass e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)",
-            )
+        # every rank validates everything before any collective: bad input fails on all ranks alike
+        check_optimizer(optimizer)
+        wrapper = scheduler if isinstance(scheduler, CollaborativeScheduler) else None  # wrapped by an adapter
+        if wrapper is not None:
+            scheduler = wrapper.scheduler
         if scheduler is not None:
             check_scheduler(scheduler, optimizer)
-        if kwargs.get("scheduler_fn") is not None:
-            raise ConfigurationError(
-                "scheduler_fn", "is not supported with several processes per peer",
-                "pass the scheduler instance as scheduler=",
-            )
-        if not isinstance(node_timeout, (int, float)) or node_timeout <= 0:
-            raise ConfigurationError("node_timeout", f"must be a positive number, got {node_timeout!r}",
-                                     "pass e.g. node_timeout=86400")
-        if model is not None and not isinstance(model, torch.nn.Module):
-            raise ConfigurationError("model", f"expected a torch.nn.Module, got {type(model).__name__}",
-                                     "pass the model you train")
+        if options.get("scheduler_fn") is not None:
+            raise ConfigurationError("scheduler_fn", "is not supported with several processes per peer",
+                                     "pass the scheduler instance as scheduler=")
+        check_model(model)
+        core_objects = {name: options.pop(name) for name in CORE_OBJECTS if name in options}
+        config = make_config(config, options)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             model = model.module
 
+        self.config = config
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.run_id, self.target_batch_size = config.run_id, config.target_batch_size
         self.user_optimizer = optimizer
-        self.user_scheduler = scheduler
-        self.fixed_batch_size = batch_size
-        self.reuse_grad_buffers = bool(kwargs.get("reuse_grad_buffers", False))
-        self.target_batch_size = kwargs.get("target_batch_size")
-        self.run_id = kwargs.get("run_id")
+        self._user_scheduler = scheduler
+        self.scheduler: CollaborativeScheduler | None = None
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self._counter = ForwardSampleCounter(model) if model is not None else None
         self._copt: CollaborativeOptimizer | None = None
-        self._header = torch.zeros(_HEADER_SIZE, dtype=torch.float64)
+        self._status = NodeStatus()
         self._lrs = [float(group["lr"]) for group in optimizer.param_groups]
         self._versions = -1
         self._zero_grad_warned = False
         # every rank takes part in creating the group, in the same order (a torch.distributed requirement)
-        self._wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=float(node_timeout)))
+        self._wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=config.node_timeout))
         self._closed = False
 
         error: BaseException | None = None
         if self.rank == 0:
-            try:
-                self._copt = CollaborativeOptimizer(optimizer, scheduler=scheduler, batch_size=batch_size, **kwargs)
+            try:  # the node counts samples itself: the core gets each step's total
+                self._copt = core_factory(optimizer, scheduler=wrapper or scheduler, config=config, **core_objects)
+                self.scheduler = self._copt.scheduler
             except BaseException as e:  # tell the other ranks, then raise here
                 error = e
-            self._send_error_or_ok(error)
-            if error is not None:
-                self._closed = True
-                if self._counter is not None:
-                    self._counter.remove()
-                raise error
-        else:
-            self._receive_error_or_ok()
-            if scheduler is not None:
-                install_step_guard(scheduler, lambda metric: None)  # rank 0 steps the real schedule
+        elif scheduler is not None:
+            self.scheduler = wrapper or CollaborativeScheduler(scheduler)  # holds rank 0's state, not stepped here
+            install_step_guard(scheduler, lambda metric: None)  # rank 0's metrics drive the schedule
         try:
-            self._sync(initial=True)
+            self._sync(initial=True, error=error)
         except BaseException:
-            self.close()
+            self._release_hooks()
+            self._closed = True
             raise
 
     # ------------------------------------------------------------------ collectives
 
-    def _send_error_or_ok(self, error: BaseException | None) -> None:
-        payload: Any = None
-        if isinstance(error, ConfigurationError):
-            payload = ("config", error.parameter, error.problem, error.fix)
-        elif error is not None:
-            payload = ("error", f"{type(error).__name__}: {error}")
-        dist.broadcast_object_list([payload], src=0, group=self._wait_group)
-
-    def _receive_error_or_ok(self) -> None:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self._wait_group)
-        payload = box[0]
-        if payload is None:
-            return
-        self._closed = True
-        if self._counter is not None:
-            self._counter.remove()
-        if payload[0] == "config":
-            raise ConfigurationError(*payload[1:])
-        raise RuntimeError(f"collabopt: rank 0 failed to join the swarm ({payload[1]}); see rank 0's log")
-
-    def _params_version(self) -> int:
-        return sum(p._version for p in self._params)
-
-    def _build_header(self, *, params_changed: bool, send_object: bool, grads_reset: bool,
-                      grad_factor: float) -> torch.Tensor:
-        copt = self._copt
-        assert copt is not None
-        header = torch.zeros(_HEADER_SIZE, dtype=torch.float64)
-        header[_PARAMS] = float(params_changed)
-        header[_OBJECT] = float(send_object)
-        header[_GRADS_RESET] = float(grads_reset)
-        header[_GRAD_FACTOR] = grad_factor
-        header[_LOCAL_EPOCH] = copt.local_epoch
-        header[_SAMPLES_REPORTED] = copt.samples_reported
-        header[_SAMPLES_SKIPPED] = copt.samples_skipped
-        for index, read in ((_GLOBAL_EPOCH, lambda: copt.global_epoch), (_NUM_PEERS, lambda: copt.num_peers),
-                            (_SAMPLES_ACC, lambda: copt.samples_accumulated),
-                            (_SAMPLES_PER_S, lambda: copt.samples_per_second), (_ETA, lambda: copt.eta_next_epoch)):
-            try:  # informational values: a failure to read one must not break the node
-                header[index] = float(read())
-            except Exception as e:
-                logger.debug("collabopt: cannot read a swarm metric: %r", e)
-                header[index] = float("nan")
-        return header
-
-    def _sync(self, *, initial: bool = False, grads_reset: bool = False, grad_factor: float = 1.0,
+    def _sync(self, *, result: StepResult | None = None, initial: bool = False,
               error: BaseException | None = None) -> None:
-        """Rank 0 tells every rank what changed, then sends parameters / hyperparameters as needed."""
+        """Rank 0 tells every rank what changed (one broadcast), then sends parameters / hyperparameters as needed.
+        An ``error`` on rank 0 is raised on every rank."""
         if self.rank == 0:
             if error is None:
                 try:
-                    epoch_changed = self._copt.local_epoch != int(self._header[_LOCAL_EPOCH])
-                    params_changed = initial or epoch_changed or self._params_version() != self._versions
-                    header = self._build_header(params_changed=params_changed, send_object=initial or epoch_changed,
-                                                grads_reset=grads_reset, grad_factor=grad_factor)
+                    status = self._rank0_status(result, initial)
                 except BaseException as e:
                     error = e
             if error is not None:
-                header = torch.zeros(_HEADER_SIZE, dtype=torch.float64)
-                header[_ERROR] = 1.0
+                status = NodeStatus(error=True)
         else:
-            header = torch.zeros(_HEADER_SIZE, dtype=torch.float64)
-        dist.broadcast(header, src=0, group=self._wait_group)
-        if header[_ERROR] > 0:
-            if self.rank != 0:
-                raise RuntimeError("collabopt: rank 0 failed during a step; see rank 0's log")
-            raise error
-        self._header = header
-        if header[_PARAMS] > 0:
+            status = NodeStatus()
+        tensor = status.to_tensor()
+        dist.broadcast(tensor, src=0, group=self._wait_group)
+        status = NodeStatus.from_tensor(tensor)
+        if status.error:
+            self._raise_rank0_error(error)
+        self._status = status
+        if status.params_changed:
             self._broadcast_params()
-        if self.rank != 0 and self.reuse_grad_buffers:
-            if header[_GRADS_RESET] > 0:
+        if self.rank != 0 and self.config.reuse_grad_buffers:
+            if status.grads_reset:
                 self._zero_local_grads(set_to_none=False)
-            elif float(header[_GRAD_FACTOR]) != 1.0:
-                self._scale_local_grads(float(header[_GRAD_FACTOR]))
-        if header[_OBJECT] > 0:
+            elif status.grad_scale != 1.0:
+                self._scale_local_grads(status.grad_scale)
+        if status.hyperparameters_follow:
             self._broadcast_hyperparameters()
         self._versions = self._params_version()
+
+    def _rank0_status(self, result: StepResult | None, initial: bool) -> NodeStatus:
+        copt = self._copt
+        assert copt is not None
+        epoch_changed = initial or copt.local_epoch != self._status.local_epoch
+        # hivemind writes parameters in place (epoch step, delayed averaging result, state download): every
+        # in-place write bumps the tensor's version counter, so a changed sum means changed parameters
+        params_changed = epoch_changed or self._params_version() != self._versions
+        outcome = dict(params_changed=params_changed, hyperparameters_follow=epoch_changed)
+        if result is not None:
+            outcome.update(step_samples=result.samples, step_skipped=result.skipped,
+                           epoch_changed=result.epoch_changed, grads_reset=result.grads_reset,
+                           grad_scale=result.grad_scale)
+        return NodeStatus.read(copt, **outcome)
+
+    def _raise_rank0_error(self, error: BaseException | None) -> None:
+        """Rank 0 sends what went wrong; every rank raises it (a ConfigurationError stays one)."""
+        box: list[Any] = [None]
+        if self.rank == 0:
+            if isinstance(error, ConfigurationError):
+                box[0] = ("config", error.parameter, error.problem, error.fix)
+            else:
+                box[0] = ("error", f"{type(error).__name__}: {error}")
+        dist.broadcast_object_list(box, src=0, group=self._wait_group)
+        if self.rank == 0:
+            raise error
+        if box[0][0] == "config":
+            raise ConfigurationError(*box[0][1:])
+        raise RuntimeError(f"collabopt: rank 0 failed ({box[0][1]}); see rank 0's log")
+
+    def _params_version(self) -> int:
+        return sum(p._version for p in self._params)
 
     @torch.no_grad()
     def _broadcast_params(self) -> None:
@@ -294,14 +325,12 @@ class NodeOptimizer:
     def _broadcast_hyperparameters(self) -> None:
         box: list[Any] = [None]
         if self.rank == 0:
-            copt = self._copt
-            scheduler_state = copt._schedule.state_dict() if copt._schedule is not None else None
-            box[0] = {"groups": _group_hyperparameters(copt.optimizer), "scheduler": scheduler_state}
+            scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
+            box[0] = {"groups": group_hyperparameters(self._copt.optimizer), "scheduler": scheduler}
         dist.broadcast_object_list(box, src=0, group=self._wait_group)
-        payload = box[0]
-        self._apply_hyperparameters(payload["groups"])
-        if self.rank != 0 and self.user_scheduler is not None and payload["scheduler"] is not None:
-            self.user_scheduler.load_state_dict(payload["scheduler"]["scheduler"])
+        self._apply_hyperparameters(box[0]["groups"])
+        if self.rank != 0 and self.scheduler is not None and box[0]["scheduler"] is not None:
+            self.scheduler.load_state_dict(box[0]["scheduler"])
 
     def _apply_hyperparameters(self, groups: list[dict[str, Any]]) -> None:
         """Make the user's optimizer show the hyperparameters hivemind's optimizer uses (lr, betas, ...)."""
@@ -309,7 +338,7 @@ class NodeOptimizer:
         if self._copt is not None and self._copt.optimizer is self.user_optimizer:
             return
         for group, values in zip(self.user_optimizer.param_groups, groups, strict=True):
-            group.update(copy.deepcopy(values))
+            group.update(values)
 
     @torch.no_grad()
     def _zero_local_grads(self, set_to_none: bool) -> None:
@@ -333,20 +362,11 @@ class NodeOptimizer:
         if self._closed:
             raise RuntimeError("this NodeOptimizer is closed; create a new one to keep training")
 
-    def _local_samples(self, batch: Any, batch_size: int | None) -> int:
-        counted = self._counter.pop() if self._counter is not None else 0
-        if batch_size is not None:
-            return int(batch_size)
-        if batch is not None:
-            return infer_batch_size(batch)
-        if counted > 0:
-            return counted
-        return self.fixed_batch_size or 0
-
     def step(self, closure: Callable[[], Any] | None = None, *, batch: Any = None,
-             batch_size: int | None = None) -> Any:
+             batch_size: int | None = None) -> StepResult:
         """Collective: report the samples of all ranks; rank 0 steps the swarm optimizer; parameters, LR and
-        scheduler state reach every rank. ``batch``/``batch_size`` are this rank's (they are summed)."""
+        scheduler state reach every rank. ``batch``/``batch_size`` are this rank's (they are summed). Returns rank
+        0's :class:`~collabopt.interface.StepResult` on every rank (``loss`` is this rank's)."""
         self._check_open()
         loss = None
         if closure is not None:
@@ -356,49 +376,41 @@ class NodeOptimizer:
         grad_scale = self.__dict__.get("grad_scale")
         found_inf = self.__dict__.get("found_inf")
         try:
-            samples = self._local_samples(batch, batch_size)
+            samples, uncounted = resolve_samples(batch, batch_size, self._counter, self.config.batch_size), 0
         except ConfigurationError:
-            samples = -(10**12)  # make every rank fail together below
+            samples, uncounted = 0, 1
         amp_inf = float(found_inf) if found_inf is not None else 0.0
-        totals = torch.tensor([float(samples), amp_inf], dtype=torch.float64)
+        totals = torch.tensor([float(samples), float(uncounted), amp_inf], dtype=torch.float64)
         dist.all_reduce(totals, group=self._wait_group)
-        total, inf_sum = int(totals[0]), float(totals[1])
-        if total <= 0:
+        total, uncounted_ranks, inf_sum = int(totals[0]), int(totals[1]), float(totals[2])
+        if uncounted_ranks:  # every rank fails alike, before rank 0 touches the swarm
             raise ConfigurationError(
-                "step", "cannot tell how many samples this step contributed on some rank",
+                "step", f"{uncounted_ranks} of {self.world_size} ranks cannot tell how many samples this step had",
                 "call step(batch_size=len(x)) or step(batch=(x, y)) on every rank, or pass model= / batch_size=",
             )
-        if self.rank != 0:
-            self._sync()
-            return loss
-        copt = self._copt
-        assert copt is not None
+        result: StepResult | None = None
         error: BaseException | None = None
-        grads_reset, grad_factor = False, 1.0
-        try:
-            if found_inf is not None:
-                copt.grad_scale = grad_scale
-                copt.found_inf = torch.tensor(inf_sum)
-            copt.step(batch_size=total)
-            if self.reuse_grad_buffers:
-                averager = copt.hivemind_optimizer.grad_averager
-                grads_reset = averager is not None and averager.local_times_accumulated == 0
-                if found_inf is not None and grad_scale is None and inf_sum == 0 and copt._grad_units is not None:
-                    grad_factor = float(copt._grad_units)  # the core rescaled grads unscaled by the user
-        except BaseException as e:
-            error = e
-        finally:
-            copt.__dict__.pop("grad_scale", None)
-            copt.__dict__.pop("found_inf", None)
-        self._sync(grads_reset=grads_reset, grad_factor=grad_factor, error=error)  # raises error on every rank
-        return loss
+        if self.rank == 0:
+            copt = self._copt
+            try:
+                if found_inf is not None:  # any rank's overflow is the node's (DDP averaged the gradients)
+                    copt.grad_scale = grad_scale
+                    copt.found_inf = torch.tensor(inf_sum)
+                result = copt.step(batch_size=total)
+            except BaseException as e:
+                error = e
+            finally:
+                copt.__dict__.pop("grad_scale", None)
+                copt.__dict__.pop("found_inf", None)
+        self._sync(result=result, error=error)  # raises rank 0's error on every rank
+        return self._status.step_result(loss)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients on this rank (does nothing with ``reuse_grad_buffers=True``, as in the core)."""
         self._check_open()
-        if self.rank == 0:
+        if self._copt is not None:
             self._copt.zero_grad(set_to_none=set_to_none)
-        elif self.reuse_grad_buffers:
+        elif self.config.reuse_grad_buffers:
             if not self._zero_grad_warned:
                 self._zero_grad_warned = True
                 warnings.warn("zero_grad() does nothing with reuse_grad_buffers=True", stacklevel=2)
@@ -410,32 +422,35 @@ class NodeOptimizer:
         if self._copt is not None:
             self._copt.report_metric(value)
 
-    def flush(self) -> None:
-        """Collective: apply delayed background updates now, then bring every rank up to date."""
+    def _on_rank0(self, action: Callable[[CollaborativeOptimizer], Any]) -> Any:
+        """Collective: run ``action`` on rank 0's core, then bring every rank up to date; rank 0's result (or
+        error) reaches every rank."""
         self._check_open()
-        error = None
-        if self.rank == 0:
+        error, box = None, [None]
+        if self._copt is not None:
             try:
-                self._copt.flush()
+                box[0] = action(self._copt)
             except BaseException as e:
                 error = e
         self._sync(error=error)
+        dist.broadcast_object_list(box, src=0, group=self._wait_group)
+        return box[0]
+
+    def flush(self) -> None:
+        """Collective: apply delayed background updates now, then bring every rank up to date."""
+        self._on_rank0(lambda copt: copt.flush())
+
+    def load_state_from_peers(self) -> None:
+        """Collective: rank 0 downloads the swarm's state; every rank receives it."""
+        self._on_rank0(lambda copt: copt.load_state_from_peers())
 
     def wait_for_peers(self, num_peers: int, timeout: float = 60.0) -> bool:
         """Collective: rank 0 waits as :meth:`CollaborativeOptimizer.wait_for_peers` (the node counts once); every
         rank returns its answer, with the swarm metrics refreshed."""
         self._check_open()
-        _positive_int("num_peers", num_peers, "2")  # on every rank, before any collective
-        _positive_number("timeout", timeout, "60.0", allow_zero=True)
-        error, reached = None, [False]
-        if self.rank == 0:
-            try:
-                reached[0] = self._copt.wait_for_peers(num_peers, timeout)
-            except BaseException as e:
-                error = e
-        self._sync(error=error)  # a failure on rank 0 is raised on every rank, as in step() and flush()
-        dist.broadcast_object_list(reached, src=0, group=self._wait_group)
-        return bool(reached[0])
+        positive_int("num_peers", num_peers, "2")  # on every rank, before any collective
+        positive_number("timeout", timeout, "60.0", allow_zero=True)
+        return bool(self._on_rank0(lambda copt: copt.wait_for_peers(num_peers, timeout)))
 
     # ------------------------------------------------------------------ visibility
 
@@ -448,6 +463,11 @@ class NodeOptimizer:
     def collaborative_optimizer(self) -> CollaborativeOptimizer | None:
         """Rank 0's CollaborativeOptimizer (None on other ranks)."""
         return self._copt
+
+    @property
+    def dht(self) -> Any:
+        """Rank 0's DHT (None on other ranks)."""
+        return self._copt.dht if self._copt is not None else None
 
     @property
     def hivemind_optimizer(self) -> Any:
@@ -471,50 +491,28 @@ class NodeOptimizer:
     def defaults(self) -> dict:
         return self.user_optimizer.defaults
 
-    @property
-    def scheduler(self) -> Any:
-        return self.user_scheduler
-
-    def _value(self, index: int, live: Callable[[CollaborativeOptimizer], Any]) -> Any:
+    def _live(self, name: str) -> Any:
+        """Rank 0 reads its core; other ranks (and a closed core) the last status rank 0 sent."""
         if self._copt is not None and not self._copt.closed:
             try:
-                return live(self._copt)
+                return getattr(self._copt, name)
             except Exception as e:  # informational value; fall back to the last broadcast one
                 logger.debug("collabopt: cannot read a swarm metric: %r", e)
-        return self._header[index].item()
+        return getattr(self._status, name)
 
-    @property
-    def local_epoch(self) -> int:
-        return int(self._value(_LOCAL_EPOCH, lambda c: c.local_epoch))
-
-    @property
-    def global_epoch(self) -> int:
-        return int(self._value(_GLOBAL_EPOCH, lambda c: c.global_epoch))
-
-    @property
-    def num_peers(self) -> int:
-        return int(self._value(_NUM_PEERS, lambda c: c.num_peers))
-
-    @property
-    def samples_accumulated(self) -> int:
-        return int(self._value(_SAMPLES_ACC, lambda c: c.samples_accumulated))
-
-    @property
-    def samples_per_second(self) -> float:
-        return float(self._value(_SAMPLES_PER_S, lambda c: c.samples_per_second))
-
-    @property
-    def eta_next_epoch(self) -> float:
-        return float(self._value(_ETA, lambda c: c.eta_next_epoch))
-
-    @property
-    def samples_reported(self) -> int:
-        """Samples of all ranks that this node passed to the swarm."""
-        return int(self._value(_SAMPLES_REPORTED, lambda c: c.samples_reported))
-
-    @property
-    def samples_skipped(self) -> int:
-        return int(self._value(_SAMPLES_SKIPPED, lambda c: c.samples_skipped))
+    local_epoch = property(lambda self: int(self._live("local_epoch")), doc="Global epochs this node took part in.")
+    global_epoch = property(lambda self: int(self._live("global_epoch")), doc="The swarm's newest epoch.")
+    num_peers = property(lambda self: int(self._live("num_peers")), doc="Peers of the swarm (a node counts once).")
+    samples_accumulated = property(lambda self: int(self._live("samples_accumulated")),
+                                   doc="Samples the swarm accumulated toward the target in this epoch.")
+    samples_per_second = property(lambda self: float(self._live("samples_per_second")),
+                                  doc="Throughput of the whole swarm.")
+    eta_next_epoch = property(lambda self: float(self._live("eta_next_epoch")),
+                              doc="Estimated seconds until the next global epoch.")
+    samples_reported = property(lambda self: int(self._live("samples_reported")),
+                                doc="Samples of all ranks that this node passed to the swarm.")
+    samples_skipped = property(lambda self: int(self._live("samples_skipped")),
+                               doc="Samples of steps skipped because of inf/nan gradients.")
 
     def get_lr(self) -> list[float]:
         """Learning rates of the optimizer hivemind steps (the same on every rank)."""
@@ -533,35 +531,31 @@ class NodeOptimizer:
         self._check_open()
         if self._copt is not None:
             return self._copt.state_dict()
-        scheduler = None
-        if self.user_scheduler is not None:
-            scheduler = {"scheduler": self.user_scheduler.state_dict(), "epoch": self.local_epoch}
-        return {
-            "optimizer": self.user_optimizer.state_dict(),
-            "scheduler": scheduler,
-            "local_epoch": self.local_epoch,
-            "samples_reported": self.samples_reported,
-            "format": "collabopt/1",
-        }
+        scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
+        return pack_state(self.user_optimizer.state_dict(), scheduler, self.local_epoch, self.samples_reported)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Local (no collective): every rank loads the same saved state. Load the model's parameters first."""
         self._check_open()
-        if not isinstance(state, dict) or state.get("format") != "collabopt/1":
-            raise ConfigurationError("state", "not a collabopt optimizer state_dict()",
-                                     "pass what copt.state_dict() returned (on rank 0)")
+        state = check_state(state)
         if self._copt is not None:
             self._copt.load_state_dict(state)
-            self._apply_hyperparameters(_group_hyperparameters(self._copt.optimizer))
+            self._apply_hyperparameters(group_hyperparameters(self._copt.optimizer))
         else:
             groups = state["optimizer"]["param_groups"]
             self._apply_hyperparameters([{k: v for k, v in g.items() if k != "params"} for g in groups])
-            if self.user_scheduler is not None and state.get("scheduler") is not None:
-                self.user_scheduler.load_state_dict(state["scheduler"]["scheduler"])
-        self._header[_LOCAL_EPOCH] = int(state["local_epoch"])
-        self._header[_SAMPLES_REPORTED] = int(state.get("samples_reported", 0))
+            if self.scheduler is not None and state.get("scheduler") is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+        self._status.local_epoch = int(state["local_epoch"])
+        self._status.samples_reported = int(state.get("samples_reported", 0))
 
     # ------------------------------------------------------------------ lifecycle
+
+    def _release_hooks(self) -> None:
+        if self._counter is not None:
+            self._counter.remove()
+        if self.rank != 0 and self._user_scheduler is not None:
+            remove_step_guard(self._user_scheduler)
 
     def close(self) -> None:
         """Rank 0 leaves the swarm; every rank releases its hooks; the ranks then leave together (a barrier with a
@@ -572,14 +566,10 @@ class NodeOptimizer:
         self._closed = True
         try:
             if self._copt is not None:
-                self._header = self._build_header(params_changed=False, send_object=False, grads_reset=False,
-                                                  grad_factor=1.0)
+                self._status = NodeStatus.read(self._copt)  # the last values stay readable after closing
                 self._copt.close()
         finally:
-            if self._counter is not None:
-                self._counter.remove()
-            if self.rank != 0 and self.user_scheduler is not None:
-                remove_step_guard(self.user_scheduler)
+            self._release_hooks()
             if self._wait_group is not None:
                 with contextlib.suppress(Exception):  # the default group may be gone already
                     # leave together: a rank that tore its gloo groups down while rank 0 was still leaving the
@@ -603,4 +593,4 @@ class NodeOptimizer:
         return f"NodeOptimizer(rank={self.rank}/{self.world_size}, run_id={self.run_id!r}, {state})"
 
 
-__all__ = ["DEFAULT_NODE_TIMEOUT", "NodeOptimizer", "collaborative_optimizer", "is_node_job"]
+__all__ = ["NodeOptimizer", "NodeStatus", "collaborative_optimizer", "is_node_job"]

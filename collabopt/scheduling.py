@@ -1,4 +1,5 @@
-"""Optimizer and LR-scheduler re-creation, and a schedule that advances once per global epoch.
+"""Optimizer and LR-scheduler re-creation, and the one scheduler wrapper: a schedule that advances once per global
+epoch (:class:`CollaborativeScheduler`).
 
 hivemind re-creates the optimizer from a factory when it offloads it or delays its steps. Users hold an
 optimizer *instance* and a scheduler *instance*; this module derives the factory from the optimizer instance
@@ -22,6 +23,7 @@ from collabopt.errors import ConfigurationError
 Scheduler = Any  # LRScheduler or ReduceLROnPlateau (not an LRScheduler subclass on older torch)
 _UNSUPPORTED_OPTIMIZERS = ("LBFGS", "SparseAdam")
 PLATEAU_STATE_KEY = "collabopt_plateau_state"
+SCHEDULER_STATE_FORMAT = "collabopt-scheduler/1"
 _PLATEAU_COUNTERS = ("best", "num_bad_epochs", "cooldown_counter")
 
 
@@ -110,17 +112,31 @@ def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-class EpochSchedule:
-    """Drives a scheduler so that after ``k`` global epochs it is in the state of ``k`` plain ``step()`` calls.
+class CollaborativeScheduler:
+    """The user's LR scheduler, advanced once per global epoch: the one scheduler wrapper of collabopt.
 
-    One epoch forward is one ``step()``. A jump (a late joiner downloading state, a peer catching up) resets the
-    scheduler and the group hyperparameters to their state at ``base_epoch`` and replays the steps, so every peer
-    holds the same learning rate whatever the downloaded optimizer carried. ``ReduceLROnPlateau`` is stepped
-    with the mean of the metrics reported during the epoch; on a jump it keeps the downloaded learning rate.
+    The core drives it (:meth:`advance_to` after every step); adapters hand it to their framework in place of the
+    scheduler, so the framework's ``step()`` calls do nothing (``ReduceLROnPlateau.step(metric)`` reports the
+    metric). Every other attribute is the wrapped scheduler's. Its state (:meth:`state_dict`) has one format,
+    also saved inside the optimizer's checkpoint.
+
+    After ``k`` global epochs the scheduler is in the state of ``k`` plain ``step()`` calls. One epoch forward is
+    one ``step()``. A jump (a late joiner downloading state, a peer catching up) resets the scheduler and the group
+    hyperparameters to their state at ``base_epoch`` and replays the steps, so every peer holds the same learning
+    rate whatever the downloaded optimizer carried. ``ReduceLROnPlateau`` is stepped with the mean of the metrics
+    reported during the epoch; on a jump it keeps the downloaded learning rate.
+
+        >>> import torch
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        >>> schedule = CollaborativeScheduler(torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5))
+        >>> schedule.step()          # a framework's per-batch call: ignored
+        >>> schedule.advance_to(2)   # two global epochs
+        >>> schedule.get_last_lr()
+        [0.25]
     """
 
     def __init__(self, scheduler: Scheduler, base_epoch: int = 0):
-        self.scheduler = scheduler
+        self.__dict__["scheduler"] = scheduler
         self.is_plateau = isinstance(scheduler, ReduceLROnPlateau)
         self.epoch = base_epoch
         self._metrics: list[float] = []
@@ -128,20 +144,56 @@ class EpochSchedule:
         self._warned_no_metric = False
         self.rebase(base_epoch)
 
+    def __getattr__(self, name: str) -> Any:  # only called for names this wrapper does not have
+        scheduler = self.__dict__.get("scheduler")
+        if scheduler is None:
+            raise AttributeError(name)
+        return getattr(scheduler, name)
+
+    # ------------------------------------------------------------------ what frameworks and users call
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Does nothing (collabopt steps the scheduler once per global epoch), except that
+        ``ReduceLROnPlateau.step(metric)`` reports ``metric``."""
+        metric = args[0] if args else kwargs.get("metrics")
+        if self.is_plateau and metric is not None:
+            self.report_metric(metric)
+
+    def report_metric(self, value: float) -> None:
+        """Report a metric for ``ReduceLROnPlateau``; the mean over the epoch is used."""
+        value = float(value.item() if isinstance(value, torch.Tensor) else value)
+        if math.isfinite(value):
+            self._metrics.append(value)
+
+    def get_last_lr(self) -> list[float]:
+        return [float(group["lr"]) for group in self.scheduler.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"format": SCHEDULER_STATE_FORMAT, "scheduler": self.scheduler.state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned; a plain scheduler state (a checkpoint of ordinary training) is
+        taken as the state at the current epoch."""
+        ours = isinstance(state, dict) and (state.get("format") == SCHEDULER_STATE_FORMAT
+                                            or set(state) == {"scheduler", "epoch"})  # collabopt 0.1 checkpoints
+        if ours:
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.rebase(int(state["epoch"]))
+        else:
+            self.scheduler.load_state_dict(state)
+            self.rebase(self.epoch)
+
+    # ------------------------------------------------------------------ driven by the core
+
     def rebase(self, epoch: int) -> None:
         """Declare the scheduler's current state to be the state at global epoch ``epoch``."""
         self.base_epoch = self.epoch = epoch
         self._base_state = copy.deepcopy(self.scheduler.state_dict())
         self._base_groups = group_hyperparameters(self.scheduler.optimizer)
         self._last_groups = self._base_groups  # hyperparameters this schedule set last (see advance_to)
+        self._metrics.clear()
         if self.is_plateau:
             self._share_plateau_state()
-
-    def report_metric(self, value: float) -> None:
-        value = float(value.item() if isinstance(value, torch.Tensor) else value)
-        if not math.isfinite(value):
-            return
-        self._metrics.append(value)
 
     def _step(self, *args: Any) -> None:
         with warnings.catch_warnings():
@@ -160,25 +212,7 @@ class EpochSchedule:
                 self._restore_groups(self._last_groups)
             return
         if self.is_plateau:
-            shared = self.scheduler.optimizer.param_groups[0].get(PLATEAU_STATE_KEY)
-            if isinstance(shared, dict) and shared.get("epoch") != self.epoch:
-                # hivemind downloaded a peer's state: its LR and plateau counters came in the param group
-                self._load_shared_plateau_state(shared, epoch)
-            elif epoch == self.epoch + 1:
-                if self._metrics:
-                    self._last_metric = sum(self._metrics) / len(self._metrics)
-                    self._step(self._last_metric)
-                elif not self._warned_no_metric:
-                    self._warned_no_metric = True
-                    warnings.warn(
-                        "ReduceLROnPlateau was not stepped at this global epoch: no metric was reported. Call "
-                        "scheduler.step(metric) or copt.report_metric(metric) during each epoch.",
-                        stacklevel=3,
-                    )
-            self.scheduler.last_epoch = epoch
-            self._metrics.clear()
-            self.epoch = epoch
-            self._share_plateau_state()
+            self._advance_plateau(epoch)
             return
         if epoch == self.epoch + 1:
             # hivemind may have reached this epoch by downloading a peer's state, whose param groups already hold
@@ -191,6 +225,27 @@ class EpochSchedule:
                 self._step()
         self.epoch = epoch
         self._last_groups = group_hyperparameters(self.scheduler.optimizer)
+
+    def _advance_plateau(self, epoch: int) -> None:
+        shared = self.scheduler.optimizer.param_groups[0].get(PLATEAU_STATE_KEY)
+        if isinstance(shared, dict) and shared.get("epoch") != self.epoch:
+            # hivemind downloaded a peer's state: its LR and plateau counters came in the param group
+            self._load_shared_plateau_state(shared, epoch)
+        elif epoch == self.epoch + 1:
+            if self._metrics:
+                self._last_metric = sum(self._metrics) / len(self._metrics)
+                self._step(self._last_metric)
+            elif not self._warned_no_metric:
+                self._warned_no_metric = True
+                warnings.warn(
+                    "ReduceLROnPlateau was not stepped at this global epoch: no metric was reported. Call "
+                    "scheduler.step(metric) or copt.report_metric(metric) during each epoch.",
+                    stacklevel=4,
+                )
+        self.scheduler.last_epoch = epoch
+        self._metrics.clear()
+        self.epoch = epoch
+        self._share_plateau_state()
 
     def _learning_rates_replaced(self) -> bool:
         current = self.scheduler.optimizer.param_groups
@@ -223,15 +278,8 @@ class EpochSchedule:
             for _ in range(max(0, missing)):
                 self._step(self._last_metric)
 
-    def get_last_lr(self) -> list[float]:
-        return [float(group["lr"]) for group in self.scheduler.optimizer.param_groups]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"scheduler": self.scheduler.state_dict(), "epoch": self.epoch}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.rebase(int(state["epoch"]))
+    def __repr__(self) -> str:
+        return f"CollaborativeScheduler({type(self.scheduler).__name__}, epoch={self.epoch})"
 
 
 def install_step_guard(scheduler: Scheduler, on_metric: Callable[[float], None]) -> None:

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from collabopt import _hivemind
+from collabopt._hivemind import Multiaddr
 from collabopt.errors import ConfigurationError, SwarmConnectionError
-
-try:  # hivemind >= 1.1.11 vendors its multiaddr implementation
-    from hivemind.utils.multiaddr import Multiaddr
-except ImportError:  # pragma: no cover - older layouts
-    from multiaddr import Multiaddr
 
 INITIAL_PEERS_ENV = "INITIAL_PEERS"
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
@@ -130,8 +129,6 @@ def start_dht(options: SwarmOptions):
 
     Raises :class:`SwarmConnectionError` with advice when no initial peer answers.
     """
-    import hivemind
-
     kwargs = dict(
         initial_peers=options.initial_peers or None,
         host_maddrs=options.host_maddrs if options.host_maddrs is not None else list(DEFAULT_HOST_MADDRS),
@@ -151,7 +148,7 @@ def start_dht(options: SwarmOptions):
     if options.bootstrap_timeout is not None:
         kwargs["bootstrap_timeout"] = options.bootstrap_timeout
     try:
-        return hivemind.DHT(start=True, **kwargs)
+        return _hivemind.start_dht(**kwargs)
     except Exception as e:
         if options.initial_peers and ("bootstrap" in str(e) or "initial_peers" in str(e)):
             raise SwarmConnectionError(
@@ -172,8 +169,23 @@ def _is_loopback(maddr: str) -> bool:
     return False
 
 
-def join_message(visible_maddrs: Sequence[Any], run_id: str, client_mode: bool = False) -> str:
-    """The helper text telling how other machines join this run."""
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command that started this process, ready to copy (``python train.py --lr 0.1``); a generic one when the
+    process was not started from a script."""
+    argv = list(sys.argv if argv is None else argv)
+    if not argv or not argv[0] or argv[0] in ("-c", "-m") or not argv[0].endswith(".py"):
+        return "python your_script.py"
+    script = argv[0]
+    with contextlib.suppress(ValueError):  # another drive on Windows
+        relative = os.path.relpath(script)
+        script = relative if not relative.startswith("..") else script
+    return shlex.join(["python", script, *argv[1:]])
+
+
+def join_message(visible_maddrs: Sequence[Any], run_id: str, client_mode: bool = False, command: str | None = None,
+                 constructor: str = "CollaborativeOptimizer") -> str:
+    """The helper text telling how other machines join this run: ``command`` (default: this process's own command
+    line) with ``INITIAL_PEERS`` set, or ``constructor(..., initial_peers=...)``."""
     addresses = [str(m) for m in visible_maddrs]
     public = [m for m in addresses if not _is_loopback(m)]
     shown = public or addresses
@@ -185,11 +197,13 @@ def join_message(visible_maddrs: Sequence[Any], run_id: str, client_mode: bool =
     where = "" if public else " (loopback only: peers on this machine can join; pass host_maddrs to listen publicly)"
     return (
         f"collabopt: run_id={run_id!r}; other peers can join with{where}:\n"
-        f"    INITIAL_PEERS={','.join(shown)} python your_script.py\n"
-        f"  or CollaborativeOptimizer(..., initial_peers={shown!r})"
+        f"    INITIAL_PEERS={','.join(shown)} {command or command_line()}\n"
+        f"  or {constructor}(..., initial_peers={shown!r})"
     )
 
 
-def print_join_message(dht: Any, run_id: str, client_mode: bool, stream: TextIO | None = None) -> None:
+def print_join_message(dht: Any, run_id: str, client_mode: bool, stream: TextIO | None = None,
+                       constructor: str = "CollaborativeOptimizer") -> None:
     """Print :func:`join_message` for a running DHT."""
-    print(join_message(dht.get_visible_maddrs(), run_id, client_mode), file=stream or sys.stderr, flush=True)
+    message = join_message(dht.get_visible_maddrs(), run_id, client_mode, constructor=constructor)
+    print(message, file=stream or sys.stderr, flush=True)

@@ -19,9 +19,12 @@ What changes under the hood:
   of all ranks are counted, parameters and LR stay identical on every rank; see :mod:`collabopt.node`).
 * samples are counted from the prepared model's forward calls, so gradient accumulation and uneven last batches
   count exactly; the optimizer steps only when Accelerate syncs gradients.
-* the scheduler advances once per **global epoch**, on every rank. The ``scheduler.step()`` your loop calls is a
-  no-op (``ReduceLROnPlateau.step(metric)`` reports the metric). ``scheduler.get_last_lr()`` and
+* the scheduler advances once per **global epoch**, on every rank: ``prepare`` returns its
+  :class:`~collabopt.scheduling.CollaborativeScheduler`, whose ``step()`` (called by your loop) does nothing
+  (``ReduceLROnPlateau.step(metric)`` reports the metric). ``scheduler.get_last_lr()`` and
   ``optimizer.param_groups`` show the learning rate in use.
+* the prepared optimizer shows the swarm's state: ``optimizer.local_epoch``, ``optimizer.num_peers``,
+  ``optimizer.metrics()``, ...
 * ``accelerator.log(values)`` adds the swarm's metrics (``swarm/num_peers``, ``swarm/local_epoch``, ...).
 * ``accelerator.end_training()`` (or process exit) leaves the swarm.
 
@@ -39,12 +42,12 @@ import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer, move_to_device
 from accelerate.utils import DistributedType
-from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from collabopt.config import option_names
 from collabopt.errors import ConfigurationError
-from collabopt.node import NodeOptimizer, collaborative_optimizer
-from collabopt.optimizer import CollaborativeOptimizer, _hivemind_optimizer_parameters
-from collabopt.scheduling import check_scheduler, is_scheduler
+from collabopt.interface import SwarmOptimizer
+from collabopt.node import collaborative_optimizer
+from collabopt.scheduling import CollaborativeScheduler, check_scheduler, is_scheduler
 
 _UNSUPPORTED = {
     DistributedType.DEEPSPEED: "DeepSpeed",
@@ -57,45 +60,16 @@ _PLUGINS = {"deepspeed_plugin": "DeepSpeed", "fsdp_plugin": "FSDP", "megatron_lm
 _DERIVED = {"optimizer", "scheduler", "scheduler_fn", "model", "grad_scaler", "dht"}
 
 
-def _collabopt_parameter_names() -> set[str]:
-    names = set(inspect.signature(CollaborativeOptimizer.__init__).parameters) | set(_hivemind_optimizer_parameters())
-    names |= {"node_timeout"}
-    return names - {"self", "hivemind_kwargs", "params"}
-
-
-class CollaborativeScheduler:
-    """What ``prepare`` returns for your LR scheduler: collabopt steps it once per global epoch.
-
-    ``step()`` does nothing (your loop may keep calling it); ``ReduceLROnPlateau.step(metric)`` reports the
-    metric. Everything else (``get_last_lr()``, attributes) is the scheduler's own.
-    """
-
-    def __init__(self, scheduler: Any, copt: CollaborativeOptimizer | NodeOptimizer):
-        self.scheduler = scheduler
-        self.collaborative_optimizer = copt
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if isinstance(self.scheduler, ReduceLROnPlateau):
-            metric = args[0] if args else kwargs.get("metrics")
-            if metric is not None:
-                self.collaborative_optimizer.report_metric(metric)
-
-    def get_last_lr(self) -> list[float]:
-        return self.scheduler.get_last_lr()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The scheduler's state is saved with the optimizer's (``accelerator.save_state`` saves both)."""
-        return {"collabopt": "the scheduler state is saved with the optimizer state"}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "collabopt" not in state:
-            raise ConfigurationError(
-                "scheduler state", "it was not saved by a CollaborativeAccelerator",
-                "load a checkpoint saved by accelerator.save_state() of a CollaborativeAccelerator",
-            )
+class CollaborativeAcceleratedOptimizer(AcceleratedOptimizer):
+    """What ``prepare`` returns for your optimizer: Accelerate's wrapper around the collaborative optimizer, which
+    also shows the swarm's state (``local_epoch``, ``global_epoch``, ``num_peers``, ``samples_per_second``,
+    ``metrics()``, ...): every name Accelerate's wrapper lacks is the collaborative optimizer's."""
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["scheduler"], name)
+        inner = self.__dict__.get("optimizer")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
 
 
 class CollaborativeAccelerator(Accelerator):
@@ -112,7 +86,7 @@ class CollaborativeAccelerator(Accelerator):
     def __init__(self, *args: Any, run_id: str, target_batch_size: int, log_swarm_metrics: bool = True,
                  **kwargs: Any):
         accelerator_names = set(inspect.signature(Accelerator.__init__).parameters) - {"self"}
-        collab_names = _collabopt_parameter_names()
+        collab_names = set(option_names()) | {"optimizer_factory"}
         accelerator_kwargs, collab_kwargs = {}, {}
         for name, value in kwargs.items():
             if name in _DERIVED:
@@ -145,7 +119,7 @@ class CollaborativeAccelerator(Accelerator):
         self.collab_options: dict[str, Any] = dict(run_id=run_id, target_batch_size=target_batch_size,
                                                    **collab_kwargs)
         self.log_swarm_metrics = log_swarm_metrics
-        self.collaborative_optimizer: CollaborativeOptimizer | NodeOptimizer | None = None
+        self.collaborative_optimizer: SwarmOptimizer | None = None
 
     # ------------------------------------------------------------------ prepare
 
@@ -201,9 +175,9 @@ class CollaborativeAccelerator(Accelerator):
                                        **self.collab_options)
         self.collaborative_optimizer = copt
         atexit.register(copt.close)
-        wrapped = AcceleratedOptimizer(copt, device_placement=False, scaler=self.scaler)
+        wrapped = CollaborativeAcceleratedOptimizer(copt, device_placement=False, scaler=self.scaler)
         self._optimizers.append(wrapped)
-        return wrapped, (CollaborativeScheduler(scheduler, copt) if scheduler is not None else None)
+        return wrapped, copt.scheduler
 
     # ------------------------------------------------------------------ visibility and lifecycle
 
@@ -227,4 +201,4 @@ class CollaborativeAccelerator(Accelerator):
         super().end_training()
 
 
-__all__ = ["CollaborativeAccelerator", "CollaborativeScheduler"]
+__all__ = ["CollaborativeAccelerator", "CollaborativeAcceleratedOptimizer", "CollaborativeScheduler"]

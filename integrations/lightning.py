@@ -25,20 +25,18 @@ Example::
 
 from __future__ import annotations
 
-import inspect
-import os
 import signal
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from collabopt.batch_size import infer_batch_size
+from collabopt.config import option_names
 from collabopt.errors import ConfigurationError
-from collabopt.optimizer import CollaborativeOptimizer
-from collabopt.scheduling import is_scheduler
-from collabopt.swarm import join_message, parse_initial_peers
+from collabopt.node import collaborative_optimizer
+from collabopt.scheduling import CollaborativeScheduler, is_scheduler
+from collabopt.swarm import parse_initial_peers, print_join_message
 
 try:  # the unified ``lightning`` package first, then the standalone ``pytorch_lightning``
     from lightning.pytorch import LightningModule, Trainer
@@ -69,46 +67,12 @@ _MANAGED_HERE = {"optimizer", "scheduler", "model", "batch_size", "grad_scaler",
 
 
 def _accepted_option_names() -> set[str]:
-    import hivemind
-
-    names = set(inspect.signature(CollaborativeOptimizer.__init__).parameters)
-    names |= set(inspect.signature(hivemind.Optimizer.__init__).parameters)
-    names -= {"self", "params", "batch_size_per_step", "hivemind_kwargs", "target_batch_size", "run_id"}
-    return names - _MANAGED_HERE
+    """Options the strategy takes in ``**optimizer_kwargs``: the config's, less those it sets itself."""
+    return (set(option_names()) | {"optimizer_factory"}) - _MANAGED_HERE - {"target_batch_size", "run_id"}
 
 
 def _no_zero_grad(*args: Any, **kwargs: Any) -> None:
     """Stands in for ``LightningModule.optimizer_zero_grad`` with ``reuse_grad_buffers=True``."""
-
-
-class _SchedulerProxy:
-    """What Lightning sees as the scheduler: its ``step()`` only reports metrics, collabopt steps the real one.
-
-    The real scheduler advances once per global epoch (inside :class:`CollaborativeOptimizer`); Lightning's per-step
-    or per-epoch calls must not move it. ``ReduceLROnPlateau.step(metric)`` reports ``metric`` for the epoch's mean.
-    State (checkpoints) and every other attribute are the real scheduler's.
-    """
-
-    def __init__(self, scheduler: Any, report_metric: Callable[[float], None]):
-        self.__dict__["_scheduler"] = scheduler
-        self.__dict__["_report_metric"] = report_metric
-
-    def step(self, metrics: Any = None, *args: Any, **kwargs: Any) -> None:
-        metric = kwargs.get("metrics", metrics)
-        if metric is not None and isinstance(self._scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            self._report_metric(metric)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._scheduler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._scheduler.load_state_dict(state)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._scheduler, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._scheduler, name, value)
 
 
 class _SwarmMetricsCallback(Callback):
@@ -235,6 +199,7 @@ class CollaborativeStrategy(DDPStrategy):
         self._saved_zero_grad: Any = None
         self._metrics_callback: _SwarmMetricsCallback | None = None
         self._original_scheduler_config: tuple[Any, Any] | None = None
+        self._original_optimizers: list[torch.optim.Optimizer] | None = None
 
     # ------------------------------------------------------------------ one process = plain, several = one node
 
@@ -299,6 +264,9 @@ class CollaborativeStrategy(DDPStrategy):
                 "scheduler_fn", "was given while configure_optimizers also returns a scheduler",
                 "drop scheduler_fn: the scheduler from configure_optimizers keeps working in every mode",
             )
+        if configs:  # wrapped now, so that a checkpoint's scheduler state is restored into the wrapper
+            self._original_scheduler_config = (configs[0], configs[0].scheduler)
+            configs[0].scheduler = CollaborativeScheduler(configs[0].scheduler)
         return {"optimizer": optimizers[0], "saved_state": None}
 
     def on_train_start(self) -> None:
@@ -318,12 +286,12 @@ class CollaborativeStrategy(DDPStrategy):
         self._pending_samples = 0
         if plan["saved_state"] is not None:
             copt.load_state_dict(plan["saved_state"])
-        catch_up = self._options.get("load_state_on_start", True) and not self._several_processes
-        if catch_up and copt.num_peers > 0 and copt.global_epoch > copt.local_epoch:
-            copt.load_state_from_peers()  # the swarm is ahead of this peer (or of its checkpoint)
-        if configs:
-            self._original_scheduler_config = (configs[0], configs[0].scheduler)
-            configs[0].scheduler = _SchedulerProxy(configs[0].scheduler, copt.report_metric)
+        if self._options.get("load_state_on_start", True) and not self._several_processes:
+            copt.catch_up()  # the swarm is ahead of this peer (or of its checkpoint); a node caught up when built
+        # the optimizer Lightning hands out (trainer.optimizers, LightningModule.optimizers()) is the collaborative
+        # one, as with lightning-hivemind: local_epoch, num_peers, metrics() ... are read from it
+        self._original_optimizers = list(self.optimizers)
+        self.optimizers = [copt]
         module = self.lightning_module
         assert module is not None and module.trainer is not None
         if self.reuse_grad_buffers:
@@ -334,8 +302,6 @@ class CollaborativeStrategy(DDPStrategy):
 
     def _make_optimizer(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
         """A CollaborativeOptimizer, or with several processes a node (only global rank 0 joins the swarm)."""
-        from collabopt.node import collaborative_optimizer
-
         options = dict(self._options, run_id=self.run_id, target_batch_size=self.target_batch_size, **kwargs)
         options.setdefault("handle_signals", False)  # Lightning handles SIGTERM: it stops the loop, then teardown
         print_join = options.pop("print_join_message", True)
@@ -350,12 +316,8 @@ class CollaborativeStrategy(DDPStrategy):
             copt = collaborative_optimizer(optimizer, **options)
         finally:
             signal.signal(signal.SIGTERM, previous)
-        swarm_copt = getattr(copt, "collaborative_optimizer", copt)  # a node's rank 0 holds the swarm optimizer
-        if print_join and swarm_copt is not None and swarm_copt.dht is not None:
-            script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
-            message = join_message(swarm_copt.dht.get_visible_maddrs(), self.run_id, swarm_copt.dht.client_mode)
-            message = message.replace("CollaborativeOptimizer(", "CollaborativeStrategy(")
-            print(message.replace("your_script.py", script), file=sys.stderr, flush=True)
+        if print_join and copt.dht is not None:  # rank 0 of a node, or the single process
+            print_join_message(copt.dht, self.run_id, copt.dht.client_mode, constructor="CollaborativeStrategy")
         return copt
 
     def _disable_zero_grad(self, module: LightningModule) -> None:
@@ -380,6 +342,9 @@ class CollaborativeStrategy(DDPStrategy):
             else:
                 module.optimizer_zero_grad = self._saved_zero_grad  # type: ignore[method-assign]
             self._saved_zero_grad = None
+        if self._original_optimizers is not None:
+            self.optimizers = self._original_optimizers
+            self._original_optimizers = None
         if self._original_scheduler_config is not None:
             config, scheduler = self._original_scheduler_config
             config.scheduler = scheduler

@@ -108,3 +108,16 @@ def test_signal_stops_a_peer_quickly_and_leaves_no_process(tmp_path, bootstrap, 
         print(f"{signum!r}: exited in {elapsed:.1f} s")
     finally:
         peer.kill_tree()
+
+
+def test_unreachable_initial_peer_fails_clearly(monkeypatch):
+    """A well-formed address nobody answers at: a SwarmConnectionError with advice, not a hang."""
+    from collabopt import CollaborativeOptimizer, SwarmConnectionError
+
+    monkeypatch.delenv("INITIAL_PEERS", raising=False)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    nobody = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWJ7CitovXMdKJp8FY7EcxfuMcxBHcQotgYjYMNxQAiAkX"
+    with pytest.raises(SwarmConnectionError, match="none of the initial peers answered"):
+        CollaborativeOptimizer(opt, run_id="errors", target_batch_size=64, initial_peers=[nobody],
+                               host_maddrs=["/ip4/127.0.0.1/tcp/0"], bootstrap_timeout=3)

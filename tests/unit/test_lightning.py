@@ -126,10 +126,10 @@ def test_num_nodes_above_one_is_refused():
 def test_schedule_steps_from_its_own_values_after_a_state_download():
     """A peer that reaches epoch k+1 by downloading state gets param groups already stepped by the peer it
     downloaded from; the schedule must not step them again (seen as an LR one step ahead in a Lightning swarm)."""
-    from collabopt.scheduling import EpochSchedule
+    from collabopt.scheduling import CollaborativeScheduler
 
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    schedule = EpochSchedule(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7))
+    schedule = CollaborativeScheduler(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7))
     schedule.advance_to(1)
     opt.param_groups[0]["lr"] = 0.1 * 0.7**2  # downloaded from a peer that is at epoch 2 already
     schedule.advance_to(2)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.optim import lr_scheduler as L
 
-from collabopt.scheduling import EpochSchedule, install_step_guard, optimizer_factory, rebind_scheduler
+from collabopt.scheduling import CollaborativeScheduler, install_step_guard, optimizer_factory, rebind_scheduler
 
 OPTIMIZERS = {
     "ASGD": dict(lr=0.01),
@@ -114,7 +114,7 @@ def test_schedule_on_rebuilt_optimizer_matches_plain_torch_including_jumps(name)
     sched = make(user_opt)
     inner = optimizer_factory(user_opt)([{"params": make_params()}])
     rebind_scheduler(sched, inner)
-    schedule = EpochSchedule(sched)
+    schedule = CollaborativeScheduler(sched)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" noise
         for epoch in (1, 2, 5, 6, 3, 8):  # forward, a jump ahead, a jump back (checkpoint load)
@@ -130,7 +130,7 @@ def test_schedule_on_rebuilt_optimizer_matches_plain_torch_including_jumps(name)
 
 def test_same_epoch_state_download_keeps_the_schedule_learning_rate():
     opt = torch.optim.SGD(make_params(), lr=1.0)
-    schedule = EpochSchedule(L.ExponentialLR(opt, gamma=0.5))
+    schedule = CollaborativeScheduler(L.ExponentialLR(opt, gamma=0.5))
     schedule.advance_to(2)
     opt.param_groups[0]["lr"] = 0.125  # a download at epoch 2 brought another peer's (already stepped) LR
     schedule.advance_to(2)
@@ -140,7 +140,7 @@ def test_same_epoch_state_download_keeps_the_schedule_learning_rate():
 def test_plateau_steps_once_per_epoch_with_mean_metric():
     opt = torch.optim.SGD(make_params(), lr=1.0)
     sched = L.ReduceLROnPlateau(opt, factor=0.5, patience=0)
-    schedule = EpochSchedule(sched)
+    schedule = CollaborativeScheduler(sched)
     reference_opt = torch.optim.SGD(make_params(), lr=1.0)
     reference = L.ReduceLROnPlateau(reference_opt, factor=0.5, patience=0)
     for epoch, metrics in enumerate([[3.0, 1.0], [2.0, 2.0], [2.5], [1.0, 0.5]], start=1):
@@ -163,12 +163,12 @@ def test_plateau_state_travels_with_a_download_even_one_epoch_old():
         return opt.param_groups[0]["lr"]
 
     server_opt = torch.optim.SGD(make_params(), lr=1.0)
-    server = EpochSchedule(L.ReduceLROnPlateau(server_opt, factor=0.5, patience=1))
+    server = CollaborativeScheduler(L.ReduceLROnPlateau(server_opt, factor=0.5, patience=1))
     for epoch in (1, 2):
         server.report_metric(1.0)
         server.advance_to(epoch)
     joiner_opt = torch.optim.SGD(make_params(), lr=1.0)
-    joiner = EpochSchedule(L.ReduceLROnPlateau(joiner_opt, factor=0.5, patience=1))
+    joiner = CollaborativeScheduler(L.ReduceLROnPlateau(joiner_opt, factor=0.5, patience=1))
     joiner_opt.load_state_dict(copy.deepcopy(server_opt.state_dict()))  # what hivemind's state download does
     joiner.advance_to(3)
     assert joiner_opt.param_groups[0]["lr"] == reference(3) == 0.5
