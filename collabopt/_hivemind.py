@@ -1,9 +1,9 @@
 """Every use of hivemind beyond its documented constructor arguments, behind one module.
 
 collabopt drives ``hivemind.Optimizer`` through a handful of internals (its progress tracker, state averager and
-gradient averager). They are reached only from here, and ``pyproject.toml`` pins the hivemind range this module was
-tested with, so a hivemind upgrade is this one file's work. The rest of the package talks to :class:`HivemindPeer`,
-whose small surface is also what the in-process fakes of ``tests/unit`` implement.
+gradient averager). They are reached only from here, and ``pyproject.toml`` pins the hivemind version this module
+was tested with (``hivemind==1.1.12``), so a hivemind upgrade is this one file's work. The rest of the package talks
+to :class:`HivemindPeer`, whose small surface is also what the in-process fakes of ``tests/unit`` implement.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class HivemindPeer:
         import hivemind
 
         # hivemind's Optimizer ignores its own client_mode argument: the DHT's is the one that counts
-        self.optimizer_ = hivemind.Optimizer(dht=dht, **dict(arguments, client_mode=dht.client_mode))
+        self.hivemind_optimizer = hivemind.Optimizer(dht=dht, **dict(arguments, client_mode=dht.client_mode))
         self.dht = dht
 
     # ---- stepping
@@ -145,7 +145,7 @@ class HivemindPeer:
     def step(self, samples: int | None) -> bool:
         """One local step of ``samples`` samples (``None``: an auxiliary peer's step). Returns whether hivemind
         accepted the samples (False when it dropped the step to download the swarm's state first)."""
-        opt = self.optimizer_
+        opt = self.hivemind_optimizer
         if samples is None:
             opt.step()
             return False
@@ -157,76 +157,76 @@ class HivemindPeer:
     @property
     def accumulated_steps(self) -> int:
         """Local steps whose gradients hivemind holds toward the next global epoch (0 right after one)."""
-        averager = self.optimizer_.grad_averager
+        averager = self.hivemind_optimizer.grad_averager
         return averager.local_times_accumulated if averager is not None else 0
 
     @property
     def accumulated_samples(self) -> int:
-        averager = self.optimizer_.grad_averager
+        averager = self.hivemind_optimizer.grad_averager
         return averager.local_samples_accumulated if averager is not None else 0
 
     def drop_accumulated(self) -> None:
         """Forget the gradients and samples accumulated toward the next global epoch."""
-        self.optimizer_.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
-        if self.optimizer_.grad_averager is not None:
-            self.optimizer_.grad_averager.reset_accumulated_grads_()
+        self.hivemind_optimizer.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
+        if self.hivemind_optimizer.grad_averager is not None:
+            self.hivemind_optimizer.grad_averager.reset_accumulated_grads_()
 
     def jump_to_epoch(self, epoch: int) -> None:
         """Continue from this peer's own parameters at ``epoch`` (nobody could serve the swarm's state)."""
-        self.optimizer_.state_averager.local_epoch = epoch
-        self.optimizer_.tracker.report_local_progress(epoch, samples_accumulated=0)
+        self.hivemind_optimizer.state_averager.local_epoch = epoch
+        self.hivemind_optimizer.tracker.report_local_progress(epoch, samples_accumulated=0)
 
     def restore_epoch(self, epoch: int) -> None:
         """Set the local epoch from a checkpoint; the tracker's view of the swarm moves along with it (otherwise
         local samples do not count toward the restored epoch until its next fetch)."""
-        self.optimizer_.state_averager.local_epoch = epoch
-        with self.optimizer_.tracker.pause_updates():
-            self.optimizer_.tracker.update_epoch(epoch)
+        self.hivemind_optimizer.state_averager.local_epoch = epoch
+        with self.hivemind_optimizer.tracker.pause_updates():
+            self.hivemind_optimizer.tracker.update_epoch(epoch)
 
     def finish_background_work(self, apply: bool = True) -> None:
         """Wait for delayed optimizer steps and averaging rounds (and apply their results)."""
-        self.optimizer_.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=apply)
+        self.hivemind_optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=apply)
 
     def load_state_from_peers(self) -> None:
-        self.optimizer_.load_state_from_peers()
+        self.hivemind_optimizer.load_state_from_peers()
 
     # ---- what the peer holds
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer hivemind really steps (a copy of the user's when offloading)."""
-        return self.optimizer_.state_averager.optimizer
+        return self.hivemind_optimizer.state_averager.optimizer
 
     @property
     def param_groups(self) -> list[dict]:
-        return list(self.optimizer_.param_groups)
+        return list(self.hivemind_optimizer.param_groups)
 
     @property
     def parameters(self) -> list[torch.Tensor]:
         """The model's parameters (those the gradients are read from)."""
-        return list(self.optimizer_.state_averager.main_parameters)
+        return list(self.hivemind_optimizer.state_averager.main_parameters)
 
     # ---- the swarm as this peer sees it
 
     @property
     def local_epoch(self) -> int:
-        return self.optimizer_.local_epoch
+        return self.hivemind_optimizer.local_epoch
 
     @property
     def global_epoch(self) -> int:
-        return self.optimizer_.tracker.global_epoch
+        return self.hivemind_optimizer.tracker.global_epoch
 
     @property
     def num_peers(self) -> int:
-        return self.optimizer_.tracker.global_progress.num_peers
+        return self.hivemind_optimizer.tracker.global_progress.num_peers
 
     @property
     def samples_accumulated(self) -> int:
-        return self.optimizer_.tracker.global_progress.samples_accumulated
+        return self.hivemind_optimizer.tracker.global_progress.samples_accumulated
 
     @property
     def samples_per_second(self) -> float:
-        tracker = self.optimizer_.tracker
+        tracker = self.hivemind_optimizer.tracker
         # hivemind 1.1.12's GlobalTrainingProgress has no samples_per_second field
         value = getattr(tracker.global_progress, "samples_per_second", None)
         if value is None:
@@ -235,7 +235,7 @@ class HivemindPeer:
 
     @property
     def eta_next_epoch(self) -> float:
-        return max(0.0, self.optimizer_.tracker.estimated_next_update_time - dht_time())
+        return max(0.0, self.hivemind_optimizer.tracker.estimated_next_update_time - dht_time())
 
     def announce(self, timeout: float = 10.0) -> None:
         """Publish this peer's progress record now, with zero samples, and make the tracker fetch the swarm's.
@@ -244,7 +244,7 @@ class HivemindPeer:
         before their first step never see each other. Stored under the tracker's own signed subkey; the tracker
         replaces it with its own reports as soon as this peer trains.
         """
-        tracker = self.optimizer_.tracker
+        tracker = self.hivemind_optimizer.tracker
         future = tracker.dht.store(key=tracker.training_progress_key, subkey=tracker._local_public_key,
                                    value=tracker.local_progress.dict(),
                                    expiration_time=dht_time() + tracker.metadata_expiration, return_future=True)
@@ -254,4 +254,4 @@ class HivemindPeer:
         tracker.global_state_updated.set()  # wakes the fetcher, which then finds its next fetch due
 
     def shutdown(self) -> None:
-        self.optimizer_.shutdown()
+        self.hivemind_optimizer.shutdown()

@@ -25,7 +25,7 @@ import torch
 
 from collabopt import _hivemind
 from collabopt.errors import ConfigurationError
-from collabopt.swarm import SwarmOptions, parse_initial_peers, validate_listen_maddrs
+from collabopt.swarm import DhtOptions, SwarmOptions, parse_initial_peers, validate_listen_maddrs
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 DEFAULT_NODE_TIMEOUT = 24 * 3600.0  # seconds other ranks of a node may wait for rank 0 (matchmaking, download)
@@ -48,25 +48,15 @@ def positive_int(name: str, value: Any, example: str) -> None:
         raise ConfigurationError(name, f"must be a positive integer, got {value!r}", f"pass e.g. {name}={example}")
 
 
-@dataclass(frozen=True)
-class CollabConfig:
+@dataclass(frozen=True, kw_only=True)
+class CollabConfig(DhtOptions):
     """Options of one peer (see the README's option table). Build it with :meth:`from_options`, which also
     accepts any other ``hivemind.Optimizer`` argument (kept in ``hivemind_options``)."""
 
     run_id: str
     target_batch_size: int
     batch_size: int | None = None  # fixed samples per step (per rank on a node), when nothing else tells
-    # ---- DHT
-    initial_peers: str | Sequence[str] | None = None
-    host_maddrs: Sequence[str] | None = None
-    announce_maddrs: Sequence[str] | None = None
-    client_mode: bool = False
-    identity_path: str | None = None
-    use_ipfs: bool = False
-    use_relay: bool = True
-    use_auto_relay: bool = False
-    wait_timeout: float = 3.0
-    bootstrap_timeout: float | None = None
+    # ---- DHT: the fields of DhtOptions, and where INITIAL_PEERS come from when not given
     initial_peers_env: Sequence[str] = ("INITIAL_PEERS",)
     # ---- hivemind.Optimizer
     reuse_grad_buffers: bool = False
@@ -83,6 +73,7 @@ class CollabConfig:
     verbose: bool = False
     hivemind_options: Mapping[str, Any] = field(default_factory=dict)
     # ---- collabopt
+    nonfinite_guard: bool = True  # refuse NaN/inf gradients and averaging results (collabopt/guard.py)
     load_state_on_start: bool = True
     handle_signals: bool = True
     print_join_message: bool = True
@@ -126,8 +117,7 @@ class CollabConfig:
             object.__setattr__(self, "initial_peers", parse_initial_peers(self.initial_peers, env_vars=()))
         object.__setattr__(self, "host_maddrs", validate_listen_maddrs(self.host_maddrs, "host_maddrs"))
         object.__setattr__(self, "announce_maddrs", validate_listen_maddrs(self.announce_maddrs, "announce_maddrs"))
-        SwarmOptions(identity_path=self.identity_path, wait_timeout=self.wait_timeout,
-                     bootstrap_timeout=self.bootstrap_timeout).validate()
+        self.validate()  # the DHT options
 
     def _check_modes(self) -> None:
         if self.delay_grad_averaging and not self.delay_optimizer_step:
@@ -179,18 +169,19 @@ class CollabConfig:
 
     def swarm_options(self) -> SwarmOptions:
         """Options of the DHT this peer starts (when it owns one); ``initial_peers`` default to the environment."""
-        return SwarmOptions(
-            initial_peers=parse_initial_peers(self.initial_peers, env_vars=self.initial_peers_env),
-            host_maddrs=self.host_maddrs, announce_maddrs=self.announce_maddrs,
-            client_mode=bool(self.client_mode), identity_path=self.identity_path, use_ipfs=self.use_ipfs,
-            use_relay=self.use_relay, use_auto_relay=self.use_auto_relay, wait_timeout=self.wait_timeout,
-            bootstrap_timeout=self.bootstrap_timeout,
-        )
+        dht_options = {f.name: getattr(self, f.name) for f in dataclasses.fields(DhtOptions)}
+        dht_options["initial_peers"] = parse_initial_peers(self.initial_peers, env_vars=self.initial_peers_env)
+        return SwarmOptions(**dht_options)
 
     def swarm_options_given(self) -> list[str]:
         """DHT options set to something other than their default (refused together with a dht= you own)."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         return [name for name in _SWARM_FIELDS if getattr(self, name) not in (defaults[name], None)]
+
+    @property
+    def updates_in_background(self) -> bool:
+        """Whether hivemind applies optimizer steps or averaging results outside the step that triggered them."""
+        return self.delay_optimizer_step or self.delay_state_averaging or self.use_local_updates
 
     @property
     def needs_optimizer_factory(self) -> bool:

@@ -40,6 +40,15 @@ class StepResult:
     loss: Any = None
 
 
+SNAPSHOT_FIELDS = ("local_epoch", "global_epoch", "num_peers", "samples_accumulated", "target_batch_size",
+                   "samples_per_second", "eta_next_epoch", "samples_skipped", "nonfinite_steps")
+
+
+def swarm_snapshot(optimizer: SwarmOptimizer) -> dict[str, float]:
+    """``metrics()`` of a collaborative optimizer: its swarm state and learning rate, ready for a logger."""
+    return dict({name: getattr(optimizer, name) for name in SNAPSHOT_FIELDS}, lr=optimizer.get_lr()[0])
+
+
 @runtime_checkable
 class SwarmOptimizer(Protocol):
     """The API of a collaborative optimizer (:class:`~collabopt.CollaborativeOptimizer` and
@@ -49,6 +58,18 @@ class SwarmOptimizer(Protocol):
     target_batch_size: int
     samples_reported: int
     samples_skipped: int
+
+    closed: bool
+    optimizer: torch.optim.Optimizer
+    param_groups: list[dict]
+    scheduler: Any
+    local_epoch: int
+    global_epoch: int
+    num_peers: int
+    samples_accumulated: int
+    samples_per_second: float
+    eta_next_epoch: float
+    nonfinite_steps: int
 
     def step(self, closure: Callable[[], Any] | None = None, *, batch: Any = None,
              batch_size: int | None = None) -> StepResult: ...
@@ -63,35 +84,58 @@ class SwarmOptimizer(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
 
-    @property
-    def closed(self) -> bool: ...
-    @property
-    def optimizer(self) -> torch.optim.Optimizer: ...
-    @property
-    def param_groups(self) -> list[dict]: ...
-    @property
-    def scheduler(self) -> Any: ...
-    @property
-    def local_epoch(self) -> int: ...
-    @property
-    def global_epoch(self) -> int: ...
-    @property
-    def num_peers(self) -> int: ...
-    @property
-    def samples_accumulated(self) -> int: ...
-    @property
-    def samples_per_second(self) -> float: ...
-    @property
-    def eta_next_epoch(self) -> float: ...
 
+class SwarmOptimizerBase:
+    """What the core and the node share: open until :meth:`close` (idempotent), a context manager, and the look of a
+    torch optimizer (``state``, ``defaults``) over the optimizer that is really stepped."""
 
-SNAPSHOT_FIELDS = ("local_epoch", "global_epoch", "num_peers", "samples_accumulated", "target_batch_size",
-                   "samples_per_second", "eta_next_epoch")
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
 
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
 
-def swarm_snapshot(optimizer: SwarmOptimizer) -> dict[str, float]:
-    """``metrics()`` of a collaborative optimizer: its swarm state and learning rate, ready for a logger."""
-    return dict({name: getattr(optimizer, name) for name in SNAPSHOT_FIELDS}, lr=optimizer.get_lr()[0])
+    def metrics(self) -> dict[str, float]:
+        """A snapshot of the swarm state (the same on every rank of a node), for a progress bar or a logger."""
+        return swarm_snapshot(self)
+
+    def _begin_step(self, closure: Callable[[], Any] | None) -> tuple[Any, Any, Any]:
+        """Start a ``step()``: check this is open, run the closure; return its loss and the ``grad_scale`` /
+        ``found_inf`` that ``torch.amp.GradScaler.step()`` sets on the optimizer for the duration of the call."""
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        return loss, self.__dict__.get("grad_scale"), self.__dict__.get("found_inf")
+
+    _closed = True
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed; create a new one to keep training")
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _describe(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"epoch={getattr(self, 'local_epoch', '?')}"
+        return f"{type(self).__name__}({self._describe()}{state})"
 
 
 def pack_state(optimizer: dict[str, Any], scheduler: dict[str, Any] | None, local_epoch: int,
@@ -113,5 +157,5 @@ def is_collaborative_state(state: Any) -> bool:
     return isinstance(state, dict) and state.get("format") == STATE_FORMAT
 
 
-__all__ = ["STATE_FORMAT", "SNAPSHOT_FIELDS", "StepResult", "SwarmOptimizer", "check_state", "is_collaborative_state",
-           "pack_state", "swarm_snapshot"]
+__all__ = ["STATE_FORMAT", "SNAPSHOT_FIELDS", "SwarmOptimizerBase", "StepResult", "SwarmOptimizer", "check_state",
+           "is_collaborative_state", "pack_state", "swarm_snapshot"]

@@ -1,5 +1,10 @@
 """A node: several local processes (torch.distributed ranks) that act as ONE peer of the swarm.
 
+Where it sits: :class:`NodeOptimizer` composes the core — rank 0 owns a :class:`~collabopt.CollaborativeOptimizer`
+and uses only its public API (``step()`` returns the :class:`~collabopt.interface.StepResult` the other ranks need);
+after every collective call rank 0 sends a :class:`NodeStatus` (flags, that result, the swarm's values) in one
+broadcast. Both satisfy :class:`~collabopt.interface.SwarmOptimizer`, so adapters treat them alike.
+
 When a job runs several processes (``torchrun``, ``accelerate launch``, Lightning DDP), letting every rank join the
 swarm as its own peer diverges: DDP never re-synchronizes parameters after hivemind changed them on one rank.
 Instead only global rank 0 joins the swarm (it owns a :class:`~collabopt.CollaborativeOptimizer`), and every
@@ -24,6 +29,8 @@ rank runs a :class:`NodeOptimizer` with the same API:
   timeout (gloo 30 min, nccl 10 min) cannot kill the job. Parameters travel over the default group (nccl on
   GPUs), after rank 0 has finished its step, so those collectives never wait long.
 * **metrics**: ``num_peers``, ``global_epoch``, ... are rank 0's values, refreshed on every rank at each step.
+* **errors**: a rank that cannot tell its sample count fails every rank (before rank 0 touches the swarm); an error
+  on rank 0 is raised on every rank (a ``ConfigurationError`` stays one).
 
 API for adapters (plain loop / torchrun, Accelerate, Lightning ``devices>1``)::
 
@@ -74,7 +81,7 @@ from collabopt.config import (
     positive_number,
 )
 from collabopt.errors import ConfigurationError
-from collabopt.interface import StepResult, check_state, pack_state, swarm_snapshot
+from collabopt.interface import StepResult, SwarmOptimizerBase, check_state, pack_state
 from collabopt.optimizer import CollaborativeOptimizer
 from collabopt.scheduling import (
     CollaborativeScheduler,
@@ -105,61 +112,55 @@ def collaborative_optimizer(
     return CollaborativeOptimizer(optimizer, model=model, **kwargs)
 
 
+# swarm values rank 0 sends to every rank (the other ranks show them as their own)
+SWARM_VALUES = {"local_epoch": 0, "global_epoch": 0, "num_peers": 1, "samples_accumulated": 0,
+                "samples_per_second": 0.0, "eta_next_epoch": 0.0, "samples_reported": 0, "samples_skipped": 0,
+                "nonfinite_steps": 0}
+_RESULT_FIELDS = [f for f in dataclasses.fields(StepResult) if f.name != "loss"]
+_CAST = {"bool": bool, "int": int, "float": float}
+
+
 @dataclass
 class NodeStatus:
-    """What rank 0 tells every rank after each collective call: the step's outcome and the swarm's state. It
-    travels as one float64 tensor (one broadcast), field by field."""
+    """What rank 0 tells every rank after each collective call: flags, the step's :class:`StepResult` and the
+    swarm's values. It travels as one float64 tensor (one broadcast)."""
 
     error: bool = False
     params_changed: bool = False
     hyperparameters_follow: bool = False
-    # the step's outcome (StepResult)
-    step_samples: int = 0
-    step_skipped: int = 0
-    epoch_changed: bool = False
-    grads_reset: bool = False
-    grad_scale: float = 1.0
-    # the swarm's state
-    local_epoch: int = 0
-    global_epoch: int = 0
-    num_peers: int = 1
-    samples_accumulated: int = 0
-    samples_per_second: float = 0.0
-    eta_next_epoch: float = 0.0
-    samples_reported: int = 0
-    samples_skipped: int = 0
+    result: StepResult = dataclasses.field(default_factory=StepResult)
+    swarm: dict[str, float] = dataclasses.field(default_factory=lambda: dict(SWARM_VALUES))
 
     def to_tensor(self) -> torch.Tensor:
-        return torch.tensor([float(getattr(self, name)) for name in _STATUS_FIELDS], dtype=torch.float64)
+        values = [self.error, self.params_changed, self.hyperparameters_follow]
+        values += [getattr(self.result, f.name) for f in _RESULT_FIELDS]
+        values += [self.swarm[name] for name in SWARM_VALUES]
+        return torch.tensor([float(v) for v in values], dtype=torch.float64)
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> NodeStatus:
         values = tensor.tolist()
-        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
-        cast = {"bool": bool, "int": int, "float": float}
-        return cls(**{name: cast[kinds[name]](value) for name, value in zip(_STATUS_FIELDS, values, strict=True)})
-
-    def step_result(self, loss: Any = None) -> StepResult:
-        return StepResult(samples=self.step_samples, skipped=self.step_skipped, epoch_changed=self.epoch_changed,
-                          grads_reset=self.grads_reset, grad_scale=self.grad_scale, loss=loss)
+        flags, values = [bool(v) for v in values[:3]], values[3:]
+        result = StepResult(**{f.name: _CAST[f.type](v) for f, v in zip(_RESULT_FIELDS, values, strict=False)})
+        swarm = dict(zip(SWARM_VALUES, values[len(_RESULT_FIELDS):], strict=True))
+        return cls(*flags, result=result, swarm=swarm)
 
     @classmethod
-    def read(cls, copt: CollaborativeOptimizer, **outcome: Any) -> NodeStatus:
-        """The status of rank 0's core now, with ``outcome`` (the step's) filled in."""
-        status = cls(local_epoch=copt.local_epoch, samples_reported=copt.samples_reported,
-                     samples_skipped=copt.samples_skipped, **outcome)
-        for name in ("global_epoch", "num_peers", "samples_accumulated", "samples_per_second", "eta_next_epoch"):
+    def read(cls, copt: CollaborativeOptimizer, **flags: Any) -> NodeStatus:
+        """The status of rank 0's core now."""
+        status = cls(**flags)
+        for name in SWARM_VALUES:
             try:  # informational values: a failure to read one must not break the node
-                setattr(status, name, getattr(copt, name))
+                status.swarm[name] = getattr(copt, name)
             except Exception as e:
                 logger.debug("collabopt: cannot read a swarm metric: %r", e)
         return status
 
 
-_STATUS_FIELDS = tuple(f.name for f in dataclasses.fields(NodeStatus))
 
 
-class NodeOptimizer:
+
+class NodeOptimizer(SwarmOptimizerBase):
     """One peer made of all ranks of a torch.distributed job; only global rank 0 talks to the swarm.
 
     Create it on every rank with the same arguments as :class:`~collabopt.CollaborativeOptimizer` (``model`` is
@@ -200,7 +201,7 @@ class NodeOptimizer:
             scheduler = wrapper.scheduler
         if scheduler is not None:
             check_scheduler(scheduler, optimizer)
-        if options.get("scheduler_fn") is not None:
+        if options.pop("scheduler_fn", None) is not None:
             raise ConfigurationError("scheduler_fn", "is not supported with several processes per peer",
                                      "pass the scheduler instance as scheduler=")
         check_model(model)
@@ -269,10 +270,10 @@ class NodeOptimizer:
         if status.params_changed:
             self._broadcast_params()
         if self.rank != 0 and self.config.reuse_grad_buffers:
-            if status.grads_reset:
+            if status.result.grads_reset:
                 self._zero_local_grads(set_to_none=False)
-            elif status.grad_scale != 1.0:
-                self._scale_local_grads(status.grad_scale)
+            elif status.result.grad_scale != 1.0:
+                self._scale_local_grads(status.result.grad_scale)
         if status.hyperparameters_follow:
             self._broadcast_hyperparameters()
         self._versions = self._params_version()
@@ -280,16 +281,12 @@ class NodeOptimizer:
     def _rank0_status(self, result: StepResult | None, initial: bool) -> NodeStatus:
         copt = self._copt
         assert copt is not None
-        epoch_changed = initial or copt.local_epoch != self._status.local_epoch
+        epoch_changed = initial or copt.local_epoch != self._status.swarm["local_epoch"]
         # hivemind writes parameters in place (epoch step, delayed averaging result, state download): every
         # in-place write bumps the tensor's version counter, so a changed sum means changed parameters
         params_changed = epoch_changed or self._params_version() != self._versions
-        outcome = dict(params_changed=params_changed, hyperparameters_follow=epoch_changed)
-        if result is not None:
-            outcome.update(step_samples=result.samples, step_skipped=result.skipped,
-                           epoch_changed=result.epoch_changed, grads_reset=result.grads_reset,
-                           grad_scale=result.grad_scale)
-        return NodeStatus.read(copt, **outcome)
+        return NodeStatus.read(copt, params_changed=params_changed, hyperparameters_follow=epoch_changed,
+                               result=result or StepResult())
 
     def _raise_rank0_error(self, error: BaseException | None) -> None:
         """Rank 0 sends what went wrong; every rank raises it (a ConfigurationError stays one)."""
@@ -358,23 +355,12 @@ class NodeOptimizer:
 
     # ------------------------------------------------------------------ public API
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this NodeOptimizer is closed; create a new one to keep training")
-
     def step(self, closure: Callable[[], Any] | None = None, *, batch: Any = None,
              batch_size: int | None = None) -> StepResult:
         """Collective: report the samples of all ranks; rank 0 steps the swarm optimizer; parameters, LR and
         scheduler state reach every rank. ``batch``/``batch_size`` are this rank's (they are summed). Returns rank
         0's :class:`~collabopt.interface.StepResult` on every rank (``loss`` is this rank's)."""
-        self._check_open()
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # set by torch.amp.GradScaler.step(); it deletes them itself afterwards
-        grad_scale = self.__dict__.get("grad_scale")
-        found_inf = self.__dict__.get("found_inf")
+        loss, grad_scale, found_inf = self._begin_step(closure)
         try:
             samples, uncounted = resolve_samples(batch, batch_size, self._counter, self.config.batch_size), 0
         except ConfigurationError:
@@ -403,7 +389,7 @@ class NodeOptimizer:
                 copt.__dict__.pop("grad_scale", None)
                 copt.__dict__.pop("found_inf", None)
         self._sync(result=result, error=error)  # raises rank 0's error on every rank
-        return self._status.step_result(loss)
+        return dataclasses.replace(self._status.result, loss=loss)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients on this rank (does nothing with ``reuse_grad_buffers=True``, as in the core)."""
@@ -483,14 +469,6 @@ class NodeOptimizer:
         """This rank's param groups over the model's parameters (hyperparameters kept equal to rank 0's)."""
         return self.user_optimizer.param_groups
 
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict:
-        return self.user_optimizer.defaults
-
     def _live(self, name: str) -> Any:
         """Rank 0 reads its core; other ranks (and a closed core) the last status rank 0 sent."""
         if self._copt is not None and not self._copt.closed:
@@ -498,7 +476,7 @@ class NodeOptimizer:
                 return getattr(self._copt, name)
             except Exception as e:  # informational value; fall back to the last broadcast one
                 logger.debug("collabopt: cannot read a swarm metric: %r", e)
-        return getattr(self._status, name)
+        return self._status.swarm[name]
 
     local_epoch = property(lambda self: int(self._live("local_epoch")), doc="Global epochs this node took part in.")
     global_epoch = property(lambda self: int(self._live("global_epoch")), doc="The swarm's newest epoch.")
@@ -513,16 +491,14 @@ class NodeOptimizer:
                                 doc="Samples of all ranks that this node passed to the swarm.")
     samples_skipped = property(lambda self: int(self._live("samples_skipped")),
                                doc="Samples of steps skipped because of inf/nan gradients.")
+    nonfinite_steps = property(lambda self: int(self._live("nonfinite_steps")),
+                               doc="Steps and averaging results refused by rank 0's non-finite guard.")
 
     def get_lr(self) -> list[float]:
         """Learning rates of the optimizer hivemind steps (the same on every rank)."""
         if self._copt is not None and not self._copt.closed:
             return self._copt.get_lr()
         return list(self._lrs)
-
-    def metrics(self) -> dict[str, float]:
-        """A snapshot of the swarm state (the same on every rank), for a progress bar or a logger."""
-        return swarm_snapshot(self)
 
     # ------------------------------------------------------------------ state
 
@@ -546,8 +522,8 @@ class NodeOptimizer:
             self._apply_hyperparameters([{k: v for k, v in g.items() if k != "params"} for g in groups])
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
-        self._status.local_epoch = int(state["local_epoch"])
-        self._status.samples_reported = int(state.get("samples_reported", 0))
+        self._status.swarm.update(local_epoch=int(state["local_epoch"]),
+                                  samples_reported=int(state.get("samples_reported", 0)))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -578,19 +554,8 @@ class NodeOptimizer:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(self._wait_group)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> NodeOptimizer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"epoch={self.local_epoch}"
-        return f"NodeOptimizer(rank={self.rank}/{self.world_size}, run_id={self.run_id!r}, {state})"
+    def _describe(self) -> str:
+        return f"rank={self.rank}/{self.world_size}, run_id={self.run_id!r}, "
 
 
 __all__ = ["NodeOptimizer", "NodeStatus", "collaborative_optimizer", "is_node_job"]

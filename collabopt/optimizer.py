@@ -34,7 +34,8 @@ from collabopt.config import (
     positive_number,
 )
 from collabopt.errors import ConfigurationError
-from collabopt.interface import StepResult, check_state, pack_state, swarm_snapshot
+from collabopt.guard import NonFiniteGuard
+from collabopt.interface import StepResult, SwarmOptimizerBase, check_state, pack_state
 from collabopt.lifecycle import SigtermHandler, preserved_sigint
 from collabopt.scheduling import CollaborativeScheduler, install_step_guard, is_scheduler, remove_step_guard
 
@@ -87,7 +88,7 @@ def _hivemind_optimizer(optimizer: torch.optim.Optimizer, config: CollabConfig,
     return dict(optimizer=make_optimizer, params=[dict(group) for group in optimizer.param_groups])
 
 
-class CollaborativeOptimizer:
+class CollaborativeOptimizer(SwarmOptimizerBase):
     """Train as one peer of a hivemind swarm with any torch optimizer.
 
     Starts or joins a swarm (``initial_peers=``, the ``INITIAL_PEERS`` environment variable, or a ``dht=`` you
@@ -171,7 +172,7 @@ class CollaborativeOptimizer:
         self.user_optimizer = optimizer
         self.grad_scaler = grad_scaler
         self.samples_reported = 0  # samples this peer passed to the swarm
-        self.samples_skipped = 0  # samples of steps skipped because of inf/nan gradients (AMP)
+        self.samples_skipped = 0  # samples of steps skipped because of inf/nan gradients
         self.local_steps = 0
         self.scheduler: CollaborativeScheduler | None = None
         self._user_scheduler = scheduler
@@ -179,6 +180,7 @@ class CollaborativeOptimizer:
         self._zero_grad_warned = False
         self._grad_units: float | None = None  # the loss scale param.grad is expressed in (reuse_grad_buffers + AMP)
         self._sigterm = SigtermHandler()
+        self._guard = NonFiniteGuard() if config.nonfinite_guard else None
         self._owns_dht = swarm_options is not None
         self._counter = ForwardSampleCounter(model) if model is not None else None
         self.dht = dht
@@ -192,6 +194,8 @@ class CollaborativeOptimizer:
                         self.dht = swarm.start_dht(swarm_options)
                     peer = HivemindPeer(self.dht, hivemind_arguments)
             self._peer = peer
+            if self._guard is not None:  # a snapshot to undo a non-finite averaging result, where it is synchronous
+                self._guard.wrap_optimizer(peer.optimizer, keep_snapshot=not config.updates_in_background)
             if config.handle_signals:
                 self._sigterm.install()
             if config.print_join_message and self._owns_dht:
@@ -226,10 +230,6 @@ class CollaborativeOptimizer:
 
     # ------------------------------------------------------------------ stepping
 
-    def _check_open(self) -> None:
-        if self._closed or self._peer is None:
-            raise RuntimeError("this CollaborativeOptimizer is closed; create a new one to keep training")
-
     def step(self, closure: Callable[[], Any] | None = None, *, batch: Any = None,
              batch_size: int | None = None) -> StepResult:
         """Contribute this local step's gradients; a global optimizer step runs when the swarm reaches the target.
@@ -239,14 +239,7 @@ class CollaborativeOptimizer:
         ``torch.amp.GradScaler``: ``scaler.step(copt)`` gives the same update as fp32. Returns a
         :class:`~collabopt.interface.StepResult` (its ``loss`` is what ``closure`` returned).
         """
-        self._check_open()
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # set by torch.amp.GradScaler.step() for the duration of this call (it deletes them afterwards)
-        grad_scale = self.__dict__.get("grad_scale")
-        found_inf = self.__dict__.get("found_inf")
+        loss, grad_scale, found_inf = self._begin_step(closure)
         epoch_before = self._peer.local_epoch
         if self.config.auxiliary:
             self._peer.step(None)
@@ -254,7 +247,9 @@ class CollaborativeOptimizer:
         samples = resolve_samples(batch, batch_size, self._counter, self.config.batch_size)
         self.local_steps += 1
         amp = found_inf is not None
-        if amp and float(found_inf) > 0:
+        refused = float(found_inf) > 0 if amp else (  # the scaler checked AMP gradients already
+            self._guard is not None and not self._guard.gradients_finite(self._peer.parameters))
+        if refused:
             return self._after_step(self._discard_local_progress(samples, loss), epoch_before)
 
         reuse = self.config.reuse_grad_buffers
@@ -288,10 +283,25 @@ class CollaborativeOptimizer:
         return self._after_step(result, epoch_before)
 
     def _after_step(self, result: StepResult, epoch_before: int) -> StepResult:
-        self._advance_schedule()
         if self._peer.local_epoch != epoch_before:
-            return dataclasses.replace(result, epoch_changed=True)
+            self._check_received_parameters()
+            result = dataclasses.replace(result, epoch_changed=True)
+        if self._guard is not None:
+            self._guard.release()
+        self._advance_schedule()
         return result
+
+    def _check_received_parameters(self) -> None:
+        """After a global step: parameters that averaging made non-finite are never kept."""
+        if self._guard is None:
+            return
+        optimizer_params = [p for group in self._peer.optimizer.param_groups for p in group["params"]]
+        main = self._peer.parameters
+        others = [main] if any(a is not b for a, b in zip(main, optimizer_params, strict=True)) else []
+        if not self._guard.restore_parameters(optimizer_params, *others):
+            logger.warning("collabopt: parameters became non-finite at epoch %d and no finite copy is kept in this "
+                           "mode; downloading the swarm's state", self._peer.local_epoch)
+            self._peer.load_state_from_peers()
 
     def _advance_schedule(self) -> None:
         if self.scheduler is not None:
@@ -306,8 +316,9 @@ class CollaborativeOptimizer:
                 p.grad.mul_(factor)
 
     def _discard_local_progress(self, samples: int, loss: Any) -> StepResult:
-        """An AMP step overflowed: contribute nothing. With ``reuse_grad_buffers``, ``param.grad`` also held the
-        earlier steps of this epoch: they are dropped too."""
+        """A step's gradients are not finite (an AMP overflow, or NaN/inf caught by the guard): contribute
+        nothing. With ``reuse_grad_buffers``, ``param.grad`` also held the earlier steps of this epoch: they are
+        dropped too."""
         skipped = samples
         if self.config.reuse_grad_buffers:
             lost = self._peer.accumulated_samples
@@ -421,7 +432,7 @@ class CollaborativeOptimizer:
     @property
     def hivemind_optimizer(self) -> Any:
         """The underlying ``hivemind.Optimizer`` (for options collabopt does not wrap)."""
-        return getattr(self._peer, "optimizer_", None)
+        return getattr(self._peer, "hivemind_optimizer", None)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -433,52 +444,34 @@ class CollaborativeOptimizer:
         """Param groups over the model's parameters (used by ``torch.amp.GradScaler``)."""
         return self._peer.param_groups
 
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
+    def _read(self, name: str, default: Any) -> Any:
+        """A swarm value as this peer sees it; ``default`` once closed (or before the peer exists)."""
+        return getattr(self._peer, name) if self._peer is not None else default
+
+    local_epoch = property(lambda self: self._read("local_epoch", 0),
+                           doc="Number of global optimizer steps this peer has taken part in (or caught up with).")
+    global_epoch = property(lambda self: self._read("global_epoch", 0),
+                            doc="The newest epoch any peer of the swarm has reached (as this peer last saw it).")
+    num_peers = property(lambda self: max(1, self._read("num_peers", 1)),
+                         doc="Peers training in this run, this one included (hivemind's count, refreshed every few "
+                             "seconds; at least 1: hivemind counts a peer only after its first step).")
+    samples_accumulated = property(lambda self: self._read("samples_accumulated", 0),
+                                   doc="Samples the swarm has accumulated toward target_batch_size in this epoch.")
+    samples_per_second = property(lambda self: self._read("samples_per_second", 0.0),
+                                  doc="Throughput of the whole swarm (this peer's rate times the number of peers).")
+    eta_next_epoch = property(lambda self: self._read("eta_next_epoch", 0.0),
+                              doc="Estimated seconds until the next global epoch.")
 
     @property
-    def defaults(self) -> dict:
-        return self.optimizer.defaults
-
-    @property
-    def local_epoch(self) -> int:
-        """Number of global optimizer steps this peer has taken part in (or caught up with)."""
-        return self._peer.local_epoch if self._peer is not None else 0
-
-    @property
-    def global_epoch(self) -> int:
-        """The newest epoch any peer of the swarm has reached (as this peer last saw it)."""
-        return self._peer.global_epoch if self._peer is not None else 0
-
-    @property
-    def num_peers(self) -> int:
-        """Peers currently training in this run, this one included (hivemind's count, refreshed every few seconds;
-        at least 1: hivemind counts a peer only after its first step)."""
-        return max(1, self._peer.num_peers) if self._peer is not None else 1
-
-    @property
-    def samples_accumulated(self) -> int:
-        """Samples the swarm has accumulated toward ``target_batch_size`` in the current epoch."""
-        return self._peer.samples_accumulated if self._peer is not None else 0
-
-    @property
-    def samples_per_second(self) -> float:
-        """Throughput of the whole swarm (estimated as this peer's measured rate times the number of peers)."""
-        return self._peer.samples_per_second if self._peer is not None else 0.0
-
-    @property
-    def eta_next_epoch(self) -> float:
-        """Estimated seconds until the next global epoch."""
-        return self._peer.eta_next_epoch if self._peer is not None else 0.0
+    def nonfinite_steps(self) -> int:
+        """Local steps refused by the non-finite guard (their samples are in ``samples_skipped``) plus global
+        steps whose non-finite averaging result was refused."""
+        guard = self._guard
+        return guard.refused_steps + guard.refused_updates + guard.restored_parameters if guard is not None else 0
 
     def get_lr(self) -> list[float]:
         """Learning rates of the optimizer that hivemind steps."""
         return [float(group["lr"]) for group in self.optimizer.param_groups]
-
-    def metrics(self) -> dict[str, float]:
-        """A snapshot of the swarm state, ready for a progress bar or a logger."""
-        return swarm_snapshot(self)
 
     # ------------------------------------------------------------------ state
 
@@ -530,19 +523,8 @@ class CollaborativeOptimizer:
             remove_step_guard(self._user_scheduler)
         self._sigterm.restore()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> CollaborativeOptimizer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"epoch={self.local_epoch}"
-        return f"CollaborativeOptimizer(run_id={self.run_id!r}, {state})"
+    def _describe(self) -> str:
+        return f"run_id={self.run_id!r}, "
 
 
 def _check_scheduler_arguments(scheduler: Any, scheduler_fn: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -91,13 +91,13 @@ def validate_listen_maddrs(maddrs: Sequence[str] | None, parameter: str) -> list
     return [str(maddr) for maddr in maddrs]
 
 
-@dataclass
-class SwarmOptions:
-    """Everything needed to start this peer's DHT node. See :func:`start_dht`."""
+@dataclass(frozen=True, kw_only=True)
+class DhtOptions:
+    """Options of this peer's DHT node that users set (shared by :class:`SwarmOptions` and the peer's config)."""
 
-    initial_peers: list[str] = field(default_factory=list)
-    host_maddrs: list[str] | None = None
-    announce_maddrs: list[str] | None = None
+    initial_peers: str | Sequence[str] | None = None
+    host_maddrs: Sequence[str] | None = None
+    announce_maddrs: Sequence[str] | None = None
     client_mode: bool = False
     identity_path: str | None = None
     use_ipfs: bool = False
@@ -105,23 +105,25 @@ class SwarmOptions:
     use_auto_relay: bool = False
     wait_timeout: float = 3.0
     bootstrap_timeout: float | None = None
-    startup_timeout: float = 30.0
-    record_validators: list[Any] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.identity_path is not None and not isinstance(self.identity_path, (str, os.PathLike)):
             raise ConfigurationError("identity_path", "must be a path to a private key file", "pass a str path")
-        for name in ("wait_timeout", "startup_timeout"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
+        for name in ("wait_timeout", "bootstrap_timeout", "startup_timeout"):
+            value = getattr(self, name, None)
+            if value is None and name != "wait_timeout":
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigurationError(name, f"must be a positive number of seconds, got {value!r}", "e.g. 10")
-        if self.bootstrap_timeout is not None and (
-            not isinstance(self.bootstrap_timeout, (int, float)) or self.bootstrap_timeout <= 0
-        ):
-            raise ConfigurationError(
-                "bootstrap_timeout", f"must be a positive number of seconds, got {self.bootstrap_timeout!r}", "e.g. 30"
-            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwarmOptions(DhtOptions):
+    """Everything needed to start this peer's DHT node (``initial_peers`` parsed). See :func:`start_dht`."""
+
+    startup_timeout: float = 30.0
+    record_validators: list[Any] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def start_dht(options: SwarmOptions):

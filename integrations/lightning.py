@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from collabopt.batch_size import infer_batch_size
-from collabopt.config import option_names
+from collabopt.config import CollabConfig, option_names
 from collabopt.errors import ConfigurationError
 from collabopt.node import collaborative_optimizer
 from collabopt.scheduling import CollaborativeScheduler, is_scheduler
@@ -63,6 +63,10 @@ except ImportError:  # pragma: no cover - exercised only where only pytorch_ligh
 
 INITIAL_PEERS_ENV = ("INITIAL_PEERS", "PL_INITIAL_PEERS")
 # strategy arguments that are not CollaborativeOptimizer / hivemind.Optimizer arguments
+# lightning-hivemind's arguments that go to the config unchanged
+_CONFIG_ARGUMENTS = ("delay_state_averaging", "delay_grad_averaging", "reuse_grad_buffers", "matchmaking_time",
+                     "averaging_timeout", "verbose", "host_maddrs", "initial_peers", "use_ipfs", "wait_timeout",
+                     "bootstrap_timeout", "use_relay", "use_auto_relay", "identity_path")
 _MANAGED_HERE = {"optimizer", "scheduler", "model", "batch_size", "grad_scaler", "initial_peers_env", "dht"}
 
 
@@ -143,10 +147,8 @@ class CollaborativeStrategy(DDPStrategy):
         log_swarm_metrics: bool = True,
         **optimizer_kwargs: Any,
     ):
+        arguments = dict(locals())
         super().__init__(start_method="popen")
-        if not isinstance(target_batch_size, int) or isinstance(target_batch_size, bool) or target_batch_size <= 0:
-            raise ConfigurationError("target_batch_size", f"must be a positive integer, got {target_batch_size!r}",
-                                     "pass e.g. target_batch_size=4096")
         if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
                                        or batch_size <= 0):
             raise ConfigurationError("batch_size", f"must be a positive integer, got {batch_size!r}",
@@ -170,28 +172,18 @@ class CollaborativeStrategy(DDPStrategy):
         self.reuse_grad_buffers = reuse_grad_buffers
         self.log_swarm_metrics = log_swarm_metrics
         self._scheduler_fn = scheduler_fn
-        options: dict[str, Any] = dict(
-            delay_state_averaging=delay_state_averaging,
+        options = {name: arguments[name] for name in _CONFIG_ARGUMENTS}
+        options.update(
             delay_optimizer_step=delay_grad_averaging if delay_optimizer_step is None else delay_optimizer_step,
-            delay_grad_averaging=delay_grad_averaging,
             offload_optimizer=bool(offload_optimizer),
-            reuse_grad_buffers=reuse_grad_buffers,
-            matchmaking_time=matchmaking_time,
-            averaging_timeout=averaging_timeout,
-            verbose=verbose,
-            host_maddrs=host_maddrs,
-            initial_peers=initial_peers,
-            use_ipfs=use_ipfs,
-            wait_timeout=wait_timeout,
-            bootstrap_timeout=bootstrap_timeout,
-            use_relay=use_relay,
-            use_auto_relay=use_auto_relay,
-            identity_path=identity_path,
             initial_peers_env=INITIAL_PEERS_ENV,
         )
         if averager_opts is not None:
             options["averager_opts"] = averager_opts
         options.update(optimizer_kwargs)
+        # every option is checked now, not when fit starts
+        CollabConfig.from_options(run_id=run_id, target_batch_size=target_batch_size,
+                                  **{name: value for name, value in options.items() if name in option_names()})
         self._options = options
         self._copt: Any = None  # the CollaborativeOptimizer (or node wrapper) of the last fit
         self._fit_plan: dict[str, Any] | None = None  # set between setup() and on_train_start()

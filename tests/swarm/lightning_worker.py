@@ -53,9 +53,15 @@ class Net(pl.LightningModule):
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
         self.samples_fed = 0
         self.batches_skipped = 0
+        self.seen = {"epoch": -1, "peers": 0, "wrapped_epoch": -1}
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        # as a module written for lightning-hivemind does: the swarm's state read from the optimizer itself
+        optimizer = self.trainer.optimizers[0]
+        self.seen["epoch"] = max(self.seen["epoch"], optimizer.local_epoch)
+        self.seen["peers"] = max(self.seen["peers"], optimizer.num_peers)
+        self.seen["wrapped_epoch"] = max(self.seen["wrapped_epoch"], self.optimizers().local_epoch)
         if self.cfg.get("scheduler") == "plateau":
             self.log("plateau_metric", 1.0)  # a plateau: the LR is cut at every global epoch after the first
         if self.cfg.get("skip_every") and batch_idx % self.cfg["skip_every"] == 0:
@@ -205,6 +211,7 @@ def main(config_path: str) -> None:
         final_lr=copt.get_lr()[0],
         samples_fed=model.samples_fed,
         batches_skipped=model.batches_skipped,
+        module_saw=model.seen,
         samples_reported=copt.samples_reported,
         samples_skipped=copt.samples_skipped,
         lightning_epoch=trainer.current_epoch,

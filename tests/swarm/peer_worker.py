@@ -147,6 +147,8 @@ def main(config_path: str) -> None:
                 idx = torch.randint(0, len(x_all), (n,))
                 x, y = x_all[idx], y_all[idx]
                 loss = F.cross_entropy(model(x), y)
+                if cfg.get("nan_every") and (len(result["losses"]) + 1) % cfg["nan_every"] == 0:
+                    loss = loss * float("nan" if len(result["losses"]) % 2 else "inf")  # a bad batch
                 (scaler.scale(loss) if scaler is not None else loss).backward()
                 step_samples += n
                 result["losses"].append(loss.item())
@@ -180,6 +182,7 @@ def main(config_path: str) -> None:
             final_loss=full_loss(model, x_all, y_all),
             samples_reported=copt.samples_reported,
             samples_skipped=copt.samples_skipped,
+            nonfinite_steps=copt.nonfinite_steps,
             final_lr=copt.get_lr()[0],
             num_peers=copt.num_peers,
             scheduler_lr=scheduler.get_last_lr()[0] if scheduler is not None else None,

@@ -1,0 +1,128 @@
+"""The non-finite guard: NaN/inf never enters the swarm from this peer, and is never applied when it arrives.
+
+hivemind's averager has no finiteness check outside its GradScaler path: one peer's NaN gradient makes every peer
+of the round NaN, for good. collabopt refuses non-finite values at both ends:
+
+* **outgoing** (:meth:`NonFiniteGuard.gradients_finite`): before a local step is contributed, its gradients are
+  checked (one fused reduction); a non-finite step contributes nothing (the core then drops it like an AMP
+  overflow);
+* **incoming** (:meth:`NonFiniteGuard.wrap_optimizer`): the optimizer hivemind steps refuses non-finite (averaged)
+  gradients, leaving parameters and statistics as they were; after a global step whose parameter averaging
+  brought non-finite values (a peer running plain hivemind or an older collabopt), the core restores the
+  parameters this peer had after its own finite update (:meth:`NonFiniteGuard.restore_parameters`).
+
+Refusals are counted and logged at most once per ``warn_interval`` seconds.
+
+    >>> all_finite([torch.ones(3), torch.tensor([1.0, float("nan")])])
+    False
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NonFiniteGuard", "all_finite"]
+
+
+@torch.no_grad()
+def all_finite(tensors: Sequence[torch.Tensor | None]) -> bool:
+    """Whether every value of ``tensors`` is finite: one fused norm per device (exact re-check only when a norm
+    overflows, e.g. large fp16 values)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        if tensor is not None and tensor.numel() > 0:
+            by_device[tensor.device].append(tensor)
+    for group in by_device.values():
+        norms_finite = bool(torch.stack([n.float() for n in torch._foreach_norm(group)]).isfinite().all())
+        if not norms_finite and not all(bool(t.isfinite().all()) for t in group):
+            return False
+    return True
+
+
+class NonFiniteGuard:
+    """Counts and reports the non-finite values the core refused; holds the parameters to restore after a global
+    step whose averaging brought non-finite values."""
+
+    def __init__(self, warn_interval: float = 60.0):
+        self.warn_interval = warn_interval
+        self.refused_steps = 0  # local steps whose gradients were not finite (not contributed)
+        self.refused_updates = 0  # optimizer steps refused: the averaged gradients were not finite
+        self.restored_parameters = 0  # global steps whose averaged parameters were not finite (restored)
+        self._snapshot: list[torch.Tensor] | None = None
+        self._last_warning = -math.inf
+        self._unreported: dict[str, int] = defaultdict(int)
+
+    # ------------------------------------------------------------------ outgoing
+
+    def gradients_finite(self, parameters: Sequence[torch.Tensor]) -> bool:
+        """Check a local step's gradients; count and report a refusal."""
+        if all_finite([p.grad for p in parameters]):
+            return True
+        self.refused_steps += 1
+        self._report("local steps with non-finite gradients were not contributed")
+        return False
+
+    # ------------------------------------------------------------------ incoming
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, keep_snapshot: bool) -> None:
+        """Make ``optimizer.step()`` refuse non-finite gradients. With ``keep_snapshot`` the parameters after each
+        finite step are kept (one copy, until :meth:`release`) so that a non-finite averaging result can be undone."""
+        step = optimizer.step
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+
+        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+            result = None
+            if all_finite([p.grad for p in params]):
+                result = step(*args, **kwargs)
+            else:
+                self.refused_updates += 1
+                self._report("optimizer steps with non-finite averaged gradients were refused")
+            if keep_snapshot:  # the parameters to keep if the averaging that follows brings non-finite ones
+                with torch.no_grad():
+                    self._snapshot = [p.detach().clone() for p in params]
+            return result
+
+        guarded_step.__wrapped__ = step  # type: ignore[attr-defined]
+        optimizer.step = guarded_step  # type: ignore[method-assign]
+
+    def restore_parameters(self, optimizer_params: Sequence[torch.Tensor], *others: Sequence[torch.Tensor]) -> bool:
+        """After a global step: if the parameters are not finite, put back those of this peer's own last finite
+        update (into the optimizer's parameters and any ``others``, e.g. the model's when offloading). Returns
+        whether the parameters are finite now."""
+        if all_finite(optimizer_params) and all(all_finite(group) for group in others):
+            return True
+        if self._snapshot is None:
+            return False
+        with torch.no_grad():
+            for group in (optimizer_params, *others):
+                for target, saved in zip(group, self._snapshot, strict=True):
+                    target.copy_(saved)
+        self.restored_parameters += 1
+        self._report("averaging rounds brought non-finite parameters; this peer's own update was kept")
+        return True
+
+    def release(self) -> None:
+        """Drop the snapshot (called after every step: it is needed only right after a global step)."""
+        self._snapshot = None
+
+    # ------------------------------------------------------------------ reporting
+
+    def _report(self, what: str) -> None:
+        self._unreported[what] += 1
+        now = time.monotonic()
+        if now - self._last_warning < self.warn_interval:
+            return
+        self._last_warning = now
+        summary = "; ".join(f"{count} {text}" for text, count in self._unreported.items())
+        self._unreported.clear()
+        logger.warning("collabopt: NaN/inf refused: %s (at most one such message per %.0f s)", summary,
+                       self.warn_interval)

@@ -1,0 +1,134 @@
+"""In-process stand-ins for hivemind (in the style of torchft's mocked-manager tests).
+
+:class:`FakePeer` has the interface of :class:`collabopt._hivemind.HivemindPeer`: the core and the node run on it
+unchanged, with no DHT and no averager process, so the paths that only swarms reached before (giving up after
+failed syncs, discarding local progress, the node's step protocol) are tested in milliseconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from collabopt import CollaborativeOptimizer
+
+
+class FakePeer:
+    """One peer alone in a swarm: a global epoch happens when this peer's own samples reach the target.
+
+    ``swarm_epoch`` makes the swarm look ahead; while ``serves_state`` is False, hivemind would refuse every step
+    (it tries to download state nobody serves), which is what :class:`FakePeer` then does.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, target_batch_size: int, reuse_grad_buffers: bool = False):
+        self.optimizer = optimizer
+        self.target_batch_size = target_batch_size
+        self.reuse_grad_buffers = reuse_grad_buffers
+        self.local_epoch = 0
+        self.swarm_epoch = 0
+        self.serves_state = True
+        self.accumulated_samples = 0
+        self.accumulated_steps = 0
+        self.num_peers = 1
+        self.samples_per_second = 0.0
+        self.eta_next_epoch = 0.0
+        self.dht = None
+        self.calls: list[str] = []
+        self.fail_next: BaseException | None = None  # raised by the next step()
+        self.poison: str | None = None  # "gradients" / "parameters": what a rogue peer's averaging round brings
+
+    @property
+    def global_epoch(self) -> int:
+        return max(self.local_epoch, self.swarm_epoch)
+
+    @property
+    def samples_accumulated(self) -> int:
+        return self.accumulated_samples
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def parameters(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def step(self, samples: int | None) -> bool:
+        self.calls.append("step")
+        if self.fail_next is not None:
+            error, self.fail_next = self.fail_next, None
+            raise error
+        if samples is None:
+            return False
+        if self.global_epoch > self.local_epoch:
+            if not self.serves_state:
+                return False  # hivemind drops the step and retries the download next time
+            self.load_state_from_peers()
+            return False
+        self.accumulated_samples += samples
+        self.accumulated_steps += 1
+        if self.accumulated_samples >= self.target_batch_size:
+            with torch.no_grad():
+                if self.poison == "gradients":  # averaged with a peer that sent NaN
+                    for p in self.parameters:
+                        p.grad.fill_(float("nan"))
+                self.optimizer.step()
+                if self.poison == "parameters":  # state averaging with a peer whose parameters are NaN
+                    for p in self.parameters:
+                        p.fill_(float("nan"))
+            self.local_epoch += 1
+            self._reset()
+        return True
+
+    def _reset(self) -> None:
+        self.accumulated_samples = self.accumulated_steps = 0
+        if self.reuse_grad_buffers:
+            for p in self.parameters:
+                if p.grad is not None:
+                    p.grad.zero_()
+
+    def drop_accumulated(self) -> None:
+        self.calls.append("drop_accumulated")
+        self._reset()
+
+    def jump_to_epoch(self, epoch: int) -> None:
+        self.calls.append(f"jump_to_epoch({epoch})")
+        self.local_epoch = epoch
+
+    def restore_epoch(self, epoch: int) -> None:
+        self.local_epoch = epoch
+
+    def finish_background_work(self, apply: bool = True) -> None:
+        self.calls.append("finish_background_work")
+
+    def load_state_from_peers(self) -> None:
+        self.calls.append("load_state_from_peers")
+        with torch.no_grad():
+            for p in self.parameters:
+                p.add_(1.0)  # "the swarm's parameters"
+        self.local_epoch = self.global_epoch
+
+    def announce(self, timeout: float = 10.0) -> None:
+        self.calls.append("announce")
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+
+def fake_core(optimizer: torch.optim.Optimizer, **kwargs: Any) -> CollaborativeOptimizer:
+    """A CollaborativeOptimizer over a :class:`FakePeer` (``core_factory`` of a node)."""
+    config = kwargs["config"]
+    peer = FakePeer(optimizer, config.target_batch_size, config.reuse_grad_buffers)
+    return CollaborativeOptimizer(optimizer, peer=peer, **kwargs)
+
+
+def model_and_optimizer(lr: float = 0.1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def backward(model: torch.nn.Module, samples: int, scale: float = 1.0) -> None:
+    x = torch.randn(samples, 3)
+    (model(x).pow(2).mean() * scale).backward()

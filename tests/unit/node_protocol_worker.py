@@ -1,0 +1,71 @@
+"""One rank of a 2-rank gloo job whose rank 0 core runs on a fake peer (see test_node_protocol.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from fakes import backward, fake_core, model_and_optimizer
+
+from collabopt import ConfigurationError
+from collabopt.node import NodeOptimizer
+
+
+def outcome(call) -> str:
+    try:
+        call()
+    except ConfigurationError as e:
+        return f"ConfigurationError: {e.parameter}"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def run(rank: int, world_size: int, workdir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
+    model, opt = model_and_optimizer()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    node = NodeOptimizer(opt, model=ddp, scheduler=scheduler, run_id="unit", target_batch_size=24,
+                         handle_signals=False, core_factory=fake_core)
+    record: dict = {"steps": []}
+    for _ in range(2):  # 4 + 8 samples per step: the second step reaches the target of 24
+        x = torch.randn(4 * (rank + 1), 3)
+        ddp(x).pow(2).mean().backward()
+        result = node.step()
+        record["steps"].append([result.samples, result.epoch_changed])
+        node.zero_grad()
+    record["local_epoch"] = node.local_epoch
+    record["lr"] = node.get_lr()
+    record["scheduler_lr"] = node.scheduler.get_last_lr()
+    record["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
+    record["samples_reported"] = node.samples_reported
+    state = node.state_dict()
+    record["state"] = [state["format"], state["local_epoch"], state["scheduler"]["epoch"]]
+
+    # a rank that cannot count its samples fails every rank, before rank 0 touches the swarm
+    def uncounted() -> None:
+        if rank == 0:
+            backward(model, 4)  # counted by the forward hook; rank 1 ran no forward and passes no count
+        node.step()
+
+    record["uncounted"] = outcome(uncounted)
+    # rank 0's core fails: every rank raises, a ConfigurationError stays one
+    if node.collaborative_optimizer is not None:
+        node.collaborative_optimizer._peer.fail_next = ConfigurationError("grad", "broken", "fix it")
+    record["rank0_config_error"] = outcome(lambda: node.step(batch_size=2))
+    if node.collaborative_optimizer is not None:
+        node.collaborative_optimizer._peer.fail_next = ValueError("boom")
+    record["rank0_error"] = outcome(lambda: node.step(batch_size=2))
+    record["after_errors"] = outcome(lambda: node.step(batch_size=2))  # the node still works
+    node.close()
+
+    def failing_core(*args, **kwargs):
+        raise ConfigurationError("initial_peers", "nobody answered", "check the address")
+
+    record["init_error"] = outcome(lambda: NodeOptimizer(opt, run_id="unit", target_batch_size=24,
+                                                         core_factory=failing_core))
+    Path(workdir, f"rank{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()

@@ -1,0 +1,96 @@
+"""The non-finite guard on a fake peer: NaN/inf is never contributed, never applied when it arrives."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from fakes import FakePeer, backward, model_and_optimizer
+
+from collabopt import CollaborativeOptimizer, StepResult
+from collabopt.guard import all_finite
+
+
+def make_core(target: int = 16, **options):
+    model, opt = model_and_optimizer()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    peer = FakePeer(opt, target, reuse_grad_buffers=options.get("reuse_grad_buffers", False))
+    return model, CollaborativeOptimizer(opt, run_id="guard", target_batch_size=target, model=model, peer=peer,
+                                         handle_signals=False, **options), peer
+
+
+def nan_backward(model: torch.nn.Module, samples: int) -> None:
+    (model(torch.randn(samples, 3)).sum() * float("nan")).backward()
+
+
+def test_all_finite_is_exact_also_for_large_fp16_values():
+    assert all_finite([torch.full((4,), 60000.0, dtype=torch.float16), None, torch.zeros(0)])
+    assert not all_finite([torch.ones(2), torch.tensor([float("inf")])])
+    assert not all_finite([torch.tensor([float("nan")], dtype=torch.float16)])
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_a_nan_step_is_not_contributed(reuse, caplog):
+    model, copt, peer = make_core(target=1000, reuse_grad_buffers=reuse)
+    backward(model, 8)
+    copt.step()
+    if not reuse:
+        copt.zero_grad()
+    nan_backward(model, 4)
+    with caplog.at_level(logging.WARNING, logger="collabopt.guard"):
+        result = copt.step()
+    skipped = 12 if reuse else 4  # with reuse_grad_buffers param.grad held the first step too
+    assert result == StepResult(skipped=skipped, grads_reset=reuse)
+    assert copt.samples_skipped == skipped and copt.nonfinite_steps == 1
+    assert peer.accumulated_samples == (0 if reuse else 8)
+    assert "non-finite gradients were not contributed" in caplog.text
+    if not reuse:
+        copt.zero_grad()
+    backward(model, 8)  # training goes on: finite steps count again
+    assert copt.step().samples == 8
+    assert copt.metrics()["nonfinite_steps"] == 1
+
+
+def test_warnings_are_rate_limited(caplog):
+    model, copt, _ = make_core(target=1000)
+    with caplog.at_level(logging.WARNING, logger="collabopt.guard"):
+        for _ in range(5):
+            nan_backward(model, 2)
+            copt.step()
+            copt.zero_grad()
+    assert copt.nonfinite_steps == 5 and caplog.text.count("NaN/inf refused") == 1
+
+
+def test_non_finite_averaged_gradients_are_not_applied():
+    model, copt, peer = make_core(target=8)
+    backward(model, 8)
+    copt.step()  # a first global step creates Adam's statistics
+    copt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = {k: v.clone() for k, v in copt.optimizer.state[next(model.parameters())].items()}
+    peer.poison = "gradients"
+    backward(model, 8)
+    assert copt.step().epoch_changed
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    for key, value in copt.optimizer.state[next(model.parameters())].items():
+        assert torch.equal(value, stats[key]), key
+    assert copt.nonfinite_steps == 1
+
+
+def test_non_finite_averaged_parameters_are_undone():
+    model, copt, peer = make_core(target=8)
+    peer.poison = "parameters"
+    backward(model, 8)
+    assert copt.step().epoch_changed
+    assert all_finite(list(model.parameters()))
+    assert copt.nonfinite_steps == 1 and copt._guard._snapshot is None  # the copy lives only during the step
+
+
+def test_without_the_guard_nan_goes_through():
+    """The same poisoned round with nonfinite_guard=False: what every peer of the round got before the guard."""
+    model, copt, peer = make_core(target=8, nonfinite_guard=False)
+    peer.poison = "gradients"
+    backward(model, 8)
+    copt.step()
+    assert not all_finite(list(model.parameters())) and copt.nonfinite_steps == 0
