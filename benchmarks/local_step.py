@@ -33,6 +33,7 @@ VARIANTS = {
     "hivemind": ("hivemind", {}),
     "hivemind reuse": ("hivemind", {"reuse_grad_buffers": True}),
     "collabopt": ("collabopt", {}),
+    "collabopt no guard": ("collabopt", {"nonfinite_guard": False}),
     "collabopt reuse": ("collabopt", {"reuse_grad_buffers": True}),
     "collabopt offload": ("collabopt", {"offload_optimizer": True}),
     "collabopt reuse+offload": ("collabopt", {"reuse_grad_buffers": True, "offload_optimizer": True}),

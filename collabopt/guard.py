@@ -4,7 +4,7 @@ hivemind's averager has no finiteness check outside its GradScaler path: one pee
 of the round NaN, for good. collabopt refuses non-finite values at both ends:
 
 * **outgoing** (:meth:`NonFiniteGuard.gradients_finite`): before a local step is contributed, its gradients are
-  checked (one fused reduction); a non-finite step contributes nothing (the core then drops it like an AMP
+  checked (one read pass); a non-finite step contributes nothing (the core then drops it like an AMP
   overflow);
 * **incoming** (:meth:`NonFiniteGuard.wrap_optimizer`): the optimizer hivemind steps refuses non-finite (averaged)
   gradients, leaving parameters and statistics as they were; after a global step whose parameter averaging
@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
+import types
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -35,15 +37,15 @@ __all__ = ["NonFiniteGuard", "all_finite"]
 
 @torch.no_grad()
 def all_finite(tensors: Sequence[torch.Tensor | None]) -> bool:
-    """Whether every value of ``tensors`` is finite: one fused norm per device (exact re-check only when a norm
-    overflows, e.g. large fp16 values)."""
+    """Whether every value of ``tensors`` is finite. One read pass: NaN and inf survive a sum, so the sums are
+    checked (an exact re-check runs only when a sum overflows, e.g. large fp16 values)."""
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for tensor in tensors:
         if tensor is not None and tensor.numel() > 0:
             by_device[tensor.device].append(tensor)
     for group in by_device.values():
-        norms_finite = bool(torch.stack([n.float() for n in torch._foreach_norm(group)]).isfinite().all())
-        if not norms_finite and not all(bool(t.isfinite().all()) for t in group):
+        sums_finite = bool(torch.stack([t.sum().float() for t in group]).isfinite().all())
+        if not sums_finite and not all(bool(t.isfinite().all()) for t in group):
             return False
     return True
 
@@ -58,6 +60,9 @@ class NonFiniteGuard:
         self.refused_updates = 0  # optimizer steps refused: the averaged gradients were not finite
         self.restored_parameters = 0  # global steps whose averaged parameters were not finite (restored)
         self._snapshot: list[torch.Tensor] | None = None
+        self._wrapped: tuple[torch.optim.Optimizer, Any] | None = None
+        self._active = False
+        self._lock = threading.Lock()
         self._last_warning = -math.inf
         self._unreported: dict[str, int] = defaultdict(int)
 
@@ -74,33 +79,53 @@ class NonFiniteGuard:
     # ------------------------------------------------------------------ incoming
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, keep_snapshot: bool) -> None:
-        """Make ``optimizer.step()`` refuse non-finite gradients. With ``keep_snapshot`` the parameters after each
-        finite step are kept (one copy, until :meth:`release`) so that a non-finite averaging result can be undone."""
-        step = optimizer.step
+        """Make ``optimizer.step()`` refuse non-finite gradients until :meth:`unwrap`. With ``keep_snapshot`` the
+        parameters after each step are kept (one copy in host memory, until :meth:`release`) so that a non-finite
+        averaging result can be undone. The step stays a bound method (torch's LR schedulers wrap it)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        step = optimizer.step
+        guard = self
 
-        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+        def guarded_step(_optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if not guard._active:
+                return step(*args, **kwargs)
             result = None
             if all_finite([p.grad for p in params]):
                 result = step(*args, **kwargs)
             else:
-                self.refused_updates += 1
-                self._report("optimizer steps with non-finite averaged gradients were refused")
+                guard.refused_updates += 1
+                guard._report("optimizer steps with non-finite averaged gradients were refused")
             if keep_snapshot:  # the parameters to keep if the averaging that follows brings non-finite ones
                 with torch.no_grad():
-                    self._snapshot = [p.detach().clone() for p in params]
+                    guard._snapshot = [p.detach().to("cpu", copy=True) for p in params]
             return result
 
-        guarded_step.__wrapped__ = step  # type: ignore[attr-defined]
-        optimizer.step = guarded_step  # type: ignore[method-assign]
+        self._wrapped = (optimizer, optimizer.__dict__.get("step"))
+        self._active = True
+        optimizer.step = types.MethodType(guarded_step, optimizer)  # type: ignore[method-assign]
+
+    def unwrap(self) -> None:
+        """Give the optimizer its own ``step()`` back (a wrapper installed after ours stays, as a pass-through)."""
+        self._active = False
+        self._snapshot = None
+        if self._wrapped is None:
+            return
+        optimizer, original = self._wrapped
+        self._wrapped = None
+        current = optimizer.__dict__.get("step")
+        if getattr(current, "__func__", None) is not None and current.__func__.__name__ == "guarded_step":
+            if original is None:
+                del optimizer.step
+            else:
+                optimizer.step = original  # type: ignore[method-assign]
 
     def restore_parameters(self, optimizer_params: Sequence[torch.Tensor], *others: Sequence[torch.Tensor]) -> bool:
-        """After a global step: if the parameters are not finite, put back those of this peer's own last finite
-        update (into the optimizer's parameters and any ``others``, e.g. the model's when offloading). Returns
-        whether the parameters are finite now."""
+        """After a global step: if the parameters are not finite, put back those of this peer's own last update
+        (into the optimizer's parameters and any ``others``, e.g. the model's when offloading). Returns whether the
+        parameters are finite now."""
         if all_finite(optimizer_params) and all(all_finite(group) for group in others):
             return True
-        if self._snapshot is None:
+        if self._snapshot is None or not all_finite(self._snapshot):
             return False
         with torch.no_grad():
             for group in (optimizer_params, *others):
@@ -117,12 +142,13 @@ class NonFiniteGuard:
     # ------------------------------------------------------------------ reporting
 
     def _report(self, what: str) -> None:
-        self._unreported[what] += 1
-        now = time.monotonic()
-        if now - self._last_warning < self.warn_interval:
-            return
-        self._last_warning = now
-        summary = "; ".join(f"{count} {text}" for text, count in self._unreported.items())
-        self._unreported.clear()
+        with self._lock:  # delayed optimizer steps report from hivemind's background thread
+            self._unreported[what] += 1
+            now = time.monotonic()
+            if now - self._last_warning < self.warn_interval:
+                return
+            self._last_warning = now
+            summary = "; ".join(f"{count} {text}" for text, count in self._unreported.items())
+            self._unreported.clear()
         logger.warning("collabopt: NaN/inf refused: %s (at most one such message per %.0f s)", summary,
                        self.warn_interval)

@@ -24,11 +24,12 @@ class StepResult:
 
     Attributes:
         samples: samples this step contributed to the swarm (0 when skipped or dropped).
-        skipped: samples that were not contributed: an AMP overflow, or (with ``reuse_grad_buffers``) the
-            accumulation that an overflow discarded.
+        skipped: samples that were not contributed: NaN/inf gradients (an AMP overflow, or caught by the
+            non-finite guard), and with ``reuse_grad_buffers`` the accumulation such a step discarded.
         epoch_changed: a global epoch happened (or a state download moved this peer to another epoch).
         grads_reset: with ``reuse_grad_buffers``, ``param.grad`` was cleared (hivemind used the accumulation).
-        grad_scale: with ``reuse_grad_buffers`` and AMP, the loss scale ``param.grad`` is now expressed in.
+        grad_factor: the factor this step multiplied ``param.grad`` by in place (1.0, except with
+            ``reuse_grad_buffers`` and AMP after ``scaler.unscale_()``: back to the loss scale's units).
         loss: what the closure returned, if one was given.
     """
 
@@ -36,7 +37,7 @@ class StepResult:
     skipped: int = 0
     epoch_changed: bool = False
     grads_reset: bool = False
-    grad_scale: float = 1.0
+    grad_factor: float = 1.0
     loss: Any = None
 
 
@@ -110,8 +111,6 @@ class SwarmOptimizerBase:
             with torch.enable_grad():
                 loss = closure()
         return loss, self.__dict__.get("grad_scale"), self.__dict__.get("found_inf")
-
-    _closed = True
 
     def close(self) -> None:
         raise NotImplementedError

@@ -47,7 +47,8 @@ API for adapters (plain loop / torchrun, Accelerate, Lightning ``devices>1``)::
     copt.load_state_dict(state)      # collective-free; every rank loads the same saved state (load the model first)
     copt.close()                     # on every rank; rank 0 leaves the swarm, then the ranks leave together
 
-``step``, ``zero_grad`` and construction are collective: every rank must call them the same number of times.
+``step``, ``flush``, ``wait_for_peers``, ``load_state_from_peers`` and construction are collective: every rank must
+call them the same number of times.
 ``state_dict``, ``load_state_dict`` and the properties are local; ``close`` ends with a barrier (2-minute limit).
 ``NodeOptimizer`` supports
 ``torch.amp.GradScaler`` (``scaler.step(copt)``) like ``CollaborativeOptimizer``. ``is_node_job()`` tells whether
@@ -151,7 +152,7 @@ class NodeStatus:
         status = cls(**flags)
         for name in SWARM_VALUES:
             try:  # informational values: a failure to read one must not break the node
-                status.swarm[name] = getattr(copt, name)
+                status.swarm[name] = float(getattr(copt, name))
             except Exception as e:
                 logger.debug("collabopt: cannot read a swarm metric: %r", e)
         return status
@@ -240,9 +241,13 @@ class NodeOptimizer(SwarmOptimizerBase):
             install_step_guard(scheduler, lambda metric: None)  # rank 0's metrics drive the schedule
         try:
             self._sync(initial=True, error=error)
-        except BaseException:
-            self._release_hooks()
+        except BaseException:  # leave nothing behind: the swarm, the hooks, the wait group
             self._closed = True
+            self._release_hooks()
+            if self._copt is not None:
+                self._copt.close()
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self._wait_group)
             raise
 
     # ------------------------------------------------------------------ collectives
@@ -272,8 +277,8 @@ class NodeOptimizer(SwarmOptimizerBase):
         if self.rank != 0 and self.config.reuse_grad_buffers:
             if status.result.grads_reset:
                 self._zero_local_grads(set_to_none=False)
-            elif status.result.grad_scale != 1.0:
-                self._scale_local_grads(status.result.grad_scale)
+            elif status.result.grad_factor != 1.0:
+                self._scale_local_grads(status.result.grad_factor)
         if status.hyperparameters_follow:
             self._broadcast_hyperparameters()
         self._versions = self._params_version()

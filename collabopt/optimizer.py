@@ -181,6 +181,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         self._grad_units: float | None = None  # the loss scale param.grad is expressed in (reuse_grad_buffers + AMP)
         self._sigterm = SigtermHandler()
         self._guard = NonFiniteGuard() if config.nonfinite_guard else None
+        self._checked_version = -1  # parameters' version sum when the guard last checked them
         self._owns_dht = swarm_options is not None
         self._counter = ForwardSampleCounter(model) if model is not None else None
         self.dht = dht
@@ -279,28 +280,35 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
             self._grad_units = units
             grad_factor = 1.0 if grad_scale is not None else units  # net in-place factor of this step
         result = StepResult(samples=samples if accepted else 0, epoch_changed=False, grads_reset=grads_reset,
-                            grad_scale=grad_factor, loss=loss)
+                            grad_factor=grad_factor, loss=loss)
         return self._after_step(result, epoch_before)
 
     def _after_step(self, result: StepResult, epoch_before: int) -> StepResult:
-        if self._peer.local_epoch != epoch_before:
-            self._check_received_parameters()
-            result = dataclasses.replace(result, epoch_changed=True)
-        if self._guard is not None:
-            self._guard.release()
+        epoch_changed = self._peer.local_epoch != epoch_before
+        self._check_received_parameters(epoch_changed)
         self._advance_schedule()
-        return result
+        return dataclasses.replace(result, epoch_changed=True) if epoch_changed else result
 
-    def _check_received_parameters(self) -> None:
-        """After a global step: parameters that averaging made non-finite are never kept."""
+    def _check_received_parameters(self, epoch_changed: bool) -> None:
+        """Parameters that averaging made non-finite are never kept. Checked after a global step, and in the
+        background modes after any step that changed the parameters (hivemind applies results at a later step)."""
         if self._guard is None:
             return
+        if epoch_changed or self.config.updates_in_background:
+            main = self._peer.parameters
+            version = sum(p._version for p in main)  # every in-place write bumps a tensor's version counter
+            if epoch_changed or version != self._checked_version:
+                self._restore_finite_parameters(main)
+                version = sum(p._version for p in main)
+            self._checked_version = version
+        self._guard.release()
+
+    def _restore_finite_parameters(self, main: list[torch.Tensor]) -> None:
         optimizer_params = [p for group in self._peer.optimizer.param_groups for p in group["params"]]
-        main = self._peer.parameters
         others = [main] if any(a is not b for a, b in zip(main, optimizer_params, strict=True)) else []
         if not self._guard.restore_parameters(optimizer_params, *others):
-            logger.warning("collabopt: parameters became non-finite at epoch %d and no finite copy is kept in this "
-                           "mode; downloading the swarm's state", self._peer.local_epoch)
+            logger.warning("collabopt: parameters became non-finite at epoch %d and no finite copy of them is kept; "
+                           "downloading the swarm's state", self._peer.local_epoch)
             self._peer.load_state_from_peers()
 
     def _advance_schedule(self) -> None:
@@ -386,7 +394,9 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
     def flush(self) -> None:
         """Wait for background work (delayed optimizer steps and averaging) and apply its results now."""
         self._check_open()
+        epoch_before = self._peer.local_epoch
         self._peer.finish_background_work()
+        self._check_received_parameters(self._peer.local_epoch != epoch_before)
         self._advance_schedule()
 
     def catch_up(self) -> None:
@@ -521,6 +531,8 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
             self._counter.remove()
         if self._user_scheduler is not None:
             remove_step_guard(self._user_scheduler)
+        if self._guard is not None:
+            self._guard.unwrap()
         self._sigterm.restore()
 
     def _describe(self) -> str:

@@ -53,7 +53,7 @@ class Net(pl.LightningModule):
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
         self.samples_fed = 0
         self.batches_skipped = 0
-        self.seen = {"epoch": -1, "peers": 0, "wrapped_epoch": -1}
+        self.seen = {"epoch": -1, "peers": 0, "wrapped_epoch": -1, "wrapped_closed": False}
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -62,6 +62,7 @@ class Net(pl.LightningModule):
         self.seen["epoch"] = max(self.seen["epoch"], optimizer.local_epoch)
         self.seen["peers"] = max(self.seen["peers"], optimizer.num_peers)
         self.seen["wrapped_epoch"] = max(self.seen["wrapped_epoch"], self.optimizers().local_epoch)
+        self.seen["wrapped_closed"] |= self.optimizers().closed  # Lightning's wrapper shows the optimizer's state
         if self.cfg.get("scheduler") == "plateau":
             self.log("plateau_metric", 1.0)  # a plateau: the LR is cut at every global epoch after the first
         if self.cfg.get("skip_every") and batch_idx % self.cfg["skip_every"] == 0:

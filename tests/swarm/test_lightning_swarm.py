@@ -107,6 +107,7 @@ def test_two_trainers_in_sync_and_a_late_joiner_catches_up(tmp_path, bootstrap):
     for name, res in results.items():  # lightning-hivemind code reads trainer.optimizers[0].local_epoch / .num_peers
         seen = res["module_saw"]
         assert seen["epoch"] == seen["wrapped_epoch"] >= epochs - 1 and seen["peers"] >= 2, (name, seen)
+        assert not seen["wrapped_closed"], (name, seen)
     assert max_param_diff(weights["a"], weights["b"]) <= SWARM_ROUNDING
     assert max_param_diff(weights["a"], weights["c"]) <= SWARM_ROUNDING
     # LR after k global epochs == plain torch after k scheduler steps (offloaded optimizer on A)

@@ -60,6 +60,14 @@ def run(rank: int, world_size: int, workdir: str) -> None:
         node.collaborative_optimizer._peer.fail_next = ValueError("boom")
     record["rank0_error"] = outcome(lambda: node.step(batch_size=2))
     record["after_errors"] = outcome(lambda: node.step(batch_size=2))  # the node still works
+    # a NaN on one rank reaches every rank through DDP's all-reduce: the node contributes nothing
+    node.zero_grad()
+    loss = ddp(torch.randn(4, 3)).pow(2).mean()
+    (loss * float("nan") if rank == 1 else loss).backward()
+    reported = node.samples_reported
+    nan_result = node.step()
+    record["nan_step"] = [nan_result.samples, nan_result.skipped, node.samples_reported - reported,
+                          node.nonfinite_steps]
     node.close()
 
     def failing_core(*args, **kwargs):

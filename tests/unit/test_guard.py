@@ -94,3 +94,38 @@ def test_without_the_guard_nan_goes_through():
     backward(model, 8)
     copt.step()
     assert not all_finite(list(model.parameters())) and copt.nonfinite_steps == 0
+
+
+def test_scheduler_fn_works_on_the_guarded_optimizer():
+    """torch's LR schedulers wrap optimizer.step as a bound method: the guard's step must stay one."""
+    model, opt = model_and_optimizer()
+    copt = CollaborativeOptimizer(opt, run_id="guard", target_batch_size=8, model=model, peer=FakePeer(opt, 8),
+                                  handle_signals=False,
+                                  scheduler_fn=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    backward(model, 8)
+    assert copt.step().epoch_changed and copt.get_lr() == [pytest.approx(0.05)]
+    copt.close()
+
+
+def test_a_non_finite_snapshot_is_not_restored():
+    """This peer's own update was already non-finite (e.g. NaN optimizer statistics): nothing finite to put back,
+    so the core downloads the swarm's state instead of claiming success."""
+    model, copt, peer = make_core(target=8)
+    backward(model, 8)
+    copt.step()
+    copt.zero_grad()
+    for state in copt.optimizer.state.values():
+        state["exp_avg_sq"].fill_(float("nan"))
+    backward(model, 8)
+    copt.step()
+    assert "load_state_from_peers" in peer.calls and copt._guard.restored_parameters == 0
+
+
+def test_close_gives_the_optimizer_its_step_back():
+    model, opt = model_and_optimizer()
+    original = opt.step
+    copt = CollaborativeOptimizer(opt, run_id="guard", target_batch_size=8, model=model, peer=FakePeer(opt, 8),
+                                  handle_signals=False)
+    assert opt.step.__func__.__name__ == "guarded_step"
+    copt.close()
+    assert opt.step == original and "step" not in opt.__dict__
