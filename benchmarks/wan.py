@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import median, spread
-from benchmarks.netns import TestNet, unavailable_reason
 from benchmarks.swarmrun import allreduce_seconds, run_peers, start_bootstrap, utilization
+from collabopt.testnet import TestNet, unavailable_reason
 
 OVERLAP = {"offload_optimizer": True, "delay_optimizer_step": True, "delay_grad_averaging": True,
            "delay_state_averaging": True}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
@@ -80,9 +81,8 @@ def run_monitor(args: argparse.Namespace) -> int:
     from collabopt.metrics import read_swarm_progress, reader_validators
     from collabopt.swarm import start_dht
 
-    options = _swarm_options(args)
-    options.client_mode = True
-    options.record_validators = reader_validators()
+    # a read-only client: never a training peer, and able to read the signed progress records
+    options = dataclasses.replace(_swarm_options(args), client_mode=True, record_validators=reader_validators())
     if not options.initial_peers:
         print("collabopt monitor: pass --initial-peers or set INITIAL_PEERS", file=sys.stderr)
         return 2

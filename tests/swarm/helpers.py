@@ -54,8 +54,8 @@ def child_env(**extra: str) -> dict[str, str]:
 class Process(processes.Process):
     """A harness process started from the repository root, which remembers its descendants."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
-        super().__init__(args, log_path, env=env or child_env(), cwd=ROOT)
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, netns: str | None = None):
+        super().__init__(args, log_path, env=env or child_env(), cwd=ROOT, netns=netns)
         self._descendants: set[int] = set()
 
     def remember_descendants(self) -> None:
@@ -85,13 +85,16 @@ class Process(processes.Process):
         super().kill_tree()
 
 
-def start_bootstrap(tmp_path: Path) -> tuple[processes.Process, str]:
-    """Start ``collabopt dht`` on loopback (log: ``<tmp_path>/bootstrap.log``); return it and its INITIAL_PEERS."""
-    return processes.start_bootstrap(tmp_path, env=child_env(), cwd=ROOT)
+def start_bootstrap(tmp_path: Path, host: str = "127.0.0.1", netns: str | None = None) -> tuple[processes.Process, str]:
+    """Start ``collabopt dht`` on ``host`` (loopback by default; log: ``<tmp_path>/bootstrap.log``); return it and
+    its INITIAL_PEERS."""
+    return processes.start_bootstrap(tmp_path, host=host, env=child_env(), cwd=ROOT, netns=netns)
 
 
-def start_peer(tmp_path: Path, name: str, config: dict[str, Any], initial_peers: str) -> Process:
-    """Start ``peer_worker.py`` with ``config``; its results go to ``<tmp_path>/<name>.json`` / ``.pt``."""
+def start_peer(tmp_path: Path, name: str, config: dict[str, Any], initial_peers: str,
+               netns: str | None = None) -> Process:
+    """Start ``peer_worker.py`` with ``config`` (inside network namespace ``netns`` if given); its results go to
+    ``<tmp_path>/<name>.json`` / ``.pt``."""
     config = dict(config, out=str(tmp_path / name))
     config_path = tmp_path / f"{name}.config.json"
     config_path.write_text(json.dumps(config))
@@ -99,6 +102,7 @@ def start_peer(tmp_path: Path, name: str, config: dict[str, Any], initial_peers:
         [sys.executable, str(WORKER), str(config_path)],
         tmp_path / f"{name}.log",
         env=child_env(INITIAL_PEERS=initial_peers),
+        netns=netns,
     )
 
 

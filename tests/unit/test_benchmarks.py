@@ -7,7 +7,8 @@ import subprocess
 
 import pytest
 
-from benchmarks import netns, run, wan
+from benchmarks import run, wan
+from collabopt import testnet as netns
 
 
 def canned_results() -> dict:

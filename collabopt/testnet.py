@@ -1,9 +1,10 @@
-"""A private test network: one network namespace per peer, joined by a bridge, every link limited with ``tc tbf``.
+"""A private test network for the tests and the benchmarks: one network namespace per peer, joined by a bridge,
+links optionally limited with ``tc tbf``, and cut / restored on demand (:meth:`TestNet.cut`).
 
 Everything lives in namespaces this module creates (the bridge too, in a "hub" namespace), on addresses that exist
-only there, with no route out, so no benchmark traffic can reach any other network. ``with TestNet(...)`` removes
-every namespace on exit, also after an error, Ctrl+C or SIGTERM; namespaces left by a killed run are removed the
-next time one starts.
+only there, with no route out, so no test traffic can reach any other network. Needs Linux, root and iproute2.
+``with TestNet(...)`` removes every namespace on exit, also after an error, Ctrl+C or SIGTERM; namespaces left by a
+killed run are removed the next time one starts.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import signal
 import subprocess
 from typing import Any
 
-PREFIX = "cobench"
+PREFIX = "conet"
 SUBNET = "10.213.7"  # 10.213.7.0/24, private, exists only inside our namespaces
 
 
@@ -28,10 +29,10 @@ def unavailable_reason() -> str | None:
     if os.name != "posix" or not hasattr(os, "geteuid"):
         return "network namespaces need Linux"
     if os.geteuid() != 0:
-        return "needs root (network namespaces and tc); run as root to include the WAN benchmark"
+        return "needs root (network namespaces and tc); run as root to include the network tests and benchmarks"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
-            return f"`{tool}` not found; install iproute2 to include the WAN benchmark"
+            return f"`{tool}` not found; install iproute2 (apt-get install iproute2)"
     probe = f"{PREFIX}{os.getpid()}probe"
     try:
         _ip("netns", "add", probe)
@@ -109,6 +110,16 @@ class TestNet:
                     subprocess.run(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
                                     f"{rate}mbit", "burst", f"{burst}kb", "latency", "100ms"],
                                    check=True, capture_output=True, text=True, timeout=30)
+
+    def _hub_end(self, peer: int) -> str:
+        return f"v{peer + 1}"  # v0 is the bootstrap's link
+
+    def cut(self, peer: int) -> None:
+        """Take peer ``peer``'s link down: nothing reaches it or leaves it until :meth:`restore`."""
+        _ip("-n", self.hub, "link", "set", self._hub_end(peer), "down")
+
+    def restore(self, peer: int) -> None:
+        _ip("-n", self.hub, "link", "set", self._hub_end(peer), "up")
 
     def __exit__(self, *exc: Any) -> None:
         for name in reversed(self._created):
