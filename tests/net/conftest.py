@@ -7,6 +7,8 @@ green CI run always includes them.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -20,9 +22,18 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.net)
 
 
+def install_iproute2() -> None:
+    """As root on Debian, install what the test bed needs when it is missing."""
+    if shutil.which("ip") and shutil.which("tc") or os.geteuid() != 0 or not shutil.which("apt-get"):
+        return
+    subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=300)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "iproute2"], capture_output=True, timeout=300)
+
+
 @pytest.fixture
 def net3():
     """Three peer namespaces on one bridge (unlimited links) and one for the bootstrap peer."""
+    install_iproute2()
     reason = testnet.unavailable_reason()
     if reason is not None:
         if os.environ.get("CI"):
