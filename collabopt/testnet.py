@@ -59,17 +59,20 @@ def remove_stale() -> None:
 class TestNet:
     """``n`` peer namespaces (``.peers[i]`` with address ``.addr[i]``) plus one unlimited namespace for a bootstrap.
 
-    ``rate_mbit`` limits each peer's upload and download (tbf on both ends of its link).
+    ``rate_mbit`` limits each peer's upload and download (tbf on both ends of its link): one rate for all, or one
+    per peer (``None``: unlimited).
     """
 
-    def __init__(self, n: int, rate_mbit: float | None):
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, n: int, rate_mbit: float | list[float | None] | None):
         self.tag = f"{PREFIX}{os.getpid()}"
         self.hub = f"{self.tag}h"
         self.peers = [f"{self.tag}p{i}" for i in range(n)]
         self.bootstrap = f"{self.tag}b"
         self.addr = [f"{SUBNET}.{i + 10}" for i in range(n)]
         self.bootstrap_addr = f"{SUBNET}.2"
-        self.rate_mbit = rate_mbit
+        self.rates = list(rate_mbit) if isinstance(rate_mbit, (list, tuple)) else [rate_mbit] * n
         self._created: list[str] = []
         self._old_handlers: dict[int, Any] = {}
 
@@ -91,10 +94,11 @@ class TestNet:
 
     def _create(self) -> None:
         self._add_ns(self.hub)
-        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.hub, "link", "set", "br0", "up")
+        for bridge in ("br0", "br1"):  # br1 holds the far side of a partition
+            _ip("-n", self.hub, "link", "add", bridge, "type", "bridge")
+            _ip("-n", self.hub, "link", "set", bridge, "up")
         links = [(self.bootstrap, self.bootstrap_addr, None)] + [
-            (ns, addr, self.rate_mbit) for ns, addr in zip(self.peers, self.addr, strict=True)
+            (ns, addr, rate) for ns, addr, rate in zip(self.peers, self.addr, self.rates, strict=True)
         ]
         for i, (ns, addr, rate) in enumerate(links):
             self._add_ns(ns)
@@ -120,6 +124,16 @@ class TestNet:
 
     def restore(self, peer: int) -> None:
         _ip("-n", self.hub, "link", "set", self._hub_end(peer), "up")
+
+    def partition(self, far_side: list[int]) -> None:
+        """Split the network in two: the peers in ``far_side`` reach each other only (the bootstrap stays with the
+        others). :meth:`heal` joins the two sides again."""
+        for peer in far_side:
+            _ip("-n", self.hub, "link", "set", self._hub_end(peer), "master", "br1")
+
+    def heal(self) -> None:
+        for peer in range(len(self.peers)):
+            _ip("-n", self.hub, "link", "set", self._hub_end(peer), "master", "br0")
 
     def __exit__(self, *exc: Any) -> None:
         for name in reversed(self._created):

@@ -30,14 +30,26 @@ def install_iproute2() -> None:
     subprocess.run(["apt-get", "install", "-y", "-qq", "iproute2"], capture_output=True, timeout=300)
 
 
-@pytest.fixture
-def net3():
-    """Three peer namespaces on one bridge (unlimited links) and one for the bootstrap peer."""
+def require_testnet() -> None:
     install_iproute2()
     reason = testnet.unavailable_reason()
     if reason is not None:
         if os.environ.get("CI"):
             pytest.fail(f"network tests must run in CI: {reason}")
         pytest.skip(reason)
-    with testnet.TestNet(3, None) as net:
-        yield net
+
+
+@pytest.fixture
+def make_net():
+    """``make_net(n, rate_mbit)``: a TestNet of ``n`` peer namespaces, removed after the test."""
+    require_testnet()
+    nets = []
+
+    def make(n: int, rate_mbit=None) -> testnet.TestNet:
+        net = testnet.TestNet(n, rate_mbit)
+        nets.append(net)
+        return net.__enter__()
+
+    yield make
+    for net in nets:
+        net.__exit__(None, None, None)

@@ -28,9 +28,9 @@ def make_data(seed: int = 0, n: int = 4096, dim: int = 16, classes: int = 4):
     return x, (x @ w).argmax(dim=1)
 
 
-def make_model(seed: int, dim: int = 16, classes: int = 4) -> torch.nn.Module:
+def make_model(seed: int, dim: int = 16, classes: int = 4, hidden: int = 32) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(dim, 32), torch.nn.ReLU(), torch.nn.Linear(32, classes))
+    return torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, classes))
 
 
 @torch.no_grad()
@@ -91,7 +91,7 @@ def main(config_path: str) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     x_all, y_all = make_data(cfg.get("data_seed", 0))
-    model = make_model(cfg.get("model_seed", seed))
+    model = make_model(cfg.get("model_seed", seed), hidden=cfg.get("hidden", 32))
     lr = cfg.get("lr", 0.05)
     opt_name = cfg.get("optimizer", "SGD")
     if opt_name == "SGD":
@@ -122,7 +122,7 @@ def main(config_path: str) -> None:
                 pass
             time.sleep(0.1)
 
-    result = {"samples_fed": 0, "lrs": {}, "losses": [], "epochs_seen": []}
+    result = {"samples_fed": 0, "lrs": {}, "losses": [], "epochs_seen": [], "epoch_times": []}
     sizes = batch_size_sequence(cfg.get("batch_sizes", [16]), rng)
     with CollaborativeOptimizer(
         optimizer,
@@ -171,6 +171,7 @@ def main(config_path: str) -> None:
             copt.zero_grad()
             if copt.local_epoch != before:
                 result["epochs_seen"].append(copt.local_epoch)
+                result["epoch_times"].append(time.time())
                 result["lrs"][str(copt.local_epoch)] = copt.get_lr()[0]
                 if cfg.get("save_epoch_params"):
                     epoch_params[copt.local_epoch] = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,130 @@
+"""Network faults on real peer processes in network namespaces: a cut link, a 2|2 partition, a slow link.
+
+Each peer runs in its own namespace (collabopt.testnet), the bootstrap peer in another; faults are applied to the
+links from the test while the peers train.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from helpers import (
+    SWARM_ROUNDING,
+    finish,
+    finish_line,
+    max_param_diff,
+    read_params,
+    read_result,
+    start_bootstrap,
+    start_peer,
+    unique_run_id,
+)
+
+from collabopt.testnet import TestNet
+
+AVERAGING_TIMEOUT, MATCHMAKING_TIME = 10.0, 2.0
+FAULT_SECONDS = 25.0
+
+
+def epoch_of(tmp_path: Path, name: str) -> int:
+    try:
+        return json.loads((tmp_path / f"{name}.progress").read_text())["epoch"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def run_swarm(tmp_path: Path, net: TestNet, config: dict, fault: Callable[[dict], None]) -> tuple[dict, dict, dict]:
+    """Train one peer per namespace of ``net`` with ``config`` until all reached its epochs; ``fault(procs)`` runs
+    in between (once the swarm is at epoch 2). Returns the peers' results, parameters and processes."""
+    names = [chr(ord("a") + i) for i in range(len(net.peers))]
+    bootstrap, initial_peers = start_bootstrap(tmp_path, host=net.bootstrap_addr, netns=net.bootstrap)
+    base = dict(config, run_id=unique_run_id("net"), model_seed=0, step_sleep=0.05, wait_peers=len(names),
+                finish_with=finish_line(tmp_path, *names), max_seconds=240)
+    procs = {}
+    try:
+        for i, name in enumerate(names):
+            options = dict(host_maddrs=[f"/ip4/{net.addr[i]}/tcp/0"], averaging_timeout=AVERAGING_TIMEOUT,
+                           matchmaking_time=MATCHMAKING_TIME)
+            procs[name] = start_peer(tmp_path, name, dict(base, seed=i + 1, options=options), initial_peers,
+                                     netns=net.peers[i])
+        wait_until(lambda: min(epoch_of(tmp_path, n) for n in names) >= 2, 120, "the swarm did not reach epoch 2")
+        fault(procs)
+        finish(procs, 300)
+    finally:
+        for proc in procs.values():
+            proc.kill_tree()
+        bootstrap.kill_tree()
+    results = {name: read_result(tmp_path, name) for name in names}
+    params = {name: read_params(tmp_path, name) for name in names}
+    for name, result in results.items():
+        assert result["final_epoch"] >= config["epochs"], (name, result["final_epoch"])
+    return results, params, procs
+
+
+def assert_in_sync(params: dict) -> None:
+    first = next(iter(params.values()))
+    for name, other in params.items():
+        assert max_param_diff(first, other) <= SWARM_ROUNDING, name
+
+
+def test_a_cut_link_heals_and_the_peer_catches_up(tmp_path, make_net):
+    """C's link is down for 25 s. A and B keep making global epochs (at most averaging_timeout + matchmaking_time
+    apart); C does not crash, finds itself out of sync once its link is back, downloads the swarm's state, and ends
+    in sync with A and B."""
+    net = make_net(3)
+    seen = {}
+
+    def cut_c(procs):
+        seen["at_cut"] = {name: epoch_of(tmp_path, name) for name in procs}
+        net.cut(2)
+        time.sleep(FAULT_SECONDS)
+        seen["at_restore"] = {name: epoch_of(tmp_path, name) for name in procs}
+        net.restore(2)
+
+    results, params, procs = run_swarm(tmp_path, net, dict(target_batch_size=1152, epochs=10, lr=0.3), cut_c)
+    for name in ("a", "b"):
+        assert seen["at_restore"][name] - seen["at_cut"][name] >= 1, seen
+    assert "Downloading parameters from peer" in procs["c"].log(), "C never downloaded the swarm's state"
+    assert_in_sync(params)
+
+
+def test_a_partition_heals_into_one_swarm(tmp_path, make_net):
+    """A, B | C, D for 25 s: each side trains on by itself (both make epochs); once healed, the side behind
+    downloads the other's state (or, at equal epochs, parameter averaging joins them) and the four end in sync."""
+    net = make_net(4)
+    seen = {}
+
+    def split(procs):
+        seen["at_split"] = {name: epoch_of(tmp_path, name) for name in procs}
+        net.partition([2, 3])
+        time.sleep(FAULT_SECONDS)
+        seen["at_heal"] = {name: epoch_of(tmp_path, name) for name in procs}
+        net.heal()
+
+    results, params, procs = run_swarm(tmp_path, net, dict(target_batch_size=1536, epochs=10, lr=0.3), split)
+    for name in ("a", "b", "c", "d"):  # both sides kept training
+        assert seen["at_heal"][name] - seen["at_split"][name] >= 1, seen
+    assert_in_sync(params)
+
+
+def test_a_slow_link_does_not_hold_the_swarm_back(tmp_path, make_net):
+    """C's link is 5 Mbit/s, A's and B's 100 Mbit/s (a 160 KB model): no epoch waits for C longer than
+    averaging_timeout, and C stays in sync."""
+    net = make_net(3, [100.0, 100.0, 5.0])
+    results, params, procs = run_swarm(
+        tmp_path, net, dict(target_batch_size=1152, epochs=6, lr=0.1, hidden=2048), lambda procs: None)
+    times = results["a"]["epoch_times"]
+    gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+    assert max(gaps) <= AVERAGING_TIMEOUT + MATCHMAKING_TIME, gaps
+    assert "Averaged gradients with 3 peers" in procs["c"].log()
+    assert_in_sync(params)
