@@ -483,21 +483,13 @@ class NodeOptimizer(SwarmOptimizerBase):
                 logger.debug("collabopt: cannot read a swarm metric: %r", e)
         return self._status.swarm[name]
 
-    local_epoch = property(lambda self: int(self._live("local_epoch")), doc="Global epochs this node took part in.")
-    global_epoch = property(lambda self: int(self._live("global_epoch")), doc="The swarm's newest epoch.")
-    num_peers = property(lambda self: int(self._live("num_peers")), doc="Peers of the swarm (a node counts once).")
-    samples_accumulated = property(lambda self: int(self._live("samples_accumulated")),
-                                   doc="Samples the swarm accumulated toward the target in this epoch.")
-    samples_per_second = property(lambda self: float(self._live("samples_per_second")),
-                                  doc="Throughput of the whole swarm.")
-    eta_next_epoch = property(lambda self: float(self._live("eta_next_epoch")),
-                              doc="Estimated seconds until the next global epoch.")
-    samples_reported = property(lambda self: int(self._live("samples_reported")),
-                                doc="Samples of all ranks that this node passed to the swarm.")
-    samples_skipped = property(lambda self: int(self._live("samples_skipped")),
-                               doc="Samples of steps skipped because of inf/nan gradients.")
-    nonfinite_steps = property(lambda self: int(self._live("nonfinite_steps")),
-                               doc="Steps and averaging results refused by rank 0's non-finite guard.")
+    def __getattr__(self, name: str) -> Any:
+        """The swarm's values of :data:`SWARM_VALUES` (``local_epoch``, ``num_peers``, ``samples_reported`` — of all
+        ranks —, ...; see :class:`~collabopt.interface.SwarmOptimizer`): rank 0's own, elsewhere what rank 0 sent
+        with the last collective call. Only called for names not found otherwise."""
+        if name in SWARM_VALUES:
+            return type(SWARM_VALUES[name])(self._live(name))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def get_lr(self) -> list[float]:
         """Learning rates of the optimizer hivemind steps (the same on every rank)."""
