@@ -131,7 +131,7 @@ def test_a_peer_with_nan_batches_does_not_poison_the_swarm(tmp_path, bootstrap):
     """Every 4th batch of C has a NaN or inf loss. Its guard drops those steps: all peers end finite, in sync, and
     every sample is either contributed or counted as skipped (without the guard all 3 ended NaN)."""
     run_id = unique_run_id("nan_batches")
-    base = dict(run_id=run_id, target_batch_size=512, epochs=4, model_seed=0, lr=0.5, step_sleep=0.05,
+    base = dict(run_id=run_id, target_batch_size=512, epochs=3, model_seed=0, lr=0.5, step_sleep=0.05,
                 finish_with=finish_line(tmp_path, "a", "b", "c"), wait_peers=3, max_seconds=150)
     procs = {
         "a": start_peer(tmp_path, "a", dict(base, seed=1), bootstrap),
@@ -142,7 +142,7 @@ def test_a_peer_with_nan_batches_does_not_poison_the_swarm(tmp_path, bootstrap):
     results = {name: read_result(tmp_path, name) for name in procs}
     params = {name: read_params(tmp_path, name) for name in procs}
     for name, result in results.items():
-        assert result["final_epoch"] >= 4, (name, result)
+        assert result["final_epoch"] >= 3, (name, result)
         assert all_finite(params[name]), name
         assert result["samples_reported"] + result["samples_skipped"] == result["samples_fed"], (name, result)
     assert results["c"]["nonfinite_steps"] >= 5 and results["c"]["samples_skipped"] > 0
@@ -155,7 +155,7 @@ def test_nan_from_an_unguarded_peer_is_never_applied(tmp_path, bootstrap):
     """R runs without the guard (as plain hivemind or an older collabopt would) and sends NaN gradients, then NaN
     parameters. A and B refuse them: they end finite and equal to each other; R is NaN."""
     run_id = unique_run_id("nan_rogue")
-    base = dict(run_id=run_id, target_batch_size=512, epochs=4, model_seed=0, lr=0.5, step_sleep=0.05,
+    base = dict(run_id=run_id, target_batch_size=512, epochs=3, model_seed=0, lr=0.5, step_sleep=0.05,
                 finish_with=finish_line(tmp_path, "a", "b", "r"), wait_peers=3, max_seconds=150)
     procs = {
         "a": start_peer(tmp_path, "a", dict(base, seed=1), bootstrap),
