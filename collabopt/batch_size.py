@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from collabopt.config import positive_int
 from collabopt.errors import ConfigurationError
 
 
@@ -118,9 +119,7 @@ def resolve_samples(batch: Any, batch_size: int | None, counter: ForwardSampleCo
     consumed). Raises :class:`ConfigurationError` when nothing tells."""
     counted = counter.pop() if counter is not None else 0
     if batch_size is not None:
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
-            raise ConfigurationError("batch_size", f"must be a positive integer, got {batch_size!r}",
-                                     "pass e.g. step(batch_size=len(inputs))")
+        positive_int("batch_size", batch_size, "len(inputs)")
         return batch_size
     if batch is not None:
         return infer_batch_size(batch)

@@ -83,7 +83,7 @@ from collabopt.config import (
 )
 from collabopt.errors import ConfigurationError
 from collabopt.interface import StepResult, SwarmOptimizerBase, check_state, pack_state
-from collabopt.optimizer import CollaborativeOptimizer
+from collabopt.optimizer import CollaborativeOptimizer, scale_grads, zero_grads
 from collabopt.scheduling import (
     CollaborativeScheduler,
     check_scheduler,
@@ -276,9 +276,9 @@ class NodeOptimizer(SwarmOptimizerBase):
             self._broadcast_params()
         if self.rank != 0 and self.config.reuse_grad_buffers:
             if status.result.grads_reset:
-                self._zero_local_grads(set_to_none=False)
+                zero_grads(self._params, set_to_none=False)
             elif status.result.grad_factor != 1.0:
-                self._scale_local_grads(status.result.grad_factor)
+                scale_grads(self._params, status.result.grad_factor)
         if status.hyperparameters_follow:
             self._broadcast_hyperparameters()
         self._versions = self._params_version()
@@ -342,22 +342,6 @@ class NodeOptimizer(SwarmOptimizerBase):
         for group, values in zip(self.user_optimizer.param_groups, groups, strict=True):
             group.update(values)
 
-    @torch.no_grad()
-    def _zero_local_grads(self, set_to_none: bool) -> None:
-        for p in self._params:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.zero_()
-
-    @torch.no_grad()
-    def _scale_local_grads(self, factor: float) -> None:
-        for p in self._params:
-            if p.grad is not None:
-                p.grad.mul_(factor)
-
     # ------------------------------------------------------------------ public API
 
     def step(self, closure: Callable[[], Any] | None = None, *, batch: Any = None,
@@ -406,7 +390,7 @@ class NodeOptimizer(SwarmOptimizerBase):
                 self._zero_grad_warned = True
                 warnings.warn("zero_grad() does nothing with reuse_grad_buffers=True", stacklevel=2)
         else:
-            self._zero_local_grads(set_to_none)
+            zero_grads(self._params, set_to_none)
 
     def report_metric(self, value: float) -> None:
         """Report a metric for ``ReduceLROnPlateau`` (rank 0's reports are used)."""

@@ -88,6 +88,26 @@ def _hivemind_optimizer(optimizer: torch.optim.Optimizer, config: CollabConfig,
     return dict(optimizer=make_optimizer, params=[dict(group) for group in optimizer.param_groups])
 
 
+@torch.no_grad()
+def zero_grads(params: list[torch.Tensor], set_to_none: bool) -> None:
+    """Clear the gradients of ``params`` (drop them, or fill them with zeros)."""
+    for p in params:
+        if set_to_none:
+            p.grad = None
+        elif p.grad is not None:
+            p.grad.zero_()
+
+
+@torch.no_grad()
+def scale_grads(params: list[torch.Tensor], factor: float) -> None:
+    """Multiply the gradients of ``params`` by ``factor`` in place."""
+    if factor == 1.0:
+        return
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(factor)
+
+
 class CollaborativeOptimizer(SwarmOptimizerBase):
     """Train as one peer of a hivemind swarm with any torch optimizer.
 
@@ -315,13 +335,8 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         if self.scheduler is not None:
             self.scheduler.advance_to(self._peer.local_epoch)
 
-    @torch.no_grad()
     def _scale_grads(self, factor: float) -> None:
-        if factor == 1.0:
-            return
-        for p in self._peer.parameters:
-            if p.grad is not None:
-                p.grad.mul_(factor)
+        scale_grads(self._peer.parameters, factor)
 
     def _discard_local_progress(self, samples: int, loss: Any) -> StepResult:
         """A step's gradients are not finite (an AMP overflow, or NaN/inf caught by the guard): contribute
@@ -380,11 +395,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
                     stacklevel=2,
                 )
             return
-        for p in self._peer.parameters:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        zero_grads(self._peer.parameters, set_to_none)
 
     def report_metric(self, value: float) -> None:
         """Report a metric (e.g. validation loss) for ``ReduceLROnPlateau``; the mean per epoch is used."""

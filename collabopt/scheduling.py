@@ -155,7 +155,7 @@ class CollaborativeScheduler:
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Does nothing (collabopt steps the scheduler once per global epoch), except that
         ``ReduceLROnPlateau.step(metric)`` reports ``metric``."""
-        metric = args[0] if args else kwargs.get("metrics")
+        metric = step_metric(args, kwargs)
         if self.is_plateau and metric is not None:
             self.report_metric(metric)
 
@@ -282,6 +282,11 @@ class CollaborativeScheduler:
         return f"CollaborativeScheduler({type(self.scheduler).__name__}, epoch={self.epoch})"
 
 
+def step_metric(args: tuple, kwargs: dict) -> Any:
+    """The metric of a ``ReduceLROnPlateau.step(metrics)`` call (positional or keyword), or None."""
+    return args[0] if args else kwargs.get("metrics")
+
+
 def install_step_guard(scheduler: Scheduler, on_metric: Callable[[float], None]) -> None:
     """Make the user's ``scheduler.step()`` safe: collabopt steps it once per global epoch.
 
@@ -297,7 +302,7 @@ def install_step_guard(scheduler: Scheduler, on_metric: Callable[[float], None])
     def guarded_step(self: Any, *args: Any, **kwargs: Any) -> None:
         nonlocal warned
         if isinstance(self, ReduceLROnPlateau):
-            metric = args[0] if args else kwargs.get("metrics")
+            metric = step_metric(args, kwargs)
             if metric is not None:
                 on_metric(metric)
             return

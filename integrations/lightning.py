@@ -34,6 +34,7 @@ import torch
 from collabopt.batch_size import infer_batch_size
 from collabopt.config import CollabConfig, option_names
 from collabopt.errors import ConfigurationError
+from collabopt.interface import is_collaborative_state
 from collabopt.node import collaborative_optimizer
 from collabopt.scheduling import CollaborativeScheduler, is_scheduler
 from collabopt.swarm import parse_initial_peers, print_join_message
@@ -405,7 +406,7 @@ class CollaborativeStrategy(DDPStrategy):
         """
         states = checkpoint["optimizer_states"]
         state = states[0] if states else None
-        is_collaborative = isinstance(state, dict) and str(state.get("format", "")).startswith("collabopt/")
+        is_collaborative = is_collaborative_state(state)
         if self._fit_plan is not None and is_collaborative:
             self._fit_plan["saved_state"] = state  # applied in on_train_start
             return

@@ -144,6 +144,14 @@ def max_param_diff(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
+def progress_epoch(tmp_path: Path, name: str) -> int:
+    """The epoch peer ``name`` last wrote to ``<name>.progress`` (-1 before its first)."""
+    try:
+        return json.loads((tmp_path / f"{name}.progress").read_text())["epoch"]
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
 def wait_for_file(path: Path, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 
@@ -14,6 +13,7 @@ from helpers import (
     finish,
     finish_line,
     max_param_diff,
+    progress_epoch,
     read_params,
     read_result,
     start_peer,
@@ -22,13 +22,6 @@ from helpers import (
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
-
-
-def progress_epoch(tmp_path, name) -> int:
-    try:
-        return json.loads((tmp_path / f"{name}.progress").read_text())["epoch"]
-    except (OSError, ValueError, KeyError):
-        return -1
 
 
 def wait_for_epoch(tmp_path, proc, name, epoch, timeout=90.0) -> None:
