@@ -6,7 +6,6 @@ links from the test while the peers train.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +15,7 @@ from helpers import (
     finish,
     finish_line,
     max_param_diff,
+    progress_epoch,
     read_params,
     read_result,
     start_bootstrap,
@@ -27,13 +27,6 @@ from collabopt.testnet import TestNet
 
 AVERAGING_TIMEOUT, MATCHMAKING_TIME = 10.0, 2.0
 FAULT_SECONDS = 20.0
-
-
-def epoch_of(tmp_path: Path, name: str) -> int:
-    try:
-        return json.loads((tmp_path / f"{name}.progress").read_text())["epoch"]
-    except (OSError, ValueError, KeyError):
-        return 0
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -57,7 +50,7 @@ def run_swarm(tmp_path: Path, net: TestNet, config: dict, fault: Callable[[dict]
                            matchmaking_time=MATCHMAKING_TIME)
             procs[name] = start_peer(tmp_path, name, dict(base, seed=i + 1, options=options), initial_peers,
                                      netns=net.peers[i])
-        wait_until(lambda: min(epoch_of(tmp_path, n) for n in names) >= 2, 120, "the swarm did not reach epoch 2")
+        wait_until(lambda: min(progress_epoch(tmp_path, n) for n in names) >= 2, 120, "the swarm did not reach epoch 2")
         fault(procs)
         finish(procs, 300)
     finally:
@@ -79,22 +72,26 @@ def assert_in_sync(params: dict) -> None:
 
 def test_a_cut_link_heals_and_the_peer_catches_up(tmp_path, make_net):
     """C's link is down for 20 s. A and B keep making global epochs (at most averaging_timeout + matchmaking_time
-    apart); C does not crash, finds itself out of sync once its link is back, downloads the swarm's state, and ends
-    in sync with A and B."""
+    apart); C does not crash, downloads the swarm's state once its link is back if it fell behind, and ends in sync
+    with A and B."""
     net = make_net(3)
     seen = {}
 
     def cut_c(procs):
-        seen["at_cut"] = {name: epoch_of(tmp_path, name) for name in procs}
+        seen["at_cut"] = {name: progress_epoch(tmp_path, name) for name in procs}
         net.cut(2)
         time.sleep(FAULT_SECONDS)
-        seen["at_restore"] = {name: epoch_of(tmp_path, name) for name in procs}
+        seen["at_restore"] = {name: progress_epoch(tmp_path, name) for name in procs}
         net.restore(2)
 
     results, params, procs = run_swarm(tmp_path, net, dict(target_batch_size=1152, epochs=8, lr=0.3), cut_c)
     for name in ("a", "b"):
         assert seen["at_restore"][name] - seen["at_cut"][name] >= 1, seen
-    assert "Downloading parameters from peer" in procs["c"].log(), "C never downloaded the swarm's state"
+    # C catches up by downloading the swarm's state when it fell behind; when its lone epochs kept pace with the
+    # others' (seen with a 20 s cut), the epoch numbers agree and parameter averaging joins it instead
+    behind = seen["at_restore"]["c"] < min(seen["at_restore"]["a"], seen["at_restore"]["b"])
+    assert not behind or "Downloading parameters from peer" in procs["c"].log(), (
+        f"C fell behind ({seen}) but never downloaded the swarm's state")
     assert_in_sync(params)
 
 
@@ -105,10 +102,10 @@ def test_a_partition_heals_into_one_swarm(tmp_path, make_net):
     seen = {}
 
     def split(procs):
-        seen["at_split"] = {name: epoch_of(tmp_path, name) for name in procs}
+        seen["at_split"] = {name: progress_epoch(tmp_path, name) for name in procs}
         net.partition([2, 3])
         time.sleep(FAULT_SECONDS)
-        seen["at_heal"] = {name: epoch_of(tmp_path, name) for name in procs}
+        seen["at_heal"] = {name: progress_epoch(tmp_path, name) for name in procs}
         net.heal()
 
     results, params, procs = run_swarm(tmp_path, net, dict(target_batch_size=1536, epochs=8, lr=0.3), split)
