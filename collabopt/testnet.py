@@ -1,10 +1,11 @@
 """A private test network for the tests and the benchmarks: one network namespace per peer, joined by a bridge,
-links optionally limited with ``tc tbf``, and cut / restored on demand (:meth:`TestNet.cut`).
+links optionally limited with ``tc tbf``, cut / restored (:meth:`TestNet.cut`) or partitioned on demand, and peers
+optionally behind NAT (a masquerading router namespace of their own: they connect out, nothing connects in).
 
 Everything lives in namespaces this module creates (the bridge too, in a "hub" namespace), on addresses that exist
-only there, with no route out, so no test traffic can reach any other network. Needs Linux, root and iproute2.
-``with TestNet(...)`` removes every namespace on exit, also after an error, Ctrl+C or SIGTERM; namespaces left by a
-killed run are removed the next time one starts.
+only there, with no route out, so no test traffic can reach any other network. Needs Linux, root and iproute2
+(and nftables for NAT). ``with TestNet(...)`` removes every namespace on exit, also after an error, Ctrl+C or
+SIGTERM; namespaces left by a killed run are removed the next time one starts.
 """
 
 from __future__ import annotations
@@ -24,15 +25,16 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
-def unavailable_reason() -> str | None:
-    """Why the WAN test bed cannot run here, or ``None`` when it can."""
+def unavailable_reason(nat: bool = False) -> str | None:
+    """Why the WAN test bed cannot run here (with NAT routers if ``nat``), or ``None`` when it can."""
     if os.name != "posix" or not hasattr(os, "geteuid"):
         return "network namespaces need Linux"
     if os.geteuid() != 0:
         return "needs root (network namespaces and tc); run as root to include the network tests and benchmarks"
-    for tool in ("ip", "tc"):
+    for tool in ("ip", "tc") + (("nft",) if nat else ()):
         if shutil.which(tool) is None:
-            return f"`{tool}` not found; install iproute2 (apt-get install iproute2)"
+            package = "nftables" if tool == "nft" else "iproute2"
+            return f"`{tool}` not found; install {package} (apt-get install {package})"
     probe = f"{PREFIX}{os.getpid()}probe"
     try:
         _ip("netns", "add", probe)
@@ -60,17 +62,23 @@ class TestNet:
     """``n`` peer namespaces (``.peers[i]`` with address ``.addr[i]``) plus one unlimited namespace for a bootstrap.
 
     ``rate_mbit`` limits each peer's upload and download (tbf on both ends of its link): one rate for all, or one
-    per peer (``None``: unlimited).
+    per peer (``None``: unlimited). Each peer in ``nat`` sits behind a router namespace of its own that masquerades
+    its outgoing connections and drops every incoming one: ``.addr[i]`` is then its private address (10.213.1xx.2,
+    unknown to the others), ``.public_addr[i]`` the router's address the others see.
     """
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, n: int, rate_mbit: float | list[float | None] | None):
+    def __init__(self, n: int, rate_mbit: float | list[float | None] | None = None, nat: list[int] | tuple = ()):
         self.tag = f"{PREFIX}{os.getpid()}"
         self.hub = f"{self.tag}h"
         self.peers = [f"{self.tag}p{i}" for i in range(n)]
         self.bootstrap = f"{self.tag}b"
-        self.addr = [f"{SUBNET}.{i + 10}" for i in range(n)]
+        self.public_addr = [f"{SUBNET}.{i + 10}" for i in range(n)]
+        self.nat = sorted(set(nat))
+        if any(not 0 <= i < n for i in self.nat):
+            raise ValueError(f"nat={list(nat)}: peer indices must be in 0..{n - 1}")
+        self.addr = [_private_addr(i) if i in self.nat else self.public_addr[i] for i in range(n)]
         self.bootstrap_addr = f"{SUBNET}.2"
         self.rates = list(rate_mbit) if isinstance(rate_mbit, (list, tuple)) else [rate_mbit] * n
         self._created: list[str] = []
@@ -97,8 +105,9 @@ class TestNet:
         for bridge in ("br0", "br1"):  # br1 holds the far side of a partition
             _ip("-n", self.hub, "link", "add", bridge, "type", "bridge")
             _ip("-n", self.hub, "link", "set", bridge, "up")
+        uplinks = [self._router(i) if i in self.nat else ns for i, ns in enumerate(self.peers)]
         links = [(self.bootstrap, self.bootstrap_addr, None)] + [
-            (ns, addr, rate) for ns, addr, rate in zip(self.peers, self.addr, self.rates, strict=True)
+            (ns, addr, rate) for ns, addr, rate in zip(uplinks, self.public_addr, self.rates, strict=True)
         ]
         for i, (ns, addr, rate) in enumerate(links):
             self._add_ns(ns)
@@ -114,6 +123,28 @@ class TestNet:
                     subprocess.run(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
                                     f"{rate}mbit", "burst", f"{burst}kb", "latency", "100ms"],
                                    check=True, capture_output=True, text=True, timeout=30)
+        for i in self.nat:
+            self._create_nat(i)
+
+    def _router(self, peer: int) -> str:
+        return f"{self.tag}r{peer}"
+
+    def _create_nat(self, peer: int) -> None:
+        """Put peer ``peer`` behind its router: a private link, a default route through it, masquerade out, and a
+        forward policy that lets in only replies to connections the peer opened."""
+        router, ns = self._router(peer), self.peers[peer]
+        gateway = _private_addr(peer, host=1)
+        self._add_ns(ns)
+        _ip("-n", router, "link", "add", "eth1", "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _ip("-n", router, "addr", "add", f"{gateway}/24", "dev", "eth1")
+        _ip("-n", router, "link", "set", "eth1", "up")
+        _ip("-n", ns, "addr", "add", f"{self.addr[peer]}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "route", "add", "default", "via", gateway)
+        subprocess.run(["ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1"],
+                       check=True, capture_output=True, text=True, timeout=30)
+        subprocess.run(["ip", "netns", "exec", router, "nft", "-f", "-"], input=_NAT_RULES,
+                       check=True, capture_output=True, text=True, timeout=30)
 
     def _hub_end(self, peer: int) -> str:
         return f"v{peer + 1}"  # v0 is the bootstrap's link
@@ -142,6 +173,21 @@ class TestNet:
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
         self._old_handlers.clear()
+
+
+_NAT_RULES = """
+table ip nat {
+    chain postrouting { type nat hook postrouting priority 100; oifname "eth0" masquerade; }
+}
+table ip filter {
+    chain forward { type filter hook forward priority 0; policy drop;
+        ct state established,related accept; iifname "eth1" oifname "eth0" accept; }
+}
+"""
+
+
+def _private_addr(peer: int, host: int = 2) -> str:
+    return f"10.213.{100 + peer}.{host}"
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

@@ -22,17 +22,19 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.net)
 
 
-def install_iproute2() -> None:
-    """As root on Debian, install what the test bed needs when it is missing."""
-    if shutil.which("ip") and shutil.which("tc") or os.geteuid() != 0 or not shutil.which("apt-get"):
+def install_tools() -> None:
+    """As root on Debian, install what the test bed needs when it is missing (iproute2; nftables for NAT)."""
+    missing = [package for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("nft", "nftables"))
+               if shutil.which(tool) is None]
+    if not missing or os.geteuid() != 0 or not shutil.which("apt-get"):
         return
     subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=300)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "iproute2"], capture_output=True, timeout=300)
+    subprocess.run(["apt-get", "install", "-y", "-qq", *sorted(set(missing))], capture_output=True, timeout=300)
 
 
-def require_testnet() -> None:
-    install_iproute2()
-    reason = testnet.unavailable_reason()
+def require_testnet(nat: bool = False) -> None:
+    install_tools()
+    reason = testnet.unavailable_reason(nat)
     if reason is not None:
         if os.environ.get("CI"):
             pytest.fail(f"network tests must run in CI: {reason}")
@@ -41,12 +43,13 @@ def require_testnet() -> None:
 
 @pytest.fixture
 def make_net():
-    """``make_net(n, rate_mbit)``: a TestNet of ``n`` peer namespaces, removed after the test."""
-    require_testnet()
+    """``make_net(n, rate_mbit, nat)``: a TestNet of ``n`` peer namespaces (those in ``nat`` behind NAT), removed
+    after the test."""
     nets = []
 
-    def make(n: int, rate_mbit=None) -> testnet.TestNet:
-        net = testnet.TestNet(n, rate_mbit)
+    def make(n: int, rate_mbit=None, nat=()) -> testnet.TestNet:
+        require_testnet(nat=bool(nat))
+        net = testnet.TestNet(n, rate_mbit, nat)
         nets.append(net)
         return net.__enter__()
 
