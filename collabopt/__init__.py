@@ -14,6 +14,7 @@ from collabopt.scheduling import CollaborativeScheduler
 from collabopt.swarm import parse_initial_peers
 
 __version__ = "0.1.0"
+"""The version of collabopt."""
 
 __all__ = [
     "CollabConfig",

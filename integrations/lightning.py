@@ -63,6 +63,7 @@ except ImportError:  # pragma: no cover - exercised only where only pytorch_ligh
         ) from error
 
 INITIAL_PEERS_ENV = ("INITIAL_PEERS", "PL_INITIAL_PEERS")
+"""Environment variables read for the initial peers when ``initial_peers`` is not given, the first one set wins."""
 # strategy arguments that are not CollaborativeOptimizer / hivemind.Optimizer arguments
 # lightning-hivemind's arguments that go to the config unchanged
 _CONFIG_ARGUMENTS = ("delay_state_averaging", "delay_grad_averaging", "reuse_grad_buffers", "matchmaking_time",
@@ -449,5 +450,6 @@ class CollaborativeStrategy(DDPStrategy):
 
 
 HivemindStrategy = CollaborativeStrategy
+"""lightning-hivemind's name for :class:`CollaborativeStrategy` (the same class), so that only the import changes."""
 
 __all__ = ["CollaborativeStrategy", "HivemindStrategy", "INITIAL_PEERS_ENV"]

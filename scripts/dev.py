@@ -4,6 +4,7 @@
     python3 scripts/dev.py demo      # a local swarm of 3 peers trains a digits classifier
     python3 scripts/dev.py test      # the whole test suite
     python3 scripts/dev.py bench     # the benchmarks (writes benchmarks/results/)
+    python3 scripts/dev.py docs      # serve the documentation site on http://127.0.0.1:8000 (mkdocs serve)
 
 Only Python >= 3.10 is needed. torch is installed pinned (TORCH_SPEC, default torch==2.13.0) when the
 environment has none; set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu to get the CPU-only build
@@ -21,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("COLLABOPT_VENV", ROOT / ".venv"))
 PYTHON = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
-EXTRAS = {"demo": "demo", "test": "all", "bench": "all"}
+EXTRAS = {"demo": "demo", "test": "all", "bench": "all", "docs": "docs"}
 
 
 def run(*args: str, **kwargs) -> None:
@@ -54,12 +55,15 @@ def main() -> int:
     command = sys.argv[1] if len(sys.argv) > 1 else "demo"
     rest = sys.argv[2:]
     if command not in EXTRAS:
-        sys.exit(f"usage: python3 scripts/dev.py {{demo|test|bench}} [args...]  (got {command!r})")
+        sys.exit(f"usage: python3 scripts/dev.py {{demo|test|bench|docs}} [args...]  (got {command!r})")
     ensure_env(EXTRAS[command])
     if command == "demo":
         cmd = [str(PYTHON), "-m", "collabopt", "demo", *rest]
     elif command == "test":
         cmd = [str(PYTHON), "-m", "pytest", "tests", *rest]
+    elif command == "docs":  # extra arguments go to mkdocs serve, e.g. --dev-addr 0.0.0.0:8000
+        cmd = [str(PYTHON), "-m", "mkdocs", "serve", "--config-file", str(ROOT / "mkdocs.yml"), *rest]
+        os.environ["NO_MKDOCS_2_WARNING"] = "1"  # mkdocs-material's banner about its successor
     else:
         cmd = [str(PYTHON), "-m", "benchmarks.run", *rest]
     print("+", " ".join(cmd), flush=True)
