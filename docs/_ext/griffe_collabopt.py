@@ -31,6 +31,9 @@ _ROLE = re.compile(r":(?:py:)?(?:class|meth|func|mod|attr|data|exc|obj|const):`(
 _CODE_BLOCK = re.compile(r"^(\s*)\.\. code-block::\s*(\S*)\s*$")
 # a Google-style entry whose list of names wraps onto the next line ("a, b,\n    c: text")
 _WRAPPED_NAMES = re.compile(r"^\s+\w+(?:,\s*\w+)*,\s*$")
+# an entry that documents several parameters at once ("a, b: text")
+_SEVERAL_NAMES = re.compile(r"^(\s+)(\w+(?:,\s*\w+)+):\s*(.*)$")
+_ARGS_SECTIONS = ("Args:", "Arguments:", "Parameters:", "Params:")
 
 
 def _indent(line: str) -> int:
@@ -60,6 +63,7 @@ def to_markdown(text: str, link: Any = lambda title, target: f"`{title}`") -> st
     """Markdown for a docstring written with reStructuredText habits; ``link(title, target)`` renders a role."""
     lines = text.splitlines()
     out: list[str] = []
+    args_indent: int | None = None  # inside a Google-style "Args:" section: its header's indentation
     i = 0
     while i < len(lines):
         line = lines[i]
@@ -87,10 +91,24 @@ def to_markdown(text: str, link: Any = lambda title, target: f"`{title}`") -> st
                 out += ["", *_fence(language, block, indent), ""]
                 i = end
                 continue
-        if _WRAPPED_NAMES.match(line) and i + 1 < len(lines) and _indent(lines[i + 1]) > indent:
-            following = lines[i + 1].strip()
-            lines[i + 1] = " " * indent + line.strip() + " " + following
+        if stripped in _ARGS_SECTIONS:
+            args_indent = indent
+        elif stripped and args_indent is not None and indent <= args_indent:
+            args_indent = None
+        if args_indent is not None and _WRAPPED_NAMES.match(line) and i + 1 < len(lines) \
+                and _indent(lines[i + 1]) > indent:
+            lines[i + 1] = " " * indent + stripped + " " + lines[i + 1].strip()  # the names on one line
             i += 1
+            continue
+        several = _SEVERAL_NAMES.match(line) if args_indent is not None else None
+        if several:  # "a, b: text" documents each of a and b (griffe takes one name per entry)
+            end = i + 1
+            while end < len(lines) and (not lines[end].strip() or _indent(lines[end]) > indent):
+                end += 1
+            continuation = [_convert_roles(text, link) for text in lines[i + 1:end]]
+            for name in re.split(r",\s*", several.group(2)):
+                out += [_convert_roles(f"{several.group(1)}{name}: {several.group(3)}", link), *continuation]
+            i = end
             continue
         out.append(_convert_roles(line, link))
         i += 1
@@ -132,8 +150,9 @@ class CollaboptDocs(griffe.Extension):
         if not (isinstance(value.func, ast.Name) and value.func.id == "property"):
             return
         for keyword in value.keywords:
-            if keyword.arg == "doc" and isinstance(keyword.value, ast.Constant) and isinstance(keyword.value.value, str):
-                attr.docstring = griffe.Docstring(keyword.value.value, lineno=keyword.value.lineno, parent=attr,
+            doc = keyword.value
+            if keyword.arg == "doc" and isinstance(doc, ast.Constant) and isinstance(doc.value, str):
+                attr.docstring = griffe.Docstring(doc.value, lineno=doc.lineno, parent=attr,
                                                   parser=agent.docstring_parser,
                                                   parser_options=agent.docstring_options)
                 attr.labels = {"property"}
