@@ -8,9 +8,12 @@ to :class:`HivemindPeer`, whose small surface is also what the in-process fakes 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
+import hashlib
 import inspect
+import logging
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -26,8 +29,10 @@ HIVEMIND_REQUEST_TIMEOUT = 3.0  # hivemind's default averager request_timeout (s
 
 __all__ = [
     "HIVEMIND_REQUEST_TIMEOUT",
+    "MAX_RECORD_BYTES",
     "HivemindPeer",
     "Multiaddr",
+    "RunRecords",
     "check_compression",
     "dht_time",
     "gradient_averager_factory",
@@ -35,8 +40,10 @@ __all__ = [
     "is_hivemind_object",
     "optimizer_parameter_names",
     "read_progress_records",
+    "read_run_records",
     "reader_validators",
     "start_dht",
+    "versions",
 ]
 
 
@@ -73,9 +80,69 @@ def gradient_averager_factory(factory: Callable[..., Any] | None, request_timeou
 
 
 def start_dht(**kwargs: Any) -> Any:
+    """Start a ``hivemind.DHT``; unless it is a client, it also serves collabopt's dial-back check (see
+    :mod:`collabopt.doctor`) so that ``collabopt doctor`` on another machine can learn whether it is reachable."""
     import hivemind
 
-    return hivemind.DHT(start=True, **kwargs)
+    dht = hivemind.DHT(start=True, **kwargs)
+    if not kwargs.get("client_mode"):
+        from collabopt.doctor import DIALBACK_PROTOCOL, serve_dialback
+
+        try:
+            dht.run_coroutine(functools.partial(_add_stream_handler, DIALBACK_PROTOCOL, serve_dialback))
+        except Exception as e:  # a convenience for others' diagnosis: never a reason not to start
+            logging.getLogger(__name__).debug("collabopt: could not serve the dial-back check: %r", e)
+    return dht
+
+
+async def _add_stream_handler(name: str, handler: Callable[..., Any], _dht: Any, node: Any) -> None:
+    await node.p2p.add_binary_stream_handler(name, handler)
+
+
+# ---- libp2p for `collabopt doctor`: a daemon of its own, no DHT
+
+
+async def create_p2p(**kwargs: Any) -> Any:
+    """Start a libp2p daemon (``hivemind.P2P``) that listens like a peer would, without a DHT."""
+    from hivemind.p2p import P2P
+
+    return await P2P.create(**kwargs)
+
+
+async def visible_maddrs(p2p: Any) -> list[Any]:
+    return await p2p.get_visible_maddrs()
+
+
+async def shutdown_p2p(p2p: Any) -> None:
+    await p2p.shutdown()
+
+
+def _peer_id(maddr: str) -> Any:
+    from hivemind.p2p import PeerID
+
+    return PeerID.from_base58(Multiaddr(maddr)["p2p"])
+
+
+async def connect(p2p: Any, maddr: str) -> None:
+    """Open a libp2p connection to the peer at full multiaddr ``maddr`` (raises when it fails)."""
+    peer_id = _peer_id(maddr)
+    await p2p._client.connect(peer_id, [Multiaddr(maddr).decapsulate(Multiaddr(f"/p2p/{peer_id}"))])
+
+
+async def dht_ping(p2p: Any, maddr: str, timeout: float = 10.0) -> float:
+    """Ping the DHT of the peer at ``maddr`` without joining it (no sender info: it adds nobody to its routing
+    table); return the peer's DHT time."""
+    from hivemind.proto import dht_pb2
+
+    response = await asyncio.wait_for(p2p.call_protobuf_handler(
+        _peer_id(maddr), "DHTProtocol.rpc_ping", dht_pb2.PingRequest(), dht_pb2.PingResponse), timeout)
+    return float(response.dht_time)
+
+
+async def open_stream(p2p: Any, maddr: str, protocol: str) -> tuple[Any, Any]:
+    """A binary stream to ``protocol`` of the peer at ``maddr``: its (reader, writer)."""
+    _info, reader, writer = await p2p.call_binary_stream_handler(_peer_id(maddr), protocol)
+    return reader, writer
 
 
 def dht_time() -> float:
@@ -85,45 +152,270 @@ def dht_time() -> float:
 
 
 def reader_validators() -> list:
-    """Validators a DHT must be *created* with to read the signed progress records (they strip signatures).
+    """Validators for a DHT that serves a run's records without training (the demo's bootstrap DHT): it refuses to
+    store a record under a peer's key that this peer did not sign.
 
-    Added later with ``dht.add_validators`` they do not help, and without them hivemind cannot decode the
-    records (its get() then never returns): pass ``record_validators=reader_validators()`` to the DHT.
+    Readers do not need them: :func:`read_run_records` checks every record itself.
     """
     from hivemind.dht.crypto import RSASignatureValidator
 
     return [RSASignatureValidator()]
 
 
-def read_progress_records(dht: Any, run_id: str, timeout: float = 10.0) -> list[dict[str, Any]]:
-    """The progress records peers of ``run_id`` published (hivemind's ``LocalTrainingProgress``), as dicts;
-    malformed records are skipped."""
-    from hivemind.optim.progress_tracker import LocalTrainingProgress
-    from hivemind.utils import ValueWithExpiration
+def versions() -> dict[str, str]:
+    """Versions a peer publishes: collabopt, hivemind, torch, Python."""
+    import platform
 
-    try:
-        found = dht.get(f"{run_id}_progress", latest=True, return_future=True).result(timeout=timeout)
-    except FutureTimeout:
-        found = None
-    records = found.value if isinstance(found, ValueWithExpiration) and isinstance(found.value, dict) else {}
-    peers = []
-    for entry in records.values():
-        value = getattr(entry, "value", None)
-        if value is None:
-            continue
+    import hivemind
+
+    from collabopt import __version__
+
+    return dict(collabopt=__version__, hivemind=hivemind.__version__, torch=torch.__version__.split("+")[0],
+                python=platform.python_version())
+
+
+# ---------------------------------------------------------------- the run's records on the DHT
+
+MAX_RECORD_BYTES = 4096  # a real progress record takes ~150 bytes, a metrics record ~600: bigger ones are refused
+_MAX_ENTRIES_PER_SOURCE = 2048  # records read from one DHT node per key (the rest are counted as oversized)
+_K_NEAREST = 16  # DHT nodes asked for a key (hivemind stores each record on the 5 nearest)
+
+
+@functools.lru_cache(maxsize=1)
+def _record_models() -> dict[str, Any]:
+    """The pydantic (v1, as hivemind uses) models of the per-peer records, built on first use (they import hivemind).
+
+    ``PeerMetrics`` is a peer's metrics record (see :mod:`collabopt.metrics`): strict types and bounded strings, and
+    finite numbers only (hivemind's schema check compares the parsed value with the stored one, and NaN != NaN).
+    """
+
+    from hivemind.dht.schema import BytesWithPublicKey
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from pydantic.v1 import StrictBool, StrictFloat, confloat, conint, constr, create_model
+
+    count = (conint(strict=True, ge=0), ...)
+    name = (constr(strict=True, max_length=64), ...)
+    metrics = create_model(
+        "PeerMetrics", __module__=__name__,
+        peer_id=(constr(strict=True, min_length=1, max_length=128), ...),
+        time=(StrictFloat, ...),
+        interval=(confloat(strict=True, gt=0.0, le=3600.0), ...),
+        epoch=count, global_epoch=count,
+        samples_per_second=(confloat(strict=True, ge=0.0), ...),
+        samples_reported=count, samples_skipped=count, nonfinite_steps=count,
+        target_batch_size=(conint(strict=True, ge=1), ...),
+        loss=(StrictFloat | None, None),
+        losses_reported=count, nonfinite_losses=count,
+        client_mode=(StrictBool, ...), relayed=(StrictBool, ...), auxiliary=(StrictBool, ...),
+        collabopt_version=name, hivemind_version=name, torch_version=name, python_version=name,
+    )
+    schema = create_model("MetricsSchema", __module__=__name__,
+                          metrics=(dict[BytesWithPublicKey, metrics | None], ...))
+    return dict(progress=LocalTrainingProgress, metrics=metrics, PeerMetrics=metrics, MetricsSchema=schema)
+
+
+def __getattr__(name: str) -> Any:
+    """``PeerMetrics`` and ``MetricsSchema`` (built on first use): pickle finds them here when hivemind sends a
+    peer's validators to its DHT process."""
+    if name in ("PeerMetrics", "MetricsSchema"):
+        return _record_models()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def metrics_fields() -> list[str]:
+    """Names of the fields of a peer's metrics record."""
+    return list(_record_models()["metrics"].__fields__)
+
+
+def metrics_validators(run_id: str) -> list:
+    """What a peer's DHT checks records under ``<run_id>_metrics`` with: signed by the key in the subkey, and the
+    schema of :func:`metrics_fields` (as hivemind's tracker does for ``<run_id>_progress``)."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.schema import SchemaValidator
+
+    return [SchemaValidator(_record_models()["MetricsSchema"], prefix=run_id), RSASignatureValidator()]
+
+
+async def _find_raw(keys: list[str], k_nearest: int, _dht: Any, node: Any) -> dict[str, Any]:
+    """Runs in the DHT process: every record stored under ``keys`` as the nearest DHT nodes (and this one) hold
+    it, unchecked. hivemind's own get() drops a node's whole dictionary when one record in it fails validation and
+    merges the rest by expiration time, so one forged record would hide (or shadow) real ones: reading raw,
+    :func:`read_run_records` judges every record on its own."""
+    import asyncio
+
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.proto import dht_pb2
+
+    serializer = node.protocol.serializer
+    output: dict[str, Any] = {key: dict(records=[], bad_responses=0, sources=0) for key in keys}
+    key_ids = {DHTID.generate(source=key): key for key in keys}
+
+    def add(key: str, source: str, found: Any) -> None:
+        if found is None:
+            return
+        records = output[key]["records"]
+        value = found.value
+        if isinstance(value, DictionaryDHTValue):
+            for i, (subkey, entry) in enumerate(value.items()):
+                if i >= _MAX_ENTRIES_PER_SOURCE:
+                    records.append((source, b"", b"x" * (MAX_RECORD_BYTES + 1), float(entry.expiration_time)))
+                    break
+                try:
+                    subkey_bytes = serializer.dumps(subkey)
+                except Exception:
+                    subkey_bytes = b""
+                records.append((source, subkey_bytes, bytes(entry.value), float(entry.expiration_time)))
+        elif isinstance(value, bytes):
+            records.append((source, None, value, float(found.expiration_time)))
+
+    for key_id, key in key_ids.items():
+        for storage in (node.protocol.storage, node.protocol.cache):
+            add(key, "local", storage.get(key_id))
+
+    nearest = await node.find_nearest_nodes(list(key_ids), k_nearest=k_nearest, exclude_self=True)
+
+    async def ask(key_id: Any, peer_id: Any) -> None:
+        key = key_ids[key_id]
+        request = dht_pb2.FindRequest(keys=[key_id.to_bytes()], peer=node.protocol.node_info)
         try:
-            progress = LocalTrainingProgress.parse_obj(value)
+            response = await node.protocol.get_stub(peer_id).rpc_find(request, timeout=node.protocol.wait_timeout)
         except Exception:
-            continue  # not a valid record: ignore it
-        peers.append(dict(
-            peer_id=progress.peer_id.hex() if isinstance(progress.peer_id, bytes) else str(progress.peer_id),
-            epoch=progress.epoch,
-            samples_accumulated=progress.samples_accumulated,
-            samples_per_second=progress.samples_per_second,
-            client_mode=progress.client_mode,
-            time=progress.time,
-        ))
-    return peers
+            return  # no answer: not a record
+        output[key]["sources"] += 1
+        try:
+            result = response.results[0]
+            if result.type == dht_pb2.FOUND_DICTIONARY:
+                found = serializer.loads(result.value)
+                if not isinstance(found, DictionaryDHTValue):
+                    raise TypeError(type(found).__name__)
+                add(key, peer_id.to_base58(), _WithExpiration(found, result.expiration_time))
+            elif result.type == dht_pb2.FOUND_REGULAR:
+                add(key, peer_id.to_base58(), _WithExpiration(bytes(result.value), result.expiration_time))
+        except Exception:
+            output[key]["bad_responses"] += 1  # an answer that does not decode: a rogue node's
+
+    await asyncio.gather(*(ask(key_id, peer_id) for key_id, peers in nearest.items()
+                           for node_id, peer_id in peers.items() if node_id != node.node_id))
+    return output
+
+
+class _WithExpiration:
+    def __init__(self, value: Any, expiration_time: float):
+        self.value, self.expiration_time = value, expiration_time
+
+
+@functools.lru_cache(maxsize=1)
+def _signature_checker() -> Any:
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    return RSASignatureValidator()
+
+
+def _check_record(key_id: bytes, subkey: bytes | None, value: bytes, expiration: float,
+                  model: Any) -> tuple[str, bytes | None, Any]:
+    """Judge one raw record: ``("ok", owner key, parsed record or None for a peer that left)`` or
+    ``(reason, None, None)`` with reason ``oversized`` / ``unsigned`` / ``bad_signature`` / ``malformed``."""
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer
+
+    if subkey is None:
+        return "malformed", None, None  # one plain value where every peer keeps its own record
+    if len(subkey) + len(value) > MAX_RECORD_BYTES:
+        return "oversized", None, None
+    checker = _signature_checker()
+    try:
+        subkey_value = MSGPackSerializer.loads(subkey)
+    except Exception:
+        return "malformed", None, None
+    owners = checker._PUBLIC_KEY_RE.findall(subkey_value) if isinstance(subkey_value, bytes) else []
+    if len(set(owners)) != 1:
+        return "unsigned", None, None  # anyone may write under a subkey that names no key
+    record = DHTRecord(key_id, subkey, value, expiration)
+    try:
+        if not checker.validate(record):
+            return "bad_signature", None, None
+    except Exception:  # e.g. the subkey names something that is not an RSA key
+        return "bad_signature", None, None
+    try:
+        content = MSGPackSerializer.loads(checker.strip_value(record))
+    except Exception:
+        return "malformed", None, None
+    if content is None:
+        return "ok", owners[0], None  # what a peer stores when it leaves
+    try:
+        parsed = model.parse_obj(content)
+        if parsed.dict() != content:  # as hivemind's SchemaValidator: no conversions, no extra fields
+            raise ValueError("the record needs conversions")
+    except Exception:
+        return "malformed", None, None
+    return "ok", owners[0], parsed
+
+
+class RunRecords:
+    """The records of a run read from the DHT: ``progress`` and ``metrics`` map each peer's key (bytes) to
+    ``(record dict or None if it left, expiration time)``, the newest valid record of each peer;
+    ``rejected`` holds ``(key, fingerprint, reason)`` of every record that failed its checks."""
+
+    def __init__(self) -> None:
+        self.progress: dict[bytes, tuple[dict | None, float]] = {}
+        self.metrics: dict[bytes, tuple[dict | None, float]] = {}
+        self.rejected: list[tuple[str, bytes, str]] = []
+        self.sources = 0
+        self.bad_responses = 0
+
+
+def read_run_records(dht: Any, run_id: str, timeout: float = 10.0) -> RunRecords:
+    """Read the progress records (hivemind's tracker) and metrics records (:mod:`collabopt.metrics`) of ``run_id``
+    from the nearest DHT nodes, checking each record on its own: signed by the key its subkey names, within
+    :data:`MAX_RECORD_BYTES`, matching its schema. Works with any DHT (no validators needed); a record that fails
+    is left out and reported in :attr:`RunRecords.rejected`."""
+    from hivemind.dht.routing import DHTID
+
+    models = _record_models()
+    names = {f"{run_id}_progress": "progress", f"{run_id}_metrics": "metrics"}
+    result = RunRecords()
+    try:
+        raw = dht.run_coroutine(functools.partial(_find_raw, list(names), _K_NEAREST),
+                                return_future=True).result(timeout=timeout)
+    except FutureTimeout:
+        return result
+    for key, found in raw.items():
+        kind = names[key]
+        key_id = DHTID.generate(source=key).to_bytes()
+        result.sources = max(result.sources, found["sources"])
+        result.bad_responses += found["bad_responses"]
+        newest = getattr(result, kind)
+        seen: set[bytes] = set()
+        for _source, subkey, value, expiration in found["records"]:
+            fingerprint = hashlib.sha256(repr((subkey, value, expiration)).encode()).digest()[:16]
+            if fingerprint in seen:
+                continue  # the same record, held by another node too
+            seen.add(fingerprint)
+            reason, owner, parsed = _check_record(key_id, subkey, value, expiration, models[kind])
+            if reason != "ok":
+                result.rejected.append((kind, fingerprint, reason))
+                continue
+            if owner not in newest or newest[owner][1] < expiration:
+                newest[owner] = (_plain(parsed.dict()) if parsed is not None else None, expiration)
+    return result
+
+
+def _plain(record: dict[str, Any]) -> dict[str, Any]:
+    """A record with the peer id as text (progress records hold hivemind's PeerID bytes)."""
+    peer_id = record.get("peer_id")
+    if isinstance(peer_id, bytes):
+        from hivemind.p2p import PeerID
+
+        record = dict(record, peer_id=PeerID(peer_id).to_base58())
+    return record
+
+
+def read_progress_records(dht: Any, run_id: str, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """The progress records of the peers of ``run_id`` that are training (hivemind's ``LocalTrainingProgress``, peer
+    id as text), each checked on its own (see :func:`read_run_records`)."""
+    records = read_run_records(dht, run_id, timeout).progress
+    return [record for record, _expiration in records.values() if record is not None]
 
 
 class HivemindPeer:
@@ -134,11 +426,17 @@ class HivemindPeer:
     """
 
     def __init__(self, dht: Any, arguments: dict[str, Any]):
+        # hivemind's Optimizer ignores its own client_mode argument: the DHT's is the one that counts
+        self.hivemind_optimizer = self._create_optimizer(dht, dict(arguments, client_mode=dht.client_mode))
+        self.dht = dht
+        self.metrics_key = f"{arguments['run_id']}_metrics"
+        # this peer stores (for others) only metrics records that are signed by their owner and well-formed
+        dht.add_validators(metrics_validators(arguments["run_id"]))
+
+    def _create_optimizer(self, dht: Any, arguments: dict[str, Any]) -> Any:
         import hivemind
 
-        # hivemind's Optimizer ignores its own client_mode argument: the DHT's is the one that counts
-        self.hivemind_optimizer = hivemind.Optimizer(dht=dht, **dict(arguments, client_mode=dht.client_mode))
-        self.dht = dht
+        return hivemind.Optimizer(dht=dht, **arguments)
 
     # ---- stepping
 
@@ -237,6 +535,30 @@ class HivemindPeer:
     def eta_next_epoch(self) -> float:
         return max(0.0, self.hivemind_optimizer.tracker.estimated_next_update_time - dht_time())
 
+    @property
+    def local_samples_per_second(self) -> float:
+        """This peer's own throughput (hivemind's moving average)."""
+        return float(self.hivemind_optimizer.tracker.performance_ema.samples_per_second)
+
+    @property
+    def client_mode(self) -> bool:
+        return bool(self.dht.client_mode)
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.peer_id.to_base58()
+
+    @property
+    def relayed(self) -> bool:
+        """Whether this peer is reached through a relay (a ``/p2p-circuit`` address among those it announces)."""
+        return any("p2p-circuit" in str(m) for m in self.dht.get_visible_maddrs())
+
+    def publish_metrics(self, record: dict[str, Any] | None, expiration: float) -> None:
+        """Store this peer's metrics record (``None``: it leaves) under its signed subkey, without waiting."""
+        tracker = self.hivemind_optimizer.tracker
+        self.dht.store(key=self.metrics_key, subkey=tracker._local_public_key, value=record,
+                       expiration_time=expiration, return_future=True)
+
     def announce(self, timeout: float = 10.0) -> None:
         """Publish this peer's progress record now, with zero samples, and make the tracker fetch the swarm's.
 
@@ -255,3 +577,288 @@ class HivemindPeer:
 
     def shutdown(self) -> None:
         self.hivemind_optimizer.shutdown()
+
+
+# ---------------------------------------------------------------- DiLoCo mode (the algorithm: collabopt/diloco.py)
+
+
+def default_pseudo_gradient_compression() -> Any:
+    """How pseudo-gradients travel unless ``grad_compression=`` says otherwise: fp16 (OpenDiLoCo found it lossless)."""
+    from hivemind.compression import Float16Compression
+
+    return Float16Compression()
+
+
+def pseudo_gradient_averager_factory(request_timeout: float | None) -> Callable[..., Any]:
+    """``grad_averager_factory`` of a DiLoCo peer: the pseudo-gradient averager (with ``request_timeout``, see
+    :func:`gradient_averager_factory`)."""
+    averager = _diloco_classes()["averager"]
+    return functools.partial(averager, request_timeout=request_timeout) if request_timeout is not None else averager
+
+
+class DiLoCoPeer(HivemindPeer):
+    """A DiLoCo peer (see :mod:`collabopt.diloco`): ``step()`` applies the inner optimizer at once, then reports the
+    samples; hivemind's optimizer is the outer one and its rounds average pseudo-gradients. ``optimizer`` is the
+    inner optimizer (the one the scheduler drives, whose statistics are checkpointed)."""
+
+    def __init__(self, dht: Any, arguments: dict[str, Any], diloco: Any):
+        self.diloco = diloco
+        super().__init__(dht, arguments)
+
+    def _create_optimizer(self, dht: Any, arguments: dict[str, Any]) -> Any:
+        return _diloco_classes()["optimizer"](dht=dht, diloco=self.diloco, **arguments)
+
+    def step(self, samples: int | None) -> bool:
+        if samples is not None:
+            self.diloco.inner_step(samples)
+        return super().step(samples)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.diloco.inner
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.diloco.inner.param_groups
+
+    def restore_epoch(self, epoch: int) -> None:
+        """A checkpoint was loaded: its parameters become the anchor."""
+        super().restore_epoch(epoch)
+        self.hivemind_optimizer.reanchor()
+
+
+@functools.lru_cache(maxsize=1)
+def _diloco_classes() -> dict[str, type]:
+    """The hivemind subclasses of DiLoCo mode, built on first use (they import hivemind)."""
+    import asyncio
+    import logging
+
+    import hivemind
+    from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+    from hivemind.averaging.partition import AllreduceException, BannedException
+    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+    from hivemind.optim.grad_averager import GradientAverager
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.asyncio import amap_in_executor
+
+    from collabopt import diloco as diloco_module
+
+    logger = logging.getLogger(__name__)
+
+    class ValueAllReduceRunner(AllReduceRunner):
+        """hivemind's butterfly all-reduce, except that each reducer sends back the average itself, compressed
+        once, instead of ``average - what that sender sent`` compressed per sender, and uses that same compressed
+        value for its own part. hivemind's way leaves every peer a different compression error (with fp16, ~1e-3
+        of the pseudo-gradient): here every peer of the group receives the same values. A result with parts missing
+        (a reducer failed) raises instead of mixing in local values."""
+
+        def __init__(self, **kwargs: Any):
+            super().__init__(**kwargs)
+            self.tensor_part_container.return_deltas = False  # a failed reducer's part: the local one (then we raise)
+            own = self.ordered_peer_ids.index(self.peer_id)
+            self._own_part_infos = [info for _, info in self.tensor_part_container._input_parts_by_peer[own]]
+
+        async def run(self) -> Any:
+            async for value in super().run():
+                yield value
+            if self.tensor_part_container.failed_size:
+                raise AllreduceException(f"{self.tensor_part_container.failed_size} values were not averaged")
+
+        async def _communicate_with_peer(self, peer_id: Any) -> None:
+            if peer_id != self.peer_id:
+                return await super()._communicate_with_peer(peer_id)
+            peer_index = self.ordered_peer_ids.index(peer_id)
+            sender_index = self.sender_peer_ids.index(peer_id)
+            compression = self.tensor_part_container.compression
+            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part,
+                                                                          weight=self.weight)
+                as_sent = deserialize_torch_tensor(compression.compress(averaged, self._own_part_infos[part_index]))
+                self.tensor_part_container.register_processed_part(peer_index, part_index, as_sent)
+
+        async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
+            # hivemind 1.1.12's method, replying with the average instead of the difference
+            part_index = 0
+            try:
+                loop = asyncio.get_event_loop()
+                async for tensor_part, weight, part_compression in amap_in_executor(
+                    lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+                    stream,
+                    max_prefetch=self.tensor_part_container.prefetch,
+                ):
+                    try:
+                        averaged_part = await self.tensor_part_reducer.accumulate_part(
+                            sender_index, part_index, tensor_part, weight=weight)
+                        part_index += 1
+                    except BannedException:
+                        break  # the sender was banned: it no longer needs results
+                    serialized = await loop.run_in_executor(
+                        None, lambda part=averaged_part, kind=part_compression: serialize_torch_tensor(part, kind))
+                    yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+            finally:
+                if part_index != self.tensor_part_reducer.num_parts:
+                    await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    class PseudoGradientAverager(GradientAverager):
+        """hivemind's gradient averager as the carrier of pseudo-gradients: it only counts samples (the round writes
+        the pseudo-gradients into its tensors) and averages with :class:`ValueAllReduceRunner`, applying a result
+        only once all of it arrived (a retried round then resends the pseudo-gradients, not a partial result)."""
+
+        def __init__(self, parameters: Any, *, dht: Any, prefix: str, client_mode: bool | None = None,
+                     **kwargs: Any):
+            for ignored in ("reuse_grad_buffers", "accumulate_grads_on", "warn", "averaged_grads"):
+                kwargs.pop(ignored, None)
+            parameters = tuple(parameters)
+            buffers = tuple(torch.zeros(p.shape, dtype=torch.float32).share_memory_() for p in parameters)
+            kwargs.setdefault("allow_state_sharing", False)  # nothing to serve: the state averager serves the state
+            super().__init__(parameters, dht=dht, prefix=prefix, reuse_grad_buffers=True, client_mode=client_mode,
+                             warn=False, averaged_grads=buffers, **kwargs)
+            self.reuse_grad_buffers = False
+
+        def _grads_from_parameters(self) -> Any:  # shapes only: never allocate .grad on the model's parameters
+            return (p.detach() for p in self.parameters)
+
+        def accumulate_grads_(self, batch_size: int) -> None:
+            self.local_samples_accumulated += batch_size
+            self.local_times_accumulated += 1
+
+        def load_accumulators_into_averager_(self) -> None:
+            pass  # the round has written the pseudo-gradients already
+
+        def reset_accumulated_grads_(self) -> None:
+            self.local_samples_accumulated = self.local_times_accumulated = 0
+            self._accumulators_used_in_step = False
+
+        async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any, group_id: bytes | None = None,
+                                          **kwargs: Any) -> None:
+            # hivemind 1.1.12's method with ValueAllReduceRunner, writing the results once all arrived
+            group_id = group_info.group_id if group_id is None else group_id
+            runner = ValueAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
+                                          tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids,
+                                          **kwargs)
+            assert group_id in self._running_groups, f"Group id {group_id} was not registered"
+            self._running_groups[group_id].set_result(runner)
+            if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+                async for _ in runner:
+                    raise ValueError("aux peers should not receive averaged tensors")
+                return
+            results = [value async for value in runner]
+            for tensor, value in zip(tensors, results, strict=True):
+                tensor.copy_(value)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
+
+    class DiLoCoOptimizer(hivemind.Optimizer):
+        """hivemind's optimizer with DiLoCo rounds: its (offloaded) optimizer is the outer one, whose parameters are
+        the anchor; a round (:meth:`collabopt.diloco.DiLoCo.run_round`) replaces the global epoch. Also the
+        :class:`collabopt.diloco.RoundSwarm` the round runs on."""
+
+        def __init__(self, *, diloco: Any, **kwargs: Any):
+            self.diloco = diloco
+            super().__init__(**kwargs)
+            self.anchors = tuple(p for group in self.state_averager.optimizer.param_groups for p in group["params"])
+            self.parameters = tuple(self.state_averager.main_parameters)
+
+        # ---- RoundSwarm
+
+        @property
+        def num_peers(self) -> int:
+            return self.tracker.global_progress.num_peers
+
+        def buffers(self) -> Any:
+            return self.grad_averager.get_tensors()
+
+        def average(self, weight: float) -> dict[Any, Any]:
+            control, self.scheduled_grads = self.scheduled_grads, None
+            if control is not None and (control.triggered or control.done()):
+                control = None
+            if control is None:
+                control = self.grad_averager.step(weight=weight, reset_accumulators=False, wait=False,
+                                                  timeout=self.averaging_timeout,
+                                                  gather=self.diloco.round_metadata(self))
+            else:
+                self.grad_averager.step(control=control, weight=weight, reset_accumulators=False, wait=False)
+            try:
+                gathered = control.result(self.averaging_timeout)
+            finally:
+                if not control.done():
+                    control.cancel()
+            self.grad_averager.notify_used_averaged_gradients()
+            return gathered
+
+        def skip_averaging(self) -> None:
+            control, self.scheduled_grads = self.scheduled_grads, None
+            if control is not None and not control.done():
+                control.cancel()
+
+        def outer_step(self) -> None:
+            # the outer optimizer steps on the anchor (its .grad are the averaged buffers, see hivemind's
+            # _make_gradient_averager with offload_optimizer), then the anchor is copied into the model
+            self.state_averager.step(increment_epoch=True, optimizer_step=True)
+
+        # ---- hivemind.Optimizer, DiLoCo's way
+
+        def _should_load_state_from_peers(self) -> bool:
+            # the anchor of a peer one epoch behind is stale: catch up at once (hivemind tolerates one epoch)
+            return self.diloco.needs_sync or self.local_epoch < self.tracker.global_epoch
+
+        def _maybe_schedule_gradient_averaging(self) -> None:
+            """As hivemind's, with this peer's round metadata (epoch, anchor fingerprint) for its group."""
+            soon = self.tracker.estimated_next_update_time - get_dht_time() <= self.matchmaking_time
+            if self.num_peers <= 1 or not soon:
+                return
+            if self.scheduled_grads is None or self.scheduled_grads.triggered or self.scheduled_grads.done():
+                self.scheduled_grads = self.grad_averager.schedule_step(
+                    timeout=self.averaging_timeout, gather=self.diloco.round_metadata(self))
+
+        def _update_global_epoch(self, grad_scaler: Any) -> None:
+            with self.tracker.pause_updates():
+                outcome = self.diloco.run_round(self)
+                if outcome.applied:
+                    self.tracker.update_epoch(new_epoch=self.local_epoch)
+                else:  # keep the pseudo-gradient: count samples toward the next round from zero
+                    self.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
+                    self.tracker.global_progress.samples_accumulated = 0
+                    self.tracker.global_progress.eta_next_epoch = float("inf")
+                self._share_state()
+                self.grad_averager.reset_accumulated_grads_()
+                logger.log(self.status_loglevel, f"DiLoCo round at epoch {self.local_epoch}: {outcome}")
+
+        def _share_state(self) -> None:
+            """Serve this peer's state with its epoch as priority; a peer whose anchor disagreed with its group's
+            serves it with a lower priority (downloads prefer the group's)."""
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch - (0.5 if self.diloco.needs_sync
+                                                                                 else 0.0)
+
+        def load_state_from_peers(self, **kwargs: Any) -> None:
+            """Download the swarm's anchor, outer optimizer state and epoch, keeping this peer's progress since its
+            own anchor (parameters = downloaded anchor + progress)."""
+            control, self.scheduled_grads = self.scheduled_grads, None
+            if control is not None and not control.done():
+                with self.grad_averager.get_tensors() as buffers:
+                    for buffer in buffers:
+                        buffer.zero_()
+                self._tag_along_with_zero_weight(control)
+            self.state_averager.step(wait_for_delayed_updates=True)
+            with self.tracker.pause_updates():
+                progress = self.diloco.local_progress(self)
+                epoch, anchor = self.local_epoch, diloco_module.fingerprint(self.anchors)
+                try:
+                    self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                except Exception as e:  # nobody could serve it now: the next step tries again
+                    logger.warning("collabopt: downloading the swarm's state failed: %r", e)
+                self.diloco.restore_progress(self, progress)
+                self.diloco.needs_sync = False
+                if self.local_epoch != epoch or diloco_module.fingerprint(self.anchors) != anchor:
+                    self.diloco.resyncs += 1
+                self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+                self._share_state()
+                self.grad_averager.reset_accumulated_grads_()
+
+        def reanchor(self) -> None:
+            with self.state_averager.lock_averaged_tensors:
+                self.diloco.reanchor(self)
+
+    return dict(runner=ValueAllReduceRunner, averager=PseudoGradientAverager, optimizer=DiLoCoOptimizer)

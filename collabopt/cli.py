@@ -1,4 +1,12 @@
-"""The ``collabopt`` command: ``demo`` (a local swarm), ``dht`` (a bootstrap peer), ``monitor`` (a run's state)."""
+"""The collabopt command: try a local swarm, start a bootstrap peer, check a machine, watch a run.
+
+  collabopt demo                          train a small model with 3 local peer processes (about a minute)
+  collabopt dht                           start a bootstrap peer and print the INITIAL_PEERS value to share
+  collabopt doctor --initial-peers ADDR   check that this machine can join the swarm at ADDR
+  collabopt monitor --run-id RUN          show the live state of a run
+
+Run `collabopt COMMAND --help` for a command's options.
+"""
 
 from __future__ import annotations
 
@@ -75,6 +83,26 @@ def run_dht(args: argparse.Namespace) -> int:
         sigterm.restore()
 
 
+def run_doctor(args: argparse.Namespace) -> int:
+    """Check this machine against the initial peers; exit status 1 when a check fails."""
+    import os
+
+    from collabopt.doctor import DoctorOptions, format_report, report_json, run_checks
+    from collabopt.swarm import INITIAL_PEERS_ENV
+
+    peers = args.initial_peers if args.initial_peers is not None else [os.environ.get(INITIAL_PEERS_ENV, "")]
+    options = DoctorOptions(initial_peers=[m for item in peers for m in item.replace(",", " ").split()],
+                            host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs,
+                            client_mode=args.client_mode, use_relay=args.use_relay,
+                            use_auto_relay=args.use_auto_relay, timeout=args.timeout)
+    if not args.json:
+        print("collabopt doctor: checking this machine" + (" against its initial peers (a few seconds)"
+                                                           if options.initial_peers else ""), flush=True)
+    checks = run_checks(options)
+    print(report_json(checks) if args.json else format_report(checks), flush=True)
+    return 1 if any(check.failed for check in checks) else 0
+
+
 def run_monitor(args: argparse.Namespace) -> int:
     """Print the progress every peer of a run publishes to the DHT (signed records of hivemind's tracker)."""
     from collabopt.lifecycle import preserved_sigint
@@ -86,6 +114,10 @@ def run_monitor(args: argparse.Namespace) -> int:
     if not options.initial_peers:
         print("collabopt monitor: pass --initial-peers or set INITIAL_PEERS", file=sys.stderr)
         return 2
+    if args.serve:
+        from collabopt.status_page import serve
+
+        return serve(options, args.run_id, args.serve, args.interval, args.stall_after)
     with preserved_sigint():
         dht = start_dht(options)
     try:
@@ -117,7 +149,8 @@ def report_text(report: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="collabopt", description=__doc__)
+    parser = argparse.ArgumentParser(prog="collabopt", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a small model with a local swarm of peer processes")
@@ -132,12 +165,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_swarm_args(dht)
     dht.add_argument("--peers-file", default=None, help="also write the INITIAL_PEERS value to this file")
 
+    doctor = sub.add_parser(
+        "doctor", help="check that this machine can join a swarm (addresses, peers, incoming connections)",
+        description="Check that this machine can join the swarm of --initial-peers: versions, addresses, each "
+                    "initial peer (connection, DHT ping, clock) and whether other machines can connect to this one "
+                    "(if not: client_mode=True or use_auto_relay=True). Exit status 1 when a check fails.")
+    _add_swarm_args(doctor)
+    doctor.add_argument("--client-mode", action="store_true",
+                        help="you will join with client_mode=True (then not accepting connections is fine)")
+    doctor.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each peer (default 10)")
+    doctor.add_argument("--json", action="store_true", help="the checks as one JSON object")
+
     monitor = sub.add_parser("monitor", help="show the live state of a run read from the DHT")
     _add_swarm_args(monitor)
     monitor.add_argument("--run-id", required=True)
     monitor.add_argument("--interval", type=float, default=2.0)
     monitor.add_argument("--count", type=int, default=0, help="number of reports (default: until Ctrl+C)")
     monitor.add_argument("--json", action="store_true", help="one JSON object per report")
+    monitor.add_argument("--serve", metavar="HOST:PORT", default=None,
+                         help="serve a status page (/), its state (/api/state) and Prometheus metrics (/metrics)")
+    monitor.add_argument("--stall-after", type=float, default=60.0,
+                         help="with --serve: seconds without progress before the run counts as stalled")
     return parser
 
 
@@ -148,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_dht(args)
         if args.command == "monitor":
             return run_monitor(args)
+        if args.command == "doctor":
+            return run_doctor(args)
         from collabopt.demo import run_demo
 
         return run_demo(args)

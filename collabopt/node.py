@@ -397,6 +397,12 @@ class NodeOptimizer(SwarmOptimizerBase):
         if self._copt is not None:
             self._copt.report_metric(value)
 
+    def report_loss(self, loss: Any) -> None:
+        """Report a training loss for ``collabopt monitor`` (rank 0's are published; on other ranks it does
+        nothing). Local: no collective."""
+        if self._copt is not None:
+            self._copt.report_loss(loss)
+
     def _on_rank0(self, action: Callable[[CollaborativeOptimizer], Any]) -> Any:
         """Collective: run ``action`` on rank 0's core, then bring every rank up to date; rank 0's result (or
         error) reaches every rank."""

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from collabopt import scheduling, swarm
-from collabopt._hivemind import HivemindPeer
+from collabopt import diloco, scheduling, swarm
+from collabopt._hivemind import DiLoCoPeer, HivemindPeer
 from collabopt.batch_size import ForwardSampleCounter, resolve_samples
 from collabopt.config import (
     CollabConfig,
@@ -37,6 +37,7 @@ from collabopt.errors import ConfigurationError
 from collabopt.guard import NonFiniteGuard
 from collabopt.interface import StepResult, SwarmOptimizerBase, check_state, pack_state
 from collabopt.lifecycle import SigtermHandler, preserved_sigint
+from collabopt.metrics import MetricsReporter
 from collabopt.scheduling import CollaborativeScheduler, install_step_guard, is_scheduler, remove_step_guard
 
 logger = logging.getLogger(__name__)
@@ -182,8 +183,12 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         check_callable("optimizer_factory", optimizer_factory, "pass callable(param_groups) -> optimizer")
         check_model(model)
         check_dht(dht, config)
-        hivemind_arguments = dict(config.hivemind_arguments(), **_hivemind_optimizer(optimizer, config,
-                                                                                      optimizer_factory))
+        if config.outer_optimizer is not None:  # DiLoCo mode: hivemind's optimizer is the outer one
+            hivemind_arguments = diloco.hivemind_arguments(config, optimizer, optimizer_factory,
+                                                           _prepare_optimizer_state)
+        else:
+            hivemind_arguments = dict(config.hivemind_arguments(), **_hivemind_optimizer(optimizer, config,
+                                                                                          optimizer_factory))
         swarm_options = config.swarm_options() if dht is None and peer is None else None
 
         # ---- configuration accepted: remember it ----
@@ -201,9 +206,12 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         self._grad_units: float | None = None  # the loss scale param.grad is expressed in (reuse_grad_buffers + AMP)
         self._sigterm = SigtermHandler()
         self._guard = NonFiniteGuard() if config.nonfinite_guard else None
+        # DiLoCo mode's state and counters (collabopt/diloco.py); None in the synchronous mode
+        self.diloco = diloco.DiLoCo(optimizer, self._guard) if config.outer_optimizer is not None else None
         self._checked_version = -1  # parameters' version sum when the guard last checked them
         self._owns_dht = swarm_options is not None
         self._counter = ForwardSampleCounter(model) if model is not None else None
+        self._reporter: MetricsReporter | None = None
         self.dht = dht
 
         # ---- start the network ----
@@ -213,10 +221,14 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
                 with preserved_sigint():
                     if swarm_options is not None:
                         self.dht = swarm.start_dht(swarm_options)
-                    peer = HivemindPeer(self.dht, hivemind_arguments)
+                    peer = (HivemindPeer(self.dht, hivemind_arguments) if self.diloco is None
+                            else DiLoCoPeer(self.dht, hivemind_arguments, self.diloco))
             self._peer = peer
+            if isinstance(peer, HivemindPeer):  # publishes this peer's metrics record (collabopt.metrics)
+                self._reporter = MetricsReporter(self, peer)
             if self._guard is not None:  # a snapshot to undo a non-finite averaging result, where it is synchronous
-                self._guard.wrap_optimizer(peer.optimizer, keep_snapshot=not config.updates_in_background)
+                self._guard.wrap_optimizer(peer.optimizer, keep_snapshot=not config.updates_in_background
+                                           and self.diloco is None)  # DiLoCo rounds check their own results
             if config.handle_signals:
                 self._sigterm.install()
             if config.print_join_message and self._owns_dht:
@@ -402,6 +414,18 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         if self.scheduler is not None:
             self.scheduler.report_metric(value)
 
+    def report_loss(self, loss: Any) -> None:
+        """Report a training loss (a number or a one-element tensor, not copied to the host here): the mean of those
+        reported between two metrics records is published for ``collabopt monitor``. Call it once per batch::
+
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            copt.step()
+            copt.report_loss(loss)
+        """
+        if self._reporter is not None:
+            self._reporter.report_loss(loss)
+
     def flush(self) -> None:
         """Wait for background work (delayed optimizer steps and averaging) and apply its results now."""
         self._check_open()
@@ -526,6 +550,8 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         if self._closed:
             return
         self._closed = True
+        if self._reporter is not None:
+            self._reporter.close()  # withdraws this peer's metrics record while the DHT still runs
         with preserved_sigint():
             try:
                 if self._peer is not None:
