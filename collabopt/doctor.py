@@ -1,0 +1,423 @@
+"""``collabopt doctor``: can this machine join a swarm? One line per check, what passed or failed and the fix.
+
+Checks, in order: the installed versions (hivemind must be the tested 1.1.12); the addresses given (initial peers,
+``--host-maddrs``, ``--announce-maddrs``); each initial peer (a libp2p connection and a DHT ping, with their times
+and the clock difference hivemind tolerates); and whether this machine accepts incoming connections, which decides
+whether it can join as a full peer or needs ``client_mode=True`` or a relay (``use_auto_relay=True``).
+
+The last check cannot be made from this machine alone: libp2p reuses the connection this machine opened, so an
+initial peer that "pings back" proves nothing. Every collabopt DHT (``collabopt dht`` and every training peer that
+starts its own) serves a small *dial-back* protocol instead: the doctor sends the TCP ports it listens on, and the
+peer opens a fresh TCP connection to them, at the address it sees the doctor's connection come from (and to no
+other host). A plain hivemind bootstrap does not serve it: the answer is then "unknown".
+
+Run it as the newcomer would start a peer::
+
+    collabopt doctor --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
+
+Exit status: 0 when no check failed, 1 when one did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from collabopt.errors import ConfigurationError
+
+__all__ = ["DIALBACK_PROTOCOL", "Check", "DoctorOptions", "format_report", "run_checks", "serve_dialback"]
+
+logger = logging.getLogger(__name__)
+
+DIALBACK_PROTOCOL = "collabopt.dialback/1"
+TESTED_HIVEMIND = "1.1.12"
+MAX_CLOCK_OFFSET = 3.0  # hivemind's MAX_DHT_TIME_DISCREPANCY_SECONDS: a larger difference fails DHT validation
+_DIAL_TIMEOUT = 3.0  # seconds the dialing peer waits for a TCP connection back
+_MAX_TARGETS = 8  # addresses one dial-back request may ask for
+_MAX_REQUEST_BYTES = 4096
+
+PASS, FAIL, WARN, SKIP, UNKNOWN = "PASS", "FAIL", "WARN", "SKIP", "UNKNOWN"
+
+RELAY_OR_CLIENT_FIX = (
+    "join with client_mode=True (it trains and averages through the connections it opens; others never connect "
+    "to it), or with use_auto_relay=True (others reach it through a public peer acting as relay). To accept "
+    "connections directly, forward a fixed TCP port to this machine, listen on it "
+    "(host_maddrs=['/ip4/0.0.0.0/tcp/31337']), announce it (announce_maddrs=['/ip4/<public IP>/tcp/31337']) "
+    "and run collabopt doctor again with --host-maddrs/--announce-maddrs"
+)
+
+
+@dataclass
+class Check:
+    """One line of the report: ``status`` is PASS, FAIL, WARN, SKIP or UNKNOWN; ``fix`` what to do about it."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status == FAIL
+
+
+@dataclass
+class DoctorOptions:
+    """What the doctor checks: the options a peer of this machine would start with (strings as given)."""
+
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: list[str] | None = None
+    client_mode: bool = False
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    timeout: float = 10.0
+
+
+# ------------------------------------------------------------------ the report
+
+
+def run_checks(options: DoctorOptions) -> list[Check]:
+    """Run every check (starting a libp2p daemon of its own for the network checks) and return them in order.
+
+    >>> checks = run_checks(DoctorOptions(initial_peers=["/ip4/1.2.3/tcp/1"]))  # an invalid address: no network
+    >>> [c.status for c in checks if c.name.startswith("initial peer")]
+    ['FAIL']
+    """
+    checks = [check_versions()]
+    peers, address_checks = check_addresses(options)
+    checks += address_checks
+    if any(c.failed for c in address_checks if not c.name.startswith("initial peer")):
+        checks.append(Check("network", SKIP, "not checked: fix the listen/announce addresses first"))
+        return checks
+    if not peers:
+        if not options.initial_peers:
+            checks.append(Check("initial peers", SKIP, "none given: a peer started so would begin a new swarm",
+                                "pass --initial-peers (or set INITIAL_PEERS) to the address a running peer printed"))
+        checks.append(Check("incoming connections", UNKNOWN, "no initial peer to dial back to this machine",
+                            "run collabopt doctor with --initial-peers of a running collabopt peer"))
+        return checks
+    return checks + asyncio.run(_network_checks(peers, options))
+
+
+def format_report(checks: Sequence[Check]) -> str:
+    """The report as text: one line per check (status, name, detail), its fix indented below it, and a verdict.
+
+    >>> print(format_report([Check("versions", "PASS", "python 3.11")]))
+    PASS     versions: python 3.11
+    all checks passed
+    """
+    lines = []
+    for check in checks:
+        lines.append(f"{check.status:<8} {check.name}: {check.detail}")
+        if check.fix and check.status != PASS:
+            lines.append(f"         fix: {check.fix}")
+    failed = sum(c.failed for c in checks)
+    lines.append(f"{failed} check{'s' if failed != 1 else ''} failed" if failed else "all checks passed")
+    return "\n".join(lines)
+
+
+def report_json(checks: Sequence[Check]) -> str:
+    return json.dumps(dict(ok=not any(c.failed for c in checks), checks=[asdict(c) for c in checks]))
+
+
+# ------------------------------------------------------------------ checks without the network
+
+
+def check_versions() -> Check:
+    import hivemind
+    import torch
+
+    from collabopt import __version__
+
+    detail = (f"python {platform.python_version()}, torch {torch.__version__}, hivemind {hivemind.__version__}, "
+              f"collabopt {__version__}")
+    if hivemind.__version__ != TESTED_HIVEMIND:
+        return Check("versions", FAIL, f"{detail}: collabopt is tested with hivemind {TESTED_HIVEMIND} only",
+                     f"pip install hivemind=={TESTED_HIVEMIND}")
+    return Check("versions", PASS, detail + " (the tested hivemind)")
+
+
+def check_addresses(options: DoctorOptions) -> tuple[list[str], list[Check]]:
+    """Validate every address; return the valid initial peers and one check per problem (or one PASS)."""
+    from collabopt.swarm import validate_listen_maddrs, validate_peer_maddr
+
+    checks, peers = [], []
+    for maddr in options.initial_peers:
+        try:
+            validate_peer_maddr(maddr, "--initial-peers")
+            peers.append(maddr)
+        except ConfigurationError as e:
+            checks.append(Check(f"initial peer {maddr}", FAIL, e.problem, e.fix))
+    for parameter, maddrs in (("--host-maddrs", options.host_maddrs), ("--announce-maddrs", options.announce_maddrs)):
+        for maddr in maddrs or ():
+            try:
+                validate_listen_maddrs([maddr], parameter)
+                if parameter == "--announce-maddrs" and _tcp_port(maddr) == 0:
+                    raise ConfigurationError(parameter, f"{maddr!r} announces port 0",
+                                             "announce the fixed port this machine listens on (and forwards)")
+            except ConfigurationError as e:
+                checks.append(Check(parameter, FAIL, e.problem, e.fix))
+    if not checks:
+        announced = f", announce {' '.join(options.announce_maddrs)}" if options.announce_maddrs else ""
+        checks.append(Check("addresses", PASS, f"{len(peers)} initial peer{'s' if len(peers) != 1 else ''}, "
+                                               f"listen on {' '.join(options.host_maddrs)}{announced}"))
+    return peers, checks
+
+
+# ------------------------------------------------------------------ checks over the network
+
+
+@dataclass
+class _PeerResult:
+    maddr: str
+    connect_s: float | None = None
+    ping_s: float | None = None
+    clock_offset: float | None = None
+    error: str = ""
+    dialback: dict[str, Any] | None = None  # the peer's answer, or None when it does not serve the protocol
+    dialback_error: str = ""
+
+
+async def _network_checks(peers: list[str], options: DoctorOptions) -> list[Check]:
+    from collabopt import _hivemind
+
+    try:
+        p2p = await _hivemind.create_p2p(host_maddrs=options.host_maddrs, announce_maddrs=options.announce_maddrs,
+                                         use_relay=options.use_relay, use_auto_relay=options.use_auto_relay)
+    except Exception as e:
+        return [Check("libp2p", FAIL, f"could not start this machine's libp2p daemon: {e}",
+                      "check --host-maddrs (is the port free? an address of this machine?) and the hivemind install")]
+    try:
+        listening = [str(m) for m in await _hivemind.visible_maddrs(p2p)]
+        ports = sorted({port for port in (_tcp_port(m) for m in listening) if port})
+        results = await asyncio.gather(*(_probe(p2p, maddr, ports, options) for maddr in peers))
+    finally:
+        with contextlib.suppress(Exception):
+            await _hivemind.shutdown_p2p(p2p)
+    checks = [_peer_check(result) for result in results]
+    checks.append(_incoming_check(results, listening, options))
+    return checks
+
+
+async def _probe(p2p: Any, maddr: str, ports: list[int], options: DoctorOptions) -> _PeerResult:
+    """Connect to one initial peer, ping its DHT, and ask it to dial back."""
+    from collabopt import _hivemind
+
+    result = _PeerResult(maddr)
+    started = time.perf_counter()
+    try:
+        await asyncio.wait_for(_hivemind.connect(p2p, maddr), options.timeout)
+        result.connect_s = time.perf_counter() - started
+        started, sent = time.perf_counter(), _hivemind.dht_time()
+        remote_time = await asyncio.wait_for(_hivemind.dht_ping(p2p, maddr), options.timeout)
+        result.ping_s = time.perf_counter() - started
+        result.clock_offset = remote_time - (sent + _hivemind.dht_time()) / 2
+    except asyncio.TimeoutError:
+        result.error = f"no answer within {options.timeout:.0f} s"
+        return result
+    except Exception as e:
+        result.error = _short_error(e)
+        return result
+    request = dict(ports=ports, announce=list(options.announce_maddrs or ()))
+    try:
+        answer = await asyncio.wait_for(_ask(p2p, maddr, request), options.timeout + _DIAL_TIMEOUT)
+        result.dialback = json.loads(answer)
+    except asyncio.TimeoutError:
+        result.dialback_error = f"no dial-back answer within {options.timeout + _DIAL_TIMEOUT:.0f} s"
+    except Exception as e:  # most often: the peer does not serve the protocol (plain hivemind)
+        result.dialback_error = _short_error(e)
+    return result
+
+
+async def _ask(p2p: Any, maddr: str, request: dict[str, Any]) -> bytes:
+    from collabopt import _hivemind
+
+    reader, writer = await _hivemind.open_stream(p2p, maddr, DIALBACK_PROTOCOL)
+    try:
+        await write_message(writer, json.dumps(request).encode())
+        return await read_message(reader, 65536)
+    finally:
+        writer.close()
+
+
+def _peer_check(result: _PeerResult) -> Check:
+    name = f"initial peer {result.maddr}"
+    if result.error:
+        return Check(name, FAIL, f"unreachable: {result.error}", _connect_fix(result.error))
+    detail = (f"connected in {result.connect_s * 1000:.0f} ms, DHT ping {result.ping_s * 1000:.0f} ms, "
+              f"clock difference {result.clock_offset:+.1f} s")
+    if abs(result.clock_offset) > MAX_CLOCK_OFFSET:
+        return Check(name, FAIL, f"{detail}: hivemind refuses peers whose clocks differ by more than "
+                                 f"{MAX_CLOCK_OFFSET:.0f} s", "synchronize this machine's clock (e.g. timedatectl "
+                                                               "set-ntp true)")
+    return Check(name, PASS, detail)
+
+
+def _connect_fix(error: str) -> str:
+    lowered = error.lower()
+    if "peer id mismatch" in lowered:
+        return ("a different peer answers at that address: the peer restarted with a new identity; copy the address "
+                "it printed this time (start it with --identity-path to keep one)")
+    return ("check that the peer is still running, that the address (IP, port, peer id) is the one it printed, and "
+            "that its port is open to this machine (a firewall, or a loopback/private IP used from another network)")
+
+
+def _incoming_check(results: list[_PeerResult], listening: list[str], options: DoctorOptions) -> Check:
+    name = "incoming connections"
+    answers = [(r, r.dialback) for r in results if r.dialback is not None]
+    if not answers:
+        why = "no initial peer answered" if all(r.error for r in results) else (
+            "no initial peer serves collabopt's dial-back check (a plain hivemind peer?)")
+        return Check(name, UNKNOWN, f"cannot tell: {why}",
+                     "run `collabopt dht` (or any collabopt peer) as the initial peer; if others cannot connect to "
+                     "this machine, " + RELAY_OR_CLIENT_FIX)
+    reached, refused, seen_as = [], [], set()
+    for result, answer in answers:
+        if answer.get("observed"):
+            seen_as.add(answer["observed"])
+        for target in answer.get("results", []):
+            (reached if target.get("reachable") else refused).append((result.maddr, target))
+    seen = f"seen as {', '.join(sorted(seen_as))}" if seen_as else "seen through a relay"
+    if reached and not refused:
+        where = ", ".join(sorted({t["address"] for _, t in reached}))
+        return Check(name, PASS, f"{seen}; initial peers connected back to {where}: this machine can be a full peer")
+    if not reached and not refused:
+        notes = "; ".join(filter(None, (a.get("note", "") for _, a in answers)))
+        return Check(name, UNKNOWN, f"{seen}; nothing to dial back{': ' + notes if notes else ''}",
+                     RELAY_OR_CLIENT_FIX)
+    failures = ", ".join(f"{t['address']} ({t.get('error') or 'refused'})" for _, t in refused)
+    local_ips = {ip for ip in (_ip(m) for m in listening) if ip}
+    nat = bool(local_ips) and any(_host(s) not in local_ips for s in seen_as) and not options.announce_maddrs
+    behind = "behind NAT (seen at another address than it listens on)" if nat else "behind a firewall or NAT"
+    if reached:
+        detail = (f"{seen}; reached at {', '.join(t['address'] for _, t in reached)} but not at {failures}: "
+                  "only some peers can connect to this machine")
+        return Check(name, WARN, detail, RELAY_OR_CLIENT_FIX)
+    detail = f"{seen}; initial peers could not connect back to {failures}: this machine is {behind}"
+    if options.client_mode:
+        return Check(name, PASS, detail + "; fine with client_mode=True (you passed --client-mode)")
+    if options.use_auto_relay:
+        return Check(name, WARN, detail + "; with use_auto_relay=True others reach it through a relay once one is "
+                                          "found (public collabopt peers relay unless started with --no-relay)",
+                     "if peers still fail to reach it, join with client_mode=True")
+    return Check(name, FAIL, detail + ": not reachable from outside", RELAY_OR_CLIENT_FIX)
+
+
+# ------------------------------------------------------------------ the dial-back protocol (served by every DHT)
+
+
+async def serve_dialback(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Serve one dial-back request (a hivemind binary stream handler, registered in every collabopt DHT's process).
+
+    Request: JSON ``{"ports": [tcp ports the caller listens on], "announce": [multiaddrs it announces]}``. Answer:
+    JSON ``{"observed": "ip:port", "results": [{"address", "reachable", "error", "seconds"}], "note"}``. Only the
+    host the caller's connection comes from is dialed, at most a few ports, with a short timeout.
+    """
+    try:
+        request = json.loads(await asyncio.wait_for(read_message(reader, _MAX_REQUEST_BYTES), 10))
+        answer = await dial_back(str(stream_info.addr), request)
+        await write_message(writer, json.dumps(answer).encode())
+    except Exception as e:
+        logger.debug("collabopt: dial-back request failed: %r", e)
+    finally:
+        writer.close()
+
+
+async def write_message(writer: asyncio.StreamWriter, data: bytes) -> None:
+    """One message: its length (4 bytes, big-endian), then the bytes."""
+    writer.write(len(data).to_bytes(4, "big") + data)
+    await writer.drain()
+
+
+async def read_message(reader: asyncio.StreamReader, limit: int) -> bytes:
+    size = int.from_bytes(await reader.readexactly(4), "big")
+    if size > limit:
+        raise ValueError(f"a message of {size} bytes (at most {limit})")
+    return await reader.readexactly(size)
+
+
+async def dial_back(observed: str, request: dict[str, Any]) -> dict[str, Any]:
+    """Try TCP connections to the caller whose connection comes from multiaddr ``observed`` (its IP only)."""
+    host = _ip(observed)
+    if host is None:
+        return dict(observed="", results=[], note=f"the connection comes through a relay ({observed})")
+    targets: list[tuple[str, int]] = []
+    notes = []
+    for port in request.get("ports", [])[:_MAX_TARGETS]:
+        if isinstance(port, int) and 0 < port < 65536:
+            targets.append((host, port))
+    for maddr in request.get("announce", [])[:_MAX_TARGETS]:
+        ip, port = _ip(str(maddr)), _tcp_port(str(maddr))
+        if ip is None or not port:
+            continue
+        if ip != host:
+            notes.append(f"announced {maddr} is not the address this peer sees ({host}); not dialed")
+            continue
+        targets.append((ip, port))
+    targets = list(dict.fromkeys(targets))[:_MAX_TARGETS]
+    results = await asyncio.gather(*(_dial(ip, port) for ip, port in targets))
+    return dict(observed=_host_port(host, _tcp_port(observed)), results=list(results), note="; ".join(notes))
+
+
+async def _dial(host: str, port: int) -> dict[str, Any]:
+    address = _host_port(host, port)
+    started = time.perf_counter()
+    try:
+        _reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), _DIAL_TIMEOUT)
+    except asyncio.TimeoutError:
+        return dict(address=address, reachable=False, error=f"no answer in {_DIAL_TIMEOUT:.0f} s", seconds=None)
+    except OSError as e:
+        return dict(address=address, reachable=False, error=e.strerror or type(e).__name__, seconds=None)
+    seconds = time.perf_counter() - started
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+    return dict(address=address, reachable=True, error="", seconds=seconds)
+
+
+# ------------------------------------------------------------------ multiaddr bits
+
+
+def _ip(maddr: str) -> str | None:
+    """The IP of ``/ip4/<ip>/tcp/...`` (or ip6); None for anything else (relay circuits, DNS names)."""
+    parts = str(maddr).split("/")
+    if "p2p-circuit" in parts or len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+        return None
+    try:
+        return str(ipaddress.ip_address(parts[2]))
+    except ValueError:
+        return None
+
+
+def _tcp_port(maddr: str) -> int | None:
+    parts = str(maddr).split("/")
+    if "p2p-circuit" in parts:
+        return None
+    for i, part in enumerate(parts[:-1]):
+        if part == "tcp" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def _host(address: str) -> str:
+    """The host of ``ip:port`` / ``[ip6]:port``."""
+    return address.rsplit(":", 1)[0].strip("[]") if address.count(":") == 1 or "]" in address else address
+
+
+def _host_port(host: str, port: int | None) -> str:
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{port}" if port else host
+
+
+def _short_error(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0][:200]
