@@ -86,9 +86,9 @@ def start_dht(**kwargs: Any) -> Any:
 
     dht = hivemind.DHT(start=True, **kwargs)
     if not kwargs.get("client_mode"):
-        from collabopt.doctor import DIALBACK_PROTOCOL, serve_dialback
-
         try:
+            from collabopt.doctor import DIALBACK_PROTOCOL, serve_dialback
+
             dht.run_coroutine(functools.partial(_add_stream_handler, DIALBACK_PROTOCOL, serve_dialback))
         except Exception as e:  # a convenience for others' diagnosis: never a reason not to start
             logging.getLogger(__name__).debug("collabopt: could not serve the dial-back check: %r", e)
