@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from collabopt.errors import CollaborativeError
+from collabopt.errors import CollaborativeError, ConfigurationError
 
 
 def _add_swarm_args(parser: argparse.ArgumentParser) -> None:
@@ -112,8 +112,8 @@ def run_monitor(args: argparse.Namespace) -> int:
     # a read-only client: never a training peer, and able to read the signed progress records
     options = dataclasses.replace(_swarm_options(args), client_mode=True, record_validators=reader_validators())
     if not options.initial_peers:
-        print("collabopt monitor: pass --initial-peers or set INITIAL_PEERS", file=sys.stderr)
-        return 2
+        raise ConfigurationError("--initial-peers", "none given: the monitor reads the run from a running swarm",
+                                 "pass the address a peer (or `collabopt dht`) printed, or set INITIAL_PEERS")
     if args.serve:
         from collabopt.status_page import serve
 
@@ -161,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--timeout", type=float, default=110.0, help="give up after this many seconds")
 
-    dht = sub.add_parser("dht", help="run a standalone bootstrap peer and print INITIAL_PEERS")
+    dht = sub.add_parser("dht", help="run a standalone bootstrap peer and print INITIAL_PEERS",
+                         description="Run a bootstrap peer (a DHT node that trains nothing) until Ctrl+C, and print "
+                                     "the INITIAL_PEERS value that training peers and collabopt doctor/monitor take.")
     _add_swarm_args(dht)
     dht.add_argument("--peers-file", default=None, help="also write the INITIAL_PEERS value to this file")
 
@@ -178,8 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     monitor = sub.add_parser("monitor", help="show the live state of a run read from the DHT")
     _add_swarm_args(monitor)
-    monitor.add_argument("--run-id", required=True)
-    monitor.add_argument("--interval", type=float, default=2.0)
+    monitor.add_argument("--run-id", required=True, help="the run_id the peers train with (in their join message)")
+    monitor.add_argument("--interval", type=float, default=2.0, help="seconds between two reports (default 2)")
     monitor.add_argument("--count", type=int, default=0, help="number of reports (default: until Ctrl+C)")
     monitor.add_argument("--json", action="store_true", help="one JSON object per report")
     monitor.add_argument("--serve", metavar="HOST:PORT", default=None,
@@ -190,7 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # a bare `collabopt`: what it can do, not an error
+        parser.print_help()
+        return 2
+    args = parser.parse_args(argv)
     try:
         if args.command == "dht":
             return run_dht(args)

@@ -16,3 +16,18 @@ def test_cli_refuses_bad_peers_before_starting():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "initial_peers" in proc.stderr and "Fix:" in proc.stderr
+
+
+def test_monitor_without_initial_peers_says_what_to_pass():
+    env = {k: v for k, v in os.environ.items() if k != "INITIAL_PEERS"}
+    proc = subprocess.run([sys.executable, "-m", "collabopt", "monitor", "--run-id", "x"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("collabopt monitor: --initial-peers: none given") and "Fix:" in proc.stderr
+
+
+def test_bare_command_prints_the_commands():
+    proc = subprocess.run([sys.executable, "-m", "collabopt"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "collabopt demo" in proc.stdout and "collabopt doctor --initial-peers" in proc.stdout
+    assert "``" not in proc.stdout, "plain text, not reStructuredText"
