@@ -132,6 +132,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     run_id = args.run_id or f"demo_{uuid.uuid4().hex[:8]}"
     print(f"collabopt demo: {args.peers} peers train a digits classifier together (run_id={run_id})", flush=True)
+    print("collabopt demo: starting the bootstrap peer (a DHT on 127.0.0.1)", flush=True)
     with preserved_sigint():
         dht = start_dht(SwarmOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=reader_validators()))
     initial_peers = [str(m) for m in dht.get_visible_maddrs()]
@@ -142,15 +143,24 @@ def run_demo(args: argparse.Namespace) -> int:
             config = dict(run_id=run_id, target_batch_size=args.target_batch_size, epochs=args.epochs, lr=1e-2,
                           initial_peers=initial_peers, out_dir=out_dir, timeout=args.timeout, peers=args.peers)
             env = child_env("ERROR", OMP_NUM_THREADS="1")
+            print(f"collabopt demo: starting {args.peers} peer processes (each starts its DHT and averagers, then "
+                  f"waits for the others: about 10 s)", flush=True)
             for index in range(args.peers):
                 procs.append(Process([sys.executable, "-m", "collabopt.demo", str(index), json.dumps(config)],
                                      Path(out_dir) / f"peer{index}.log", env=env))
-            bar = tqdm(total=args.epochs, desc="global epochs", unit="epoch", disable=args.no_progress,
-                       dynamic_ncols=True)
+            bar = tqdm(total=args.epochs, desc=f"peers joining 0/{args.peers}", unit="epoch",
+                       disable=args.no_progress, dynamic_ncols=True)
+            all_joined = False
             while any(p.poll() is None for p in procs):
                 if time.monotonic() - start > args.timeout + 30:
                     raise TimeoutError(f"the demo did not finish within {args.timeout:.0f} s")
                 report = read_swarm_progress(dht, run_id)
+                if not all_joined:
+                    all_joined = report["num_peers"] >= args.peers
+                    bar.set_description("global epochs" if all_joined else
+                                        f"peers joining {report['num_peers']}/{args.peers}", refresh=False)
+                    if all_joined and args.no_progress:
+                        print(f"collabopt demo: all {args.peers} peers joined; training", flush=True)
                 bar.n = max(bar.n, min(report["global_epoch"], args.epochs))  # records expire as peers leave
                 bar.set_postfix(peers=report["num_peers"], samples=report["samples_accumulated"],
                                 sps=f"{report['samples_per_second']:.0f}/s", refresh=False)

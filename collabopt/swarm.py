@@ -156,7 +156,8 @@ def start_dht(options: SwarmOptions):
             raise SwarmConnectionError(
                 f"none of the initial peers answered: {options.initial_peers}. Check that the first peer is "
                 "still running, that the address (IP, port, peer id) is the one it printed, and that its port is "
-                "reachable from this machine (firewall/NAT: consider client_mode=True or use_relay=True)."
+                "reachable from this machine. `collabopt doctor --initial-peers ...` on this machine checks each of "
+                "these and says what to change."
             ) from e
         raise
 

@@ -14,6 +14,7 @@ Needs scikit-learn for its bundled digits dataset (`pip install 'collabopt[demo]
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from collabopt.integrations.pytorch import collaborate
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
-from collabopt import wait_for_peers
+from collabopt import CollaborativeError, wait_for_peers
 
 
 def main() -> None:
@@ -64,6 +65,7 @@ def main() -> None:
             print(f"resumed from {args.checkpoint} at epoch {copt.local_epoch}")
         if args.min_peers > 1 and not wait_for_peers(copt, args.min_peers, timeout=120):
             print(f"fewer than {args.min_peers} peers after 2 minutes: training with {copt.num_peers}")
+        epoch = copt.local_epoch
         while copt.local_epoch < args.epochs:
             for inputs, targets in loader:
                 loss = F.cross_entropy(model(inputs), targets)
@@ -71,15 +73,25 @@ def main() -> None:
                 copt.step()  # the samples are counted from model's forward call
                 copt.zero_grad()
                 time.sleep(args.compute_delay)
+                if copt.local_epoch != epoch:  # a global epoch ended: the swarm averaged and stepped
+                    with torch.no_grad():
+                        accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+                    jumped = copt.local_epoch > epoch + 1  # it fell behind and downloaded the swarm's state
+                    caught_up = f" (caught up with the swarm from epoch {epoch})" if jumped else ""
+                    epoch = copt.local_epoch
+                    print(f"epoch {epoch}: {copt.num_peers} peers, lr {copt.get_lr()[0]:.2e}, "
+                          f"held-out accuracy {accuracy:.1%}{caught_up}", flush=True)
                 if copt.local_epoch >= args.epochs:
                     break
-            with torch.no_grad():
-                accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
-            print(f"epoch {copt.local_epoch}: {copt.num_peers} peers, lr {copt.get_lr()[0]:.2e}, "
-                  f"held-out accuracy {accuracy:.1%}", flush=True)
         if args.checkpoint is not None:
             torch.save({"model": model.state_dict(), "optimizer": copt.state_dict()}, args.checkpoint)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except CollaborativeError as e:  # a bad option, or no initial peer answered: the message says what to do
+        raise SystemExit(f"pytorch_loop.py: {e}") from None
+    except KeyboardInterrupt:  # Ctrl+C: the `with` block has already left the swarm
+        print("pytorch_loop.py: interrupted; this peer left the swarm (the others train on)", file=sys.stderr)
+        raise SystemExit(130) from None
