@@ -61,3 +61,33 @@ def test_dht_prints_initial_peers_and_monitor_reads_the_run(tmp_path):
         bootstrap.kill_tree()
     assert "INITIAL_PEERS=" in bootstrap.log()
     assert peer.returncode is not None and bootstrap.returncode is not None, "kill_tree left a process running"
+
+
+def test_doctor_passes_against_a_collabopt_bootstrap(tmp_path):
+    """On loopback every check passes, including incoming connections: the bootstrap dials back to the port the
+    doctor listens on. Against a dead address the same machine fails the peer check, with the fix."""
+    bootstrap, initial_peers = start_bootstrap(tmp_path)
+    try:
+        doctor = subprocess.run(
+            [sys.executable, "-m", "collabopt", "doctor", "--initial-peers", initial_peers,
+             "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--json"],
+            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
+        )
+        dead = f"/ip4/127.0.0.1/tcp/9/p2p/{initial_peers.split('/p2p/')[1]}"  # the discard port: nothing listens
+        failing = subprocess.run(
+            [sys.executable, "-m", "collabopt", "doctor", "--initial-peers", dead, "--host-maddrs",
+             "/ip4/127.0.0.1/tcp/0", "--timeout", "5"],
+            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
+        )
+    finally:
+        bootstrap.kill_tree()
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr[-3000:]
+    checks = {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}
+    assert all(c["status"] == "PASS" for c in checks.values()), checks
+    assert checks[f"initial peer {initial_peers}"]["detail"].startswith("connected in ")
+    incoming = checks["incoming connections"]["detail"]
+    assert "initial peers connected back to 127.0.0.1:" in incoming and "full peer" in incoming, incoming
+    assert failing.returncode == 1, failing.stdout
+    assert f"FAIL     initial peer {dead}: unreachable" in failing.stdout, failing.stdout
+    assert "fix: check that the peer is still running" in failing.stdout
+
