@@ -151,6 +151,52 @@ def dht_time() -> float:
     return get_dht_time()
 
 
+@functools.lru_cache(maxsize=1)
+def optimizer_class() -> type:
+    """``hivemind.Optimizer`` with a progress tracker that shuts down cleanly (see :func:`make_progress_tracker`)."""
+    import hivemind
+
+    return type("Optimizer", (hivemind.Optimizer,), dict(_make_progress_tracker=make_progress_tracker,
+                                                          __module__=__name__))
+
+
+def make_progress_tracker(optimizer: Any, target_batch_size: int, **kwargs: Any) -> Any:
+    """``hivemind.Optimizer._make_progress_tracker``, building :func:`_progress_tracker_class`'s tracker (a
+    subclass of ``hivemind.Optimizer`` gets it with ``_make_progress_tracker = make_progress_tracker``)."""
+    return _progress_tracker_class()(dht=optimizer.dht, prefix=optimizer.run_id, target_batch_size=target_batch_size,
+                                     client_mode=optimizer.client_mode, status_loglevel=optimizer.status_loglevel,
+                                     start=True, **kwargs)
+
+
+@functools.lru_cache(maxsize=1)
+def _progress_tracker_class() -> type:
+    from hivemind.optim.progress_tracker import ProgressTracker
+
+    class ProgressTrackerThatDrains(ProgressTracker):
+        """hivemind 1.1.12's tracker stops its event loop while its last progress report (a DHT store it has just
+        cancelled) is still pending, and asyncio prints "Task was destroyed but it is pending!" when that task is
+        garbage-collected: at nearly every peer's exit. This one lets the loop finish those tasks, then closes it,
+        before it reports the shutdown complete (and so before hivemind stores the peer's goodbye record)."""
+
+        def run(self) -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(asyncio.gather(self._progress_reporter(), self._progress_fetcher()))
+                pending = asyncio.all_tasks(loop)
+                if pending:  # cancelled already, or a last fetch: both end within a few loop iterations
+                    loop.run_until_complete(asyncio.wait(pending, timeout=2.0))
+                for task in asyncio.all_tasks(loop):
+                    task.cancel()
+                    with contextlib.suppress(Exception, asyncio.CancelledError):
+                        loop.run_until_complete(asyncio.wait_for(task, timeout=1.0))
+            finally:
+                loop.close()
+                self.shutdown_complete.set()
+
+    return ProgressTrackerThatDrains
+
+
 def reader_validators() -> list:
     """Validators for a DHT that serves a run's records without training (the demo's bootstrap DHT): it refuses to
     store a record under a peer's key that this peer did not sign.
@@ -434,9 +480,7 @@ class HivemindPeer:
         dht.add_validators(metrics_validators(arguments["run_id"]))
 
     def _create_optimizer(self, dht: Any, arguments: dict[str, Any]) -> Any:
-        import hivemind
-
-        return hivemind.Optimizer(dht=dht, **arguments)
+        return optimizer_class()(dht=dht, **arguments)
 
     # ---- stepping
 
