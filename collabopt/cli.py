@@ -21,14 +21,16 @@ from collections.abc import Sequence
 from collabopt.errors import CollaborativeError, ConfigurationError
 
 
-def _add_swarm_args(parser: argparse.ArgumentParser) -> None:
+def _add_swarm_args(parser: argparse.ArgumentParser, identity: bool = True) -> None:
+    """The DHT options; ``identity=False`` leaves out --identity-path and --use-ipfs (a command that is no peer)."""
     parser.add_argument("--initial-peers", nargs="*", default=None,
                         help="multiaddrs of a running swarm (default: $INITIAL_PEERS)")
     parser.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"],
                         help="addresses to listen on (default: all IPv4 interfaces, any free port)")
     parser.add_argument("--announce-maddrs", nargs="*", default=None, help="addresses to announce to others")
-    parser.add_argument("--identity-path", default=None, help="private key file: makes the peer id stable")
-    parser.add_argument("--use-ipfs", action="store_true", help="find initial peers through IPFS")
+    if identity:
+        parser.add_argument("--identity-path", default=None, help="private key file: makes the peer id stable")
+        parser.add_argument("--use-ipfs", action="store_true", help="find initial peers through IPFS")
     parser.add_argument("--no-relay", dest="use_relay", action="store_false", help="disable libp2p circuit relay")
     parser.add_argument("--use-auto-relay", action="store_true", help="look for relays when behind NAT")
 
@@ -63,7 +65,9 @@ def run_dht(args: argparse.Namespace) -> int:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         value = ",".join(maddrs)
         print(f"INITIAL_PEERS={value}", flush=True)
-        print(f"collabopt dht: serving; start peers with  INITIAL_PEERS={value} python train.py", file=sys.stderr,
+        print(f"collabopt dht: serving until Ctrl+C. Start peers with\n"
+              f"    INITIAL_PEERS={value} python your_script.py\n"
+              f"  and check another machine with\n    collabopt doctor --initial-peers {value}", file=sys.stderr,
               flush=True)
         if args.peers_file:
             with open(args.peers_file + ".tmp", "w") as f:
@@ -145,6 +149,8 @@ def report_text(report: dict) -> str:
             f"  {peer['peer_id'][:16]}  epoch {peer['epoch']}  samples {peer['samples_accumulated']}  "
             f"{peer['samples_per_second']:.1f}/s{'  (client)' if peer['client_mode'] else ''}"
         )
+    if not report["peers"]:
+        lines.append("  no peer of this run has published its progress yet (is --run-id the run_id the peers use?)")
     return "\n".join(lines)
 
 
@@ -172,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check that this machine can join the swarm of --initial-peers: versions, addresses, each "
                     "initial peer (connection, DHT ping, clock) and whether other machines can connect to this one "
                     "(if not: client_mode=True or use_auto_relay=True). Exit status 1 when a check fails.")
-    _add_swarm_args(doctor)
+    _add_swarm_args(doctor, identity=False)
     doctor.add_argument("--client-mode", action="store_true",
                         help="you will join with client_mode=True (then not accepting connections is fine)")
     doctor.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each peer (default 10)")

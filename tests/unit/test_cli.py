@@ -31,3 +31,12 @@ def test_bare_command_prints_the_commands():
     assert proc.returncode == 2
     assert "collabopt demo" in proc.stdout and "collabopt doctor --initial-peers" in proc.stdout
     assert "``" not in proc.stdout, "plain text, not reStructuredText"
+
+
+def test_monitor_report_of_a_run_nobody_trains_says_to_check_the_run_id():
+    from collabopt.cli import report_text
+
+    text = report_text(dict(run_id="typo", num_peers=0, global_epoch=0, samples_accumulated=0,
+                            samples_per_second=0.0, peers=[]))
+    assert text.splitlines()[0] == "run typo: 0 peers, epoch 0, 0 samples this epoch, 0.0 samples/s"
+    assert "is --run-id the run_id the peers use?" in text
