@@ -73,6 +73,17 @@ def at_finish_line(cfg: dict, epoch: int, target: int) -> bool:
     return True
 
 
+def target_epoch(cfg: dict, epochs: int) -> int:
+    """``epochs``, or the number in ``cfg["epochs_file"]`` if set (a driver writes it when the run may end; no such
+    file yet: train on)."""
+    if not cfg.get("epochs_file"):
+        return epochs
+    try:
+        return int(Path(cfg["epochs_file"]).read_text())
+    except (OSError, ValueError):
+        return 1 << 30
+
+
 def rank0_decides(flag: bool) -> bool:
     """Rank 0's ``flag`` on every rank of a node (the ranks must stop at the same step); ``flag`` without one."""
     import torch.distributed as dist
@@ -108,6 +119,7 @@ def main(config_path: str) -> None:
     count_mode = cfg.get("count", "forward")  # forward | batch | batch_size
     accumulate = cfg.get("accumulate", 1)
     epochs = cfg["epochs"]
+    progress_file = cfg.get("progress_file", out + ".progress")
     step_sleep = cfg.get("step_sleep", 0.02)
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     plateau_metric = cfg.get("plateau_metric")
@@ -140,7 +152,7 @@ def main(config_path: str) -> None:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out + ".start.pt")
         result["lrs"][str(copt.local_epoch)] = copt.get_lr()[0]
         epoch_params = {}
-        while not at_finish_line(cfg, copt.local_epoch, epochs) and time.monotonic() < deadline:
+        while not at_finish_line(cfg, copt.local_epoch, target_epoch(cfg, epochs)) and time.monotonic() < deadline:
             step_samples = 0
             for _ in range(accumulate):
                 n = next(sizes)
@@ -172,10 +184,11 @@ def main(config_path: str) -> None:
             if copt.local_epoch != before:
                 result["epochs_seen"].append(copt.local_epoch)
                 result["epoch_times"].append(time.time())
+                result["max_peers_seen"] = max(result.get("max_peers_seen", 0), copt.num_peers)
                 result["lrs"][str(copt.local_epoch)] = copt.get_lr()[0]
                 if cfg.get("save_epoch_params"):
                     epoch_params[copt.local_epoch] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                write_json(out + ".progress", {"epoch": copt.local_epoch})
+                write_json(progress_file, {"epoch": copt.local_epoch})
             time.sleep(step_sleep)
         copt.flush()
         result.update(
