@@ -120,8 +120,13 @@ def format_report(checks: Sequence[Check]) -> str:
         lines.append(f"{check.status:<8} {check.name}: {check.detail}")
         if check.fix and check.status != PASS:
             lines.append(f"         fix: {check.fix}")
-    failed = sum(c.failed for c in checks)
-    lines.append(f"{failed} check{'s' if failed != 1 else ''} failed" if failed else "all checks passed")
+    failed, warned = sum(c.failed for c in checks), sum(c.status == WARN for c in checks)
+    if failed:
+        lines.append(f"{failed} check{'s' if failed != 1 else ''} failed")
+    elif warned:
+        lines.append(f"no check failed; {warned} warning{'s' if warned != 1 else ''}")
+    else:
+        lines.append("all checks passed")
     return "\n".join(lines)
 
 
@@ -254,7 +259,7 @@ def _peer_check(result: _PeerResult) -> Check:
     if result.error:
         return Check(name, FAIL, f"unreachable: {result.error}", _connect_fix(result.error))
     detail = (f"connected in {result.connect_s * 1000:.0f} ms, DHT ping {result.ping_s * 1000:.0f} ms, "
-              f"clock difference {result.clock_offset:+.1f} s")
+              f"clock difference {result.clock_offset if abs(result.clock_offset) >= 0.05 else 0.0:+.1f} s")
     if abs(result.clock_offset) > MAX_CLOCK_OFFSET:
         return Check(name, FAIL, f"{detail}: hivemind refuses peers whose clocks differ by more than "
                                  f"{MAX_CLOCK_OFFSET:.0f} s", "synchronize this machine's clock (e.g. timedatectl "

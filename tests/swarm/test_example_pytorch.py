@@ -34,6 +34,12 @@ def test_two_copies_of_the_example_train_together_and_resume(tmp_path):
         reports = re.findall(r"^epoch (\d+): (\d+) peers", proc.log(), re.MULTILINE)
         assert reports and int(reports[-1][0]) >= 4, proc.log()[-2000:]
         assert re.search(r": 2 peers", proc.log()), proc.log()[-2000:]
+        lines = re.findall(r"^epoch \d+: .*$", proc.log(), re.MULTILINE)
+        numbers = [int(line.split()[1].rstrip(":")) for line in lines]
+        for i in range(1, len(lines)):  # a line per global epoch, unless it says it caught up with the swarm
+            assert numbers[i] == numbers[i - 1] + 1 or "caught up" in lines[i], lines
+        # a clean exit prints nothing alarming (hivemind's tracker used to leave a pending asyncio task behind)
+        assert "Task was destroyed but it is pending" not in proc.log(), proc.log()[-2000:]
     saved = torch.load(tmp_path / "first.pt")
     assert saved["optimizer"]["local_epoch"] >= 4
 

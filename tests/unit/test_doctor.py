@@ -209,3 +209,14 @@ def test_dial_back_handler_survives_garbage(request_bytes):
 
     written = asyncio.run(scenario())
     assert written[-1] == b"<closed>"
+
+
+def test_report_verdict_counts_failures_then_warnings():
+    assert doctor.format_report([Check("a", "WARN", "x", "y")]).splitlines()[-1] == "no check failed; 1 warning"
+    lines = doctor.format_report([Check("a", "FAIL", "x", "y"), Check("b", "FAIL", "x", "y")]).splitlines()
+    assert lines[-1] == "2 checks failed"
+
+
+def test_a_tiny_negative_clock_difference_reads_as_zero():
+    check = doctor._peer_check(_PeerResult(PEER, connect_s=0.01, ping_s=0.02, clock_offset=-0.01))
+    assert check.detail == "connected in 10 ms, DHT ping 20 ms, clock difference +0.0 s"
