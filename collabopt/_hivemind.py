@@ -19,6 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
+from hivemind.dht.validation import RecordValidatorBase
 
 try:  # hivemind >= 1.1.11 vendors its multiaddr implementation
     from hivemind.utils.multiaddr import Multiaddr
@@ -32,6 +33,7 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "HivemindPeer",
     "Multiaddr",
+    "RecordSizeValidator",
     "RunRecords",
     "check_compression",
     "dht_time",
@@ -282,6 +284,30 @@ def metrics_validators(run_id: str) -> list:
     return [SchemaValidator(_record_models()["MetricsSchema"], prefix=run_id), RSASignatureValidator()]
 
 
+class RecordSizeValidator(RecordValidatorBase):
+    """Refuses records of more than ``max_bytes`` (subkey and signed value) under ``keys``; checked before the
+    signature (cheaper). Several instances merge into one."""
+
+    def __init__(self, keys: list[str], max_bytes: int):
+        from hivemind.dht.routing import DHTID
+
+        self.key_ids = {DHTID.generate(source=key).to_bytes() for key in keys}
+        self.max_bytes = max_bytes
+
+    def validate(self, record: Any) -> bool:
+        return record.key not in self.key_ids or len(record.subkey) + len(record.value) <= self.max_bytes
+
+    @property
+    def priority(self) -> int:
+        return 20  # RSASignatureValidator's is 10: higher runs first on validation
+
+    def merge_with(self, other: Any) -> bool:
+        if not isinstance(other, RecordSizeValidator) or other.max_bytes != self.max_bytes:
+            return False
+        self.key_ids |= other.key_ids
+        return True
+
+
 async def _find_raw(keys: list[str], k_nearest: int, _dht: Any, node: Any) -> dict[str, Any]:
     """Runs in the DHT process: every record stored under ``keys`` as the nearest DHT nodes (and this one) hold
     it, unchecked. hivemind's own get() drops a node's whole dictionary when one record in it fails validation and
@@ -434,7 +460,7 @@ def read_run_records(dht: Any, run_id: str, timeout: float = 10.0) -> RunRecords
         newest = getattr(result, kind)
         seen: set[bytes] = set()
         for _source, subkey, value, expiration in found["records"]:
-            fingerprint = hashlib.sha256(repr((subkey, value, expiration)).encode()).digest()[:16]
+            fingerprint = hashlib.sha256(repr((key, subkey, value, expiration)).encode()).digest()[:16]
             if fingerprint in seen:
                 continue  # the same record, held by another node too
             seen.add(fingerprint)
@@ -475,9 +501,13 @@ class HivemindPeer:
         # hivemind's Optimizer ignores its own client_mode argument: the DHT's is the one that counts
         self.hivemind_optimizer = self._create_optimizer(dht, dict(arguments, client_mode=dht.client_mode))
         self.dht = dht
-        self.metrics_key = f"{arguments['run_id']}_metrics"
-        # this peer stores (for others) only metrics records that are signed by their owner and well-formed
-        dht.add_validators(metrics_validators(arguments["run_id"]))
+        run_id = arguments["run_id"]
+        self.metrics_key = f"{run_id}_metrics"
+        # this peer accepts (to store for others, or read) only metrics records signed by their owner and
+        # well-formed, and no record over MAX_RECORD_BYTES under the run's keys: hivemind's progress schema leaves the
+        # peer id's length open, so a well-formed, self-signed, 100 kB record would otherwise count as a peer
+        dht.add_validators([*metrics_validators(run_id),
+                            RecordSizeValidator([f"{run_id}_progress", self.metrics_key], MAX_RECORD_BYTES)])
 
     def _create_optimizer(self, dht: Any, arguments: dict[str, Any]) -> Any:
         return optimizer_class()(dht=dht, **arguments)
@@ -668,7 +698,7 @@ class DiLoCoPeer(HivemindPeer):
     def restore_epoch(self, epoch: int) -> None:
         """A checkpoint was loaded: its parameters become the anchor."""
         super().restore_epoch(epoch)
-        self.hivemind_optimizer.reanchor()
+        self.diloco.reanchor(self.hivemind_optimizer)
 
 
 @functools.lru_cache(maxsize=1)
@@ -868,6 +898,9 @@ def _diloco_classes() -> dict[str, type]:
                 self._share_state()
                 self.grad_averager.reset_accumulated_grads_()
                 logger.log(self.status_loglevel, f"DiLoCo round at epoch {self.local_epoch}: {outcome}")
+            if not outcome.applied:  # did the others apply it? (then this peer is behind and downloads; hivemind
+                self.tracker.global_progress.next_fetch_time = get_dht_time()  # would look up to 10 s later)
+                self.tracker.global_state_updated.set()
 
         def _share_state(self) -> None:
             """Serve this peer's state with its epoch as priority; a peer whose anchor disagreed with its group's
@@ -901,8 +934,10 @@ def _diloco_classes() -> dict[str, type]:
                 self._share_state()
                 self.grad_averager.reset_accumulated_grads_()
 
+        @torch.no_grad()
         def reanchor(self) -> None:
-            with self.state_averager.lock_averaged_tensors:
-                self.diloco.reanchor(self)
+            with self.state_averager.lock_averaged_tensors:  # the anchor is the state this peer serves
+                for anchor, parameter in zip(self.anchors, self.parameters, strict=True):
+                    anchor.copy_(parameter.detach().to(device=anchor.device, dtype=anchor.dtype))
 
     return dict(runner=ValueAllReduceRunner, averager=PseudoGradientAverager, optimizer=DiLoCoOptimizer)
