@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from hivemind.dht.validation import RecordValidatorBase
 
+from collabopt.lifeline import children_follow_parent
+
 try:  # hivemind >= 1.1.11 vendors its multiaddr implementation
     from hivemind.utils.multiaddr import Multiaddr
 except ImportError:  # pragma: no cover - older layouts
@@ -86,7 +88,8 @@ def start_dht(**kwargs: Any) -> Any:
     :mod:`collabopt.doctor`) so that ``collabopt doctor`` on another machine can learn whether it is reachable."""
     import hivemind
 
-    dht = hivemind.DHT(start=True, **kwargs)
+    with children_follow_parent():  # the DHT process and its p2pd end with this process, even on SIGKILL
+        dht = hivemind.DHT(start=True, **kwargs)
     if not kwargs.get("client_mode"):
         try:
             from collabopt.doctor import DIALBACK_PROTOCOL, serve_dialback
@@ -499,7 +502,8 @@ class HivemindPeer:
 
     def __init__(self, dht: Any, arguments: dict[str, Any]):
         # hivemind's Optimizer ignores its own client_mode argument: the DHT's is the one that counts
-        self.hivemind_optimizer = self._create_optimizer(dht, dict(arguments, client_mode=dht.client_mode))
+        with children_follow_parent():  # its averager processes end with this process, even on SIGKILL
+            self.hivemind_optimizer = self._create_optimizer(dht, dict(arguments, client_mode=dht.client_mode))
         self.dht = dht
         run_id = arguments["run_id"]
         self.metrics_key = f"{run_id}_metrics"
@@ -707,7 +711,6 @@ def _diloco_classes() -> dict[str, type]:
     import asyncio
     import logging
 
-    import hivemind
     from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
     from hivemind.averaging.partition import AllreduceException, BannedException
     from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -823,7 +826,7 @@ def _diloco_classes() -> dict[str, type]:
             self.last_updated = get_dht_time()
             self._state_updated.set()
 
-    class DiLoCoOptimizer(hivemind.Optimizer):
+    class DiLoCoOptimizer(optimizer_class()):
         """hivemind's optimizer with DiLoCo rounds: its (offloaded) optimizer is the outer one, whose parameters are
         the anchor; a round (:meth:`collabopt.diloco.DiLoCo.run_round`) replaces the global epoch. Also the
         :class:`collabopt.diloco.RoundSwarm` the round runs on."""

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from collabopt import _hivemind
+from collabopt import _hivemind, diloco
 from collabopt.errors import ConfigurationError
 from collabopt.swarm import DhtOptions, SwarmOptions, parse_initial_peers, validate_listen_maddrs
 
@@ -78,6 +78,8 @@ class CollabConfig(DhtOptions):
     handle_signals: bool = True
     print_join_message: bool = True
     node_timeout: float = DEFAULT_NODE_TIMEOUT
+    # callable(params) -> torch optimizer: DiLoCo mode, your optimizer steps locally (collabopt/diloco.py)
+    outer_optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None
 
     @classmethod
     def from_options(cls, **options: Any) -> CollabConfig:
@@ -112,6 +114,8 @@ class CollabConfig(DhtOptions):
         positive_int("average_state_every", self.average_state_every, "1")
         self._check_modes()
         self._check_hivemind_options()
+        if self.outer_optimizer is not None:
+            diloco.check_config(self)
         # DHT options: parsed now (bad addresses fail here), normalized in place
         if self.initial_peers is not None:  # the environment variable is read when a DHT is started
             object.__setattr__(self, "initial_peers", parse_initial_peers(self.initial_peers, env_vars=()))

@@ -141,6 +141,13 @@ class NonFiniteGuard:
 
     # ------------------------------------------------------------------ reporting
 
+    def note_refusal(self, counter: str, what: str) -> None:
+        """Count a refusal decided elsewhere (DiLoCo rounds, see :mod:`collabopt.diloco`) in ``counter``
+        (``refused_steps`` or ``refused_updates``) and report it like the guard's own."""
+        with self._lock:
+            setattr(self, counter, getattr(self, counter) + 1)
+        self._report(what)
+
     def _report(self, what: str) -> None:
         with self._lock:  # delayed optimizer steps report from hivemind's background thread
             self._unreported[what] += 1

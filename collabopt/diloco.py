@@ -1,0 +1,348 @@
+"""DiLoCo mode: every peer takes many steps of its own optimizer; rounds average the change of the parameters.
+
+Passing ``outer_optimizer=`` to :class:`~collabopt.CollaborativeOptimizer` (or to any adapter) selects this mode
+(Douillard et al., 2023, "DiLoCo"; OpenDiLoCo built it on hivemind too):
+
+* your ``optimizer`` is the **inner** optimizer: every ``step()`` applies it at once to the local gradients, so the
+  model changes locally at every step; its statistics stay local;
+* a **round** happens when the swarm has accumulated ``target_batch_size`` samples since the last one (hivemind's
+  progress tracker, as for every global epoch: fast peers simply take more inner steps); ``local_epoch`` counts
+  rounds, and the LR scheduler steps once per round on the inner optimizer;
+* in a round, each peer's **pseudo-gradient** ``parameters after the last round - current parameters`` is averaged
+  over the round's peers, weighted by the samples each one trained on since the last round, and the **outer
+  optimizer** steps from the last round's parameters (the *anchor*) with it. Every peer of the round ends with the
+  same parameters: they held the same anchor and outer state, and the averaged pseudo-gradient reaches every peer as
+  the same values (see ``_hivemind.value_all_reduce``);
+* the anchor and the outer optimizer's state (e.g. momentum) are the swarm's state: a late joiner downloads them;
+* pseudo-gradients travel compressed (``Float16Compression`` unless ``grad_compression=`` says otherwise).
+
+Faults (:meth:`DiLoCo.run_round`). A round is applied only if it is sound: the averaging finished with every part
+of the result, the group holds more than half of the peers this peer counts (two groups can never both apply a
+round: no split brain), the group's peers held the same anchor at the same epoch, and the average is finite.
+Otherwise this peer **keeps its pseudo-gradient for the next round**: its parameters stay as they are (no local
+progress is lost), its anchor and epoch stay, and the next round averages all the progress since the anchor
+(weighted by all those samples). If the rest of the swarm applied the round meanwhile, this peer is now behind:
+it **re-synchronizes by state download, keeping its local progress** (parameters = downloaded anchor + own
+progress since its old anchor), and contributes that progress in the next round. A peer whose anchor disagreed with
+the group's re-synchronizes the same way. Non-finite values are refused at both ends, like non-finite gradients: a
+non-finite local pseudo-gradient is not contributed (this peer restarts from its anchor and joins the round with
+weight 0, so it still ends equal to the others), a non-finite average is not applied.
+
+    >>> import functools, torch
+    >>> outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+    >>> check_outer_optimizer(outer)       # what CollabConfig checks before any network starts
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from collabopt.errors import ConfigurationError
+from collabopt.guard import NonFiniteGuard, all_finite
+
+logger = logging.getLogger(__name__)
+
+OUTER_EXAMPLE = "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)"
+# options of CollabConfig that cannot be combined with outer_optimizer, and why
+INCOMPATIBLE = {
+    "reuse_grad_buffers": "gradients are applied by your optimizer at every step, not accumulated",
+    "offload_optimizer": "collabopt keeps the outer optimizer in host memory already",
+    "delay_optimizer_step": "the outer step is part of the round",
+    "delay_grad_averaging": "the outer step is part of the round",
+    "delay_state_averaging": "DiLoCo averages pseudo-gradients, not parameters",
+    "use_local_updates": "DiLoCo takes local steps already (and adds the outer step)",
+    "auxiliary": "auxiliary peers do not train, so they have no pseudo-gradient",
+}
+# hivemind.Optimizer options that have no meaning in DiLoCo mode
+INCOMPATIBLE_HIVEMIND = {
+    "grad_averager_factory": "collabopt averages pseudo-gradients with its own averager",
+    "average_opt_statistics": "the inner optimizer's statistics stay local (as in DiLoCo)",
+}
+FINGERPRINT_TOLERANCE = 1e-6  # relative: anchors that agree to this are the same anchor
+
+
+def check_outer_optimizer(outer_optimizer: Any) -> None:
+    """Raise a :class:`ConfigurationError` unless ``outer_optimizer`` builds a torch optimizer from parameters."""
+    if isinstance(outer_optimizer, torch.optim.Optimizer) or not callable(outer_optimizer):
+        raise ConfigurationError(
+            "outer_optimizer",
+            f"must be a callable(params) -> torch.optim.Optimizer, got {type(outer_optimizer).__name__}",
+            f"pass e.g. outer_optimizer={OUTER_EXAMPLE}",
+        )
+    probe = torch.nn.Parameter(torch.zeros(1))
+    try:
+        built = outer_optimizer([{"params": [probe]}])
+    except Exception as e:
+        raise ConfigurationError(
+            "outer_optimizer", f"calling it on a list of parameter groups failed ({type(e).__name__}: {e})",
+            f"pass e.g. outer_optimizer={OUTER_EXAMPLE}",
+        ) from None
+    if not isinstance(built, torch.optim.Optimizer):
+        raise ConfigurationError(
+            "outer_optimizer", f"returned {type(built).__name__}, not a torch.optim.Optimizer",
+            f"pass e.g. outer_optimizer={OUTER_EXAMPLE}",
+        )
+
+
+def check_config(config: Any) -> None:
+    """The checks of a :class:`~collabopt.config.CollabConfig` with ``outer_optimizer`` set."""
+    check_outer_optimizer(config.outer_optimizer)
+    for name, why in INCOMPATIBLE.items():
+        if getattr(config, name):
+            raise ConfigurationError(name, f"cannot be combined with outer_optimizer (DiLoCo mode): {why}",
+                                     f"drop {name}, or drop outer_optimizer for the synchronous mode")
+    for name, why in INCOMPATIBLE_HIVEMIND.items():
+        if config.hivemind_options.get(name):
+            raise ConfigurationError(name, f"cannot be combined with outer_optimizer (DiLoCo mode): {why}",
+                                     f"drop {name}")
+
+
+def hivemind_arguments(config: Any, inner: torch.optim.Optimizer, optimizer_factory: Any,
+                       prepare: Callable[[torch.optim.Optimizer], None]) -> dict[str, Any]:
+    """``hivemind.Optimizer`` arguments of a DiLoCo peer: hivemind's optimizer is the outer one, built by
+    ``config.outer_optimizer`` on host copies of the parameters (the anchor), and ``prepare``d (its statistics
+    created without moving a parameter); the pseudo-gradient averager replaces the gradient averager."""
+    from collabopt import _hivemind
+
+    if optimizer_factory is not None:
+        raise ConfigurationError("optimizer_factory", "is not used with outer_optimizer: your optimizer steps "
+                                 "locally and outer_optimizer builds the outer one", "drop optimizer_factory")
+    arguments = config.hivemind_arguments()
+    request_timeout = (arguments.get("averager_opts") or {}).get("request_timeout")
+    outer_factory = config.outer_optimizer
+
+    def build_outer(param_groups: list[dict]) -> torch.optim.Optimizer:
+        outer = outer_factory(param_groups)
+        prepare(outer)
+        return outer
+
+    arguments.update(
+        optimizer=build_outer,
+        # the outer optimizer's hyperparameters are its own: hand it the parameters only
+        params=[{"params": list(group["params"])} for group in inner.param_groups],
+        offload_optimizer=True,
+        grad_averager_factory=_hivemind.pseudo_gradient_averager_factory(request_timeout),
+        grad_compression=arguments.get("grad_compression") or _hivemind.default_pseudo_gradient_compression(),
+    )
+    return arguments
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What one round did on this peer.
+
+    Attributes:
+        applied: the outer step was taken (this peer moved to the next epoch).
+        reason: ``"averaged"``, ``"alone"``, or why the round was not applied.
+        group_size: peers that averaged together (1 when alone or when averaging failed).
+        weight: samples this peer's pseudo-gradient counted for (0: refused as non-finite).
+        num_peers: the swarm's size as this peer counted it.
+    """
+
+    applied: bool
+    reason: str
+    group_size: int = 1
+    weight: float = 0.0
+    num_peers: int = 1
+
+
+class RoundSwarm(Protocol):
+    """What a round needs of the swarm (``_hivemind``'s DiLoCo optimizer; unit tests use a fake)."""
+
+    num_peers: int
+    local_epoch: int
+    anchors: Sequence[torch.Tensor]  # the outer optimizer's parameters: the parameters after the last round
+    parameters: Sequence[torch.Tensor]  # the model's parameters (those the inner optimizer steps)
+
+    def buffers(self) -> contextlib.AbstractContextManager[Sequence[torch.Tensor]]: ...
+    def average(self, weight: float) -> dict[Any, Any]: ...  # all-reduce the buffers; the group's round metadata
+    def skip_averaging(self) -> None: ...  # no round with others this time (cancel a scheduled one)
+    def outer_step(self) -> None: ...  # outer step on the anchors (grads: the buffers), anchors -> parameters
+    def reanchor(self) -> None: ...  # anchors = the current parameters
+
+
+class DiLoCo:
+    """The DiLoCo state of one peer: the inner optimizer, the samples since the last round, the round logic.
+
+    ``copt.diloco`` of a :class:`~collabopt.CollaborativeOptimizer` in DiLoCo mode (``None`` otherwise); its
+    counters (``rounds_applied``, ``rounds_failed``, ``resyncs``, ``last_round``) say how the rounds went.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, guard: NonFiniteGuard | None = None):
+        self.inner = inner
+        self.guard = guard
+        self.pending_samples = 0  # samples trained on since the anchor: this peer's weight in the next round
+        self.needs_sync = False  # this peer's anchor disagreed with its group's: download the swarm's state
+        self.rounds_applied = 0
+        self.rounds_failed = 0
+        self.resyncs = 0  # state downloads that kept this peer's local progress
+        self.swarm_writes = 0  # times the swarm replaced this peer's parameters (rounds applied, downloads)
+        self.last_round: RoundOutcome | None = None
+
+    # ------------------------------------------------------------------ between rounds
+
+    def inner_step(self, samples: int) -> None:
+        """Apply the inner optimizer to this step's (finite) gradients; count the samples toward this peer's
+        weight."""
+        self.inner.step()
+        self.pending_samples += samples
+
+    @torch.no_grad()
+    def local_progress(self, swarm: RoundSwarm) -> list[torch.Tensor]:
+        """``parameters - anchor``: what this peer learned since the last round (kept across a state download)."""
+        return [p.detach() - a.to(device=p.device, dtype=p.dtype) for p, a in zip(swarm.parameters, swarm.anchors,
+                                                                                 strict=True)]
+
+    @torch.no_grad()
+    def restore_progress(self, swarm: RoundSwarm, progress: Sequence[torch.Tensor]) -> None:
+        """After a state download: ``parameters = downloaded anchor + progress``."""
+        for p, a, d in zip(swarm.parameters, swarm.anchors, progress, strict=True):
+            p.copy_(a.to(device=p.device, dtype=p.dtype) + d)
+        self.swarm_writes += 1
+
+    def reanchor(self, swarm: RoundSwarm) -> None:
+        """The current parameters become the anchor: no pending progress (after a checkpoint was loaded, or once
+        this peer's progress reached the swarm in a round it could not apply)."""
+        swarm.reanchor()
+        self.pending_samples = 0
+
+    def round_metadata(self, swarm: RoundSwarm) -> dict[str, Any]:
+        """What this peer tells its group when matchmaking: its epoch and its anchor's fingerprint."""
+        return {"epoch": int(swarm.local_epoch), "anchor": fingerprint(swarm.anchors)}
+
+    # ------------------------------------------------------------------ the round
+
+    def run_round(self, swarm: RoundSwarm) -> RoundOutcome:
+        """Average the pseudo-gradients with the swarm and take the outer step, or keep the local progress for the
+        next round (see the module docstring). Returns what happened; ``swarm.outer_step()`` moved the epoch."""
+        num_peers = max(1, int(swarm.num_peers))
+        with swarm.buffers() as buffers:
+            finite = write_pseudo_gradients(swarm.anchors, swarm.parameters, buffers)
+            if not finite:
+                for b in buffers:
+                    b.zero_()  # weight 0 alone does not keep NaN out of a weighted sum (0 * NaN = NaN)
+        if not finite:
+            self._refuse_local_progress(swarm)
+        weight = float(self.pending_samples) if finite else 0.0
+
+        if num_peers == 1:
+            swarm.skip_averaging()
+            if weight == 0:
+                return self._finish(RoundOutcome(False, "nothing to apply", weight=weight))
+            group_size, reason = 1, "alone"
+        else:
+            metadata = self.round_metadata(swarm)
+            try:
+                gathered = swarm.average(weight)
+            except Exception as e:
+                return self._finish(RoundOutcome(False, f"averaging failed: {e!r}", weight=weight,
+                                                 num_peers=num_peers))
+            group_size, reason = len(gathered), "averaged"
+            if 2 * group_size <= num_peers:
+                return self._finish(RoundOutcome(False, f"no quorum: {group_size} of {num_peers} peers",
+                                                 group_size, weight, num_peers))
+            if not agrees_with_group(metadata, list(gathered.values())):
+                # the group's peers that hold the canonical anchor apply this peer's pseudo-gradient: it reached the
+                # swarm, so only the progress made from now on is kept for the download that follows
+                self.needs_sync = True
+                self.reanchor(swarm)
+                return self._finish(RoundOutcome(False, "this peer's anchor differs from its group's",
+                                                 group_size, weight, num_peers))
+        with swarm.buffers() as buffers:
+            average_finite = all_finite(buffers)
+        if not average_finite:
+            if self.guard is not None:
+                self.guard.note_refusal("refused_updates", "rounds with a non-finite average pseudo-gradient "
+                                        "were not applied")
+            return self._finish(RoundOutcome(False, "non-finite average", group_size, weight, num_peers))
+        swarm.outer_step()
+        self.pending_samples = 0
+        self.rounds_applied += 1
+        self.swarm_writes += 1
+        return self._finish(RoundOutcome(True, reason, group_size, weight, num_peers))
+
+    def _finish(self, outcome: RoundOutcome) -> RoundOutcome:
+        if not outcome.applied:
+            self.rounds_failed += 1
+            logger.warning("collabopt: DiLoCo round not applied (%s); keeping this peer's progress for the next "
+                           "round", outcome.reason)
+        self.last_round = outcome
+        return outcome
+
+    @torch.no_grad()
+    def _refuse_local_progress(self, swarm: RoundSwarm) -> None:
+        """The local pseudo-gradient is not finite: it is not contributed, and this peer restarts from its anchor."""
+        for p, a in zip(swarm.parameters, swarm.anchors, strict=True):
+            p.copy_(a.to(device=p.device, dtype=p.dtype))
+        self.pending_samples = 0
+        self.swarm_writes += 1
+        if self.guard is not None:
+            self.guard.note_refusal("refused_steps", "non-finite pseudo-gradients were not contributed (the peer "
+                                    "restarted from the last round's parameters)")
+
+
+@torch.no_grad()
+def write_pseudo_gradients(anchors: Sequence[torch.Tensor], parameters: Sequence[torch.Tensor],
+                           out: Sequence[torch.Tensor]) -> bool:
+    """``out = anchors - parameters`` (in ``out``'s dtype and device); return whether all of it is finite."""
+    for a, p, o in zip(anchors, parameters, out, strict=True):
+        torch.sub(a.to(o.device, o.dtype), p.detach().to(o.device, o.dtype), out=o)
+    return all_finite(out)
+
+
+@torch.no_grad()
+def fingerprint(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """Sum, sum of magnitudes and sum of squares of ``tensors`` (float64): equal anchors give equal fingerprints
+    (to rounding), different ones practically never do."""
+    total = magnitude = squares = 0.0
+    for t in tensors:
+        t = t.detach().double()
+        total += float(t.sum())
+        magnitude += float(t.abs().sum())
+        squares += float((t * t).sum())
+    return [total, magnitude, squares]
+
+
+def same_fingerprint(a: Sequence[float], b: Sequence[float], tolerance: float = FINGERPRINT_TOLERANCE) -> bool:
+    if len(a) != 3 or len(b) != 3 or not all(math.isfinite(x) for x in (*a, *b)):
+        return False
+    scale = max(abs(a[1]), abs(b[1]), 1e-30)
+    return (abs(a[0] - b[0]) <= tolerance * scale and abs(a[1] - b[1]) <= tolerance * scale
+            and abs(a[2] - b[2]) <= tolerance * max(a[2], b[2], 1e-30))
+
+
+def agrees_with_group(mine: dict[str, Any], group: list[Any]) -> bool:
+    """Whether this peer's anchor is the group's canonical one: the newest epoch, then the anchor most peers of
+    that epoch hold (ties: the smallest fingerprint). Malformed metadata of other peers is ignored."""
+    entries = [(m["epoch"], list(m["anchor"])) for m in group if _valid_metadata(m)]
+    if not entries:
+        return True
+    top = max(epoch for epoch, _ in entries)
+    clusters: list[list[list[float]]] = []
+    for _, anchor in sorted((e for e in entries if e[0] == top), key=lambda e: e[1]):
+        for cluster in clusters:
+            if same_fingerprint(cluster[0], anchor):
+                cluster.append(anchor)
+                break
+        else:
+            clusters.append([anchor])
+    canonical = max(clusters, key=len)[0]  # max() keeps the first of equal sizes: the smallest fingerprint
+    return mine["epoch"] == top and same_fingerprint(mine["anchor"], canonical)
+
+
+def _valid_metadata(metadata: Any) -> bool:
+    return (isinstance(metadata, dict) and isinstance(metadata.get("epoch"), int)
+            and isinstance(metadata.get("anchor"), (list, tuple)) and len(metadata["anchor"]) == 3
+            and all(isinstance(x, float) for x in metadata["anchor"]))
+
+
+__all__ = ["DiLoCo", "INCOMPATIBLE", "OUTER_EXAMPLE", "RoundOutcome", "RoundSwarm", "agrees_with_group",
+           "check_config", "check_outer_optimizer", "fingerprint", "hivemind_arguments", "same_fingerprint",
+           "write_pseudo_gradients"]

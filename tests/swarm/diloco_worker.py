@@ -1,0 +1,123 @@
+"""One DiLoCo peer (``outer_optimizer=``), run as its own OS process by tests/swarm/test_diloco.py.
+
+Usage: ``python diloco_worker.py config.json``. Writes ``<out>.json`` (per round: epoch, whether this peer applied
+the round or downloaded, its weight, the round's group) and ``<out>.pt``: the parameters at the start, after every
+epoch change (``after``), and after the last inner step before it (``before``: the parameters the round averaged).
+
+Config (besides peer_worker.py's run_id, target_batch_size, epochs, batch_sizes, lr, seed, model_seed, wait_peers,
+finish_with, max_seconds, step_sleep): ``outer`` (SGD keyword arguments), ``compression`` ("none" for exact
+averaging), ``fail_round`` (this peer's averaging fails at that round: an injected network fault), ``stop_after``
+(leave after this many rounds, without waiting for anyone).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from peer_worker import at_finish_line, batch_size_sequence, full_loss, make_data, make_model, write_json
+
+from collabopt import CollaborativeOptimizer
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def main(config_path: str) -> None:
+    cfg = json.loads(Path(config_path).read_text())
+    out = cfg["out"]
+    seed = cfg.get("seed", 0)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    x_all, y_all = make_data(cfg.get("data_seed", 0))
+    model = make_model(cfg.get("model_seed", 0), hidden=cfg.get("hidden", 32))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.get("lr", 0.01))
+    options = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], verbose=True, matchmaking_time=2.0, averaging_timeout=30.0,
+                   outer_optimizer=functools.partial(torch.optim.SGD, **cfg.get("outer", dict(
+                       lr=0.7, momentum=0.9, nesterov=True))))
+    if cfg.get("compression") == "none":
+        from hivemind.compression import NoCompression
+
+        options["grad_compression"] = NoCompression()
+    deadline = time.monotonic() + cfg.get("max_seconds", 120)
+    sizes = batch_size_sequence(cfg.get("batch_sizes", [16]), rng)
+    result = {"rounds": [], "samples_fed": 0}
+    params = {"after": {}, "before": {}}
+    last_inner = {}
+    optimizer.register_step_post_hook(lambda *_: last_inner.update(params=snapshot(model)))
+
+    with CollaborativeOptimizer(optimizer, run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"],
+                                model=model, **options) as copt:
+        if cfg.get("fail_round") is not None:
+            inject_failure(copt, cfg["fail_round"])
+        if cfg.get("wait_peers"):
+            assert copt.wait_for_peers(cfg["wait_peers"], timeout=90), "the other peers did not come"
+        params["start"] = snapshot(model)
+        result["start_epoch"] = copt.local_epoch
+        result["start_loss"] = full_loss(model, x_all, y_all)
+        epochs = cfg["epochs"]
+        fed_since_anchor = 0
+        while time.monotonic() < deadline and not at_finish_line(cfg, copt.local_epoch, epochs):
+            if cfg.get("stop_after") is not None and copt.diloco.rounds_applied >= cfg["stop_after"]:
+                break
+            n = next(sizes)
+            idx = torch.randint(0, len(x_all), (n,))
+            F.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
+            result["samples_fed"] += n
+            fed_since_anchor += n
+            before = (copt.local_epoch, copt.diloco.rounds_applied, copt.diloco.resyncs)
+            copt.step()
+            copt.zero_grad()
+            if copt.local_epoch != before[0]:
+                epoch = copt.local_epoch
+                params["after"][epoch] = snapshot(model)
+                params["before"][epoch] = last_inner["params"]
+                applied = copt.diloco.rounds_applied != before[1]
+                last = copt.diloco.last_round
+                result["rounds"].append(dict(
+                    epoch=epoch, applied=applied, resynced=copt.diloco.resyncs != before[2],
+                    weight=last.weight if applied else None, group_size=last.group_size if applied else None,
+                    fed_since_anchor=fed_since_anchor, reason=last.reason if last is not None else None))
+                if applied:
+                    fed_since_anchor = 0
+                write_json(out + ".progress", {"epoch": epoch})
+            time.sleep(cfg.get("step_sleep", 0.02))
+        result.update(final_epoch=copt.local_epoch, final_loss=full_loss(model, x_all, y_all),
+                      rounds_applied=copt.diloco.rounds_applied, rounds_failed=copt.diloco.rounds_failed,
+                      resyncs=copt.diloco.resyncs, samples_reported=copt.samples_reported,
+                      nonfinite_steps=copt.nonfinite_steps)
+        params["final"] = snapshot(model)
+        torch.save(params, out + ".pt")
+    write_json(out + ".json", result)
+
+
+def inject_failure(copt: CollaborativeOptimizer, round_index: int) -> None:
+    """This peer misses round ``round_index`` as if its connection failed then: it does not look for a group, and its
+    averaging fails after the others had time to average without it."""
+    swarm = copt.hivemind_optimizer
+    average, schedule = swarm.average, swarm._maybe_schedule_gradient_averaging
+    failed = []
+
+    def in_failing_round() -> bool:
+        return swarm.local_epoch + 1 == round_index and not failed
+
+    def failing_average(weight: float):
+        if not in_failing_round():
+            return average(weight)
+        failed.append(True)
+        swarm.skip_averaging()
+        time.sleep(swarm.matchmaking_time + 1.0)  # the others' round happens meanwhile
+        raise ConnectionError("injected: this peer's connection failed during the round")
+
+    swarm.average = failing_average
+    swarm._maybe_schedule_gradient_averaging = lambda: None if in_failing_round() else schedule()
+
+if __name__ == "__main__":
+    main(sys.argv[1])

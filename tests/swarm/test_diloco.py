@@ -1,0 +1,143 @@
+"""DiLoCo mode (``outer_optimizer=``) on real swarms: peers are OS processes (diloco_worker.py) on loopback.
+
+What is checked: after every round all peers hold the same parameters and between rounds they differ; one run's
+rounds are the DiLoCo update computed by plain torch from the parameters the peers recorded; a peer whose round
+failed keeps its local progress, re-synchronizes by state download and is equal to the others at the next round.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import Process, child_env, finish, finish_line, read_params, read_result, unique_run_id
+
+pytestmark = pytest.mark.swarm
+WORKER = Path(__file__).resolve().parent / "diloco_worker.py"
+EQUAL = 1e-6  # the issue's bound; every peer of a round receives the same averaged values
+
+
+def start(tmp_path: Path, name: str, config: dict, initial_peers: str) -> Process:
+    import json
+
+    config = dict(config, out=str(tmp_path / name))
+    path = tmp_path / f"{name}.config.json"
+    path.write_text(json.dumps(config))
+    return Process([sys.executable, str(WORKER), str(path)], tmp_path / f"{name}.log",
+                   env=child_env(INITIAL_PEERS=initial_peers))
+
+
+def run_swarm(tmp_path: Path, bootstrap: str, configs: dict[str, dict], timeout: float = 150) -> tuple[dict, dict]:
+    procs = {name: start(tmp_path, name, config, bootstrap) for name, config in configs.items()}
+    finish(procs, timeout=timeout)
+    return ({name: read_result(tmp_path, name) for name in configs},
+            {name: read_params(tmp_path, name) for name in configs})
+
+
+def diff(a: dict, b: dict) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def rounds_by_epoch(result: dict) -> dict[int, dict]:
+    return {r["epoch"]: r for r in result["rounds"]}
+
+
+def peers(run_id: str, names_and_batches: dict[str, list[int]], epochs: int, **extra) -> dict[str, dict]:
+    return {name: dict(run_id=run_id, target_batch_size=256, epochs=epochs, batch_sizes=batches, seed=i,
+                       model_seed=0, wait_peers=len(names_and_batches), max_seconds=120, **extra)
+            for i, (name, batches) in enumerate(names_and_batches.items())}
+
+
+def test_three_peers_with_different_batch_sizes_are_equal_after_every_round(tmp_path, bootstrap):
+    names = {"a": [8], "b": [16], "c": [24]}
+    configs = peers(unique_run_id("diloco3"), names, epochs=4)
+    for name in configs:
+        configs[name]["finish_with"] = finish_line(tmp_path, *(n for n in names if n != name))
+    results, params = run_swarm(tmp_path, bootstrap, configs)
+
+    for epoch in range(1, 5):
+        rounds = {name: rounds_by_epoch(results[name])[epoch] for name in names}
+        assert all(r["applied"] and r["group_size"] == 3 for r in rounds.values()), rounds
+        after = {name: params[name]["after"][epoch] for name in names}
+        before = {name: params[name]["before"][epoch] for name in names}
+        for x, y in (("a", "b"), ("a", "c"), ("b", "c")):
+            assert diff(after[x], after[y]) <= EQUAL, (epoch, x, y)
+            assert diff(before[x], before[y]) > 1e-3, (epoch, x, y)  # local steps between rounds
+        previous = params["a"]["after"].get(epoch - 1, params["a"]["start"])
+        assert diff(after["a"], previous) > 1e-3  # the round moved the parameters
+    for name in names:  # every sample since the last round counted in each round's weight
+        for r in results[name]["rounds"]:
+            if r["applied"]:
+                assert r["weight"] == r["fed_since_anchor"], (name, r)
+        assert results[name]["final_loss"] < results[name]["start_loss"]
+
+
+def reference_rounds(start: dict, before: dict[str, dict], weights: dict[str, dict], epochs: list[int],
+                     outer: dict) -> dict[int, dict]:
+    """The DiLoCo rounds in plain torch: average of (anchor - parameters) weighted by samples, then the outer
+    optimizer (SGD with Nesterov momentum, state kept across rounds) steps from the anchor."""
+    names = list(before)
+    anchor = {k: torch.nn.Parameter(v.clone().double()) for k, v in start.items()}
+    opt = torch.optim.SGD(list(anchor.values()), **outer)
+    out = {}
+    for epoch in epochs:
+        total = sum(weights[n][epoch] for n in names)
+        for k, a in anchor.items():
+            a.grad = sum(weights[n][epoch] * (a.detach() - before[n][epoch][k].double()) for n in names) / total
+        opt.step()
+        out[epoch] = {k: a.detach().clone() for k, a in anchor.items()}
+    return out
+
+
+def test_rounds_reproduce_the_diloco_update_in_plain_torch(tmp_path, bootstrap):
+    names = {"a": [8, 40], "b": [16]}  # a trains on 1.5x the samples of b per step
+    outer = dict(lr=0.7, momentum=0.9, nesterov=True)
+    configs = peers(unique_run_id("diloco_ref"), names, epochs=3, compression="none", outer=outer)
+    for name in configs:
+        configs[name]["finish_with"] = finish_line(tmp_path, *(n for n in names if n != name))
+    results, params = run_swarm(tmp_path, bootstrap, configs)
+
+    epochs = [1, 2, 3]
+    rounds = {name: rounds_by_epoch(results[name]) for name in names}
+    assert all(rounds[n][e]["applied"] and rounds[n][e]["group_size"] == 2 for n in names for e in epochs), rounds
+    assert diff(params["a"]["start"], params["b"]["start"]) == 0.0
+    weights = {n: {e: rounds[n][e]["weight"] for e in epochs} for n in names}
+    assert weights["a"][1] != weights["b"][1] or weights["a"][2] != weights["b"][2]  # a real weighted average
+    expected = reference_rounds(params["a"]["start"], {n: params[n]["before"] for n in names}, weights, epochs,
+                                outer)
+    for epoch in epochs:
+        for name in names:
+            assert diff(params[name]["after"][epoch], expected[epoch]) <= EQUAL, (epoch, name)
+
+
+def test_a_peer_that_misses_a_round_keeps_its_progress_and_resyncs(tmp_path, bootstrap):
+    names = {"a": [8], "b": [16], "c": [24]}
+    configs = peers(unique_run_id("diloco_fault"), names, epochs=5)
+    configs["c"]["fail_round"] = 2
+    for name in configs:
+        configs[name]["finish_with"] = finish_line(tmp_path, *(n for n in names if n != name))
+    results, params = run_swarm(tmp_path, bootstrap, configs)
+
+    rounds = {name: rounds_by_epoch(results[name]) for name in names}
+    # C missed round 2 (the others applied it, maybe the next one too, while C's averaging failed), then
+    # downloaded the swarm's state at epoch `caught_up`
+    assert not rounds["c"].get(2, {}).get("applied", False), rounds["c"]
+    caught_up = min(e for e, r in rounds["c"].items() if r["resynced"])
+    assert caught_up >= 2 and not rounds["c"][caught_up]["applied"]
+    assert rounds["a"][2]["applied"] and rounds["a"][2]["group_size"] == 2
+    # C's parameters after the download: the swarm's anchor plus C's own progress since its old anchor (epoch 1)
+    anchor_old, anchor_new = params["c"]["after"][1], params["a"]["after"][caught_up]
+    kept = {k: anchor_new[k] + params["c"]["before"][caught_up][k] - anchor_old[k] for k in anchor_new}
+    assert diff(params["c"]["after"][caught_up], kept) <= EQUAL
+    assert diff(params["c"]["before"][caught_up], anchor_old) > 1e-3  # there was progress to keep
+    # the next round: everyone again, equal; C's weight counts every sample since its last round (before the fault)
+    following = caught_up + 1
+    for name in names:
+        assert rounds[name][following]["applied"] and rounds[name][following]["group_size"] == 3
+        assert diff(params[name]["after"][following], params["a"]["after"][following]) <= EQUAL
+        for r in results[name]["rounds"]:
+            if r["applied"]:
+                assert r["weight"] == r["fed_since_anchor"], (name, r)
+    assert results["c"]["rounds_failed"] >= 1 and results["c"]["resyncs"] >= 1
