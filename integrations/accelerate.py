@@ -43,7 +43,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer, move_to_device
 from accelerate.utils import DistributedType
 
-from collabopt.config import option_names
+from collabopt.config import CollabConfig, option_names
 from collabopt.errors import ConfigurationError
 from collabopt.interface import SwarmOptimizer
 from collabopt.node import collaborative_optimizer
@@ -118,6 +118,8 @@ class CollaborativeAccelerator(Accelerator):
             )
         self.collab_options: dict[str, Any] = dict(run_id=run_id, target_batch_size=target_batch_size,
                                                    **collab_kwargs)
+        # every option is checked now (e.g. outer_optimizer), not when prepare() builds the optimizer
+        CollabConfig.from_options(**{k: v for k, v in self.collab_options.items() if k in option_names()})
         self.log_swarm_metrics = log_swarm_metrics
         self.collaborative_optimizer: SwarmOptimizer | None = None
 

@@ -1,0 +1,261 @@
+"""DiLoCo mode without a swarm: what ``outer_optimizer=`` refuses before any network starts (core and adapters),
+and the round logic of collabopt/diloco.py on an in-process stand-in for the swarm."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+from collabopt.integrations.pytorch import collaborate
+
+import collabopt.optimizer as optimizer_module
+import collabopt.swarm as swarm_module
+from collabopt import CollabConfig, CollaborativeOptimizer, ConfigurationError
+from collabopt.diloco import INCOMPATIBLE, DiLoCo, agrees_with_group, fingerprint
+from collabopt.guard import NonFiniteGuard
+
+OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+SWARM = dict(run_id="unit_diloco", target_batch_size=64)
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a DHT or peer was started although the configuration is invalid")
+
+    monkeypatch.setattr(swarm_module, "start_dht", forbidden)
+    monkeypatch.setattr(optimizer_module, "HivemindPeer", forbidden)
+    monkeypatch.setattr(optimizer_module, "DiLoCoPeer", forbidden)
+
+
+def model_and_opt():
+    model = torch.nn.Linear(3, 2)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def raising_factory(params):
+    raise TypeError("no lr given")
+
+
+BAD_OUTER = [
+    ("not callable", 0.7, "must be a callable"),
+    ("an optimizer instance", torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.7), "must be a callable"),
+    ("raises", raising_factory, "no lr given"),
+    ("returns no optimizer", lambda params: "sgd", "returned str"),
+]
+
+
+@pytest.mark.parametrize(("case", "outer", "text"), BAD_OUTER, ids=[c[0] for c in BAD_OUTER])
+def test_bad_outer_optimizer_is_refused_before_any_network(no_network, case, outer, text):
+    model, opt = model_and_opt()
+    for build in (lambda: CollaborativeOptimizer(opt, outer_optimizer=outer, **SWARM),
+                  lambda: collaborate(model, opt, outer_optimizer=outer, **SWARM)):
+        with pytest.raises(ConfigurationError) as info:
+            build()
+        assert info.value.parameter == "outer_optimizer" and text in str(info.value)
+        assert "torch.optim.SGD, lr=0.7" in info.value.fix
+
+
+@pytest.mark.parametrize("name", sorted(INCOMPATIBLE))
+def test_options_without_meaning_in_diloco_mode_are_refused(no_network, name):
+    model, opt = model_and_opt()
+    options = {name: True}
+    if name in ("delay_optimizer_step", "delay_grad_averaging"):  # refused on their own before DiLoCo's check
+        options.update(offload_optimizer=True, delay_optimizer_step=True, delay_state_averaging=True)
+    with pytest.raises(ConfigurationError) as info:
+        CollaborativeOptimizer(opt, outer_optimizer=OUTER, **SWARM, **options)
+    assert "outer_optimizer" in str(info.value)
+
+
+def test_hivemind_options_and_factory_without_meaning_are_refused(no_network):
+    model, opt = model_and_opt()
+    with pytest.raises(ConfigurationError, match="grad_averager_factory"):
+        CollaborativeOptimizer(opt, outer_optimizer=OUTER, grad_averager_factory=object, **SWARM)
+    with pytest.raises(ConfigurationError, match="average_opt_statistics"):
+        CollaborativeOptimizer(opt, outer_optimizer=OUTER, average_opt_statistics=("exp_avg",), **SWARM)
+    with pytest.raises(ConfigurationError, match="optimizer_factory"):
+        CollaborativeOptimizer(opt, outer_optimizer=OUTER, optimizer_factory=OUTER, **SWARM)
+
+
+def test_a_good_outer_optimizer_is_accepted():
+    config = CollabConfig.from_options(outer_optimizer=OUTER, **SWARM)
+    assert config.outer_optimizer is OUTER
+    assert CollabConfig.from_options(**SWARM).outer_optimizer is None
+
+
+def test_adapters_refuse_a_bad_outer_optimizer_at_construction():
+    from collabopt.integrations.accelerate import CollaborativeAccelerator
+    from collabopt.integrations.lightning import CollaborativeStrategy
+
+    with pytest.raises(ConfigurationError, match="outer_optimizer"):
+        CollaborativeStrategy(target_batch_size=64, outer_optimizer="sgd")
+    with pytest.raises(ConfigurationError, match="reuse_grad_buffers"):
+        CollaborativeStrategy(target_batch_size=64, outer_optimizer=OUTER, reuse_grad_buffers=True)
+    with pytest.raises(ConfigurationError, match="outer_optimizer"):
+        CollaborativeAccelerator(cpu=True, outer_optimizer=3, **SWARM)
+    CollaborativeStrategy(target_batch_size=64, outer_optimizer=OUTER)  # accepted
+
+
+# ---------------------------------------------------------------------------------------------- the round logic
+
+
+class FakeSwarm:
+    """A :class:`collabopt.diloco.RoundSwarm` in memory: ``average`` replaces the buffers by what the group
+    averaged (``others``: (weight, pseudo-gradient) of the other peers) and returns the gathered metadata."""
+
+    def __init__(self, model: torch.nn.Module, num_peers: int = 1):
+        self.parameters = list(model.parameters())
+        self.anchors = [p.detach().clone() for p in self.parameters]
+        self._buffers = [torch.zeros_like(p) for p in self.parameters]
+        self.outer = OUTER(self.anchors_as_params())
+        self.num_peers = num_peers
+        self.local_epoch = 0
+        self.others: list[tuple[float, list[torch.Tensor]]] = []
+        self.other_metadata: list[dict] = []
+        self.fail: Exception | None = None
+        self.skipped = 0
+
+    def anchors_as_params(self):
+        self.anchors = [torch.nn.Parameter(a) for a in self.anchors]
+        return self.anchors
+
+    @contextlib.contextmanager
+    def buffers(self):
+        yield self._buffers
+
+    def average(self, weight: float) -> dict:
+        if self.fail is not None:
+            raise self.fail
+        total = weight + sum(w for w, _ in self.others)
+        for i, b in enumerate(self._buffers):
+            b.copy_((weight * b + sum(w * g[i] for w, g in self.others)) / total)
+        mine = {"epoch": self.local_epoch, "anchor": fingerprint(self.anchors)}
+        metadata = [mine] + (self.other_metadata or [mine] * len(self.others))
+        return {f"peer{i}": m for i, m in enumerate(metadata)}
+
+    def skip_averaging(self) -> None:
+        self.skipped += 1
+
+    @torch.no_grad()
+    def outer_step(self) -> None:
+        for a, b in zip(self.anchors, self._buffers, strict=True):
+            a.grad = b.clone()
+        self.outer.step()
+        for p, a in zip(self.parameters, self.anchors, strict=True):
+            p.copy_(a)
+        self.local_epoch += 1
+
+    @torch.no_grad()
+    def reanchor(self) -> None:
+        for a, p in zip(self.anchors, self.parameters, strict=True):
+            a.copy_(p)
+
+
+def trained(num_peers: int = 1, steps: int = 3, guard: NonFiniteGuard | None = None):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+    diloco, swarm = DiLoCo(inner, guard), FakeSwarm(model, num_peers)
+    for _ in range(steps):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        diloco.inner_step(8)
+        inner.zero_grad()
+    return model, diloco, swarm
+
+
+def test_alone_the_outer_optimizer_steps_from_the_anchor_with_the_pseudo_gradient():
+    model, diloco, swarm = trained()
+    anchor = [a.detach().clone() for a in swarm.anchors]
+    pseudo = [a - p.detach() for a, p in zip(anchor, model.parameters(), strict=True)]
+    outcome = diloco.run_round(swarm)
+    assert outcome.applied and outcome.reason == "alone" and outcome.weight == 24 and swarm.skipped == 1
+    reference = [torch.nn.Parameter(a.clone()) for a in anchor]
+    ref_opt = OUTER(reference)
+    for r, g in zip(reference, pseudo, strict=True):
+        r.grad = g
+    ref_opt.step()
+    assert all(torch.equal(p, r) for p, r in zip(model.parameters(), reference, strict=True))
+    assert diloco.pending_samples == 0 and diloco.rounds_applied == 1
+
+
+def test_the_average_is_weighted_by_samples():
+    model, diloco, swarm = trained(num_peers=2)
+    mine = [a - p.detach() for a, p in zip(swarm.anchors, model.parameters(), strict=True)]
+    other = [torch.ones_like(g) for g in mine]
+    swarm.others = [(8.0, other)]
+    outcome = diloco.run_round(swarm)
+    assert outcome.applied and outcome.group_size == 2 and outcome.weight == 24
+    with swarm.buffers() as buffers:
+        for b, m, o in zip(buffers, mine, other, strict=True):
+            torch.testing.assert_close(b, (24 * m + 8 * o) / 32)
+
+
+@pytest.mark.parametrize("case", ["averaging fails", "no quorum", "non-finite average"])
+def test_a_round_that_cannot_be_applied_keeps_the_local_progress(case):
+    guard = NonFiniteGuard()
+    model, diloco, swarm = trained(num_peers=3, guard=guard)
+    before = [p.detach().clone() for p in model.parameters()]
+    anchor = [a.detach().clone() for a in swarm.anchors]
+    if case == "averaging fails":
+        swarm.fail = ConnectionError("peer gone")
+    elif case == "no quorum":
+        swarm.others = []  # a group of 1 among 3 peers
+    else:
+        swarm.others = [(8.0, [torch.full_like(p, float("nan")) for p in before]), (8.0, before)]
+    outcome = diloco.run_round(swarm)
+    assert not outcome.applied and swarm.local_epoch == 0
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(swarm.anchors, anchor, strict=True))
+    assert diloco.pending_samples == 24 and diloco.rounds_failed == 1 and not diloco.needs_sync
+    assert guard.refused_updates == (1 if case == "non-finite average" else 0)
+
+
+def test_a_peer_whose_anchor_differs_from_its_group_resyncs_without_counting_its_progress_twice():
+    model, diloco, swarm = trained(num_peers=3)
+    other_anchor = {"epoch": 0, "anchor": fingerprint([a + 1 for a in swarm.anchors])}
+    swarm.others = [(8.0, [torch.zeros_like(p) for p in swarm.parameters])] * 2
+    swarm.other_metadata = [other_anchor, other_anchor]
+    outcome = diloco.run_round(swarm)
+    assert not outcome.applied and diloco.needs_sync
+    # its progress reached the group (that applies it): from now on only new progress is kept for the download
+    assert diloco.pending_samples == 0
+    assert all(torch.equal(a, p) for a, p in zip(swarm.anchors, model.parameters(), strict=True))
+
+
+def test_a_non_finite_local_pseudo_gradient_is_not_contributed():
+    guard = NonFiniteGuard()
+    model, diloco, swarm = trained(num_peers=2, guard=guard)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("inf")
+    other = [torch.ones_like(p) for p in swarm.parameters]
+    swarm.others = [(8.0, other)]
+    outcome = diloco.run_round(swarm)
+    assert outcome.applied and outcome.weight == 0.0 and guard.refused_steps == 1
+    with swarm.buffers() as buffers:  # the average is the other peer's alone: nothing of this peer's NaN
+        assert all(torch.equal(b, o) for b, o in zip(buffers, other, strict=True))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_local_progress_survives_a_state_download():
+    model, diloco, swarm = trained()
+    progress = diloco.local_progress(swarm)
+    with torch.no_grad():
+        for a in swarm.anchors:
+            a.add_(0.5)  # the downloaded anchor
+    diloco.restore_progress(swarm, progress)
+    for p, a, d in zip(model.parameters(), swarm.anchors, progress, strict=True):
+        torch.testing.assert_close(p.detach(), a.detach() + d)
+
+
+def test_the_canonical_anchor_is_the_newest_epoch_then_the_majority():
+    x, y, z = [1.0, 2.0, 3.0], [1.5, 2.0, 3.0], [9.0, 9.0, 9.0]
+    e = lambda epoch, fp: {"epoch": epoch, "anchor": fp}  # noqa: E731
+    assert agrees_with_group(e(3, x), [e(3, x), e(3, x), e(3, y)])
+    assert not agrees_with_group(e(3, y), [e(3, x), e(3, x), e(3, y)])
+    assert not agrees_with_group(e(2, z), [e(2, z), e(2, z), e(3, x)])  # behind: the newest epoch wins
+    assert agrees_with_group(e(3, x), [e(3, x), e(3, y)])  # a tie: the smaller fingerprint
+    assert not agrees_with_group(e(3, y), [e(3, x), e(3, y)])
+    assert agrees_with_group(e(3, x), [e(3, x), "garbage", {"epoch": "3"}])
+    assert agrees_with_group(e(3, [1.0, 2.0, 3.0 + 1e-9]), [e(3, x), e(3, x)])  # rounding is the same anchor
