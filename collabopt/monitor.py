@@ -91,9 +91,10 @@ class SwarmMonitor:
                 self._rejected[kind, reason] += 1
             self._bad_responses += records.bad_responses
             for owner in set(records.progress) | set(records.metrics):
-                progress = records.progress.get(owner, (None, 0.0))[0]
-                metrics = records.metrics.get(owner, (None, 0.0))[0]
-                self._update_peer(_owner_id(owner), progress, metrics, dht_now)
+                progress, progress_expires = records.progress.get(owner, (None, 0.0))
+                metrics, metrics_expires = records.metrics.get(owner, (None, 0.0))
+                self._update_peer(_owner_id(owner), progress, metrics, max(progress_expires, metrics_expires),
+                                  dht_now)
             for peer_id in [p for p, row in self._peers.items() if dht_now - row["seen"] > FORGET_AFTER]:
                 del self._peers[peer_id]
             rows = [self._row(peer_id, row, dht_now) for peer_id, row in self._peers.items()]
@@ -101,8 +102,10 @@ class SwarmMonitor:
             self._state = self._build(rows, now, records.sources, self._reads)
             return self._state
 
-    def _update_peer(self, peer_key: str, progress: dict | None, metrics: dict | None, now: float) -> None:
+    def _update_peer(self, peer_key: str, progress: dict | None, metrics: dict | None, expires: float,
+                     now: float) -> None:
         row = self._peers.setdefault(peer_key, dict(progress=None, metrics=None, seen=now, left=False))
+        row["expires"] = expires
         if progress is None and metrics is None:
             row["left"] = True  # both withdrawn: it closed cleanly
             return
@@ -135,6 +138,8 @@ class SwarmMonitor:
             nonfinite_losses=int(metrics["nonfinite_losses"]) if metrics else None,
             target_batch_size=int(metrics["target_batch_size"]) if metrics else None,
             last_seen=last_seen,
+            updated=float(source.get("time", row["seen"])),
+            expires_at=row.get("expires"),
             live=not row["left"] and last_seen <= stale_after,
             left=row["left"],
             reachability="client" if client else "relayed" if relayed else "reachable",
