@@ -26,6 +26,7 @@ What changes under the hood:
 * the prepared optimizer shows the swarm's state: ``optimizer.local_epoch``, ``optimizer.num_peers``,
   ``optimizer.metrics()``, ...
 * ``accelerator.log(values)`` adds the swarm's metrics (``swarm/num_peers``, ``swarm/local_epoch``, ...).
+* the loss passed to ``accelerator.backward(loss)`` is reported to the swarm's monitor (``collabopt monitor``).
 * ``accelerator.end_training()`` (or process exit) leaves the swarm.
 
 Refused with a :class:`~collabopt.ConfigurationError`: DeepSpeed, FSDP, Megatron-LM and XLA (they shard or own
@@ -195,6 +196,14 @@ class CollaborativeAccelerator(Accelerator):
         if self.log_swarm_metrics:
             values = {**{f"swarm/{k}": v for k, v in self.swarm_metrics().items()}, **values}
         super().log(values, step=step, log_kwargs=log_kwargs)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``Accelerator.backward``; the loss also goes to the swarm's monitor (``report_loss``: published in this
+        peer's metrics record, see ``collabopt monitor``)."""
+        super().backward(loss, **kwargs)
+        copt = self.collaborative_optimizer
+        if copt is not None and not copt.closed and isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            copt.report_loss(loss)
 
     def end_training(self) -> None:
         """Leave the swarm (every rank), then finish trackers and the process group as Accelerate does."""

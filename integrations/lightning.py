@@ -13,7 +13,8 @@ change the import. It is a thin adapter over :class:`collabopt.CollaborativeOpti
   (see :mod:`collabopt.node`);
 * checkpoints hold the collaborative optimizer state (optimizer statistics, scheduler, local epoch), restored by
   ``Trainer.fit(ckpt_path=...)``;
-* swarm metrics (``swarm/peers``, ``swarm/epoch``, ``swarm/samples_per_s``) go to the progress bar and loggers.
+* swarm metrics (``swarm/peers``, ``swarm/epoch``, ``swarm/samples_per_s``) go to the progress bar and loggers;
+  the loss ``training_step`` returns goes to the swarm's monitor (``collabopt monitor``).
 
 Example::
 
@@ -26,7 +27,7 @@ Example::
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -370,6 +371,9 @@ class CollaborativeStrategy(DDPStrategy):
         if self._copt is not None and output is not None:  # None: the user skipped this batch
             batch = args[0] if args else kwargs.get("batch")
             self._pending_samples += self._samples_in(batch)
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                self._copt.report_loss(loss)  # for the swarm's monitor (collabopt monitor)
         return output
 
     def optimizer_step(
