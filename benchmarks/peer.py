@@ -10,6 +10,7 @@ Usage: ``python -m benchmarks.peer config.json``; writes ``config['out']`` (JSON
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -61,6 +62,68 @@ def instrument_averaging(grad_averager: Any, events: list[dict[str, Any]]) -> No
     grad_averager.step = step
 
 
+STATUS_PREFIXES = (
+    # hivemind's status lines (logged at INFO with verbose=True) that mark a peer's way through an epoch boundary
+    "Pre-scheduling gradient", "Pre-scheduling state", "Beginning optimizer step", "Averaged gradients",
+    "Averaging gradients failed", "Skipped averaging", "Proceeding with local gradients", "Tagging along",
+    "Averaged parameters", "Finished averaging round", "Received parameters", "Transitioning to epoch",
+    "Peer is out of sync", "Not using pre-scheduled",
+)
+
+
+class StatusRecorder(logging.Handler):
+    """Keeps (wall time, message) of hivemind's status lines (see :data:`STATUS_PREFIXES`) and of its progress
+    tracker's fetches ("... accumulated N samples for epoch #E from P peers. ETA ...")."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.events: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(STATUS_PREFIXES) or " samples for epoch #" in message:
+            self.events.append((record.created, message[:200]))
+
+
+def record_status() -> StatusRecorder:
+    """Capture hivemind's INFO status lines in this process (the optimizer must be built with verbose=True)."""
+    recorder = StatusRecorder()
+    hivemind_logger = logging.getLogger("hivemind")
+    hivemind_logger.setLevel(logging.INFO)
+    hivemind_logger.addHandler(recorder)
+    return recorder
+
+
+def tree_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and its children (hivemind's averagers, the DHT's daemons)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:  # a child that just ended
+            pass
+    return total
+
+
+def apply_experiments(hm: Any, names: list[str]) -> None:
+    """Changes to hivemind's behaviour tried out by B5 before they are proposed for the core (by name).
+
+    - ``prescheduled_state``: hivemind 1.1.12 pre-schedules the parameter-averaging round only once it has timed one
+      pre-scheduled round (``delay_before_state_averaging.num_updates > 0``), and it times only pre-scheduled
+      rounds, so it never does: every foreground state round starts its matchmaking at the boundary. A first
+      estimate of 0 s lets the first round be pre-scheduled; hivemind then times the rounds itself.
+    """
+    for name in names:
+        if name == "prescheduled_state":
+            hm.delay_before_state_averaging.update(task_size=1, interval=0.0)
+        else:
+            raise ValueError(f"unknown experiment {name!r}")
+
+
 def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
     warnings.filterwarnings("ignore")
@@ -76,6 +139,12 @@ def main(config_path: str) -> None:
     fake_grads = None if real else [torch.randn(p.shape, generator=g) * 1e-3 for p in model.parameters()]
     options = dict(cfg.get("options", {}))
     options.update(compression_options(cfg.get("compression"), cfg.get("powersgd_rank", 32)))
+    status = None
+    if cfg.get("record_status"):
+        import hivemind  # noqa: F401  (sets up hivemind's loggers first)
+
+        status = record_status()
+        options["verbose"] = True
     host = cfg.get("host", "127.0.0.1")
     impl = cfg["impl"]
     common = dict(run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"],
@@ -103,6 +172,7 @@ def main(config_path: str) -> None:
             else torch.optim.SGD(model.parameters(), lr=1e-3),
             params=model.parameters() if needs_factory else None, **common,
         )
+    apply_experiments(hm, cfg.get("experiments", []))
     ready_at = time.time()
     if cfg.get("ready_file"):  # start together: the runner creates go_file once every peer is ready
         Path(cfg["ready_file"]).touch()
@@ -118,12 +188,14 @@ def main(config_path: str) -> None:
     deadline = time.monotonic() + cfg.get("max_seconds", 300)
     warmup_epochs = cfg.get("warmup_epochs", 1)
     window: list[float] = []  # wall times [start, end] of the measured window
+    cpu: list[float] = []  # CPU seconds of this process tree at the window's start and end
     linger_until = None
     params = list(model.parameters())
 
     def record(**extra: Any) -> dict[str, Any]:
         return dict(impl=impl, launched=cfg.get("launched"), ready=ready_at, created=created, steps=steps,
-                    epochs=epochs, averaging=events, window=window,
+                    epochs=epochs, averaging=events, window=window, cpu=cpu,
+                    status=status.events if status is not None else [],
                     num_peers=hm.tracker.global_progress.num_peers, final_epoch=hm.local_epoch,
                     grad_bytes=sum(p.numel() * p.element_size() for p in params), **extra)
 
@@ -151,8 +223,10 @@ def main(config_path: str) -> None:
                 epochs.append((t1, hm.local_epoch))
                 if not window and hm.local_epoch >= warmup_epochs:
                     window.append(t1)
+                    cpu.append(tree_cpu_seconds())
             if window and linger_until is None and t1 >= window[0] + cfg["measure_seconds"]:
                 window.append(t1)
+                cpu.append(tree_cpu_seconds())
                 # results now; keep stepping a little so that peers whose window ends later are not left alone
                 write_json(cfg["out"], record())
                 linger_until = time.monotonic() + cfg.get("linger_seconds", 5.0)

@@ -3,6 +3,7 @@
     python -m benchmarks.run                 # everything (about 20 minutes on 2 cores; B3 needs root + iproute2)
     python -m benchmarks.run --only b2,b4    # a subset
     python -m benchmarks.run --quick         # tiny sizes: checks the harness, the figures mean little
+    python -m benchmarks.run --only b5       # idle time at epoch boundaries (about 20 minutes)
 
 Every figure is a ratio against a baseline measured in the same run (interleaved where possible), so that the
 noise of a shared machine cancels as far as it can. See the README section "Benchmarks".
@@ -21,12 +22,14 @@ from typing import Any
 from benchmarks.common import ROOT, machine_info, run_module
 
 RESULTS = ROOT / "benchmarks" / "results"
-GOALS = {"b1": 0.99, "b2": 1.02, "b3_bound": 0.9, "b3_util": 0.95}
+GOALS = {"b1": 0.99, "b2": 1.02, "b3_bound": 0.9, "b3_util": 0.95, "b5_idle": 0.05}
+BENCHMARKS = ("b1", "b2", "b3", "b4", "b5")
 
 MLP = dict(width=1024, in_dim=256)
 FULL: dict[str, Any] = {
-    "b1": dict(params=1_000_000, width=512, in_dim=256, batch=32, epoch_seconds=4, warmup_epochs=1,
-               matchmaking_time=2.0, rounds=3, measure_seconds=12, max_seconds=120),
+    "b1": dict(params=1_000_000, width=512, in_dim=256, batch=32, compute_seconds=0.05, epoch_seconds=8,
+               matchmaking_time=2.0, averaging_timeout=30.0, warmup_epochs=1, rounds_per_session=6, sessions=2,
+               max_seconds=200),
     "b2": dict(params=6_000_000, **MLP, batch=32, steps_per_epoch=64, rounds=10,
                matchmaking_time=5.0),
     "b4": dict(params=6_000_000, **MLP, batch=32, steps_per_epoch=4, epochs=2, matchmaking_time=5.0),
@@ -37,20 +40,30 @@ FULL: dict[str, Any] = {
                + [dict(peers=4, mbit=mbit, params=2_000_000, variant=variant)
                   for mbit in (100, 20)
                   for variant in ("no overlap", "overlap", "overlap + fp16", "overlap + 8-bit", "overlap + PowerSGD")]),
+    # B5: epochs of about 4x and 8x matchmaking_time (hivemind's and collabopt's default 5 s), 3 and 4 peers
+    "b5": dict(params=2_000_000, width=512, in_dim=256, batch=32, compute_seconds=0.1, matchmaking_time=5.0,
+               averaging_timeout=60.0, warmup_epochs=1, measure_epochs=3, max_seconds=300,
+               cases=[dict(peers=peers, variant=variant, epoch_factor=factor)
+                      for factor in (4, 8) for peers in (3, 4)
+                      for variant in ("default", "delay_state_averaging", "overlap")]),
 }
 QUICK: dict[str, Any] = {
-    "b1": dict(FULL["b1"], params=200_000, width=256, rounds=1, epoch_seconds=2, measure_seconds=4, max_seconds=60),
+    "b1": dict(FULL["b1"], params=100_000, width=256, epoch_seconds=3, matchmaking_time=1.0, rounds_per_session=2,
+               sessions=1, max_seconds=60),
     "b2": dict(FULL["b2"], params=300_000, width=256, steps_per_epoch=16, rounds=2,
                variants=["plain torch", "collabopt", "collabopt reuse"]),
     "b4": dict(FULL["b4"], params=300_000, width=256, epochs=1, modes=["plain torch", "none", "reuse"]),
     "b3": dict(FULL["b3"], compute_seconds=0.05, steps_per_epoch=30, warmup_epochs=1, measure_seconds=4,
                max_seconds=60, cases=[dict(peers=2, mbit=100, params=200_000, variant="no overlap")]),
+    "b5": dict(FULL["b5"], params=100_000, width=256, compute_seconds=0.05, matchmaking_time=1.0, measure_epochs=2,
+               max_seconds=90,
+               cases=[dict(peers=3, variant=variant, epoch_factor=4) for variant in ("default", "overlap")]),
 }
 
 
 def run_all(which: list[str], quick: bool, workdir: Path, log: Any = print) -> dict[str, Any]:
     """Run the selected benchmarks; return everything the report needs."""
-    from benchmarks import overhead, wan
+    from benchmarks import boundary, overhead, wan
 
     cfg = QUICK if quick else FULL
     results: dict[str, Any] = {"machine": machine_info(), "quick": quick, "config": {k: cfg[k] for k in which}}
@@ -66,6 +79,8 @@ def run_all(which: list[str], quick: bool, workdir: Path, log: Any = print) -> d
                 results[name] = wan.run(cfg[name], workdir, log=log)
             elif name == "b4":
                 results[name] = run_module("benchmarks.memory", cfg[name], workdir, timeout=600, name="b4")
+            elif name == "b5":
+                results[name] = boundary.run(cfg[name], workdir, log=log)
         except Exception as e:  # report the failure, keep the other benchmarks
             results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         results[name]["seconds"] = round(time.monotonic() - start, 1)
@@ -107,14 +122,18 @@ def markdown(results: dict[str, Any]) -> str:
             lines += [f"failed: {r['error']}", ""]
         else:
             lines += [
-                f"MLP {c['params']:,} params, batch {c['batch']}, target batch {r['target_batch_size']}, "
-                f"{c['rounds']} collabopt rounds between {c['rounds'] + 1} hivemind rounds, "
-                f"{c['measure_seconds']} s measured each.",
+                f"Two swarms of 2 peers side by side (same config, background parameter averaging), MLP "
+                f"{c['params']:,} params, batch {c['batch']}, {c['compute_seconds']} s of simulated compute per step "
+                f"(sleep), target batch {r['target_batch_size']} (epochs of about {c['epoch_seconds']} s); "
+                f"a round is one global epoch: {r['rounds']} rounds in {c['sessions']} sessions. CPU: user + "
+                "system seconds of the peers' process trees per sample.",
                 "",
                 "| metric | hivemind | collabopt | collabopt / hivemind (median) | range | goal |",
                 "|---|---|---|---|---|---|",
                 f"| swarm samples/s | {r['hivemind_samples_per_s']:.0f} | {r['collabopt_samples_per_s']:.0f} | "
                 f"{r['ratio']:.3f} | {r['ratio_range']} | ≥ {GOALS['b1']} {_verdict(r['ratio'] >= GOALS['b1'])} |",
+                f"| CPU ms / sample | {_fmt(r['hivemind_cpu_ms_per_sample'], 3)} | "
+                f"{_fmt(r['collabopt_cpu_ms_per_sample'], 3)} | {_fmt(r['cpu_ratio'])} | {r['cpu_ratio_range']} | |",
                 "",
             ]
     if "b2" in results:
@@ -188,7 +207,42 @@ def markdown(results: dict[str, Any]) -> str:
                 extra = f" {row['cuda_max_allocated_over_params']:.2f} |" if cuda else ""
                 lines.append(f"| {row['mode']} | {row['extra_over_params']:.2f} |{extra}")
             lines.append("")
+    if "b5" in results:
+        lines += b5_markdown(results["b5"], results["config"].get("b5", {}))
     return "\n".join(lines)
+
+
+def b5_markdown(r: dict[str, Any], c: dict[str, Any]) -> list[str]:
+    """B5's table: idle time per global epoch and how the boundary step splits."""
+    lines = ["## B5 idle time at epoch boundaries: peers on loopback, compute simulated by sleeping", ""]
+    if "error" in r:
+        return lines + [f"failed: {r['error']}", ""]
+    lines += [
+        f"MLP {c.get('params', 0):,} params, batch {c.get('batch')}, {c.get('compute_seconds')} s of simulated "
+        f"compute per step, matchmaking_time {c.get('matchmaking_time')} s, epochs of about factor × "
+        f"matchmaking_time, {c.get('measure_epochs')} epochs measured after {c.get('warmup_epochs')} of warm-up. "
+        "Idle: time inside step() beyond a plain local step, per global epoch (median over peers, range min..max). "
+        "Lead: from pre-scheduling the gradient round to reaching the boundary (a group forms matchmaking_time "
+        "after its search began). Skew: spread of the peers' arrival at the boundary.",
+        "",
+        "| peers | mode | epoch s | idle s / epoch | range | idle share | lead s | wait for grads s | "
+        "step + state s | skew s | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r.get("rows", []):
+        if "error" in row:
+            lines.append(f"| {row['peers']} | {row['variant']} | failed: {row['error']} | | | | | | | | |")
+            continue
+        goal = ""
+        if row["variant"] == "default":
+            goal = f"≤ {GOALS['b5_idle']:.0%} {_verdict(row['idle_share'] <= GOALS['b5_idle'])}"
+        mode = row["variant"] + "".join(f" + {e}" for e in row.get("experiments", []))
+        lines.append(
+            f"| {row['peers']} | {mode} | {row['epoch_s']:.1f} | {row['idle_per_epoch_s']:.2f} | "
+            f"{row['idle_per_epoch_range']} | {row['idle_share']:.1%} | {_fmt(row['lead_s'], 2)} | "
+            f"{_fmt(row['wait_grads_s'], 2)} | {_fmt(row['step_state_s'], 2)} | {_fmt(row['arrival_skew_s'], 2)} | "
+            f"{goal} |")
+    return lines + [""]
 
 
 def plot(results: dict[str, Any], path: Path) -> bool:
@@ -200,8 +254,9 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    (ax1, ax2), (ax3, ax4) = axes
+    fig, axes = plt.subplots(2, 3, figsize=(18, 9))
+    (ax1, ax2, ax5), (ax3, ax4, ax6) = axes
+    ax6.set_axis_off()
 
     def bars(ax: Any, labels: list[str], values: list[float], title: str, goal: float | None = None,
              ylabel: str = "") -> None:
@@ -251,6 +306,13 @@ def plot(results: dict[str, Any], path: Path) -> bool:
              "B4 extra tensor bytes / parameter bytes", ylabel="× parameter bytes")
     else:
         empty(ax4, "B4", (b4 or {}).get("error", "not run"))
+    b5 = results.get("b5")
+    rows5 = [r for r in (b5 or {}).get("rows", []) if "error" not in r]
+    if rows5:
+        bars(ax5, [f"{r['peers']}p {r['epoch_factor']:g}x {r['variant']}" for r in rows5],
+             [r["idle_share"] for r in rows5], "B5 idle share of wall time at epoch boundaries", GOALS["b5_idle"])
+    else:
+        empty(ax5, "B5", (b5 or {}).get("error", "not run"))
     m = results["machine"]
     fig.suptitle(f"collabopt {m['collabopt']} vs hivemind {m['hivemind']} / torch {m['torch']} — {m['date_utc']}, "
                  f"{m['cpus']} CPUs" + (" (quick run)" if results["quick"] else ""), fontsize=11)
@@ -273,7 +335,8 @@ def write_report(results: dict[str, Any], out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
-    parser.add_argument("--only", default="b1,b2,b3,b4", help="comma-separated subset of b1,b2,b3,b4")
+    parser.add_argument("--only", default=",".join(BENCHMARKS),
+                        help="comma-separated subset of " + ",".join(BENCHMARKS))
     parser.add_argument("--quick", action="store_true", help="tiny sizes (checks the harness only)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write results.{md,png,json}")
     parser.add_argument("--workdir", type=Path, default=None, help="keep logs and raw records here")
@@ -281,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the other benchmarks' figures from the existing results.json in --out")
     args = parser.parse_args(argv)
     which = [name.strip().lower() for name in args.only.split(",") if name.strip()]
-    unknown = set(which) - {"b1", "b2", "b3", "b4"}
+    unknown = set(which) - set(BENCHMARKS)
     if unknown:
         parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
 
@@ -296,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.update and previous.exists():
         old = json.loads(previous.read_text())
         if old.get("quick") == results["quick"]:
-            for name in {"b1", "b2", "b3", "b4"} - set(which):
+            for name in set(BENCHMARKS) - set(which):
                 if name in old:
                     results[name] = old[name]
                     results["config"][name] = old["config"][name]

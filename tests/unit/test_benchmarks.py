@@ -18,24 +18,33 @@ def canned_results() -> dict:
     b3_row = dict(case="c", peers=4, mbit=100, variant="overlap", grad_mb=8.0, bound_s=0.96, allreduce_s=1.1,
                   rounds=3, allreduce_range="1.0..1.2", bound_over_allreduce=0.87, utilization=0.97,
                   epoch_compute_s=5.0)
+    b5_row = dict(case="e", peers=3, variant="default", experiments=[], epoch_factor=4, epoch_s=6.1,
+                  idle_per_epoch_s=1.8, idle_per_epoch_range="1.8..1.9", idle_share=0.3, lead_s=1.2,
+                  wait_grads_s=0.3, step_state_s=1.1, arrival_skew_s=0.25)
     return dict(
         machine=machine, quick=False,
-        config=dict(b1=dict(params=1, batch=2, rounds=1, measure_seconds=3),
-                    b3=dict(compute_seconds=0.1, steps_per_epoch=5)),
-        b1=dict(ratio=1.0, ratio_range="1.0..1.0", target_batch_size=64, hivemind_samples_per_s=10.0,
-                collabopt_samples_per_s=10.0),
+        config=dict(b1=dict(params=1, batch=2, compute_seconds=0.05, epoch_seconds=3, sessions=1),
+                    b3=dict(compute_seconds=0.1, steps_per_epoch=5),
+                    b5=dict(params=1, batch=2, compute_seconds=0.05, matchmaking_time=1.0, measure_epochs=2,
+                            warmup_epochs=1)),
+        b1=dict(ratio=1.0, ratio_range="1.0..1.0", target_batch_size=64, rounds=2, hivemind_samples_per_s=10.0,
+                collabopt_samples_per_s=10.0, cpu_ratio=1.01, cpu_ratio_range="1.0..1.02",
+                hivemind_cpu_ms_per_sample=0.5, collabopt_cpu_ms_per_sample=0.505),
         b2=dict(params=10, batch=2, steps_per_epoch=4, steps_per_round=8, rounds=2,
                 rows=[dict(variant="plain torch", ratio=1.0, ratio_range="1..1", cpu_ratio=1.0, ms_per_step=1.0),
                       dict(variant="collabopt", ratio=1.1, ratio_range="1..1.2", cpu_ratio=1.05, ms_per_step=1.1)]),
         b3=dict(rows=[b3_row, dict(case="d", peers=4, mbit=20, variant="overlap + PowerSGD", error="boom")]),
         b4=dict(device="cpu", params=10, rows=[dict(mode="none", extra_over_params=6.0)]),
+        b5=dict(rows=[b5_row, dict(b5_row, variant="overlap", experiments=["prescheduled_state"]),
+                      dict(peers=4, variant="overlap", epoch_factor=4, error="bang")]),
     )
 
 
 def test_report_has_every_section_and_a_plot(tmp_path):
     paths = run.write_report(canned_results(), tmp_path)
     text = (tmp_path / "results.md").read_text()
-    for heading in ("## B1", "## B2", "## B3", "## B4", "hivemind 1.1.12", "failed: boom"):
+    for heading in ("## B1", "## B2", "## B3", "## B4", "## B5", "hivemind 1.1.12", "failed: boom", "failed: bang",
+                    "| 3 | default | 6.1 | 1.80 |", "overlap + prescheduled_state", "**missed**", "CPU ms / sample"):
         assert heading in text
     assert json.loads((tmp_path / "results.json").read_text())["b1"]["ratio"] == 1.0
     pytest.importorskip("matplotlib")
@@ -67,3 +76,44 @@ def test_test_network_is_removed_also_after_an_error():
         assert "tbf" in qdiscs and "50Mbit" in qdiscs
         raise RuntimeError("inside")
     assert _our_namespaces() == before
+
+
+def _synthetic_peer(offset: float = 0.0) -> dict:
+    """A peer stepping every 0.1 s (0.09 s compute + 0.01 s step) whose steps ending epochs 1 and 2 took 1 s."""
+    steps, epochs, status, t, epoch = [], [], [], offset, 0
+    for i in range(60):
+        boundary = i in (19, 39)
+        step_s = 1.0 if boundary else 0.01
+        if boundary:
+            status += [(t + 0.09 - 2.0, "Pre-scheduling gradient averaging round in 1.00 sec"),
+                       (t + 0.09, f"Beginning optimizer step #{epoch}"), (t + 0.39, "Averaged gradients with 3 peers"),
+                       (t + 1.09, f"Transitioning to epoch {epoch + 1}")]
+            epoch += 1
+            epochs.append((t + 0.09 + step_s, epoch))
+        steps.append((t, 0.09, step_s, epoch))
+        t += 0.09 + step_s
+    return dict(steps=steps, epochs=epochs, status=status, window=[epochs[0][0], t], final_epoch=epoch)
+
+
+def test_b5_splits_idle_time_at_the_boundary():
+    from benchmarks import boundary
+
+    peer = _synthetic_peer()
+    idle = boundary.peer_idle(peer, warmup_epochs=1)
+    assert idle["plain_step"] == pytest.approx(0.01)
+    assert idle["epochs"] == 1 and idle["idle"] == pytest.approx(0.99)  # the one boundary inside the window
+    split = boundary.boundary_split(peer, peer["window"][0] - 100, peer["window"][1])
+    assert split["lead"] == pytest.approx([2.0, 2.0]) and split["wait_grads"] == pytest.approx([0.3, 0.3])
+    assert split["step_state"] == pytest.approx([0.7, 0.7]) and split["boundary"] == pytest.approx([1.0, 1.0])
+    skews = boundary.arrival_skew([peer, _synthetic_peer(offset=0.25)], 0.0, 1e9)
+    assert skews == pytest.approx([0.25, 0.25])
+
+
+def test_b1_rounds_are_epochs():
+    from benchmarks import overhead
+
+    peer = dict(_synthetic_peer(), window=[0.0, 1e9])
+    rates = overhead.epoch_rates(peer, batch=10, first_epoch=1)
+    assert list(rates) == [1]  # epoch 2 never ends
+    assert rates[1] == pytest.approx(20 * 10 / (19 * 0.1 + 1.09))
+    assert overhead.swarm_rates([peer, peer], batch=10, first_epoch=1) == pytest.approx([2 * rates[1]])
