@@ -29,6 +29,9 @@ rank runs a :class:`NodeOptimizer` with the same API:
   timeout (gloo 30 min, nccl 10 min) cannot kill the job. Parameters travel over the default group (nccl on
   GPUs), after rank 0 has finished its step, so those collectives never wait long.
 * **metrics**: ``num_peers``, ``global_epoch``, ... are rank 0's values, refreshed on every rank at each step.
+* **DiLoCo mode** (``outer_optimizer=``): every rank takes the inner step itself (identical gradients, identical
+  step); rank 0 takes part in the rounds and sends the parameters only when the swarm wrote them (a round, a state
+  download).
 * **errors**: a rank that cannot tell its sample count fails every rank (before rank 0 touches the swarm); an error
   on rank 0 is raised on every rank (a ``ConfigurationError`` stays one).
 
@@ -60,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
 import warnings
 from collections import defaultdict
@@ -224,6 +228,7 @@ class NodeOptimizer(SwarmOptimizerBase):
         self._status = NodeStatus()
         self._lrs = [float(group["lr"]) for group in optimizer.param_groups]
         self._versions = -1
+        self._swarm_writes = 0  # DiLoCo mode: copt.diloco.swarm_writes when rank 0 last sent parameters
         self._zero_grad_warned = False
         # every rank takes part in creating the group, in the same order (a torch.distributed requirement)
         self._wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=config.node_timeout))
@@ -253,9 +258,10 @@ class NodeOptimizer(SwarmOptimizerBase):
     # ------------------------------------------------------------------ collectives
 
     def _sync(self, *, result: StepResult | None = None, initial: bool = False,
-              error: BaseException | None = None) -> None:
+              error: BaseException | None = None, inner_step: Callable[[], None] | None = None) -> None:
         """Rank 0 tells every rank what changed (one broadcast), then sends parameters / hyperparameters as needed.
-        An ``error`` on rank 0 is raised on every rank."""
+        An ``error`` on rank 0 is raised on every rank. DiLoCo mode: the other ranks run ``inner_step`` when rank 0
+        took its inner step, before any parameters arrive."""
         if self.rank == 0:
             if error is None:
                 try:
@@ -272,6 +278,8 @@ class NodeOptimizer(SwarmOptimizerBase):
         if status.error:
             self._raise_rank0_error(error)
         self._status = status
+        if inner_step is not None and status.result.skipped == 0:
+            inner_step()
         if status.params_changed:
             self._broadcast_params()
         if self.rank != 0 and self.config.reuse_grad_buffers:
@@ -287,9 +295,13 @@ class NodeOptimizer(SwarmOptimizerBase):
         copt = self._copt
         assert copt is not None
         epoch_changed = initial or copt.local_epoch != self._status.swarm["local_epoch"]
-        # hivemind writes parameters in place (epoch step, delayed averaging result, state download): every
-        # in-place write bumps the tensor's version counter, so a changed sum means changed parameters
-        params_changed = epoch_changed or self._params_version() != self._versions
+        if copt.diloco is not None:  # every rank takes the inner steps: send only what the swarm wrote
+            params_changed = epoch_changed or copt.diloco.swarm_writes != self._swarm_writes
+            self._swarm_writes = copt.diloco.swarm_writes
+        else:
+            # hivemind writes parameters in place (epoch step, delayed averaging result, state download): every
+            # in-place write bumps the tensor's version counter, so a changed sum means changed parameters
+            params_changed = epoch_changed or self._params_version() != self._versions
         return NodeStatus.read(copt, params_changed=params_changed, hyperparameters_follow=epoch_changed,
                                result=result or StepResult())
 
@@ -377,8 +389,17 @@ class NodeOptimizer(SwarmOptimizerBase):
             finally:
                 copt.__dict__.pop("grad_scale", None)
                 copt.__dict__.pop("found_inf", None)
-        self._sync(result=result, error=error)  # raises rank 0's error on every rank
+        inner_step = None
+        if self.rank != 0 and self.config.outer_optimizer is not None:  # DiLoCo: every rank steps its optimizer
+            inner_step = functools.partial(self._inner_step, grad_scale)
+        self._sync(result=result, error=error, inner_step=inner_step)  # raises rank 0's error on every rank
         return dataclasses.replace(self._status.result, loss=loss)
+
+    def _inner_step(self, grad_scale: Any) -> None:
+        """DiLoCo mode, ranks other than 0: the inner step rank 0 took, on the same (DDP-averaged) gradients."""
+        if grad_scale is not None:  # AMP: rank 0's core unscaled its gradients before stepping
+            scale_grads(self._params, 1.0 / float(grad_scale))
+        self.user_optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients on this rank (does nothing with ``reuse_grad_buffers=True``, as in the core)."""

@@ -7,11 +7,13 @@ tests/accelerate_worker.py config.json`` (CPU: ``Accelerator(cpu=True)``, gloo).
 Config keys: run_id, target_batch_size, epochs, ga (gradient accumulation steps), gamma (ExponentialLR),
 mixed_precision ("no" | "bf16"), emulate_fp16 (a torch GradScaler with fp32 math: CPU has no fp16 scaler in
 Accelerate), clip, reuse (reuse_grad_buffers), save_at (save_state when this epoch is reached, then exit),
-load_from (load_state before training), stop_after_epoch.
+load_from (load_state before training), stop_after_epoch, outer (DiLoCo: SGD arguments of outer_optimizer),
+save_epoch_params (``<out>.rank<R>.epochs.pt``: the parameters right after each epoch change).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -75,6 +77,7 @@ def main(config_path: str) -> None:
         log_with=[tracker],
         run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         matchmaking_time=2.0, averaging_timeout=15.0, reuse_grad_buffers=cfg.get("reuse", False), verbose=True,
+        **({"outer_optimizer": functools.partial(torch.optim.SGD, **cfg["outer"])} if cfg.get("outer") else {}),
     )
     if cfg.get("emulate_fp16"):
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -107,6 +110,7 @@ def main(config_path: str) -> None:
     torch.save({k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},
                out + ".start.pt")
     fed_since_sync = 0
+    epoch_params = {}
     done = False
     while not done:
         for x, y in loader:
@@ -133,6 +137,9 @@ def main(config_path: str) -> None:
                 result["lrs"][str(epoch)] = optimizer.param_groups[0]["lr"]
                 result["sched_lrs"][str(epoch)] = scheduler.get_last_lr()[0]
                 result["num_peers_seen"].append(copt.num_peers)
+                if cfg.get("save_epoch_params"):  # DiLoCo: the parameters right after each round
+                    epoch_params[epoch] = {k: v.detach().clone()
+                                           for k, v in accelerator.unwrap_model(model).state_dict().items()}
                 accelerator.log({"loss": loss.item()}, step=epoch)
                 if cfg.get("save_at") == epoch:
                     accelerator.save_state(cfg["save_dir"])
@@ -150,6 +157,8 @@ def main(config_path: str) -> None:
                   final_lr=optimizer.param_groups[0]["lr"], get_lr=copt.get_lr()[0],
                   logged=[{k: v for k, v in entry.items() if k.startswith("swarm/")} for entry in tracker.logged])
     torch.save({k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}, out + ".pt")
+    if epoch_params:
+        torch.save(epoch_params, out + ".epochs.pt")
     write_json(out + ".json", result)
     if cfg.get("save_at") and "momentum_buffer_saved" in result:
         time.sleep(600)  # the test kills this job after the checkpoint: resuming must not need a clean exit

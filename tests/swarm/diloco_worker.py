@@ -7,7 +7,8 @@ epoch change (``after``), and after the last inner step before it (``before``: t
 Config (besides peer_worker.py's run_id, target_batch_size, epochs, batch_sizes, lr, seed, model_seed, wait_peers,
 finish_with, max_seconds, step_sleep): ``outer`` (SGD keyword arguments), ``compression`` ("none" for exact
 averaging), ``fail_round`` (this peer's averaging fails at that round: an injected network fault), ``stop_after``
-(leave after this many rounds, without waiting for anyone).
+(leave after this many rounds, without waiting for anyone), ``collaborate`` (build it with
+``collabopt.integrations.pytorch.collaborate``, the plain-loop adapter).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from collabopt.integrations.pytorch import collaborate
 from peer_worker import at_finish_line, batch_size_sequence, full_loss, make_data, make_model, write_json
 
 from collabopt import CollaborativeOptimizer
@@ -53,8 +55,13 @@ def main(config_path: str) -> None:
     last_inner = {}
     optimizer.register_step_post_hook(lambda *_: last_inner.update(params=snapshot(model)))
 
-    with CollaborativeOptimizer(optimizer, run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"],
-                                model=model, **options) as copt:
+    if cfg.get("collaborate"):  # the plain-loop adapter
+        copt = collaborate(model, optimizer, run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"],
+                           **options)
+    else:
+        copt = CollaborativeOptimizer(optimizer, run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"],
+                                      model=model, **options)
+    with copt:
         if cfg.get("fail_round") is not None:
             inject_failure(copt, cfg["fail_round"])
         if cfg.get("wait_peers"):

@@ -4,11 +4,13 @@ Usage: ``python tests/lightning_worker.py config.json``. Trains a tiny classifie
 CollaborativeStrategy(...))`` until the peer reaches ``global_epochs``; writes ``<out>.rank<r>.json`` (metrics),
 ``<out>.rank<r>.pt`` (final parameters) and ``<out>.progress`` (its epoch, as it trains). With ``save_ckpt`` it saves
 a checkpoint when it reaches its last epoch (and the collaborative state at that moment); with ``resume_ckpt`` it
-resumes from one and records the state it resumed with.
+resumes from one and records the state it resumed with. With ``outer`` (SGD arguments) it trains in DiLoCo mode;
+``save_epoch_params`` writes ``<out>.rank<r>.epochs.pt``: the parameters right after each epoch change.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -122,6 +124,7 @@ class Recorder(pl.Callback):
         self.result: dict = {"lrs": {}, "max_peers_logged": 0, "progress_bar_keys": [], "logged_keys": []}
         self.deadline = time.monotonic() + cfg.get("max_seconds", 90)
         self.last_epoch = None
+        self.epoch_params: dict[int, dict] = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         copt = self.strategy.collaborative_optimizer
@@ -148,6 +151,8 @@ class Recorder(pl.Callback):
         if epoch != self.last_epoch:
             self.last_epoch = epoch
             self.result["lrs"][str(epoch)] = copt.get_lr()[0]
+            if self.cfg.get("save_epoch_params"):  # DiLoCo: the parameters right after each round
+                self.epoch_params[epoch] = copy_state(pl_module.state_dict())
             if trainer.is_global_zero:
                 write_json(self.out + ".progress", {"epoch": epoch})
         pause = self.cfg.get("pause_at")
@@ -183,6 +188,8 @@ def main(config_path: str) -> None:
     options.setdefault("verbose", True)  # hivemind logs each round: what a failure report needs
     options.setdefault("matchmaking_time", 2.0)
     options.setdefault("averaging_timeout", 15.0)
+    if cfg.get("outer"):  # DiLoCo mode
+        options["outer_optimizer"] = functools.partial(torch.optim.SGD, **cfg["outer"])
     strategy = CollaborativeStrategy(target_batch_size=cfg["target_batch_size"], run_id=cfg["run_id"], **options)
     model = NetWithZeroGrad(cfg) if cfg.get("override_zero_grad") else Net(cfg)
     recorder = Recorder(cfg, strategy, out)
@@ -225,6 +232,8 @@ def main(config_path: str) -> None:
         result["zero_grad_calls_while_fitting"] = model.zero_grad_calls
         result["zero_grad_restored"] = "optimizer_zero_grad" not in model.__dict__
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{out}.rank{rank}.pt")
+    if recorder.epoch_params:
+        torch.save(recorder.epoch_params, f"{out}.rank{rank}.epochs.pt")
     write_json(f"{out}.rank{rank}.json", result)
 
 

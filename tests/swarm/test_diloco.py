@@ -1,8 +1,10 @@
-"""DiLoCo mode (``outer_optimizer=``) on real swarms: peers are OS processes (diloco_worker.py) on loopback.
+"""DiLoCo mode (``outer_optimizer=``) on real swarms: peers are OS processes (diloco_worker.py, and the Accelerate
+and Lightning workers) on loopback.
 
 What is checked: after every round all peers hold the same parameters and between rounds they differ; one run's
 rounds are the DiLoCo update computed by plain torch from the parameters the peers recorded; a peer whose round
-failed keeps its local progress, re-synchronizes by state download and is equal to the others at the next round.
+failed keeps its local progress, re-synchronizes by state download and is equal to the others at the next round;
+every adapter: plain loops (collaborate), an Accelerate 2-rank node beside a plain peer, 2 Lightning Trainers.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ def peers(run_id: str, names_and_batches: dict[str, list[int]], epochs: int, **e
 
 
 def test_three_peers_with_different_batch_sizes_are_equal_after_every_round(tmp_path, bootstrap):
+    """Plain loops with ``collaborate(model, opt, outer_optimizer=...)`` (the PyTorch adapter)."""
     names = {"a": [8], "b": [16], "c": [24]}
-    configs = peers(unique_run_id("diloco3"), names, epochs=4)
+    configs = peers(unique_run_id("diloco3"), names, epochs=4, collaborate=True)
     for name in configs:
         configs[name]["finish_with"] = finish_line(tmp_path, *(n for n in names if n != name))
     results, params = run_swarm(tmp_path, bootstrap, configs)
@@ -141,3 +144,66 @@ def test_a_peer_that_misses_a_round_keeps_its_progress_and_resyncs(tmp_path, boo
             if r["applied"]:
                 assert r["weight"] == r["fed_since_anchor"], (name, r)
     assert results["c"]["rounds_failed"] >= 1 and results["c"]["resyncs"] >= 1
+
+
+def test_accelerate_two_rank_node_beside_a_plain_peer(tmp_path, bootstrap):
+    """One node of 2 ranks (its inner optimizer: SGD with an ExponentialLR per round) and one plain peer (AdamW): 2
+    peers in the swarm, ranks bit-identical at every step (they take the same inner steps), node equal to the peer
+    after every round, the node's LR one scheduler step per round."""
+    from test_accelerate import launch
+
+    run_id, epochs, lr, gamma = unique_run_id("diloco_acc"), 3, 0.05, 0.7
+    node = launch(tmp_path, "node", dict(run_id=run_id, target_batch_size=256, epochs=epochs, lr=lr, gamma=gamma,
+                                         outer=dict(lr=0.7, momentum=0.9, nesterov=True), save_epoch_params=True,
+                                         step_sleep=0.02, wait_peers=2, finish_with=finish_line(tmp_path, "peer")),
+                  bootstrap)
+    peer = start(tmp_path, "peer", dict(run_id=run_id, target_batch_size=256, epochs=epochs, batch_sizes=[16],
+                                        model_seed=0, wait_peers=2, max_seconds=120,
+                                        finish_with=finish_line(tmp_path, "node")), bootstrap)
+    finish({"node": node, "peer": peer}, timeout=170)
+
+    r0, r1 = (read_result(tmp_path, f"node.rank{rank}") for rank in (0, 1))
+    peer_result = read_result(tmp_path, "peer")
+    assert r0["type"] == r1["type"] == "NodeOptimizer"
+    assert r0["max_num_peers"] == 2 and r0["epochs_seen"] == r1["epochs_seen"]
+    assert r0["samples_reported"] == r1["samples_reported"] == r0["samples_fed"] + r1["samples_fed"]
+    p0, p1 = (read_params(tmp_path, f"node.rank{rank}") for rank in (0, 1))
+    assert diff(p0, p1) == 0.0  # after inner steps that were never broadcast
+    e0, e1 = (torch.load(tmp_path / f"node.rank{rank}.epochs.pt") for rank in (0, 1))
+    peer_rounds, peer_params = rounds_by_epoch(peer_result), read_params(tmp_path, "peer")
+    for epoch in range(1, epochs + 1):
+        assert diff(e0[epoch], e1[epoch]) == 0.0
+        assert peer_rounds[epoch]["applied"] and peer_rounds[epoch]["group_size"] == 2, peer_rounds[epoch]
+        assert diff(e0[epoch], peer_params["after"][epoch]) <= EQUAL, epoch
+        assert diff(peer_params["before"][epoch], e0[epoch - 1] if epoch > 1 else peer_params["start"]) > 1e-3
+        for r in (r0, r1):
+            assert r["lrs"][str(epoch)] == pytest.approx(lr * gamma**epoch, rel=1e-12)
+
+
+def test_two_lightning_trainers(tmp_path, bootstrap):
+    """2 Trainers (SGD with momentum inside, StepLR per round from configure_optimizers): equal after every round,
+    every sample counted, the LR of torch's StepLR after as many steps as rounds."""
+    from test_lightning_swarm import params as trainer_params
+    from test_lightning_swarm import result as trainer_result
+    from test_lightning_swarm import start_trainer, torch_lrs
+
+    run_id, epochs, lr = unique_run_id("diloco_pl"), 3, 0.05
+    base = dict(run_id=run_id, target_batch_size=256, global_epochs=epochs, lr=lr, scheduler="step", batch_size=16,
+                step_sleep=0.02, max_seconds=100, outer=dict(lr=0.7, momentum=0.9, nesterov=True),
+                save_epoch_params=True, barrier=[str(tmp_path / "a"), str(tmp_path / "b")],
+                finish_with=finish_line(tmp_path, "a", "b"))
+    procs = {name: start_trainer(tmp_path, name, dict(base, seed=seed), bootstrap)
+             for name, seed in (("a", 1), ("b", 2))}
+    finish(procs, 150)
+
+    results = {name: trainer_result(tmp_path, name) for name in procs}
+    epoch_params = {name: torch.load(tmp_path / f"{name}.rank0.epochs.pt") for name in procs}
+    reference = torch_lrs("step", lr, epochs + 2)
+    for name, res in results.items():
+        assert res["final_epoch"] >= epochs and res["max_peers_logged"] == 2, (name, res)
+        assert res["samples_reported"] == res["samples_fed"], (name, res)
+        for k, value in res["lrs"].items():
+            assert value == pytest.approx(reference[int(k)], rel=1e-12), (name, k)
+    for epoch in range(1, epochs + 1):
+        assert diff(epoch_params["a"][epoch], epoch_params["b"][epoch]) <= EQUAL, epoch
+    assert diff(trainer_params(tmp_path, "a"), epoch_params["a"][1]) > 1e-3  # it trained after round 1
