@@ -1,0 +1,30 @@
+"""Churn, the short version: 5 peers, 3 SIGKILLs 10-20 s apart, each peer restarted with the same identity.
+
+The driver is :func:`benchmarks.churn.run_churn`; the long version (3.5 minutes, against a churn-free run) is the
+benchmark ``python -m benchmarks.churn``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import SWARM_ROUNDING, unique_run_id
+
+from benchmarks.churn import run_churn
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+
+
+def test_churn_killed_peers_restart_in_sync_and_the_swarm_goes_on(tmp_path):
+    """Each restarted peer holds the swarm's parameters before its first contribution; the swarm keeps making
+    epochs; at the end every live peer is in sync and finite, and no process of a killed peer is left (its DHT
+    process and p2pd exit by themselves once the training process is gone)."""
+    report = run_churn(tmp_path, peers=5, seconds=45, kills=3, run_id=unique_run_id("churn"))
+    assert report["kills"] == 3, report
+    assert report["epochs_reached"] >= 3, report
+    for restart in report["restarts"]:
+        assert restart["start_epoch"] >= 2 and restart["diff_before_first_step"] is not None, report
+        assert restart["diff_before_first_step"] <= SWARM_ROUNDING, report
+    assert min(report["final_epochs"].values()) >= report["target_epoch"], report
+    assert report["final_diff"] <= SWARM_ROUNDING, report
+    assert report["finite"], report
+    assert report["orphans"] == {}, report
