@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-id", default=None, help="run id (default: a fresh random one)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--timeout", type=float, default=110.0, help="give up after this many seconds")
+    demo.add_argument("--serve", metavar="HOST:PORT", default=None,
+                      help="also serve the run's status page there, as collabopt monitor --serve does")
 
     dht = sub.add_parser("dht", help="run a standalone bootstrap peer and print INITIAL_PEERS",
                          description="Run a bootstrap peer (a DHT node that trains nothing) until Ctrl+C, and print "
@@ -216,6 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CollaborativeError as e:
         print(f"collabopt {args.command}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl+C: what the command started has been stopped on the way out
+        print(f"\ncollabopt {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ def run_peer(index: int, config: dict[str, Any]) -> None:
             loss.backward()
             copt.step()  # samples counted from the model's forward call
             copt.zero_grad()
+            copt.report_loss(loss)  # shown by the status page (--serve)
             fed += n
             step += 1
             time.sleep(0.1)  # a stand-in for a bigger model's compute: epochs last a few seconds, so that peers meet
@@ -130,6 +131,11 @@ def run_demo(args: argparse.Namespace) -> int:
     from collabopt.processes import Process, child_env, stop_all
     from collabopt.swarm import SwarmOptions, start_dht
 
+    address = None
+    if getattr(args, "serve", None):
+        from collabopt.status_page import parse_address
+
+        address = parse_address(args.serve)
     run_id = args.run_id or f"demo_{uuid.uuid4().hex[:8]}"
     print(f"collabopt demo: {args.peers} peers train a digits classifier together (run_id={run_id})", flush=True)
     print("collabopt demo: starting the bootstrap peer (a DHT on 127.0.0.1)", flush=True)
@@ -137,6 +143,7 @@ def run_demo(args: argparse.Namespace) -> int:
         dht = start_dht(SwarmOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=reader_validators()))
     initial_peers = [str(m) for m in dht.get_visible_maddrs()]
     procs: list[Process] = []
+    server = _serve_status_page(dht, run_id, address) if address is not None else None
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="collabopt-demo-") as out_dir:
         try:
@@ -176,7 +183,25 @@ def run_demo(args: argparse.Namespace) -> int:
             return _summary(Path(out_dir), args, time.monotonic() - start)
         finally:
             stop_all(procs, grace=15)  # SIGTERM, then SIGKILL to each peer's whole process tree
+            if server is not None:
+                server.stop()
             dht.shutdown()
+
+
+def _serve_status_page(dht, run_id: str, address: tuple[str, int]):
+    """The run's status page (``collabopt monitor --serve``), read through the demo's own DHT."""
+    from collabopt.errors import ConfigurationError
+    from collabopt.monitor import SwarmMonitor
+    from collabopt.status_page import StatusServer
+
+    try:
+        server = StatusServer(SwarmMonitor(dht, run_id, interval=1.0), address).start()
+    except OSError as e:
+        dht.shutdown()
+        raise ConfigurationError("--serve", f"cannot listen on {address[0]}:{address[1]} ({e})",
+                                 "choose another port") from None
+    print(f"collabopt demo: status page at {server.url}", flush=True)
+    return server
 
 
 def _summary(out_dir: Path, args: argparse.Namespace, elapsed: float) -> int:

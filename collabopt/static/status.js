@@ -15,6 +15,7 @@ function fmt(value, digits) {
 
 function duration(seconds) {
   if (seconds === null || seconds === undefined) return "–";
+  if (seconds < 10) return `${seconds.toFixed(1)} s`;
   if (seconds < 60) return `${Math.round(seconds)} s`;
   if (seconds < 3600) return `${Math.floor(seconds / 60)} min ${Math.round(seconds % 60)} s`;
   return `${Math.floor(seconds / 3600)} h ${Math.round((seconds % 3600) / 60)} min`;

@@ -172,7 +172,7 @@ class Page:
         """Save a PNG of the page (the whole page, not only the window, by default)."""
         params: dict[str, Any] = {"format": "png"}
         if full_page:
-            height = int(self.evaluate("document.documentElement.scrollHeight") or self.browser.size[1])
+            height = int(self.evaluate("document.body.scrollHeight") or self.browser.size[1])
             params["clip"] = {"x": 0, "y": 0, "width": self.browser.size[0], "height": height, "scale": 1}
             params["captureBeyondViewport"] = True
         data = self.browser.send("Page.captureScreenshot", params, self.session)["data"]
