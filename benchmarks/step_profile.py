@@ -12,8 +12,8 @@ Two views:
 - **calls**: the whole ``step()`` (+ ``zero_grad()``) call per variant, timed without a profiler, and a cProfile of
   those calls (the functions with the largest total time, µs per step).
 
-Run: ``python -m benchmarks.step_profile config.json`` (keys: params, width, in_dim, batch, steps, out); or through
-``python -m benchmarks.run --only b2 --profile`` which adds it to B2's results.
+Run (it starts a DHT: under the swarm lock): ``python -m benchmarks.step_profile config.json`` with keys params,
+width, in_dim, batch, steps, out; it writes ``out`` (JSON). Not part of ``benchmarks.run``: an analysis tool.
 """
 
 from __future__ import annotations
