@@ -151,6 +151,10 @@ def report_text(report: dict) -> str:
         )
     if not report["peers"]:
         lines.append("  no peer of this run has published its progress yet (is --run-id the run_id the peers use?)")
+    rejected = report.get("rejected") or {}
+    if rejected:
+        lines.append(f"  ignored {sum(rejected.values())} records under the run's keys: "
+                     + ", ".join(f"{count} {reason}" for reason, count in sorted(rejected.items())))
     return "\n".join(lines)
 
 
