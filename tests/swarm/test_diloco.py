@@ -207,3 +207,37 @@ def test_two_lightning_trainers(tmp_path, bootstrap):
     for epoch in range(1, epochs + 1):
         assert diff(epoch_params["a"][epoch], epoch_params["b"][epoch]) <= EQUAL, epoch
     assert diff(trainer_params(tmp_path, "a"), epoch_params["a"][1]) > 1e-3  # it trained after round 1
+
+
+def test_a_late_joiner_downloads_the_anchor_and_the_outer_momentum(tmp_path, bootstrap):
+    """A peer joining after round 2 downloads the anchor and the outer optimizer's momentum: at its first round it
+    ends equal to the others (with another momentum its outer step would differ)."""
+    import json
+    import time
+
+    names = {"a": [8], "b": [16]}
+    configs = peers(unique_run_id("diloco_late"), names, epochs=9)  # rounds take ~2.5 s: D joins at ~epoch 5
+    for name in configs:
+        configs[name]["finish_with"] = finish_line(tmp_path, *(n for n in ("a", "b", "d") if n != name))
+    procs = {name: start(tmp_path, name, config, bootstrap) for name, config in configs.items()}
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            if json.loads((tmp_path / "a.progress").read_text())["epoch"] >= 2:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    procs["d"] = start(tmp_path, "d", dict(configs["a"], batch_sizes=[12], seed=3, wait_peers=None,
+                                           finish_with=finish_line(tmp_path, "a", "b")), bootstrap)
+    finish(procs, timeout=150)
+    results = {name: read_result(tmp_path, name) for name in procs}
+    params = {name: read_params(tmp_path, name) for name in procs}
+
+    late = results["d"]
+    assert late["start_epoch"] >= 2, late  # downloaded the swarm's state before its first step
+    assert diff(params["d"]["start"], params["a"]["after"][late["start_epoch"]]) <= EQUAL
+    joined = [r["epoch"] for r in late["rounds"] if r["applied"]]
+    assert joined, late["rounds"]
+    for epoch in joined:
+        assert diff(params["d"]["after"][epoch], params["a"]["after"][epoch]) <= EQUAL, epoch
