@@ -143,6 +143,7 @@ def run_demo(args: argparse.Namespace) -> int:
         dht = start_dht(SwarmOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=reader_validators()))
     initial_peers = [str(m) for m in dht.get_visible_maddrs()]
     procs: list[Process] = []
+    bar = None
     server = _serve_status_page(dht, run_id, address) if address is not None else None
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="collabopt-demo-") as out_dir:
@@ -182,6 +183,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 return 1
             return _summary(Path(out_dir), args, time.monotonic() - start)
         finally:
+            if bar is not None:
+                bar.close()  # before anything else is printed (Ctrl+C, a failed peer)
             stop_all(procs, grace=15)  # SIGTERM, then SIGKILL to each peer's whole process tree
             if server is not None:
                 server.stop()
