@@ -166,14 +166,15 @@ def run_churn(workdir: Path, *, peers: int = 5, seconds: float = 60.0, kills: in
     history = {name: torch.load(workdir / f"{name}.epochs.pt") for name in names.values()
                if (workdir / f"{name}.epochs.pt").exists()}
     restarts = []
-    for name in restarted:
-        result = json.loads((workdir / f"{name}.json").read_text())
+    for name in restarted:  # some of them were killed again later: they wrote no result
+        if not (workdir / f"{name}.started").exists():
+            restarts.append(dict(name=name, start_epoch=None, diff_before_first_step=None))
+            continue
         start_params = torch.load(workdir / f"{name}.start.pt")
-        epoch = result["start_epoch"]
+        epoch = json.loads((workdir / f"{name}.started").read_text())["epoch"]
         diffs = [_max_diff(start_params, epochs[epoch]) for other, epochs in history.items()
                  if other != name and epoch in epochs]
-        restarts.append(dict(name=name, start_epoch=epoch, final_epoch=result["final_epoch"],
-                             diff_before_first_step=min(diffs) if diffs else None))
+        restarts.append(dict(name=name, start_epoch=epoch, diff_before_first_step=min(diffs) if diffs else None))
     finals = {slot: torch.load(workdir / f"{names[slot]}.pt") for slot in slots}
     results = {slot: json.loads((workdir / f"{names[slot]}.json").read_text()) for slot in slots}
     return dict(
@@ -191,10 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=210.0)
     parser.add_argument("--kills", type=int, default=20, help="at most this many kills")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the logs here (default: a temporary folder)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="collabopt-churn-") as tmp:
-        calm = run_churn(Path(tmp) / "calm", peers=args.peers, seconds=args.seconds, kills=0)
-        churn = run_churn(Path(tmp) / "churn", peers=args.peers, seconds=args.seconds, kills=args.kills)
+        workdir = args.workdir or Path(tmp)
+        calm = run_churn(workdir / "calm", peers=args.peers, seconds=args.seconds, kills=0)
+        churn = run_churn(workdir / "churn", peers=args.peers, seconds=args.seconds, kills=args.kills)
     report = dict(churn=churn, churn_free=calm, epochs_ratio=churn["epochs_reached"] / max(1, calm["epochs_reached"]))
     RESULTS.mkdir(parents=True, exist_ok=True)
     write_json(RESULTS / "churn.json", report)

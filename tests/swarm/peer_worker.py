@@ -150,6 +150,7 @@ def main(config_path: str) -> None:
         result["start_epoch"] = copt.local_epoch
         result["start_loss"] = full_loss(model, x_all, y_all)
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out + ".start.pt")
+        write_json(out + ".started", {"epoch": copt.local_epoch})  # for drivers that may kill it before the end
         result["lrs"][str(copt.local_epoch)] = copt.get_lr()[0]
         epoch_params = {}
         while not at_finish_line(cfg, copt.local_epoch, target_epoch(cfg, epochs)) and time.monotonic() < deadline:
