@@ -5,6 +5,10 @@ Relays: with ``use_auto_relay=True`` the NAT'd peer never obtained a relay addre
 watched for 207 s, with the bootstrap forced publicly reachable and relaying, the NAT'd peer forced private). It
 takes part anyway, over the connections it opened itself (libp2p reuses them for the others' requests); the second
 test pins that down. Whether a relayed connection works is not shown by these tests.
+
+Two peers behind two different NATs cannot reach each other at all without a relay: a swarm with one NAT'd peer in
+client mode and one NAT'd full peer (tried as one test) lost most rounds ("could not find a group") and ended split.
+Each case therefore has a swarm of its own, with one NAT'd peer.
 """
 
 from __future__ import annotations
