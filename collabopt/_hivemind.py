@@ -330,19 +330,27 @@ async def _find_raw(keys: list[str], k_nearest: int, _dht: Any, node: Any) -> di
         if found is None:
             return
         records = output[key]["records"]
+
+        def record(subkey: bytes | None, value: bytes, expiration: float) -> None:
+            size = len(subkey or b"") + len(value)
+            if size > MAX_RECORD_BYTES:  # refused anyway: only a fingerprint travels back (and fits hivemind's pipes)
+                subkey = hashlib.sha256(subkey).digest() if subkey is not None else None
+                value = hashlib.sha256(value).digest()
+            records.append((source, subkey, value, float(expiration), size))
+
         value = found.value
         if isinstance(value, DictionaryDHTValue):
             for i, (subkey, entry) in enumerate(value.items()):
                 if i >= _MAX_ENTRIES_PER_SOURCE:
-                    records.append((source, b"", b"x" * (MAX_RECORD_BYTES + 1), float(entry.expiration_time)))
+                    record(b"", b"x" * (MAX_RECORD_BYTES + 1), entry.expiration_time)  # one more, counted oversized
                     break
                 try:
                     subkey_bytes = serializer.dumps(subkey)
                 except Exception:
                     subkey_bytes = b""
-                records.append((source, subkey_bytes, bytes(entry.value), float(entry.expiration_time)))
+                record(subkey_bytes, bytes(entry.value), entry.expiration_time)
         elif isinstance(value, bytes):
-            records.append((source, None, value, float(found.expiration_time)))
+            record(None, value, found.expiration_time)
 
     for key_id, key in key_ids.items():
         for storage in (node.protocol.storage, node.protocol.cache):
@@ -387,16 +395,17 @@ def _signature_checker() -> Any:
     return RSASignatureValidator()
 
 
-def _check_record(key_id: bytes, subkey: bytes | None, value: bytes, expiration: float,
-                  model: Any) -> tuple[str, bytes | None, Any]:
-    """Judge one raw record: ``("ok", owner key, parsed record or None for a peer that left)`` or
-    ``(reason, None, None)`` with reason ``oversized`` / ``unsigned`` / ``bad_signature`` / ``malformed``."""
+def _check_record(key_id: bytes, subkey: bytes | None, value: bytes, expiration: float, model: Any,
+                  size: int | None = None) -> tuple[str, bytes | None, Any]:
+    """Judge one raw record (``size``: its size as stored, when ``subkey``/``value`` are fingerprints of a bigger
+    one): ``("ok", owner key, parsed record or None for a peer that left)`` or ``(reason, None, None)`` with reason
+    ``oversized`` / ``unsigned`` / ``bad_signature`` / ``malformed``."""
     from hivemind.dht.validation import DHTRecord
     from hivemind.utils import MSGPackSerializer
 
     if subkey is None:
         return "malformed", None, None  # one plain value where every peer keeps its own record
-    if len(subkey) + len(value) > MAX_RECORD_BYTES:
+    if (size if size is not None else len(subkey) + len(value)) > MAX_RECORD_BYTES:
         return "oversized", None, None
     checker = _signature_checker()
     try:
@@ -462,12 +471,12 @@ def read_run_records(dht: Any, run_id: str, timeout: float = 10.0) -> RunRecords
         result.bad_responses += found["bad_responses"]
         newest = getattr(result, kind)
         seen: set[bytes] = set()
-        for _source, subkey, value, expiration in found["records"]:
+        for _source, subkey, value, expiration, size in found["records"]:
             fingerprint = hashlib.sha256(repr((key, subkey, value, expiration)).encode()).digest()[:16]
             if fingerprint in seen:
                 continue  # the same record, held by another node too
             seen.add(fingerprint)
-            reason, owner, parsed = _check_record(key_id, subkey, value, expiration, models[kind])
+            reason, owner, parsed = _check_record(key_id, subkey, value, expiration, models[kind], size)
             if reason != "ok":
                 result.rejected.append((kind, fingerprint, reason))
                 continue

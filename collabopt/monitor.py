@@ -15,6 +15,14 @@ Per peer:
 * ``reachability``: ``client`` (client mode: accepts no connections), ``relayed`` (reached through a relay),
   ``reachable`` (announces direct addresses).
 
+The state (``/api/state``): ``verdict`` and ``verdict_reason``; ``global_epoch``, ``target_batch_size``,
+``samples_accumulated`` toward the next epoch and ``eta_seconds``; ``samples_per_second`` and ``loss`` of the live
+peers; ``num_peers`` (live) and ``peers_known``; ``peers``, one row each (``id``, ``epoch``, ``samples_per_second``,
+``share`` of the samples contributed, ``loss``, ``last_seen`` seconds, ``sync``, ``reachability``, ``versions``,
+``updated``: the time of the record its numbers come from, ``expires_at``: when its newest record expires on the
+DHT); ``rejected``: records refused, counted once each, by ``"<record>/<reason>"``; ``history``: the values above
+at every read, for plots.
+
 Verdict: ``diverging`` when a live peer reported non-finite losses since the previous read, or the swarm's loss
 (mean of the last 5 reads) is more than :data:`DIVERGENCE_FACTOR` times its lowest such mean; ``stalled`` when no
 peer is live, or neither the global epoch nor the samples accumulated toward it moved for ``stall_after`` seconds;
