@@ -39,6 +39,7 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -52,6 +53,7 @@ async def write_raw(items: list[tuple[str, object, bytes, float]], _dht, node) -
     nearest to the key and locally; per node, how many it accepted, refused, failed on."""
     results: dict[str, dict[str, int]] = {}
     for key, subkey, value, expiration in items:
+        value = value() if callable(value) else value  # big values are made here: hivemind's pipe chokes on them
         key_id = DHTID.generate(source=key)
         node.protocol.storage.store(key_id, value, expiration, subkey=subkey)
         nearest = await node.find_nearest_nodes([key_id], k_nearest=16, exclude_self=True)
@@ -80,7 +82,7 @@ def owner_subkey(key: RSAPrivateKey) -> bytes:
     return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
 
 
-def claims(kind: str, owner: hivemind.PeerID, **changes) -> dict:
+def claims(kind: str, owner: PeerID, **changes) -> dict:
     """A well-formed record of ``kind`` that claims the swarm is at epoch 1,000,000."""
     now = get_dht_time()
     if kind == "progress":
@@ -95,6 +97,12 @@ def claims(kind: str, owner: hivemind.PeerID, **changes) -> dict:
     return record
 
 
+def oversized(kind: str, owner: bytes, key: RSAPrivateKey, key_id: bytes, subkey: bytes, expiration: float) -> bytes:
+    """A well-formed record of ``kind`` with a 100 kB peer id, signed with ``key``."""
+    huge = claims(kind, PeerID(owner), peer_id=(b"x" if kind == "progress" else "x") * 100_000)
+    return signed(key, key_id, subkey, MSGPackSerializer.dumps(huge), expiration)
+
+
 def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
     out, run_id = cfg["out"], cfg["run_id"]
@@ -106,7 +114,7 @@ def main(config_path: str) -> None:
     while len(real) < 2 and time.monotonic() < deadline:  # a real peer's subkey under each key
         found = dht.run_coroutine(functools.partial(_find_raw, list(keys.values()), 16))
         for kind, key in keys.items():
-            for _source, subkey, _value, _expiration in found[key]["records"]:
+            for _source, subkey, *_ in found[key]["records"]:
                 subkey = MSGPackSerializer.loads(subkey) if subkey else None
                 if isinstance(subkey, bytes) and subkey.startswith(b"[owner:"):
                     real[kind] = subkey
@@ -132,10 +140,8 @@ def main(config_path: str) -> None:
             ("not_msgpack", owner_subkey(own[2]),
              signed(own[2], key_id, owner_subkey(own[2]), b"\xc1\xc1\xc1", expiration), "malformed"),
         ]
-        huge = claims(kind, dht.peer_id, peer_id=(b"x" if kind == "progress" else "x") * 100_000)
-        records.append(("oversized", owner_subkey(own[3]),
-                        signed(own[3], key_id, owner_subkey(own[3]), MSGPackSerializer.dumps(huge), expiration),
-                        "oversized"))
+        records.append(("oversized", owner_subkey(own[3]), functools.partial(
+            oversized, kind, dht.peer_id.to_bytes(), own[3], key_id, owner_subkey(own[3]), expiration), "oversized"))
         for name, subkey, value, reason in records:
             items.append((key, subkey, value, expiration))
             written.append(dict(kind=kind, name=name, reason=reason))
