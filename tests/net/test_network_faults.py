@@ -50,7 +50,9 @@ def test_a_partition_heals_into_one_swarm(tmp_path, make_net):
         seen["at_heal"] = {name: progress_epoch(tmp_path, name) for name in procs}
         net.heal()
 
-    results, params, procs = run_swarm(tmp_path, net, dict(target_batch_size=1536, epochs=8, lr=0.3), split)
+    # 12 epochs: in a run with 8 the sides, healed at epoch 5, still averaged in two groups of 2 at the last round
+    # (0.032 apart at the end); suspected: hivemind's DHT blacklist, whose ban doubles with every failed call
+    results, params, procs = run_swarm(tmp_path, net, dict(target_batch_size=1536, epochs=12, lr=0.3), split)
     for name in ("a", "b", "c", "d"):  # both sides kept training
         assert seen["at_heal"][name] - seen["at_split"][name] >= 1, seen
     assert_in_sync(params)
