@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -211,4 +212,7 @@ def main(config_path: str) -> None:
 
 
 if __name__ == "__main__":
+    # like a script started from a terminal: a test run started in the background (``pytest &``) hands its children
+    # SIGINT ignored, and the signal test would then wait for a Ctrl+C that cannot arrive
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     main(sys.argv[1])
