@@ -523,7 +523,14 @@ class HivemindPeer:
                             RecordSizeValidator([f"{run_id}_progress", self.metrics_key], MAX_RECORD_BYTES)])
 
     def _create_optimizer(self, dht: Any, arguments: dict[str, Any]) -> Any:
-        return optimizer_class()(dht=dht, **arguments)
+        optimizer = optimizer_class()(dht=dht, **arguments)
+        # Pre-schedule the parameter-averaging round from the first epoch. hivemind 1.1.12 pre-schedules it only once
+        # it has timed a pre-scheduled one (_maybe_schedule_state_averaging waits for
+        # delay_before_state_averaging.num_updates > 0) and times only those, so it never does: every state round
+        # began its matchmaking at the boundary, one matchmaking_time of idle per epoch (benchmark B5). A first
+        # estimate of 0 s starts it; hivemind refines the estimate from the rounds it times.
+        optimizer.delay_before_state_averaging.update(task_size=1, interval=0.0)
+        return optimizer
 
     # ---- stepping
 
