@@ -715,6 +715,12 @@ class DiLoCoPeer(HivemindPeer):
     def param_groups(self) -> list[dict]:
         return self.diloco.inner.param_groups
 
+    def finish_background_work(self, apply: bool = True) -> None:
+        """Also wait for the round in flight (``overlap_rounds``): applied, or with ``apply=False`` dropped (a
+        checkpoint is being loaded: the parameters are the checkpoint's, not those the round started from)."""
+        self.hivemind_optimizer.land(wait=True, apply=apply)
+        super().finish_background_work(apply)
+
     def restore_epoch(self, epoch: int) -> None:
         """A checkpoint was loaded: its parameters become the anchor."""
         super().restore_epoch(epoch)
@@ -849,6 +855,8 @@ def _diloco_classes() -> dict[str, type]:
 
         def __init__(self, *, diloco: Any, **kwargs: Any):
             self.diloco = diloco
+            self._in_flight: Any = None  # overlap: the StepControl of the round whose all-reduce is running
+            self._sharing_paused = False  # overlap: state sharing is off while a round is in flight
             super().__init__(**kwargs)
             self.anchors = tuple(p for group in self.state_averager.optimizer.param_groups for p in group["params"])
             self.parameters = tuple(self.state_averager.main_parameters)
@@ -885,27 +893,42 @@ def _diloco_classes() -> dict[str, type]:
             if control is not None and not control.done():
                 control.cancel()
 
-        def outer_step(self) -> None:
+        def outer_step(self, increment_epoch: bool = True) -> None:
             # the outer optimizer steps on the anchor (its .grad are the averaged buffers, see hivemind's
             # _make_gradient_averager with offload_optimizer), then the anchor is copied into the model
-            self.state_averager.step(increment_epoch=True, optimizer_step=True)
+            self.state_averager.step(increment_epoch=increment_epoch, optimizer_step=True)
 
         # ---- hivemind.Optimizer, DiLoCo's way
 
         def _should_load_state_from_peers(self) -> bool:
-            # the anchor of a peer one epoch behind is stale: catch up at once (hivemind tolerates one epoch)
-            return self.diloco.needs_sync or self.local_epoch < self.tracker.global_epoch
+            # the anchor of a peer one epoch behind is stale: catch up at once (hivemind tolerates one epoch), unless
+            # (overlap_rounds) its group started the round it is about to join: their epoch moved when they did
+            control = self.scheduled_grads
+            return diloco_module.should_download(self.diloco, self.local_epoch, self.tracker.global_epoch,
+                                                 joining=control is not None and not control.done())
 
         def _maybe_schedule_gradient_averaging(self) -> None:
             """As hivemind's, with this peer's round metadata (epoch, anchor fingerprint) for its group."""
             soon = self.tracker.estimated_next_update_time - get_dht_time() <= self.matchmaking_time
             if self.num_peers <= 1 or not soon:
                 return
+            self.land(wait=False)
+            if self._in_flight is not None:
+                return  # the anchor (whose fingerprint the group gathers) moves when it lands: schedule after
             if self.scheduled_grads is None or self.scheduled_grads.triggered or self.scheduled_grads.done():
                 self.scheduled_grads = self.grad_averager.schedule_step(
                     timeout=self.averaging_timeout, gather=self.diloco.round_metadata(self))
 
         def _update_global_epoch(self, grad_scaler: Any) -> None:
+            self.land(wait=True)  # one round in flight at most
+            if self.diloco.needs_sync:
+                return  # it could not be applied: the next step downloads the swarm's state, then rounds go on
+            if self.diloco.overlap and self.num_peers > 1:
+                with self.tracker.pause_updates():
+                    self._start_overlapped_round()
+                    self._share_state()
+                    self.grad_averager.reset_accumulated_grads_()
+                return
             with self.tracker.pause_updates():
                 outcome = self.diloco.run_round(self)
                 if outcome.applied:
@@ -917,9 +940,8 @@ def _diloco_classes() -> dict[str, type]:
                 self._share_state()
                 self.grad_averager.reset_accumulated_grads_()
                 logger.log(self.status_loglevel, f"DiLoCo round at epoch {self.local_epoch}: {outcome}")
-            if not outcome.applied:  # did the others apply it? (then this peer is behind and downloads; hivemind
-                self.tracker.global_progress.next_fetch_time = get_dht_time()  # would look up to 10 s later)
-                self.tracker.global_state_updated.set()
+            if not outcome.applied:
+                self._fetch_progress_now()
 
         def _share_state(self) -> None:
             """Serve this peer's state with its epoch as priority; a peer whose anchor disagreed with its group's
@@ -931,6 +953,7 @@ def _diloco_classes() -> dict[str, type]:
         def load_state_from_peers(self, **kwargs: Any) -> None:
             """Download the swarm's anchor, outer optimizer state and epoch, keeping this peer's progress since its
             own anchor (parameters = downloaded anchor + progress)."""
+            self.land(wait=True)
             control, self.scheduled_grads = self.scheduled_grads, None
             if control is not None and not control.done():
                 with self.grad_averager.get_tensors() as buffers:
@@ -954,9 +977,69 @@ def _diloco_classes() -> dict[str, type]:
                 self.grad_averager.reset_accumulated_grads_()
 
         @torch.no_grad()
-        def reanchor(self) -> None:
+        def reanchor(self, source: Any = None) -> None:
             with self.state_averager.lock_averaged_tensors:  # the anchor is the state this peer serves
-                for anchor, parameter in zip(self.anchors, self.parameters, strict=True):
-                    anchor.copy_(parameter.detach().to(device=anchor.device, dtype=anchor.dtype))
+                for anchor, value in zip(self.anchors, source or self.parameters, strict=True):
+                    anchor.copy_(value.detach().to(device=anchor.device, dtype=anchor.dtype))
+
+        # ---- overlap (overlap_rounds=True): the round's all-reduce runs while inner steps go on
+
+        def step(self, *args: Any, **kwargs: Any) -> Any:
+            self.land(wait=False)
+            return super().step(*args, **kwargs)
+
+        def land(self, wait: bool, apply: bool = True) -> None:
+            """Apply the result of the round in flight if it arrived (or, with ``wait``, once it arrives); with
+            ``apply=False`` wait for it and drop it."""
+            control = self._in_flight
+            if control is None or (not wait and not control.done()):
+                return
+            self._in_flight = None
+            try:
+                result = control.result(self.averaging_timeout)
+                self.grad_averager.notify_used_averaged_gradients()
+            except Exception as e:
+                result = e
+                if not control.done():
+                    control.cancel()
+            if self._sharing_paused:  # this peer's epoch and anchor agree again: serve them
+                self._sharing_paused = False
+                self.state_averager.allow_state_sharing = True
+            if not apply:
+                self.diloco.pending = None
+                return
+            outcome = self.diloco.land_round(self, result)
+            self._share_state()
+            if not outcome.applied:
+                self._fetch_progress_now()
+            logger.log(self.status_loglevel, f"DiLoCo round landed at epoch {self.local_epoch}: {outcome}")
+
+        def _start_overlapped_round(self) -> None:
+            """Start the all-reduce of this round in the background and move to the next epoch at once."""
+            weight = self.diloco.start_round(self)
+            control, self.scheduled_grads = self.scheduled_grads, None
+            if control is not None and not (control.triggered or control.done()):
+                self.grad_averager.step(control=control, weight=weight, reset_accumulators=False, wait=False)
+            else:
+                control = self.grad_averager.step(weight=weight, reset_accumulators=False, wait=False,
+                                                  timeout=self.averaging_timeout, gather=self.diloco.pending.metadata)
+            self._in_flight = control
+            self.state_averager.step(increment_epoch=True)
+            self.tracker.update_epoch(new_epoch=self.local_epoch)
+            if self.state_averager.allow_state_sharing:
+                # until it lands, this peer's epoch is the next one but its anchor the last one: a peer that
+                # downloaded them would hold an anchor the swarm no longer has at that epoch
+                self._sharing_paused = True
+                self.state_averager.allow_state_sharing = False
+
+        def _fetch_progress_now(self) -> None:
+            """Did the others apply the round this peer could not? (then it is behind and downloads; hivemind would
+            look up to 10 s later)"""
+            self.tracker.global_progress.next_fetch_time = get_dht_time()
+            self.tracker.global_state_updated.set()
+
+        def shutdown(self) -> None:
+            self.land(wait=True)  # the others' round needs this peer's part
+            super().shutdown()
 
     return dict(runner=ValueAllReduceRunner, averager=PseudoGradientAverager, optimizer=DiLoCoOptimizer)

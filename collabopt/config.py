@@ -80,6 +80,7 @@ class CollabConfig(DhtOptions):
     node_timeout: float = DEFAULT_NODE_TIMEOUT
     # callable(params) -> torch optimizer: DiLoCo mode, your optimizer steps locally (collabopt/diloco.py)
     outer_optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None
+    overlap_rounds: bool = False  # DiLoCo mode: a round's all-reduce runs while inner steps go on
 
     @classmethod
     def from_options(cls, **options: Any) -> CollabConfig:
@@ -116,6 +117,9 @@ class CollabConfig(DhtOptions):
         self._check_hivemind_options()
         if self.outer_optimizer is not None:
             diloco.check_config(self)
+        elif self.overlap_rounds:
+            raise ConfigurationError("overlap_rounds", "applies to DiLoCo mode only",
+                                     f"pass outer_optimizer= as well (e.g. {diloco.OUTER_EXAMPLE}), or drop it")
         # DHT options: parsed now (bad addresses fail here), normalized in place
         if self.initial_peers is not None:  # the environment variable is read when a DHT is started
             object.__setattr__(self, "initial_peers", parse_initial_peers(self.initial_peers, env_vars=()))

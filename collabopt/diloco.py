@@ -14,7 +14,16 @@ Passing ``outer_optimizer=`` to :class:`~collabopt.CollaborativeOptimizer` (or t
   same parameters: they held the same anchor and outer state, and the averaged pseudo-gradient reaches every peer as
   the same values (see ``_hivemind.value_all_reduce``);
 * the anchor and the outer optimizer's state (e.g. momentum) are the swarm's state: a late joiner downloads them;
-* pseudo-gradients travel compressed (``Float16Compression`` unless ``grad_compression=`` says otherwise).
+* pseudo-gradients travel compressed (``Float16Compression`` unless ``grad_compression=`` says otherwise);
+* with ``overlap_rounds=True`` the round's all-reduce runs in the background while inner steps go on: the epoch
+  moves on when the round starts, and its result is applied when it arrives (at the next ``step()`` after it, at
+  the latest before the next round), keeping the progress made meanwhile (``parameters = new anchor + progress since
+  the round started``): that progress is contributed one round late. A round that cannot be applied then is kept
+  for the next one, and the peer re-synchronizes by state download (keeping its progress), since its epoch no
+  longer tells whether the others applied it. While a round is in flight the peer serves no state (its epoch is
+  already the next one, its anchor still the last one); a peer one epoch behind whose matchmaking for that round is
+  under way joins it instead of downloading (:func:`should_download`). ``flush()`` waits for the round in flight
+  and applies it; ``load_state_dict()`` waits for it and drops it (the loaded parameters become the anchor).
 
 Faults (:meth:`DiLoCo.run_round`). A round is applied only if it is sound: the averaging finished with every part
 of the result, the group holds more than half of the peers this peer counts (two groups can never both apply a
@@ -153,6 +162,16 @@ class RoundOutcome:
     num_peers: int = 1
 
 
+@dataclass
+class PendingRound:
+    """Overlap mode: a round whose all-reduce runs in the background."""
+
+    weight: float
+    num_peers: int
+    metadata: dict[str, Any]
+    base: list[torch.Tensor]  # the parameters the pseudo-gradient was taken from
+
+
 class RoundSwarm(Protocol):
     """What a round needs of the swarm (``_hivemind``'s DiLoCo optimizer; unit tests use a fake)."""
 
@@ -164,8 +183,9 @@ class RoundSwarm(Protocol):
     def buffers(self) -> contextlib.AbstractContextManager[Sequence[torch.Tensor]]: ...
     def average(self, weight: float) -> dict[Any, Any]: ...  # all-reduce the buffers; the group's round metadata
     def skip_averaging(self) -> None: ...  # no round with others this time (cancel a scheduled one)
-    def outer_step(self) -> None: ...  # outer step on the anchors (grads: the buffers), anchors -> parameters
-    def reanchor(self) -> None: ...  # anchors = the current parameters
+    def outer_step(self, increment_epoch: bool = True) -> None: ...  # outer step on the anchors (grads: the
+    # buffers), then parameters = anchors
+    def reanchor(self, source: Sequence[torch.Tensor] | None = None) -> None: ...  # anchors = source / parameters
 
 
 class DiLoCo:
@@ -175,9 +195,10 @@ class DiLoCo:
     counters (``rounds_applied``, ``rounds_failed``, ``resyncs``, ``last_round``) say how the rounds went.
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, guard: NonFiniteGuard | None = None):
+    def __init__(self, inner: torch.optim.Optimizer, guard: NonFiniteGuard | None = None, overlap: bool = False):
         self.inner = inner
         self.guard = guard
+        self.overlap = overlap  # the round's all-reduce runs in the background (overlap_rounds=True)
         self.pending_samples = 0  # samples trained on since the anchor: this peer's weight in the next round
         self.needs_sync = False  # this peer's anchor disagreed with its group's: download the swarm's state
         self.rounds_applied = 0
@@ -185,6 +206,7 @@ class DiLoCo:
         self.resyncs = 0  # state downloads that kept this peer's local progress
         self.swarm_writes = 0  # times the swarm replaced this peer's parameters (rounds applied, downloads)
         self.last_round: RoundOutcome | None = None
+        self.pending: PendingRound | None = None  # overlap mode: the round whose all-reduce is running
 
     # ------------------------------------------------------------------ between rounds
 
@@ -223,20 +245,12 @@ class DiLoCo:
         """Average the pseudo-gradients with the swarm and take the outer step, or keep the local progress for the
         next round (see the module docstring). Returns what happened; ``swarm.outer_step()`` moved the epoch."""
         num_peers = max(1, int(swarm.num_peers))
-        with swarm.buffers() as buffers:
-            finite = write_pseudo_gradients(swarm.anchors, swarm.parameters, buffers)
-            if not finite:
-                for b in buffers:
-                    b.zero_()  # weight 0 alone does not keep NaN out of a weighted sum (0 * NaN = NaN)
-        if not finite:
-            self._refuse_local_progress(swarm)
-        weight = float(self.pending_samples) if finite else 0.0
-
+        weight = self._contribute(swarm)
         if num_peers == 1:
             swarm.skip_averaging()
             if weight == 0:
                 return self._finish(RoundOutcome(False, "nothing to apply", weight=weight))
-            group_size, reason = 1, "alone"
+            outcome = RoundOutcome(True, "alone", 1, weight, 1)
         else:
             metadata = self.round_metadata(swarm)
             try:
@@ -244,29 +258,92 @@ class DiLoCo:
             except Exception as e:
                 return self._finish(RoundOutcome(False, f"averaging failed: {e!r}", weight=weight,
                                                  num_peers=num_peers))
-            group_size, reason = len(gathered), "averaged"
-            if 2 * group_size <= num_peers:
-                return self._finish(RoundOutcome(False, f"no quorum: {group_size} of {num_peers} peers",
-                                                 group_size, weight, num_peers))
-            if not agrees_with_group(metadata, list(gathered.values())):
-                # the group's peers that hold the canonical anchor apply this peer's pseudo-gradient: it reached the
-                # swarm, so only the progress made from now on is kept for the download that follows
-                self.needs_sync = True
-                self.reanchor(swarm)
-                return self._finish(RoundOutcome(False, "this peer's anchor differs from its group's",
-                                                 group_size, weight, num_peers))
+            outcome = self._judge(swarm, gathered, metadata, weight, num_peers)
+            if not outcome.applied:
+                if self.needs_sync:
+                    # the group's peers that hold the canonical anchor apply this peer's pseudo-gradient: it reached
+                    # the swarm, so only the progress made from now on is kept for the download that follows
+                    self.reanchor(swarm)
+                return self._finish(outcome)
+        swarm.outer_step()
+        self.pending_samples = 0
+        self.rounds_applied += 1
+        self.swarm_writes += 1
+        return self._finish(outcome)
+
+    # ---- overlap: the all-reduce runs while inner steps go on, its result is applied when it arrives
+
+    def start_round(self, swarm: RoundSwarm) -> float:
+        """Overlap mode: write this peer's pseudo-gradient for an all-reduce that runs in the background, and
+        remember the parameters it was taken from; returns this peer's weight. :meth:`land_round` applies the
+        result."""
+        weight = self._contribute(swarm)
+        self.pending = PendingRound(weight=weight, num_peers=max(1, int(swarm.num_peers)),
+                                    metadata=self.round_metadata(swarm),
+                                    base=[p.detach().clone() for p in swarm.parameters])
+        self.pending_samples = 0  # the samples from now on count toward the next round
+        return weight
+
+    @torch.no_grad()
+    def land_round(self, swarm: RoundSwarm, result: dict[Any, Any] | BaseException) -> RoundOutcome:
+        """Overlap mode: the background all-reduce ended (``result``: the group's metadata, or what it raised).
+        If sound, the outer step moves the anchor and ``parameters = new anchor + progress made meanwhile``;
+        otherwise the pseudo-gradient is kept for the next round (the anchor stays, the progress too)."""
+        pending, self.pending = self.pending, None
+        assert pending is not None, "no round in flight"
+        if isinstance(result, BaseException):
+            outcome = RoundOutcome(False, f"averaging failed: {result!r}", weight=pending.weight,
+                                   num_peers=pending.num_peers)
+        else:
+            outcome = self._judge(swarm, result, pending.metadata, pending.weight, pending.num_peers)
+        if not outcome.applied:
+            if self.needs_sync:  # its pseudo-gradient reached the swarm: keep only the progress made since
+                swarm.reanchor(pending.base)
+            else:
+                self.pending_samples += int(pending.weight)
+                # the epoch moved on when the round started, so it cannot tell whether the others applied the
+                # round: download the state of the best peer (keeping this peer's progress)
+                self.needs_sync = pending.num_peers > 1
+            return self._finish(outcome)
+        progress = [p.detach() - b for p, b in zip(swarm.parameters, pending.base, strict=True)]
+        swarm.outer_step(increment_epoch=False)
+        for p, d in zip(swarm.parameters, progress, strict=True):
+            p.add_(d)
+        self.rounds_applied += 1
+        self.swarm_writes += 1
+        return self._finish(outcome)
+
+    # ---- parts of a round
+
+    def _contribute(self, swarm: RoundSwarm) -> float:
+        """Write this peer's pseudo-gradient into the swarm's buffers; return its weight (0: refused, non-finite)."""
+        with swarm.buffers() as buffers:
+            finite = write_pseudo_gradients(swarm.anchors, swarm.parameters, buffers)
+            if not finite:
+                for b in buffers:
+                    b.zero_()  # weight 0 alone does not keep NaN out of a weighted sum (0 * NaN = NaN)
+        if not finite:
+            self._refuse_local_progress(swarm)
+        return float(self.pending_samples) if finite else 0.0
+
+    def _judge(self, swarm: RoundSwarm, gathered: dict[Any, Any], metadata: dict[str, Any], weight: float,
+               num_peers: int) -> RoundOutcome:
+        """Whether an averaged round may be applied: a majority group, one anchor, a finite average."""
+        group_size = len(gathered)
+        if 2 * group_size <= num_peers:
+            return RoundOutcome(False, f"no quorum: {group_size} of {num_peers} peers", group_size, weight,
+                                num_peers)
+        if not agrees_with_group(metadata, list(gathered.values())):
+            self.needs_sync = True
+            return RoundOutcome(False, "this peer's anchor differs from its group's", group_size, weight, num_peers)
         with swarm.buffers() as buffers:
             average_finite = all_finite(buffers)
         if not average_finite:
             if self.guard is not None:
                 self.guard.note_refusal("refused_updates", "rounds with a non-finite average pseudo-gradient "
                                         "were not applied")
-            return self._finish(RoundOutcome(False, "non-finite average", group_size, weight, num_peers))
-        swarm.outer_step()
-        self.pending_samples = 0
-        self.rounds_applied += 1
-        self.swarm_writes += 1
-        return self._finish(RoundOutcome(True, reason, group_size, weight, num_peers))
+            return RoundOutcome(False, "non-finite average", group_size, weight, num_peers)
+        return RoundOutcome(True, "averaged", group_size, weight, num_peers)
 
     def _finish(self, outcome: RoundOutcome) -> RoundOutcome:
         if not outcome.applied:
@@ -286,6 +363,19 @@ class DiLoCo:
         if self.guard is not None:
             self.guard.note_refusal("refused_steps", "non-finite pseudo-gradients were not contributed (the peer "
                                     "restarted from the last round's parameters)")
+
+
+def should_download(diloco: DiLoCo, local_epoch: int, global_epoch: int, joining: bool) -> bool:
+    """Whether a peer downloads the swarm's state before its next step: its anchor disagreed with its group's, or
+    the swarm is past its epoch (hivemind tolerates one epoch; an anchor one round old is stale). With
+    ``overlap_rounds`` the others' epoch moves when they *start* a round: a peer one epoch behind that is
+    ``joining`` that round (its matchmaking is under way) starts it too instead.
+
+        >>> should_download(DiLoCo(torch.optim.SGD([torch.zeros(1)], lr=1.0), overlap=True), 3, 4, joining=True)
+        False
+    """
+    behind = global_epoch - local_epoch
+    return diloco.needs_sync or behind > 1 or (behind == 1 and not (diloco.overlap and joining))
 
 
 @torch.no_grad()
@@ -343,6 +433,6 @@ def _valid_metadata(metadata: Any) -> bool:
             and all(isinstance(x, float) for x in metadata["anchor"]))
 
 
-__all__ = ["DiLoCo", "INCOMPATIBLE", "OUTER_EXAMPLE", "RoundOutcome", "RoundSwarm", "agrees_with_group",
-           "check_config", "check_outer_optimizer", "fingerprint", "hivemind_arguments", "same_fingerprint",
-           "write_pseudo_gradients"]
+__all__ = ["DiLoCo", "INCOMPATIBLE", "OUTER_EXAMPLE", "PendingRound", "RoundOutcome", "RoundSwarm",
+           "agrees_with_group", "check_config", "check_outer_optimizer", "fingerprint", "hivemind_arguments",
+           "same_fingerprint", "should_download", "write_pseudo_gradients"]

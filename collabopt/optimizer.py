@@ -207,7 +207,8 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         self._sigterm = SigtermHandler()
         self._guard = NonFiniteGuard() if config.nonfinite_guard else None
         # DiLoCo mode's state and counters (collabopt/diloco.py); None in the synchronous mode
-        self.diloco = diloco.DiLoCo(optimizer, self._guard) if config.outer_optimizer is not None else None
+        self.diloco = (diloco.DiLoCo(optimizer, self._guard, overlap=config.overlap_rounds)
+                       if config.outer_optimizer is not None else None)
         self._checked_version = -1  # parameters' version sum when the guard last checked them
         self._owns_dht = swarm_options is not None
         self._counter = ForwardSampleCounter(model) if model is not None else None
@@ -530,7 +531,8 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         """Restore what :meth:`state_dict` saved. Load the model's parameters before calling this."""
         self._check_open()
         state = check_state(state)
-        self._peer.finish_background_work()
+        # DiLoCo: a round in flight is not applied onto the loaded parameters (they become the anchor)
+        self._peer.finish_background_work(apply=self.diloco is None)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.config.offload_optimizer:  # the offloaded copy must hold the (restored) model parameters
             with torch.no_grad():

@@ -8,7 +8,8 @@ Config (besides peer_worker.py's run_id, target_batch_size, epochs, batch_sizes,
 finish_with, max_seconds, step_sleep): ``outer`` (SGD keyword arguments), ``compression`` ("none" for exact
 averaging), ``fail_round`` (this peer's averaging fails at that round: an injected network fault), ``stop_after``
 (leave after this many rounds, without waiting for anyone), ``collaborate`` (build it with
-``collabopt.integrations.pytorch.collaborate``, the plain-loop adapter).
+``collabopt.integrations.pytorch.collaborate``, the plain-loop adapter), ``overlap`` (``overlap_rounds=True``; then
+``landed`` holds, per round applied, the anchor, the parameters after and before the step that applied it).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main(config_path: str) -> None:
     options = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], verbose=True, matchmaking_time=2.0, averaging_timeout=30.0,
                    outer_optimizer=functools.partial(torch.optim.SGD, **cfg.get("outer", dict(
                        lr=0.7, momentum=0.9, nesterov=True))))
+    if cfg.get("overlap"):
+        options["overlap_rounds"] = True
     if cfg.get("compression") == "none":
         from hivemind.compression import NoCompression
 
@@ -51,7 +54,7 @@ def main(config_path: str) -> None:
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     sizes = batch_size_sequence(cfg.get("batch_sizes", [16]), rng)
     result = {"rounds": [], "samples_fed": 0}
-    params = {"after": {}, "before": {}}
+    params = {"after": {}, "before": {}, "landed": {}, "base": {}}
     last_inner = {}
     optimizer.register_step_post_hook(lambda *_: last_inner.update(params=snapshot(model)))
 
@@ -82,16 +85,26 @@ def main(config_path: str) -> None:
             before = (copt.local_epoch, copt.diloco.rounds_applied, copt.diloco.resyncs)
             copt.step()
             copt.zero_grad()
+            if cfg.get("overlap") and copt.diloco.rounds_applied != before[1]:  # a round landed in this step
+                params["landed"][copt.diloco.rounds_applied] = dict(
+                    after=snapshot(model), before=last_inner["params"],
+                    anchor={k: a.detach().clone() for k, a in zip(params["start"], copt.hivemind_optimizer.anchors,
+                                                                  strict=True)})
             if copt.local_epoch != before[0]:
                 epoch = copt.local_epoch
                 params["after"][epoch] = snapshot(model)
                 params["before"][epoch] = last_inner["params"]
                 applied = copt.diloco.rounds_applied != before[1]
                 last = copt.diloco.last_round
+                if cfg.get("overlap") and copt.diloco.pending is not None:  # a round started (lands later)
+                    applied, last = True, copt.diloco.pending
+                    # what it averages: anchor - base (the previous round may have landed in this very step)
+                    params["base"][epoch] = dict(zip(params["start"], (b.clone() for b in last.base), strict=True))
                 result["rounds"].append(dict(
                     epoch=epoch, applied=applied, resynced=copt.diloco.resyncs != before[2],
-                    weight=last.weight if applied else None, group_size=last.group_size if applied else None,
-                    fed_since_anchor=fed_since_anchor, reason=last.reason if last is not None else None))
+                    weight=last.weight if applied else None,
+                    group_size=getattr(last, "group_size", None) if applied else None,
+                    fed_since_anchor=fed_since_anchor, reason=getattr(last, "reason", "started")))
                 if applied:
                     fed_since_anchor = 0
                 write_json(out + ".progress", {"epoch": epoch})

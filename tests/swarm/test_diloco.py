@@ -241,3 +241,30 @@ def test_a_late_joiner_downloads_the_anchor_and_the_outer_momentum(tmp_path, boo
     assert joined, late["rounds"]
     for epoch in joined:
         assert diff(params["d"]["after"][epoch], params["a"]["after"][epoch]) <= EQUAL, epoch
+
+
+def test_overlap_rounds_land_equal_and_reproduce_plain_torch(tmp_path, bootstrap):
+    """overlap_rounds=True (2 peers, exact averaging): each round's all-reduce runs while inner steps go on. The
+    anchors the peers land on are equal, they are plain-torch DiLoCo applied to the parameters each peer had when the
+    round started, and the parameters after a landing are that anchor plus the progress made meanwhile."""
+    names = {"a": [8, 40], "b": [16]}
+    outer = dict(lr=0.7, momentum=0.9, nesterov=True)
+    configs = peers(unique_run_id("diloco_overlap"), names, epochs=4, compression="none", outer=outer, overlap=True)
+    for name in configs:
+        configs[name]["finish_with"] = finish_line(tmp_path, *(n for n in names if n != name))
+    results, params = run_swarm(tmp_path, bootstrap, configs)
+
+    landed = [1, 2, 3]
+    rounds = {name: rounds_by_epoch(results[name]) for name in names}
+    assert all(rounds[n][e]["applied"] for n in names for e in landed), rounds
+    weights = {n: {e: rounds[n][e]["weight"] for e in landed} for n in names}
+    expected = reference_rounds(params["a"]["start"], {n: params[n]["base"] for n in names}, weights, landed, outer)
+    for k in landed:  # the k-th round landed: it started at epoch k, from the parameters recorded then
+        for name in names:
+            land = params[name]["landed"][k]
+            assert diff(land["anchor"], expected[k]) <= EQUAL, (k, name)
+            kept = {key: land["anchor"][key] + land["before"][key] - params[name]["base"][k][key]
+                    for key in land["anchor"]}
+            assert diff(land["after"], kept) <= EQUAL, (k, name)
+        assert diff(params["a"]["landed"][k]["anchor"], params["b"]["landed"][k]["anchor"]) <= EQUAL
+    assert all(results[n]["rounds_failed"] == 0 for n in names)

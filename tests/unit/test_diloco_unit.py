@@ -139,17 +139,17 @@ class FakeSwarm:
         self.skipped += 1
 
     @torch.no_grad()
-    def outer_step(self) -> None:
+    def outer_step(self, increment_epoch: bool = True) -> None:
         for a, b in zip(self.anchors, self._buffers, strict=True):
             a.grad = b.clone()
         self.outer.step()
         for p, a in zip(self.parameters, self.anchors, strict=True):
             p.copy_(a)
-        self.local_epoch += 1
+        self.local_epoch += int(increment_epoch)
 
     @torch.no_grad()
-    def reanchor(self) -> None:
-        for a, p in zip(self.anchors, self.parameters, strict=True):
+    def reanchor(self, source=None) -> None:
+        for a, p in zip(self.anchors, source or self.parameters, strict=True):
             a.copy_(p)
 
 
@@ -259,3 +259,84 @@ def test_the_canonical_anchor_is_the_newest_epoch_then_the_majority():
     assert not agrees_with_group(e(3, y), [e(3, x), e(3, y)])
     assert agrees_with_group(e(3, x), [e(3, x), "garbage", {"epoch": "3"}])
     assert agrees_with_group(e(3, [1.0, 2.0, 3.0 + 1e-9]), [e(3, x), e(3, x)])  # rounding is the same anchor
+
+
+def test_overlap_applies_the_round_on_top_of_the_progress_made_meanwhile():
+    model, diloco, swarm = trained(num_peers=2)
+    anchor = [a.detach().clone() for a in swarm.anchors]
+    swarm.others = [(8.0, [torch.ones_like(p) for p in swarm.parameters])]
+    weight = diloco.start_round(swarm)  # the all-reduce would now run in the background
+    assert weight == 24 and diloco.pending_samples == 0
+    base = [p.detach().clone() for p in model.parameters()]
+    gathered = swarm.average(weight)
+    for _ in range(2):  # inner steps while it runs
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        diloco.inner_step(8)
+        diloco.inner.zero_grad()
+    progress = [p.detach() - b for p, b in zip(model.parameters(), base, strict=True)]
+    outcome = diloco.land_round(swarm, gathered)
+    assert outcome.applied and swarm.local_epoch == 0  # (the epoch moved when the round started)
+    reference = [torch.nn.Parameter(a.clone()) for a in anchor]
+    ref_opt = OUTER(reference)
+    with swarm.buffers() as buffers:
+        for r, b in zip(reference, buffers, strict=True):
+            r.grad = b.clone()
+    ref_opt.step()
+    for p, a, r, d in zip(model.parameters(), swarm.anchors, reference, progress, strict=True):
+        torch.testing.assert_close(a.detach(), r.detach())
+        torch.testing.assert_close(p.detach(), r.detach() + d)
+    assert diloco.pending_samples == 16 and diloco.rounds_applied == 1
+
+
+def test_overlap_keeps_a_failed_round_and_resyncs():
+    model, diloco, swarm = trained(num_peers=3)
+    anchor = [a.detach().clone() for a in swarm.anchors]
+    diloco.start_round(swarm)
+    before = [p.detach().clone() for p in model.parameters()]
+    outcome = diloco.land_round(swarm, TimeoutError("averaging timed out"))
+    assert not outcome.applied and diloco.needs_sync  # the epoch moved on: only a download tells
+    assert diloco.pending_samples == 24
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(swarm.anchors, anchor, strict=True))
+
+
+def test_overlap_rounds_needs_diloco_mode(no_network):
+    model, opt = model_and_opt()
+    with pytest.raises(ConfigurationError, match="overlap_rounds"):
+        CollaborativeOptimizer(opt, overlap_rounds=True, **SWARM)
+    assert CollabConfig.from_options(outer_optimizer=OUTER, overlap_rounds=True, **SWARM).overlap_rounds
+
+
+def test_overlap_a_round_with_another_anchor_keeps_only_the_progress_made_since_it_started():
+    model, diloco, swarm = trained(num_peers=2)
+    swarm.others = [(8.0, [torch.ones_like(p) for p in swarm.parameters])]
+    swarm.other_metadata = [{"epoch": 1, "anchor": [1.0, 2.0, 3.0]}]  # the group's newer anchor
+    weight = diloco.start_round(swarm)
+    base = [p.detach().clone() for p in model.parameters()]
+    gathered = swarm.average(weight)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    diloco.inner_step(8)
+    before = [p.detach().clone() for p in model.parameters()]
+    outcome = diloco.land_round(swarm, gathered)
+    assert not outcome.applied and diloco.needs_sync and diloco.pending is None
+    # its pseudo-gradient reached the group: what the download keeps is the progress since the round started
+    assert all(torch.equal(a, b) for a, b in zip(swarm.anchors, base, strict=True))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert diloco.pending_samples == 8
+
+
+@pytest.mark.parametrize(("overlap", "needs_sync", "local", "global_", "joining", "expected"), [
+    (False, False, 3, 3, False, False),
+    (False, False, 3, 4, True, True),  # an anchor one round old is stale (hivemind would tolerate it)
+    (False, True, 3, 3, False, True),  # its anchor disagreed with its group's
+    (True, False, 3, 4, True, False),  # overlap: the others started the round this peer is joining
+    (True, False, 3, 4, False, True),  # ... a round it is not joining: it missed it
+    (True, False, 3, 5, True, True),
+    (True, True, 3, 3, True, True),
+])
+def test_when_a_peer_downloads_the_swarms_state(overlap, needs_sync, local, global_, joining, expected):
+    from collabopt.diloco import should_download
+
+    _, diloco, _ = trained()
+    diloco.overlap, diloco.needs_sync = overlap, needs_sync
+    assert should_download(diloco, local, global_, joining) is expected
