@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -88,7 +89,8 @@ def start_dht(**kwargs: Any) -> Any:
     :mod:`collabopt.doctor`) so that ``collabopt doctor`` on another machine can learn whether it is reachable."""
     import hivemind
 
-    with children_follow_parent():  # the DHT process and its p2pd end with this process, even on SIGKILL
+    relays_only = _static_relays() if kwargs.get("trusted_relays") else contextlib.nullcontext()
+    with children_follow_parent(), relays_only:  # the DHT process and its p2pd end with this process, even on SIGKILL
         dht = hivemind.DHT(start=True, **kwargs)
     if not kwargs.get("client_mode"):
         try:
@@ -98,6 +100,32 @@ def start_dht(**kwargs: Any) -> Any:
         except Exception as e:  # a convenience for others' diagnosis: never a reason not to start
             logging.getLogger(__name__).debug("collabopt: could not serve the dial-back check: %r", e)
     return dht
+
+
+@contextlib.contextmanager
+def _static_relays() -> Iterator[None]:
+    """While a DHT starts (its process forks inside), p2pd daemons given ``trusted_relays`` use those relays only.
+
+    hivemind 1.1.12 passes ``-trustedRelays`` but leaves p2pd's ``-relayDiscovery`` on (``use_relay_discovery`` is
+    ignored), so p2pd feeds the named relays to libp2p's autorelay as mere candidates among those its DHT finds;
+    autorelay then reserves no relay slot before it has 4 candidates or 3 minutes have passed (go-libp2p 0.32
+    autorelay defaults), and every connection through the relay fails with NO_RESERVATION until then. With
+    ``-relayDiscovery=0`` p2pd configures static relays: a reservation within seconds.
+    """
+    from hivemind.p2p.p2p_daemon import P2P
+
+    original = P2P.__dict__["_make_process_args"]
+
+    def make_process_args(*args: Any, **kwargs: Any) -> list[str]:
+        if kwargs.get("trustedRelays"):
+            kwargs.setdefault("relayDiscovery", False)
+        return original.__func__(*args, **kwargs)
+
+    P2P._make_process_args = staticmethod(make_process_args)
+    try:
+        yield
+    finally:
+        P2P._make_process_args = original
 
 
 async def _add_stream_handler(name: str, handler: Callable[..., Any], _dht: Any, node: Any) -> None:
@@ -161,8 +189,31 @@ def optimizer_class() -> type:
     """``hivemind.Optimizer`` with a progress tracker that shuts down cleanly (see :func:`make_progress_tracker`)."""
     import hivemind
 
+    def load_state_from_peers(self: Any, **kwargs: Any) -> None:
+        hivemind.Optimizer.load_state_from_peers(self, **kwargs)
+        forget_stale_progress(self.tracker, self.local_epoch)
+
     return type("Optimizer", (hivemind.Optimizer,), dict(_make_progress_tracker=make_progress_tracker,
+                                                          load_state_from_peers=load_state_from_peers,
                                                           __module__=__name__))
+
+
+def forget_stale_progress(tracker: Any, local_epoch: int) -> None:
+    """After a state download, drop the tracker's view of an epoch this peer has left, and fetch the swarm's now.
+
+    hivemind 1.1.12 keeps the view fetched before the download: a peer that caught up from epoch 10 to 12 still held
+    epoch 11's progress (ETA passed), so ``ready_to_update_epoch`` was true and it began the boundary of epoch 12 at
+    once, with no samples, before the others had any; its state round then found no group (the others had
+    pre-scheduled theirs) and it ended the run apart (the 2 | 2 partition test)."""
+    from hivemind.utils import get_dht_time
+
+    with tracker.pause_updates():
+        progress = tracker.global_progress
+        if progress.epoch > local_epoch:
+            return  # news: the swarm moved on during the download (hivemind downloads again)
+        tracker.global_progress = dataclasses.replace(progress, epoch=local_epoch, samples_accumulated=0,
+                                                      eta_next_epoch=float("inf"), next_fetch_time=get_dht_time())
+    tracker.global_state_updated.set()  # the fetcher re-reads next_fetch_time: it fetches now
 
 
 def make_progress_tracker(optimizer: Any, target_batch_size: int, **kwargs: Any) -> Any:
@@ -848,6 +899,25 @@ def _diloco_classes() -> dict[str, type]:
             self.last_updated = get_dht_time()
             self._state_updated.set()
 
+    class ThrottledProgressTracker(_progress_tracker_class()):
+        """A DiLoCo peer's tracker. hivemind stores this peer's progress record in the DHT at every step (a signed
+        record to 5 replicas: ~15 kB sent per step on the WAN bed, more per sample than the round's all-reduce at
+        hundreds of steps per round); this one stores it at most once per ``min_refresh_period`` (peers fetch the
+        records no more often than that), and at once when the epoch changes or the count drops."""
+
+        _next_report = -float("inf")
+
+        def report_local_progress(self, local_epoch: int, samples_accumulated: int,
+                                  update_global_samples: bool = True) -> None:
+            previous, now = self.local_progress, get_dht_time()
+            urgent = local_epoch != previous.epoch or samples_accumulated < previous.samples_accumulated
+            requested = self.should_report_progress.is_set()
+            super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+            if urgent or now >= self._next_report:
+                self._next_report = now + self.min_refresh_period
+            elif not requested:  # this count goes out with a later step's report (or the reporter's own refresh)
+                self.should_report_progress.clear()
+
     class DiLoCoOptimizer(optimizer_class()):
         """hivemind's optimizer with DiLoCo rounds: its (offloaded) optimizer is the outer one, whose parameters are
         the anchor; a round (:meth:`collabopt.diloco.DiLoCo.run_round`) replaces the global epoch. Also the
@@ -860,6 +930,11 @@ def _diloco_classes() -> dict[str, type]:
             super().__init__(**kwargs)
             self.anchors = tuple(p for group in self.state_averager.optimizer.param_groups for p in group["params"])
             self.parameters = tuple(self.state_averager.main_parameters)
+
+        def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> Any:
+            return ThrottledProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                                            client_mode=self.client_mode, status_loglevel=self.status_loglevel,
+                                            start=True, **kwargs)
 
         # ---- RoundSwarm
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from collabopt.integrations.pytorch import collaborate
-from peer_worker import at_finish_line, batch_size_sequence, full_loss, make_data, make_model, write_json
+from peer_worker import at_finish_line, batch_size_sequence, full_loss, make_data, make_model, target_epoch, write_json
 
 from collabopt import CollaborativeOptimizer
 
@@ -72,9 +72,10 @@ def main(config_path: str) -> None:
         params["start"] = snapshot(model)
         result["start_epoch"] = copt.local_epoch
         result["start_loss"] = full_loss(model, x_all, y_all)
-        epochs = cfg["epochs"]
+        write_json(out + ".progress", {"epoch": copt.local_epoch})  # (a late joiner: the epoch it downloaded)
         fed_since_anchor = 0
-        while time.monotonic() < deadline and not at_finish_line(cfg, copt.local_epoch, epochs):
+        while time.monotonic() < deadline and not at_finish_line(cfg, copt.local_epoch,
+                                                                 target_epoch(cfg, cfg["epochs"])):
             if cfg.get("stop_after") is not None and copt.diloco.rounds_applied >= cfg["stop_after"]:
                 break
             n = next(sizes)
