@@ -66,6 +66,7 @@ def run_peer(index: int, config: dict[str, Any]) -> None:
     generator = torch.Generator().manual_seed(1000 + index)
     sizes = BATCH_SIZES[index % len(BATCH_SIZES)]
     fed = 0
+    in_step = 0.0  # seconds inside copt.step(): what the swarm costs this peer (matchmaking, averaging, bookkeeping)
     with CollaborativeOptimizer(
         optimizer,
         run_id=config["run_id"],
@@ -83,6 +84,7 @@ def run_peer(index: int, config: dict[str, Any]) -> None:
         # start together: a peer alone would race through the first epochs before the others have joined
         out = Path(config["out_dir"])
         copt.wait_for_peers(config["peers"], timeout=config["timeout"])
+        started = time.monotonic()
         # the finish line: a peer that reached the last epoch trains on until every peer has. hivemind matches
         # averaging rounds by time, not by epoch, so a peer that missed the start of one round counts the next ones
         # one epoch late; if the others stopped at the last epoch, it would take its last step alone.
@@ -95,17 +97,21 @@ def run_peer(index: int, config: dict[str, Any]) -> None:
             idx = torch.randint(0, len(x_train), (n,), generator=generator)
             loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()
+            before = time.monotonic()
             copt.step()  # samples counted from the model's forward call
             copt.zero_grad()
+            in_step += time.monotonic() - before
             copt.report_loss(loss)  # shown by the status page (--serve)
             fed += n
             step += 1
             time.sleep(0.1)  # a stand-in for a bigger model's compute: epochs last a few seconds, so that peers meet
+        wall = time.monotonic() - started
         with torch.no_grad():
             accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
         torch.save(model.state_dict(), out / f"peer{index}.pt")
         (out / f"peer{index}.json").write_text(json.dumps(dict(
             epoch=copt.local_epoch, samples_reported=copt.samples_reported, samples_fed=fed, accuracy=accuracy,
+            computed=(wall - in_step) / wall if wall > 0 else 0.0,
         )))
 
 
@@ -216,6 +222,9 @@ def _summary(out_dir: Path, args: argparse.Namespace, elapsed: float) -> int:
     for i, r in enumerate(results):
         print(f"  peer {i}: contributed {r['samples_reported']} samples (fed {r['samples_fed']}), "
               f"batch sizes {BATCH_SIZES[i % len(BATCH_SIZES)]}, accuracy {r['accuracy']:.1%}")
+    computed = sorted(r["computed"] for r in results)
+    print(f"  peers computed {computed[len(computed) // 2]:.0%} of the time (min {computed[0]:.0%}); the rest they "
+          "waited inside step() for the swarm (mostly matchmaking and averaging at global-epoch boundaries)")
     print(f"  max parameter difference between peers: {max_diff:g}")
     # hivemind's all-reduce hands each peer `average - own` to add, so peers agree to float rounding (usually
     # exactly): anything above 1e-6 means a peer really diverged

@@ -24,6 +24,8 @@ def test_demo_trains_a_swarm_in_sync():
     max_diff = float(out.split("max parameter difference between peers:")[1].split()[0])
     assert max_diff <= SWARM_ROUNDING and "peers are in sync" in out, out
     assert out.count("contributed") == 3
+    computed = float(out.split("peers computed")[1].split("%")[0])
+    assert 0 < computed <= 100, out  # the share of wall time outside step(), median over peers
     accuracy = float(out.split("held-out accuracy:")[1].split("%")[0])
     assert accuracy > 25.0, out  # 3 global steps on a 10-class problem: well above chance (10%)
 
