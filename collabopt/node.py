@@ -251,8 +251,7 @@ class NodeOptimizer(SwarmOptimizerBase):
             self._release_hooks()
             if self._copt is not None:
                 self._copt.close()
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(self._wait_group)
+            self._leave_wait_group()
             raise
 
     # ------------------------------------------------------------------ collectives
@@ -554,13 +553,20 @@ class NodeOptimizer(SwarmOptimizerBase):
                 self._copt.close()
         finally:
             self._release_hooks()
-            if self._wait_group is not None:
-                with contextlib.suppress(Exception):  # the default group may be gone already
-                    # leave together: a rank that tore its gloo groups down while rank 0 was still leaving the
-                    # swarm was seen to abort at exit ("terminate called without an active exception")
-                    dist.monitored_barrier(group=self._wait_group, timeout=datetime.timedelta(seconds=120))
-                with contextlib.suppress(Exception):
-                    dist.destroy_process_group(self._wait_group)
+            self._leave_wait_group()
+
+    def _leave_wait_group(self) -> None:
+        """Every rank: leave the wait group together (a barrier, 2-minute limit), then free it now. A gloo group
+        torn down while another rank still used it, or freed late (an exception's traceback keeps a failed node
+        alive until the garbage collector or interpreter exit), was seen to abort a process at exit ("terminate
+        called without an active exception")."""
+        group, self._wait_group = self._wait_group, None  # this attribute held the group's last reference
+        if group is None:
+            return
+        with contextlib.suppress(Exception):  # the default group may be gone already
+            dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=120))
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(group)
 
     def _describe(self) -> str:
         return f"rank={self.rank}/{self.world_size}, run_id={self.run_id!r}, "
