@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="check that this machine can join a swarm (addresses, peers, incoming connections)",
         description="Check that this machine can join the swarm of --initial-peers: versions, addresses, each "
                     "initial peer (connection, DHT ping, clock) and whether other machines can connect to this one "
-                    "(if not: client_mode=True or use_auto_relay=True). Exit status 1 when a check fails.")
+                    "(if not: client_mode=True or relay_peers=[...]). Exit status 1 when a check fails.")
     _add_swarm_args(doctor, identity=False)
     doctor.add_argument("--client-mode", action="store_true",
                         help="you will join with client_mode=True (then not accepting connections is fine)")

@@ -34,7 +34,7 @@ _MANAGED_BY_COLLABOPT = frozenset({"dht", "run_id", "target_batch_size", "batch_
                                    "scheduler", "client_mode"})
 # DHT options (cannot be combined with a dht= the caller owns)
 _SWARM_FIELDS = ("initial_peers", "host_maddrs", "announce_maddrs", "identity_path", "client_mode", "use_ipfs",
-                 "bootstrap_timeout")
+                 "bootstrap_timeout", "relay_peers")
 
 
 def positive_number(name: str, value: Any, example: str, allow_zero: bool = False) -> None:

@@ -3,7 +3,7 @@
 Checks, in order: the installed versions (hivemind must be the tested 1.1.12); the addresses given (initial peers,
 ``--host-maddrs``, ``--announce-maddrs``); each initial peer (a libp2p connection and a DHT ping, with their times
 and the clock difference hivemind tolerates); and whether this machine accepts incoming connections, which decides
-whether it can join as a full peer or needs ``client_mode=True`` or a relay (``use_auto_relay=True``).
+whether it can join as a full peer or needs ``client_mode=True`` or a relay (``relay_peers=[...]``).
 
 The last check cannot be made from this machine alone: libp2p reuses the connection this machine opened, so an
 initial peer that "pings back" proves nothing. Every collabopt DHT (``collabopt dht`` and every training peer that
@@ -48,7 +48,9 @@ PASS, FAIL, WARN, SKIP, UNKNOWN = "PASS", "FAIL", "WARN", "SKIP", "UNKNOWN"
 
 RELAY_OR_CLIENT_FIX = (
     "join with client_mode=True (it trains and averages through the connections it opens; others never connect "
-    "to it), or with use_auto_relay=True (others reach it through a public peer acting as relay). To accept "
+    "to it), or through a relay: relay_peers=['<initial peer address>'] (any public collabopt peer relays unless "
+    "started with --no-relay; others, behind NATs of their own too, then reach it through that peer; hivemind "
+    "1.1.12 relays 128 KiB per connection, so for small models only). To accept "
     "connections directly, forward a fixed TCP port to this machine, listen on it "
     "(host_maddrs=['/ip4/0.0.0.0/tcp/31337']), announce it (announce_maddrs=['/ip4/<public IP>/tcp/31337']) "
     "and run collabopt doctor again with --host-maddrs/--announce-maddrs"
@@ -311,9 +313,9 @@ def _incoming_check(results: list[_PeerResult], listening: list[str], options: D
     if options.client_mode:
         return Check(name, PASS, detail + "; fine with client_mode=True (you passed --client-mode)")
     if options.use_auto_relay:
-        return Check(name, WARN, detail + "; with use_auto_relay=True others reach it through a relay once one is "
-                                          "found (public collabopt peers relay unless started with --no-relay)",
-                     "if peers still fail to reach it, join with client_mode=True")
+        return Check(name, WARN, detail + "; use_auto_relay=True alone finds a relay only once it knows 4 candidate "
+                                          "relays or after 3 minutes, and announces relays with public addresses only",
+                     "name the relay: relay_peers=['<initial peer address>'] (or join with client_mode=True)")
     return Check(name, FAIL, detail + ": not reachable from outside", RELAY_OR_CLIENT_FIX)
 
 

@@ -61,6 +61,32 @@ def parse_initial_peers(
     return items
 
 
+def peer_maddrs(maddrs: str | Sequence[str], parameter: str) -> list[str]:
+    """``maddrs`` (a list, or one string separated by commas or whitespace) as a list of validated peer addresses."""
+    items = maddrs.replace(",", " ").split() if isinstance(maddrs, str) else [str(m) for m in maddrs]
+    for item in items:
+        validate_peer_maddr(item, parameter)
+    return items
+
+
+def relay_options(relay_peers: Sequence[str], announce_maddrs: Sequence[str] | None = None) -> dict[str, Any]:
+    """``hivemind.DHT`` arguments that make a peer behind NAT reachable through ``relay_peers`` (public peers: every
+    hivemind peer with ``use_relay=True``, the default, serves as a libp2p circuit relay).
+
+    The peer reserves a slot on each relay at once (autorelay with these relays only, this peer declared not
+    reachable) and announces its address through each (``<relay>/p2p-circuit``), so that every other peer,
+    behind a NAT of its own or not, connects to it through the relay. (libp2p's autorelay announces relay addresses
+    by itself only for relays with public IP addresses.) hivemind 1.1.12's p2pd relays at most 128 KiB per direction
+    and 2 minutes per relayed connection, then resets it: enough for the DHT and small models only.
+
+    >>> relay_options(["/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWRelay"])["announce_maddrs"]
+    ['/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWRelay/p2p-circuit']
+    """
+    relay_peers = list(relay_peers)
+    return dict(use_relay=True, use_auto_relay=True, trusted_relays=relay_peers, force_reachability="private",
+                announce_maddrs=[*(announce_maddrs or ()), *(f"{relay}/p2p-circuit" for relay in relay_peers)])
+
+
 def validate_peer_maddr(maddr: str, parameter: str = "initial_peers") -> None:
     """Raise :class:`ConfigurationError` unless ``maddr`` is a full multiaddr of a peer (with ``/p2p/<id>``)."""
     fix = "copy the address exactly as the first peer printed it, e.g. '/ip4/1.2.3.4/tcp/31337/p2p/QmPeerId...'"
@@ -103,10 +129,21 @@ class DhtOptions:
     use_ipfs: bool = False
     use_relay: bool = True
     use_auto_relay: bool = False
+    relay_peers: str | Sequence[str] | None = None  # behind NAT: be reached through these public peers
     wait_timeout: float = 3.0
     bootstrap_timeout: float | None = None
 
     def validate(self) -> None:
+        if self.relay_peers is not None:
+            relay_peers = peer_maddrs(self.relay_peers, "relay_peers")
+            if not relay_peers:
+                raise ConfigurationError("relay_peers", "is empty", "pass the address of a public peer, or drop it")
+            for name, value, problem in (("client_mode", self.client_mode, "a client-mode peer accepts no "
+                                          "connections, relayed or not"),
+                                         ("use_relay", not self.use_relay, "relaying needs use_relay=True")):
+                if value:
+                    raise ConfigurationError(name, f"cannot be combined with relay_peers: {problem}",
+                                             "drop one of them")
         if self.identity_path is not None and not isinstance(self.identity_path, (str, os.PathLike)):
             raise ConfigurationError("identity_path", "must be a path to a private key file", "pass a str path")
         for name in ("wait_timeout", "bootstrap_timeout", "startup_timeout"):
@@ -145,6 +182,8 @@ def start_dht(options: SwarmOptions):
     )
     if options.announce_maddrs is not None:
         kwargs["announce_maddrs"] = options.announce_maddrs
+    if options.relay_peers is not None:
+        kwargs.update(relay_options(peer_maddrs(options.relay_peers, "relay_peers"), options.announce_maddrs))
     if options.identity_path is not None:
         kwargs["identity_path"] = str(options.identity_path)
     if options.bootstrap_timeout is not None:

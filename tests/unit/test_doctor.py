@@ -123,7 +123,7 @@ def test_verdict_behind_nat_names_client_mode_and_relay():
     check = _incoming_check([answered(("203.0.113.7:4001", False))], LISTENING, DoctorOptions())
     assert check.status == "FAIL"
     assert "behind NAT" in check.detail and "not reachable from outside" in check.detail
-    assert "client_mode=True" in check.fix and "use_auto_relay=True" in check.fix
+    assert "client_mode=True" in check.fix and "relay_peers=" in check.fix
 
 
 def test_verdict_client_mode_and_relay_make_it_acceptable():

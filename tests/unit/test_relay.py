@@ -1,0 +1,52 @@
+"""relay_peers: the arguments a peer behind NAT hands to hivemind, and the p2pd flags they become (no network)."""
+
+from __future__ import annotations
+
+import hivemind
+import pytest
+from hivemind.p2p.p2p_daemon import P2P
+
+from collabopt import _hivemind, swarm
+
+RELAY = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWJ7CitovXMdKJp8FY7EcxfuMcxBHcQotgYjYMNxQAiAkX"
+
+
+def test_relay_options_reserve_on_the_relay_and_announce_the_circuit_address():
+    options = swarm.relay_options([RELAY], announce_maddrs=["/ip4/198.51.100.7/tcp/4000"])
+    assert options["trusted_relays"] == [RELAY] and options["use_auto_relay"] and options["use_relay"]
+    assert options["force_reachability"] == "private"  # autorelay reserves only on a peer that is not reachable
+    assert options["announce_maddrs"] == ["/ip4/198.51.100.7/tcp/4000", f"{RELAY}/p2p-circuit"]
+
+
+def test_start_dht_passes_relay_options_and_p2pd_gets_static_relays(monkeypatch):
+    started = {}
+
+    class FakeDHT:
+        def __init__(self, start: bool, **kwargs):
+            started.update(kwargs)
+            # what P2P.create builds for these arguments, while the DHT process would fork
+            started["args"] = P2P._make_process_args("p2pd", autoRelay=True, trustedRelays=RELAY, relay=True)
+            started["args_without_relays"] = P2P._make_process_args("p2pd", autoRelay=True, relay=True)
+
+    monkeypatch.setattr(hivemind, "DHT", FakeDHT)
+    swarm.start_dht(swarm.SwarmOptions(initial_peers=[RELAY], relay_peers=RELAY))
+    assert started["trusted_relays"] == [RELAY] and started["announce_maddrs"] == [f"{RELAY}/p2p-circuit"]
+    assert "-relayDiscovery=0" in started["args"]  # else autorelay waits for 4 candidates or 3 minutes
+    assert not any(a.startswith("-relayDiscovery") for a in started["args_without_relays"])
+    # only while the DHT starts: hivemind's P2P is as it was afterwards
+    assert not any(a.startswith("-relayDiscovery") for a in
+                   P2P._make_process_args("p2pd", trustedRelays=RELAY))
+
+
+@pytest.mark.parametrize("relay_peers", [RELAY, [RELAY], f"{RELAY},{RELAY}"])
+def test_relay_peers_accepts_a_list_or_a_string(relay_peers):
+    swarm.SwarmOptions(relay_peers=relay_peers).validate()
+    assert swarm.peer_maddrs(relay_peers, "relay_peers")[0] == RELAY
+
+
+def test_no_relay_peers_no_static_relays(monkeypatch):
+    started = {}
+    monkeypatch.setattr(hivemind, "DHT", lambda start, **kwargs: started.update(kwargs) or object())
+    monkeypatch.setattr(_hivemind, "_add_stream_handler", lambda *a: None)
+    swarm.start_dht(swarm.SwarmOptions(client_mode=True))
+    assert "trusted_relays" not in started and "force_reachability" not in started
