@@ -109,6 +109,14 @@ def tree_cpu_seconds() -> float:
     return total
 
 
+def bytes_sent() -> int:
+    """Bytes sent on every interface of this process's network namespace but loopback (B6 runs each peer in its own
+    namespace: that is all the peer sends, DHT included)."""
+    import psutil
+
+    return sum(c.bytes_sent for nic, c in psutil.net_io_counters(pernic=True).items() if nic != "lo")
+
+
 def apply_experiments(hm: Any, names: list[str]) -> None:
     """Changes to hivemind's behaviour tried out by B5 before they are proposed for the core (by name).
 
@@ -152,11 +160,20 @@ def main(config_path: str) -> None:
                   averaging_timeout=cfg.get("averaging_timeout", 30.0),
                   average_state_every=cfg.get("average_state_every", 1), **options)
     needs_factory = any(options.get(k) for k in ("offload_optimizer", "delay_optimizer_step", "delay_grad_averaging"))
+    inner_seconds = [0.0]  # DiLoCo mode: time in the inner optimizer's steps (local training work)
     if impl == "collabopt":
         from collabopt import CollaborativeOptimizer
 
+        inner = torch.optim.SGD(model.parameters(), lr=1e-3)
+        if cfg.get("outer"):  # DiLoCo mode (B6)
+            options["outer_optimizer"] = partial(torch.optim.SGD, **cfg["outer"])
+            timer = [0.0]
+            inner.register_step_pre_hook(lambda *_: timer.__setitem__(0, time.perf_counter()))
+            inner.register_step_post_hook(
+                lambda *_: inner_seconds.__setitem__(0, inner_seconds[0] + time.perf_counter() - timer[0]))
+            common.update(outer_optimizer=options["outer_optimizer"])
         opt = CollaborativeOptimizer(
-            torch.optim.SGD(model.parameters(), lr=1e-3), model=model if real else None, batch_size=batch,
+            inner, model=model if real else None, batch_size=batch,
             initial_peers=cfg["initial_peers"], host_maddrs=[f"/ip4/{host}/tcp/0"], print_join_message=False,
             **common,
         )
@@ -182,19 +199,22 @@ def main(config_path: str) -> None:
     events: list[dict[str, Any]] = []
     if hm.grad_averager is not None:
         instrument_averaging(hm.grad_averager, events)
-    steps: list[tuple[float, float, float, int]] = []  # (compute start, compute seconds, step seconds, epoch)
+    # (compute start, compute seconds, step seconds, epoch, seconds of step() in the inner optimizer: DiLoCo)
+    steps: list[tuple[float, float, float, int, float]] = []
+    net_bytes: list[int] = []  # bytes sent on this namespace's interfaces at the window's start and end (B6)
     epochs: list[tuple[float, int]] = []
     created = time.time()
     deadline = time.monotonic() + cfg.get("max_seconds", 300)
     warmup_epochs = cfg.get("warmup_epochs", 1)
     window: list[float] = []  # wall times [start, end] of the measured window
+    window_epoch: list[int] = []  # the epoch it started at
     cpu: list[float] = []  # CPU seconds of this process tree at the window's start and end
     linger_until = None
     params = list(model.parameters())
 
     def record(**extra: Any) -> dict[str, Any]:
         return dict(impl=impl, launched=cfg.get("launched"), ready=ready_at, created=created, steps=steps,
-                    epochs=epochs, averaging=events, window=window, cpu=cpu,
+                    epochs=epochs, averaging=events, window=window, cpu=cpu, net_bytes=net_bytes,
                     status=status.events if status is not None else [],
                     num_peers=hm.tracker.global_progress.num_peers, final_epoch=hm.local_epoch,
                     grad_bytes=sum(p.numel() * p.element_size() for p in params), **extra)
@@ -212,21 +232,31 @@ def main(config_path: str) -> None:
                     p.grad = grad
             compute = time.time() - start
             epoch_before = hm.local_epoch
+            inner_before = inner_seconds[0]
             t0 = time.time()
             opt.step()
             if impl == "collabopt" or not options.get("reuse_grad_buffers"):
                 opt.zero_grad()
             t1 = time.time()
             if linger_until is None:
-                steps.append((start, compute, t1 - t0, hm.local_epoch))
+                steps.append((start, compute, t1 - t0, hm.local_epoch, inner_seconds[0] - inner_before))
             if hm.local_epoch != epoch_before:
                 epochs.append((t1, hm.local_epoch))
                 if not window and hm.local_epoch >= warmup_epochs:
                     window.append(t1)
+                    window_epoch.append(hm.local_epoch)
                     cpu.append(tree_cpu_seconds())
-            if window and linger_until is None and t1 >= window[0] + cfg["measure_seconds"]:
+                    if cfg.get("count_bytes"):
+                        net_bytes.append(bytes_sent())
+            if cfg.get("measure_epochs"):  # a whole number of epochs / rounds (B6): each costs the same share
+                window_over = bool(window) and hm.local_epoch >= window_epoch[0] + cfg["measure_epochs"]
+            else:
+                window_over = bool(window) and t1 >= window[0] + cfg["measure_seconds"]
+            if window_over and linger_until is None:
                 window.append(t1)
                 cpu.append(tree_cpu_seconds())
+                if cfg.get("count_bytes"):
+                    net_bytes.append(bytes_sent())
                 # results now; keep stepping a little so that peers whose window ends later are not left alone
                 write_json(cfg["out"], record())
                 linger_until = time.monotonic() + cfg.get("linger_seconds", 5.0)

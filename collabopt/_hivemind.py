@@ -977,10 +977,8 @@ def _diloco_classes() -> dict[str, type]:
 
         def _should_load_state_from_peers(self) -> bool:
             # the anchor of a peer one epoch behind is stale: catch up at once (hivemind tolerates one epoch), unless
-            # (overlap_rounds) its group started the round it is about to join: their epoch moved when they did
-            control = self.scheduled_grads
-            return diloco_module.should_download(self.diloco, self.local_epoch, self.tracker.global_epoch,
-                                                 joining=control is not None and not control.done())
+            # (overlap_rounds) the others started the round it trained toward: their epoch moved when they did
+            return diloco_module.should_download(self.diloco, self.local_epoch, self.tracker.global_epoch)
 
         def _maybe_schedule_gradient_averaging(self) -> None:
             """As hivemind's, with this peer's round metadata (epoch, anchor fingerprint) for its group."""

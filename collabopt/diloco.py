@@ -21,8 +21,8 @@ Passing ``outer_optimizer=`` to :class:`~collabopt.CollaborativeOptimizer` (or t
   the round started``): that progress is contributed one round late. A round that cannot be applied then is kept
   for the next one, and the peer re-synchronizes by state download (keeping its progress), since its epoch no
   longer tells whether the others applied it. While a round is in flight the peer serves no state (its epoch is
-  already the next one, its anchor still the last one); a peer one epoch behind whose matchmaking for that round is
-  under way joins it instead of downloading (:func:`should_download`). ``flush()`` waits for the round in flight
+  already the next one, its anchor still the last one); a peer one epoch behind that trained toward that round
+  starts it too instead of downloading (:func:`should_download`). ``flush()`` waits for the round in flight
   and applies it; ``load_state_dict()`` waits for it and drops it (the loaded parameters become the anchor).
 
 Faults (:meth:`DiLoCo.run_round`). A round is applied only if it is sound: the averaging finished with every part
@@ -365,17 +365,21 @@ class DiLoCo:
                                     "restarted from the last round's parameters)")
 
 
-def should_download(diloco: DiLoCo, local_epoch: int, global_epoch: int, joining: bool) -> bool:
+def should_download(diloco: DiLoCo, local_epoch: int, global_epoch: int) -> bool:
     """Whether a peer downloads the swarm's state before its next step: its anchor disagreed with its group's, or
     the swarm is past its epoch (hivemind tolerates one epoch; an anchor one round old is stale). With
-    ``overlap_rounds`` the others' epoch moves when they *start* a round: a peer one epoch behind that is
-    ``joining`` that round (its matchmaking is under way) starts it too instead.
+    ``overlap_rounds`` the others' epoch moves when they *start* a round: a peer one epoch behind that trained
+    toward that round starts it too (and joins their group) instead; if it missed the round, its own one fails and
+    it downloads then.
 
-        >>> should_download(DiLoCo(torch.optim.SGD([torch.zeros(1)], lr=1.0), overlap=True), 3, 4, joining=True)
+        >>> diloco = DiLoCo(torch.optim.SGD([torch.zeros(1)], lr=1.0), overlap=True)
+        >>> diloco.pending_samples = 64
+        >>> should_download(diloco, 3, 4)
         False
     """
     behind = global_epoch - local_epoch
-    return diloco.needs_sync or behind > 1 or (behind == 1 and not (diloco.overlap and joining))
+    joins = diloco.overlap and diloco.pending_samples > 0
+    return diloco.needs_sync or behind > 1 or (behind == 1 and not joins)
 
 
 @torch.no_grad()

@@ -325,18 +325,18 @@ def test_overlap_a_round_with_another_anchor_keeps_only_the_progress_made_since_
     assert diloco.pending_samples == 8
 
 
-@pytest.mark.parametrize(("overlap", "needs_sync", "local", "global_", "joining", "expected"), [
-    (False, False, 3, 3, False, False),
-    (False, False, 3, 4, True, True),  # an anchor one round old is stale (hivemind would tolerate it)
-    (False, True, 3, 3, False, True),  # its anchor disagreed with its group's
-    (True, False, 3, 4, True, False),  # overlap: the others started the round this peer is joining
-    (True, False, 3, 4, False, True),  # ... a round it is not joining: it missed it
-    (True, False, 3, 5, True, True),
-    (True, True, 3, 3, True, True),
+@pytest.mark.parametrize(("overlap", "needs_sync", "local", "global_", "samples", "expected"), [
+    (False, False, 3, 3, 64, False),
+    (False, False, 3, 4, 64, True),  # an anchor one round old is stale (hivemind would tolerate it)
+    (False, True, 3, 3, 64, True),  # its anchor disagreed with its group's
+    (True, False, 3, 4, 64, False),  # overlap: the others started the round this peer trained toward: it joins
+    (True, False, 3, 4, 0, True),  # ... a peer with nothing to contribute (just joined) downloads
+    (True, False, 3, 5, 64, True),
+    (True, True, 3, 3, 64, True),
 ])
-def test_when_a_peer_downloads_the_swarms_state(overlap, needs_sync, local, global_, joining, expected):
+def test_when_a_peer_downloads_the_swarms_state(overlap, needs_sync, local, global_, samples, expected):
     from collabopt.diloco import should_download
 
     _, diloco, _ = trained()
-    diloco.overlap, diloco.needs_sync = overlap, needs_sync
-    assert should_download(diloco, local, global_, joining) is expected
+    diloco.overlap, diloco.needs_sync, diloco.pending_samples = overlap, needs_sync, samples
+    assert should_download(diloco, local, global_) is expected
