@@ -198,6 +198,16 @@ def optimizer_class() -> type:
                                                           __module__=__name__))
 
 
+# Pre-schedule the parameter-averaging round from the first epoch? hivemind 1.1.12 pre-schedules it only once it has
+# timed a pre-scheduled one (_maybe_schedule_state_averaging waits for delay_before_state_averaging.num_updates > 0)
+# and times only those, so it never does: every state round begins its matchmaking at the boundary, one
+# matchmaking_time of idle per epoch (benchmark B5: 19-30% of an epoch of 4x matchmaking_time; 6.2% with it). Off:
+# with it, a peer that reaches the boundary without having pre-scheduled (e.g. right after a state download) misses
+# the others' group, and in one of three fresh-clone suite runs the demo's peers ended 0.019 apart. To do (issue 10):
+# let such a peer join, then turn it on.
+PRESCHEDULE_STATE_ROUND = False
+
+
 def forget_stale_progress(tracker: Any, local_epoch: int) -> None:
     """After a state download, drop the tracker's view of an epoch this peer has left, and fetch the swarm's now.
 
@@ -575,12 +585,8 @@ class HivemindPeer:
 
     def _create_optimizer(self, dht: Any, arguments: dict[str, Any]) -> Any:
         optimizer = optimizer_class()(dht=dht, **arguments)
-        # Pre-schedule the parameter-averaging round from the first epoch. hivemind 1.1.12 pre-schedules it only once
-        # it has timed a pre-scheduled one (_maybe_schedule_state_averaging waits for
-        # delay_before_state_averaging.num_updates > 0) and times only those, so it never does: every state round
-        # began its matchmaking at the boundary, one matchmaking_time of idle per epoch (benchmark B5). A first
-        # estimate of 0 s starts it; hivemind refines the estimate from the rounds it times.
-        optimizer.delay_before_state_averaging.update(task_size=1, interval=0.0)
+        if PRESCHEDULE_STATE_ROUND:
+            optimizer.delay_before_state_averaging.update(task_size=1, interval=0.0)
         return optimizer
 
     # ---- stepping
