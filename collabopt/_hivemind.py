@@ -15,7 +15,7 @@ import functools
 import hashlib
 import inspect
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -111,21 +111,50 @@ def _static_relays() -> Iterator[None]:
     autorelay then reserves no relay slot before it has 4 candidates or 3 minutes have passed (go-libp2p 0.32
     autorelay defaults), and every connection through the relay fails with NO_RESERVATION until then. With
     ``-relayDiscovery=0`` p2pd configures static relays: a reservation within seconds.
+
+    Such a daemon connects to its static relays as soon as it starts, and p2pd's own bootstrap counts only the
+    initial peers it was not yet connected to: when the relay is an initial peer (the usual case: the first peer
+    relays) and its connection came first, p2pd exited with "failed to connect to bootstrap peers" (one CI run in
+    about ten). So these daemons start without p2pd's bootstrap and connect to the initial peers once started.
     """
     from hivemind.p2p.p2p_daemon import P2P
 
-    original = P2P.__dict__["_make_process_args"]
+    original_args, original_create = P2P.__dict__["_make_process_args"], P2P.__dict__["create"]
 
     def make_process_args(*args: Any, **kwargs: Any) -> list[str]:
         if kwargs.get("trustedRelays"):
             kwargs.setdefault("relayDiscovery", False)
-        return original.__func__(*args, **kwargs)
+            kwargs.pop("bootstrapPeers", None)
+            kwargs["b"] = False
+        return original_args.__func__(*args, **kwargs)
 
-    P2P._make_process_args = staticmethod(make_process_args)
+    async def create(cls: type, **kwargs: Any) -> Any:
+        p2p = await original_create.__func__(cls, **kwargs)
+        if kwargs.get("trusted_relays") and kwargs.get("initial_peers"):
+            await _connect_initial_peers(p2p, kwargs["initial_peers"])
+        return p2p
+
+    P2P._make_process_args, P2P.create = staticmethod(make_process_args), classmethod(create)
     try:
         yield
     finally:
-        P2P._make_process_args = original
+        P2P._make_process_args, P2P.create = original_args, original_create
+
+
+async def _connect_initial_peers(p2p: Any, initial_peers: Sequence[Any]) -> None:
+    """Connect a started ``p2p`` to each of ``initial_peers`` (full multiaddrs); shut it down and raise as p2pd's
+    bootstrap does if none answers."""
+    from hivemind.p2p import PeerID
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+
+    async def connect(maddr: Multiaddr) -> None:
+        peer_id = maddr["p2p"]
+        await p2p._client.connect(PeerID.from_base58(peer_id), [maddr.decapsulate(Multiaddr(f"/p2p/{peer_id}"))])
+
+    outcomes = await asyncio.gather(*(connect(Multiaddr(str(m))) for m in initial_peers), return_exceptions=True)
+    if all(isinstance(outcome, BaseException) for outcome in outcomes):
+        await p2p.shutdown()
+        raise P2PDaemonError(f"failed to connect to bootstrap peers: {outcomes}")
 
 
 async def _add_stream_handler(name: str, handler: Callable[..., Any], _dht: Any, node: Any) -> None:

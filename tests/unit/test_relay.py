@@ -25,14 +25,20 @@ def test_start_dht_passes_relay_options_and_p2pd_gets_static_relays(monkeypatch)
         def __init__(self, start: bool, **kwargs):
             started.update(kwargs)
             # what P2P.create builds for these arguments, while the DHT process would fork
-            started["args"] = P2P._make_process_args("p2pd", autoRelay=True, trustedRelays=RELAY, relay=True)
-            started["args_without_relays"] = P2P._make_process_args("p2pd", autoRelay=True, relay=True)
+            started["args"] = P2P._make_process_args("p2pd", autoRelay=True, trustedRelays=RELAY, relay=True,
+                                                     b=True, bootstrapPeers=RELAY)
+            started["args_without_relays"] = P2P._make_process_args("p2pd", autoRelay=True, relay=True, b=True,
+                                                                    bootstrapPeers=RELAY)
+            started["create"] = P2P.create
 
     monkeypatch.setattr(hivemind, "DHT", FakeDHT)
     swarm.start_dht(swarm.SwarmOptions(initial_peers=[RELAY], relay_peers=RELAY))
     assert started["trusted_relays"] == [RELAY] and started["announce_maddrs"] == [f"{RELAY}/p2p-circuit"]
     assert "-relayDiscovery=0" in started["args"]  # else autorelay waits for 4 candidates or 3 minutes
     assert not any(a.startswith("-relayDiscovery") for a in started["args_without_relays"])
+    # p2pd's bootstrap would not count the relay it already reached: collabopt connects to the initial peers itself
+    assert "-b=0" in started["args"] and not any(a.startswith("-bootstrapPeers") for a in started["args"])
+    assert "-b=1" in started["args_without_relays"] and started["create"] != P2P.create
     # only while the DHT starts: hivemind's P2P is as it was afterwards
     assert not any(a.startswith("-relayDiscovery") for a in
                    P2P._make_process_args("p2pd", trustedRelays=RELAY))
