@@ -112,7 +112,7 @@ def run_churn(workdir: Path, *, peers: int = 5, seconds: float = 60.0, kills: in
         config = dict(base, seed=100 * len(killed) + slots.index(slot) + 1, out=str(workdir / name),
                       progress_file=str(slot_progress[slot]) + ".progress",
                       save_epoch_params=True,
-                      options=dict(dict(matchmaking_time=5.0, **(options or {})),
+                      options=dict({"matchmaking_time": 5.0, **(options or {})},
                                    identity_path=str(workdir / f"{slot}.id")), **extra)
         write_json(workdir / f"{name}.config.json", config)
         return processes.Process([sys.executable, str(WORKER), str(workdir / f"{name}.config.json")],
@@ -142,6 +142,10 @@ def run_churn(workdir: Path, *, peers: int = 5, seconds: float = 60.0, kills: in
             restarted.append(names[slot])
         time.sleep(max(0.0, seconds - (time.monotonic() - began)))
         epochs_reached = _progress(Path(f"{slot_progress['a']}.progress")) - epoch_at_start
+        # the finish line is set once every restarted peer is back in the swarm: set before, it lay behind the epoch
+        # a late restart joined at, and the peers stopped at different epochs, the last ones' rounds alone
+        for name in restarted:
+            _wait_for(lambda name=name: (workdir / f"{name}.started").exists(), 180, f"{name} did not rejoin")
         target = max(_progress(Path(f"{p}.progress")) for p in slot_progress.values()) + settle_epochs
         (workdir / "target_epoch").write_text(str(target))
         deadline = time.monotonic() + 240

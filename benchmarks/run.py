@@ -48,7 +48,7 @@ FULL: dict[str, Any] = {
                       for variant in ("default", "delay_state_averaging", "overlap")]),
 }
 QUICK: dict[str, Any] = {
-    "b1": dict(FULL["b1"], params=100_000, width=256, epoch_seconds=3, matchmaking_time=1.0, rounds_per_session=2,
+    "b1": dict(FULL["b1"], params=100_000, width=256, epoch_seconds=3, matchmaking_time=1.0, rounds_per_session=1,
                sessions=1, max_seconds=60),
     "b2": dict(FULL["b2"], params=300_000, width=256, steps_per_epoch=16, rounds=2,
                variants=["plain torch", "collabopt", "collabopt reuse"]),

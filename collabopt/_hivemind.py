@@ -114,8 +114,8 @@ def _static_relays() -> Iterator[None]:
 
     Such a daemon connects to its static relays as soon as it starts, and p2pd's own bootstrap counts only the
     initial peers it was not yet connected to: when the relay is an initial peer (the usual case: the first peer
-    relays) and its connection came first, p2pd exited with "failed to connect to bootstrap peers" (one CI run in
-    about ten). So these daemons start without p2pd's bootstrap and connect to the initial peers once started.
+    relays) and its connection came first, p2pd exited with "failed to connect to bootstrap peers" (seen in a CI
+    run). So these daemons start without p2pd's bootstrap and connect to the initial peers once started.
     """
     from hivemind.p2p.p2p_daemon import P2P
 
@@ -227,14 +227,38 @@ def optimizer_class() -> type:
                                                           __module__=__name__))
 
 
-# Pre-schedule the parameter-averaging round from the first epoch? hivemind 1.1.12 pre-schedules it only once it has
-# timed a pre-scheduled one (_maybe_schedule_state_averaging waits for delay_before_state_averaging.num_updates > 0)
-# and times only those, so it never does: every state round begins its matchmaking at the boundary, one
-# matchmaking_time of idle per epoch (benchmark B5: 19-30% of an epoch of 4x matchmaking_time; 6.2% with it). Off:
-# with it, a peer that reaches the boundary without having pre-scheduled (e.g. right after a state download) misses
-# the others' group, and in one of three fresh-clone suite runs the demo's peers ended 0.019 apart. To do (issue 10):
-# let such a peer join, then turn it on.
-PRESCHEDULE_STATE_ROUND = False
+# Pre-scheduling the parameter-averaging ("state") round. hivemind 1.1.12 pre-schedules it only once it has timed a
+# pre-scheduled one (_maybe_schedule_state_averaging waits for delay_before_state_averaging.num_updates > 0) and times
+# only those, so it never does: every state round begins its matchmaking at the boundary, one matchmaking_time of
+# idle per epoch (benchmark B5: 19-30% of an epoch of 4x matchmaking_time). And when it does pre-schedule, it computes
+# when the round should start but does not pass that time on, so the round's group closes about when the first peers
+# reach the boundary: a peer that reaches it a moment later (one progress refresh, a slower step, a state download
+# just done) found no group, waited alone until averaging_timeout, missed the next gradient round and stepped alone
+# (the demo's peers once ended 0.019 apart). collabopt pre-schedules from the first epoch and closes the group at
+# hivemind's own estimate of the round's start plus a slack: half the matchmaking_time, at most STATE_ROUND_SLACK
+# seconds (peers reach the boundary up to a progress refresh, 0.5 s, and a local step apart). Every peer waits for the
+# slack at each boundary: B5 (quick run, matchmaking_time 1 s, epochs of 4 s) measured idle 14% of the epoch with a
+# 1 s slack, 6.2% with none, 19-30% without pre-scheduling.
+PRESCHEDULE_STATE_ROUND = True
+STATE_ROUND_SLACK = 1.0
+
+
+def preschedule_state_rounds(optimizer: Any) -> None:
+    """Make ``optimizer`` (a ``hivemind.Optimizer``) pre-schedule its state rounds from the first epoch, each group
+    open until the round's estimated start plus a slack (see the comment above)."""
+    averager, tracker = optimizer.state_averager, optimizer.tracker
+    slack = min(STATE_ROUND_SLACK, 0.5 * optimizer.matchmaking_time)
+    optimizer.delay_before_state_averaging.update(task_size=1, interval=0.0)
+    schedule_step = averager.schedule_step
+
+    def schedule_at_the_estimate(scheduled_time: float | None = None, **kwargs: Any) -> Any:
+        if scheduled_time is None:  # what _maybe_schedule_state_averaging estimates, plus the slack
+            scheduled_time = (tracker.estimated_next_update_time
+                              + optimizer.delay_before_state_averaging.ema_seconds_per_sample
+                              + averager.delay_before_averaging.ema_seconds_per_sample + slack)
+        return schedule_step(scheduled_time=scheduled_time, **kwargs)
+
+    averager.schedule_step = schedule_at_the_estimate
 
 
 def forget_stale_progress(tracker: Any, local_epoch: int) -> None:
@@ -615,7 +639,7 @@ class HivemindPeer:
     def _create_optimizer(self, dht: Any, arguments: dict[str, Any]) -> Any:
         optimizer = optimizer_class()(dht=dht, **arguments)
         if PRESCHEDULE_STATE_ROUND:
-            optimizer.delay_before_state_averaging.update(task_size=1, interval=0.0)
+            preschedule_state_rounds(optimizer)
         return optimizer
 
     # ---- stepping

@@ -16,7 +16,7 @@ EXAMPLE = str(ROOT / "examples" / "pytorch_loop.py")
 def test_two_copies_of_the_example_train_together_and_resume(tmp_path):
     bootstrap, initial_peers = start_bootstrap(tmp_path)
     run_id = unique_run_id("example")
-    args = ["--run-id", run_id, "--epochs", "4", "--target-batch-size", "1024", "--host-maddrs",
+    args = ["--run-id", run_id, "--epochs", "3", "--target-batch-size", "1024", "--host-maddrs",
             "/ip4/127.0.0.1/tcp/0"]
     procs = {
         name: Process([sys.executable, EXAMPLE, *args, "--seed", str(i), "--min-peers", "2",
@@ -32,7 +32,7 @@ def test_two_copies_of_the_example_train_together_and_resume(tmp_path):
     assert codes == {"first": 0, "second": 0}, {n: p.log()[-3000:] for n, p in procs.items()}
     for proc in procs.values():
         reports = re.findall(r"^epoch (\d+): (\d+) peers", proc.log(), re.MULTILINE)
-        assert reports and int(reports[-1][0]) >= 4, proc.log()[-2000:]
+        assert reports and int(reports[-1][0]) >= 3, proc.log()[-2000:]
         assert re.search(r": 2 peers", proc.log()), proc.log()[-2000:]
         lines = re.findall(r"^epoch \d+: .*$", proc.log(), re.MULTILINE)
         numbers = [int(line.split()[1].rstrip(":")) for line in lines]
@@ -41,7 +41,7 @@ def test_two_copies_of_the_example_train_together_and_resume(tmp_path):
         # a clean exit prints nothing alarming (hivemind's tracker used to leave a pending asyncio task behind)
         assert "Task was destroyed but it is pending" not in proc.log(), proc.log()[-2000:]
     saved = torch.load(tmp_path / "first.pt")
-    assert saved["optimizer"]["local_epoch"] >= 4
+    assert saved["optimizer"]["local_epoch"] >= 3
 
     # resume alone from the checkpoint: it continues from the saved epoch (and would join a running swarm)
     resumed = Process([sys.executable, EXAMPLE, *args[:2], "--epochs", str(saved["optimizer"]["local_epoch"] + 1),
