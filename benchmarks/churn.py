@@ -83,6 +83,15 @@ def _wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def _rejoined(started: Path, proc: processes.Process) -> bool:
+    """Whether a restarted peer is back in the swarm (it wrote ``started``); raises if it exited first."""
+    if started.exists():
+        return True
+    if proc.poll() is not None:
+        raise RuntimeError(f"{started.stem} exited before it rejoined:\n{proc.tail()}")
+    return False
+
+
 def run_churn(workdir: Path, *, peers: int = 5, seconds: float = 60.0, kills: int = 3,
               interval: tuple[float, float] = (10.0, 20.0), seed: int = 8, target_batch_size: int = 480,
               step_sleep: float = 0.05, settle_epochs: int = 2, run_id: str | None = None,
@@ -144,8 +153,10 @@ def run_churn(workdir: Path, *, peers: int = 5, seconds: float = 60.0, kills: in
         epochs_reached = _progress(Path(f"{slot_progress['a']}.progress")) - epoch_at_start
         # the finish line is set once every restarted peer is back in the swarm: set before, it lay behind the epoch
         # a late restart joined at, and the peers stopped at different epochs, the last ones' rounds alone
-        for name in restarted:
-            _wait_for(lambda name=name: (workdir / f"{name}.started").exists(), 180, f"{name} did not rejoin")
+        for slot in slots:
+            if names[slot] in restarted:
+                _wait_for(lambda slot=slot: _rejoined(workdir / f"{names[slot]}.started", live[slot]), 180,
+                          f"{names[slot]} did not rejoin")
         target = max(_progress(Path(f"{p}.progress")) for p in slot_progress.values()) + settle_epochs
         (workdir / "target_epoch").write_text(str(target))
         deadline = time.monotonic() + 240

@@ -42,8 +42,8 @@ def test_a_cut_link_heals_and_the_peer_catches_up(tmp_path, make_net):
 
 def test_a_partition_heals_into_one_swarm(tmp_path, make_net):
     """A, B | C, D for 20 s: each side trains on by itself (both make epochs); once healed, the sides average
-    together again (all 4 from the second round on), the side behind downloads the other's state, and the four end
-    in sync.
+    together again (every peer in a round of all 4 at least once), the side behind downloads the other's state, and
+    the four end in sync.
 
     Before collabopt kept its state rounds open until their estimated start plus a slack (collabopt/_hivemind.py,
     preschedule_state_rounds), 4 of 5 runs ended 0.005-0.04 apart: after healing, matchmaking kept forming groups of

@@ -1,4 +1,4 @@
-"""Churn, the short version: 5 peers, 3 SIGKILLs 10-20 s apart, each peer restarted with the same identity.
+"""Churn, the short version: 5 peers, 3 SIGKILLs 10-12 s apart, each peer restarted with the same identity.
 
 The driver is :func:`benchmarks.churn.run_churn`; the long version (3.5 minutes, against a churn-free run) is the
 benchmark ``python -m benchmarks.churn``.

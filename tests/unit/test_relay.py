@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import hivemind
 import pytest
 from hivemind.p2p.p2p_daemon import P2P
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from collabopt import _hivemind, swarm
 
@@ -56,3 +59,48 @@ def test_no_relay_peers_no_static_relays(monkeypatch):
     monkeypatch.setattr(_hivemind, "_add_stream_handler", lambda *a: None)
     swarm.start_dht(swarm.SwarmOptions(client_mode=True))
     assert "trusted_relays" not in started and "force_reachability" not in started
+
+
+class FakeP2P:
+    """A started p2p whose control client answers ``connect`` per peer id: True connects, False refuses, None hangs."""
+
+    def __init__(self, answers: dict[str, bool | None]):
+        self.answers, self.dialed, self.shut_down = answers, [], False
+        self._client = self
+
+    async def connect(self, peer_id, maddrs) -> None:
+        self.dialed.append((peer_id.to_base58(), [str(m) for m in maddrs]))
+        answer = self.answers[peer_id.to_base58()]
+        if answer is None:
+            await asyncio.sleep(3600)
+        if not answer:
+            raise ConnectionError("refused")
+
+    async def shutdown(self) -> None:
+        self.shut_down = True
+
+
+OTHER = "/ip4/203.0.113.6/tcp/31337/p2p/12D3KooWPGsoMSdG5ZJxrLAQhLoEKfnZ1BUPdMh8naMCEeueHBmu"
+
+
+def peer_id(maddr: str) -> str:
+    return maddr.rsplit("/", 1)[1]
+
+
+@pytest.mark.parametrize("relay_answer", [False, None])
+def test_initial_peers_are_dialed_once_the_daemon_runs(relay_answer):
+    p2p = FakeP2P({peer_id(RELAY): relay_answer, peer_id(OTHER): True})
+    # one answer is enough: it returns without waiting for a peer that does not answer (timeout 60 s)
+    connecting = _hivemind._connect_initial_peers(p2p, [RELAY, _hivemind.Multiaddr(OTHER)], timeout=60.0)
+    asyncio.run(asyncio.wait_for(connecting, timeout=5.0))
+    assert sorted(p2p.dialed) == sorted([(peer_id(RELAY), ["/ip4/203.0.113.5/tcp/31337"]),
+                                         (peer_id(OTHER), ["/ip4/203.0.113.6/tcp/31337"])])
+    assert not p2p.shut_down  # one answered: enough, as for p2pd's bootstrap
+
+
+@pytest.mark.parametrize("answer", [False, None])
+def test_no_initial_peer_answering_shuts_the_daemon_and_says_bootstrap(answer):
+    p2p = FakeP2P({peer_id(RELAY): answer})
+    with pytest.raises(P2PDaemonError, match="failed to connect to bootstrap peers"):
+        asyncio.run(_hivemind._connect_initial_peers(p2p, [RELAY], timeout=0.2))
+    assert p2p.shut_down  # swarm.start_dht turns this message into "none of the initial peers answered"
