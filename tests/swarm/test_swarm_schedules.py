@@ -32,7 +32,8 @@ CASES = {
 def test_lr_follows_global_epochs_on_every_peer_including_late_joiner(tmp_path, case):
     spec, options = CASES[case]
     lr, epochs = 0.05, 5
-    expected = reference_lrs(spec, lr, epochs + 2, plateau_metric=1.0)
+    # peers past the finish line train on until all are there (seen: epoch 9 of 5 in delayed mode)
+    expected = reference_lrs(spec, lr, epochs + 8, plateau_metric=1.0)
     bootstrap, initial_peers = start_bootstrap(tmp_path)
     base = dict(run_id=unique_run_id(spec), target_batch_size=640, epochs=epochs, lr=lr, model_seed=0,
                 scheduler=spec, options=options, step_sleep=0.05, batch_sizes=[16],
