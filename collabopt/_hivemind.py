@@ -147,16 +147,11 @@ def _static_relays() -> Iterator[None]:
 async def _connect_initial_peers(p2p: Any, initial_peers: Sequence[Any], timeout: float) -> None:
     """Connect a started ``p2p`` to ``initial_peers`` (full multiaddrs): return once one answers (the others go on
     connecting); shut ``p2p`` down and raise as p2pd's bootstrap does if none answers within ``timeout`` seconds."""
-    from hivemind.p2p import PeerID
     from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-
-    async def connect(maddr: Multiaddr) -> None:
-        peer_id = maddr["p2p"]
-        await p2p._client.connect(PeerID.from_base58(peer_id), [maddr.decapsulate(Multiaddr(f"/p2p/{peer_id}"))])
 
     loop = asyncio.get_running_loop()
     deadline, errors = loop.time() + timeout, []
-    pending = {asyncio.ensure_future(connect(Multiaddr(str(maddr)))) for maddr in initial_peers}
+    pending = {asyncio.ensure_future(connect(p2p, str(maddr))) for maddr in initial_peers}
     for task in pending:  # whatever the outcome, nobody waits for it after an early return
         task.add_done_callback(lambda task: task.cancelled() or task.exception())
     while pending:
@@ -252,7 +247,7 @@ def optimizer_class() -> type:
 # when the round should start but does not pass that time on, so the round's group closes about when the first peers
 # reach the boundary: a peer that reaches it a moment later (one progress refresh, a slower step, a state download
 # just done) found no group, waited alone until averaging_timeout, missed the next gradient round and stepped alone
-# (the demo's peers once ended 0.019 apart). collabopt pre-schedules from the first epoch and closes the group at
+# (the demo's peers once ended 0.019 apart). preschedule_state_rounds pre-schedules from the first epoch, closing at
 # hivemind's own estimate of the round's start plus a slack: half the matchmaking_time, at most STATE_ROUND_SLACK
 # seconds (peers reach the boundary up to a progress refresh, 0.5 s, and a local step apart). Every peer waits for the
 # slack at each boundary: B5 (quick runs, matchmaking_time 1 s, epochs of 4 s) measured idle 14% of the epoch with a
@@ -268,8 +263,6 @@ STATE_ROUND_SLACK = 1.0
 def preschedule_state_rounds(optimizer: Any) -> None:
     """Make ``optimizer`` (a ``hivemind.Optimizer``) pre-schedule its state rounds from the first epoch, each group
     open until the round's estimated start plus a slack (see the comment above)."""
-    from hivemind.utils import get_dht_time
-
     averager, tracker = optimizer.state_averager, optimizer.tracker
     slack = min(STATE_ROUND_SLACK, 0.5 * optimizer.matchmaking_time)
     optimizer.delay_before_state_averaging.update(task_size=1, interval=0.0)
@@ -281,7 +274,7 @@ def preschedule_state_rounds(optimizer: Any) -> None:
                               + optimizer.delay_before_state_averaging.ema_seconds_per_sample
                               + averager.delay_before_averaging.ema_seconds_per_sample + slack)
             if kwargs.get("timeout") is not None:  # hivemind asserts it lies before the round's deadline
-                scheduled_time = min(scheduled_time, get_dht_time() + kwargs["timeout"] - 0.01)
+                scheduled_time = min(scheduled_time, dht_time() + kwargs["timeout"] - 0.01)
         return schedule_step(scheduled_time=scheduled_time, **kwargs)
 
     averager.schedule_step = schedule_at_the_estimate
