@@ -228,16 +228,168 @@ def dht_time() -> float:
 
 @functools.lru_cache(maxsize=1)
 def optimizer_class() -> type:
-    """``hivemind.Optimizer`` with a progress tracker that shuts down cleanly (see :func:`make_progress_tracker`)."""
+    """``hivemind.Optimizer`` with a progress tracker that shuts down cleanly (see :func:`make_progress_tracker`), a
+    state averager that serves consistent states (:func:`state_averager_class`) and a state download that does not
+    relabel an older state as the swarm's epoch (:func:`download_state`)."""
     import hivemind
 
-    def load_state_from_peers(self: Any, **kwargs: Any) -> None:
-        hivemind.Optimizer.load_state_from_peers(self, **kwargs)
-        forget_stale_progress(self.tracker, self.local_epoch)
+    def _make_state_averager(self: Any, **kwargs: Any) -> Any:
+        return state_averager_class()(
+            dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
 
     return type("Optimizer", (hivemind.Optimizer,), dict(_make_progress_tracker=make_progress_tracker,
-                                                          load_state_from_peers=load_state_from_peers,
+                                                          _make_state_averager=_make_state_averager,
+                                                          load_state_from_peers=download_state,
                                                           __module__=__name__))
+
+
+def download_state(optimizer: Any, **kwargs: Any) -> None:
+    """``hivemind.Optimizer.load_state_from_peers`` without its relabelling, for :func:`optimizer_class`.
+
+    hivemind 1.1.12, when the state it downloaded is one epoch older than the swarm's newest epoch (the peer that
+    served it had not reached the boundary that others had passed), sets the local epoch to the swarm's: the peer
+    then counts epoch e+1 with epoch e's parameters, joins the others' rounds and stays one update apart from them
+    for good (a restarted peer of the churn test, 0.012 apart before its first step). Here the peer downloads again
+    once its progress view is fresh, until its state is as new as the swarm's, for up to ``averaging_timeout``
+    (the boundary the others are passing ends within it); only then does it fall back on hivemind's relabelling."""
+    import time
+
+    from hivemind.utils import get_dht_time
+
+    deadline = time.monotonic() + optimizer.averaging_timeout
+    while True:
+        _download_state_once(optimizer, **kwargs)
+        swarm_epoch = optimizer.tracker.global_epoch
+        if optimizer.local_epoch >= swarm_epoch or time.monotonic() >= deadline:
+            break
+        logging.getLogger(__name__).log(
+            optimizer.status_loglevel, "collabopt: the state downloaded is epoch %d's, the swarm's is %d: downloading "
+            "again", optimizer.local_epoch, swarm_epoch)
+        with optimizer.tracker.pause_updates():  # fetch the swarm's progress now, then look again
+            optimizer.tracker.global_progress.next_fetch_time = get_dht_time()
+        optimizer.tracker.global_state_updated.set()
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    if optimizer.local_epoch == optimizer.tracker.global_epoch - 1:  # hivemind's rule, as a last resort
+        logging.getLogger(__name__).warning(
+            "collabopt: no peer served the swarm's epoch %d within %.0f s; continuing from epoch %d's state as epoch "
+            "%d", optimizer.tracker.global_epoch, optimizer.averaging_timeout, optimizer.local_epoch,
+            optimizer.tracker.global_epoch)
+        optimizer.state_averager.local_epoch = optimizer.tracker.global_epoch
+        _after_download(optimizer)
+    forget_stale_progress(optimizer.tracker, optimizer.local_epoch)
+
+
+def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
+    """hivemind 1.1.12's ``Optimizer.load_state_from_peers`` minus its one-epoch relabelling."""
+    logger = logging.getLogger(__name__)
+    if optimizer.scheduled_grads is not None and not optimizer.scheduled_grads.done():
+        optimizer._tag_along_with_zero_weight(optimizer.scheduled_grads)  # as hivemind: the round may have started
+        optimizer.scheduled_grads = None
+    optimizer.state_averager.step(wait_for_delayed_updates=True)
+    with optimizer.tracker.pause_updates():
+        while True:
+            try:
+                optimizer.state_averager.load_state_from_peers(timeout=optimizer.load_state_timeout, **kwargs)
+                if optimizer.grad_averager is not None:
+                    optimizer.grad_averager.load_state_from_peers(timeout=optimizer.load_state_timeout, **kwargs)
+                break
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:
+                logger.exception(f"Failed to load state from peers: {e}, retrying ...")
+        _after_download(optimizer)
+
+
+def _after_download(optimizer: Any) -> None:
+    optimizer.tracker.report_local_progress(local_epoch=optimizer.local_epoch, samples_accumulated=0)
+    if not optimizer.client_mode:
+        optimizer.state_averager.state_sharing_priority = optimizer.local_epoch
+    if optimizer.use_gradient_averaging:
+        optimizer.grad_averager.reset_accumulated_grads_()
+        if not optimizer.client_mode:
+            optimizer.grad_averager.state_sharing_priority = optimizer.local_epoch
+
+
+@functools.lru_cache(maxsize=1)
+def state_averager_class() -> type:
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    class ConsistentStateAverager(TrainingStateAverager):
+        """hivemind's state averager, serving states whose epoch and tensors belong together.
+
+        hivemind 1.1.12 serves a download from the live tensors (on CPU, ``.cpu()`` is no copy; they are read while
+        they stream out) with the epoch read apart from them, and it counts the next epoch before that epoch's
+        optimizer step has run (``step`` increments, then the step runs in its executor). A download at that moment
+        got epoch e+1 with epoch e's parameters, or parameters torn between the two. Here a state is served as a
+        copy taken while no optimizer step runs, labelled with the epoch whose update its parameters hold."""
+
+        def __init__(self, *args: Any, **kwargs: Any):
+            import collections
+            import threading
+
+            self._label_lock = threading.Lock()
+            self._epoch = 0
+            self._steps_owed = 0  # epochs counted whose optimizer step has not run yet
+            self._step_with_increment = False  # the epoch step() counts next comes with an optimizer step
+            self._owes: collections.deque[bool] = collections.deque()  # per submitted _do: does it pay one?
+            self._paying = False  # the _do running now pays one when its optimizer step runs
+            super().__init__(*args, **kwargs)
+            self.optimizer.register_step_post_hook(lambda *_: self._pay())
+
+        @property
+        def local_epoch(self) -> int:
+            return self._epoch
+
+        @local_epoch.setter
+        def local_epoch(self, value: int) -> None:
+            with self._label_lock:  # hivemind's step() counts the epoch (+1) before that epoch's optimizer step runs
+                if self._step_with_increment and value == self._epoch + 1:
+                    self._steps_owed += 1
+                    self._step_with_increment = False
+                self._epoch = value
+
+        def step(self, *args: Any, increment_epoch: bool = False, optimizer_step: bool = False,
+                 zero_grad: bool = False, averaging_round: bool = False, **kwargs: Any) -> Any:
+            self._step_with_increment = increment_epoch and optimizer_step
+            if optimizer_step or zero_grad or averaging_round:  # hivemind submits one _do for this call
+                self._owes.append(increment_epoch and optimizer_step)
+            try:
+                return super().step(*args, increment_epoch=increment_epoch, optimizer_step=optimizer_step,
+                                    zero_grad=zero_grad, averaging_round=averaging_round, **kwargs)
+            finally:
+                self._step_with_increment = False
+
+        def _do(self, *args: Any, **kwargs: Any) -> Any:
+            self._paying = self._owes.popleft() if self._owes else False
+            try:
+                return super()._do(*args, **kwargs)
+            finally:
+                self._pay()  # the step did not run (an AMP overflow, an aborted trigger): it is owed no more
+
+        def _pay(self) -> None:
+            if self._paying:
+                self._paying = False
+                with self._label_lock:
+                    self._steps_owed -= 1
+
+        def _apply_averaging_results_(self) -> None:
+            with self.lock_optimizer:  # the copy of a round's result into the parameters is not served half done
+                super()._apply_averaging_results_()
+
+        def get_current_state(self) -> Any:
+            with self.lock_optimizer:  # no optimizer step runs meanwhile
+                with self._label_lock:
+                    epoch = self._epoch - self._steps_owed
+                metadata, tensors, infos = super().get_current_state()
+                # copies, taken now: on CPU, hivemind's tensors are the live ones (GPU ones were copied by .cpu())
+                tensors = [t.detach().clone() if t.device.type == "cpu" else t.detach().cpu() for t in tensors]
+            return dict(metadata, epoch=epoch), tensors, infos
+
+    return ConsistentStateAverager
 
 
 # Pre-scheduling the parameter-averaging ("state") round. hivemind 1.1.12 pre-schedules it only once it has timed a

@@ -1,0 +1,91 @@
+"""The state a peer serves to a downloading peer: its epoch and tensors belong together.
+
+hivemind 1.1.12 counts the next epoch before that epoch's optimizer step runs, and serves its live CPU tensors: a
+download during a boundary got epoch e+1 with epoch e's parameters, or parameters torn between the two (a restarted
+churn peer started 0.012 apart from the swarm). One real state averager (a DHT and the averager's process), no swarm.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.swarm
+
+
+class SlowSGD(torch.optim.SGD):
+    """SGD that updates its first parameter, waits, then the others: a reader in the middle sees a torn state."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"]]
+        params[0].add_(params[0].grad, alpha=-1.0)
+        time.sleep(1.0)
+        for p in params[1:]:
+            p.add_(p.grad, alpha=-1.0)
+
+
+def snapshot_during(averager, action, delay: float) -> tuple[int, list[torch.Tensor]]:
+    """Run ``action`` (a state-averager step) and serve a state ``delay`` seconds into it, as hivemind serves a
+    download; the tensors are copied at once, as they would stream out."""
+    taken: list = []
+
+    def serve() -> None:
+        time.sleep(delay)
+        metadata, tensors, _ = averager.get_current_state()
+        taken.append((metadata["epoch"], [t.clone() for t in tensors]))
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    action()
+    thread.join(10)
+    return taken[0]
+
+
+def test_a_download_during_a_boundary_gets_an_epoch_and_the_parameters_of_that_epoch():
+    import hivemind
+
+    from collabopt._hivemind import state_averager_class
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    averager = state_averager_class()(
+        dht=dht, prefix="state_serving_test", optimizer=lambda params: SlowSGD(params, lr=1.0),
+        params=model.parameters(), offload_optimizer=True, custom_gradients=True, start=True)
+    try:
+        served = [p for group in averager.optimizer.param_groups for p in group["params"]]
+        for p in served:
+            p.grad = torch.ones_like(p)
+        before = [p.detach().clone() for p in served]
+
+        # 1. the epoch is counted, the optimizer step waits (for a gradient round): the state is still epoch 0's
+        epoch, tensors = snapshot_during(
+            averager, lambda: averager.step(increment_epoch=True, optimizer_step=True,
+                                            wait_for_trigger=lambda: time.sleep(1.0)), delay=0.3)
+        assert averager.local_epoch == 1
+        assert epoch == 0, "served the next epoch with the parameters of the one before"
+        assert all(torch.equal(a, b) for a, b in zip(tensors[:len(before)], before, strict=True))
+        after_one = [p.detach().clone() for p in served]
+        assert not torch.equal(after_one[-1], before[-1])
+
+        # 2. a download in the middle of the optimizer step waits for it: nothing torn
+        epoch, tensors = snapshot_during(
+            averager, lambda: averager.step(increment_epoch=True, optimizer_step=True), delay=0.3)
+        assert averager.local_epoch == epoch == 2
+        assert all(torch.equal(a, p) for a, p in zip(tensors[:len(served)], served, strict=True)), \
+            "the parameters served were torn between two epochs"
+
+        # 3. a step that did not run (as after an AMP overflow or a failed round) is owed no more
+        averager.step(increment_epoch=True, optimizer_step=True, wait_for_trigger=_fail)
+        time.sleep(0.2)
+        assert averager.get_current_state()[0]["epoch"] == averager.local_epoch == 3
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+def _fail() -> None:
+    raise RuntimeError("the gradient round failed (on purpose)")

@@ -1,0 +1,108 @@
+"""Downloading the swarm's state (collabopt._hivemind.download_state) on a stand-in optimizer: the peer downloads
+again while the state it got is older than the swarm's epoch, and relabels it (hivemind's rule) only as a last
+resort. The downloads themselves run in the swarm tests (late joiners, churn restarts, cut links)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from collabopt import _hivemind
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:  # the fields of hivemind's GlobalTrainingProgress that the download reads or replaces
+    epoch: int
+    samples_accumulated: int = 0
+    eta_next_epoch: float = 0.0
+    next_fetch_time: float = 0.0
+    num_peers: int = 3
+
+
+class StandIn:
+    """A hivemind.Optimizer as download_state sees it; each download serves the next epoch of ``served``."""
+
+    def __init__(self, local_epoch: int, swarm_epoch: int, served: list[int], averaging_timeout: float = 5.0):
+        self.served, self.downloads = list(served), 0
+        self.state_averager = SimpleNamespace(local_epoch=local_epoch, step=lambda **kw: None,
+                                              load_state_from_peers=self._serve, state_sharing_priority=None)
+        self.tracker = SimpleNamespace(
+            global_progress=_Mutable(Progress(epoch=swarm_epoch)), pause_updates=contextlib.nullcontext,
+            global_state_updated=threading.Event(), reported=[],
+            report_local_progress=lambda local_epoch, samples_accumulated: self.tracker.reported.append(local_epoch))
+        self.tracker.global_epoch = swarm_epoch
+        self.averaging_timeout, self.load_state_timeout = averaging_timeout, 1.0
+        self.scheduled_grads, self.grad_averager, self.use_gradient_averaging = None, None, False
+        self.client_mode, self.status_loglevel = False, logging.INFO
+
+    def _serve(self, timeout: float) -> None:
+        self.downloads += 1
+        self.state_averager.local_epoch = self.served.pop(0) if self.served else self.state_averager.local_epoch
+
+    @property
+    def local_epoch(self) -> int:
+        return self.state_averager.local_epoch
+
+
+class _Mutable:
+    """hivemind's progress dataclass is frozen, but its next_fetch_time is set in place: a thin mutable wrapper."""
+
+    def __init__(self, progress: Progress):
+        object.__setattr__(self, "_p", progress)
+
+    def __getattr__(self, name: str):
+        return getattr(self._p, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, "_p", dataclasses.replace(self._p, **{name: value}))
+
+
+@pytest.fixture(autouse=True)
+def no_waiting(monkeypatch):
+    import time
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    # forget_stale_progress replaces the tracker's progress with dataclasses.replace: give it the dataclass
+    monkeypatch.setattr(_hivemind, "forget_stale_progress", lambda tracker, epoch: None)
+
+
+def test_a_state_one_epoch_old_is_downloaded_again_not_relabelled():
+    optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[4, 5])  # the first peer to serve had not passed 4 -> 5
+    _hivemind.download_state(optimizer)
+    assert optimizer.downloads == 2
+    assert optimizer.local_epoch == 5
+    assert optimizer.tracker.reported == [4, 5] and optimizer.state_averager.state_sharing_priority == 5
+    assert optimizer.tracker.global_state_updated.is_set()  # it asked for a fresh view of the swarm in between
+
+
+def test_a_state_as_new_as_the_swarms_is_downloaded_once():
+    optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[5])
+    _hivemind.download_state(optimizer)
+    assert (optimizer.downloads, optimizer.local_epoch) == (1, 5)
+
+
+def test_when_nobody_serves_the_swarms_epoch_in_time_hiveminds_relabelling_is_the_last_resort(caplog, monkeypatch):
+    import time
+    clock = iter(range(0, 1000, 2))  # each look at the clock: 2 s later
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[4] * 100, averaging_timeout=5.0)
+    with caplog.at_level(logging.WARNING, logger="collabopt._hivemind"):
+        _hivemind.download_state(optimizer)
+    assert 2 <= optimizer.downloads <= 4
+    assert optimizer.local_epoch == 5 and optimizer.state_averager.state_sharing_priority == 5
+    assert "no peer served the swarm's epoch 5" in caplog.text
+
+
+def test_a_state_two_epochs_old_is_not_relabelled(monkeypatch):
+    """hivemind relabels only one epoch: a peer further behind keeps its epoch (and downloads again at its next
+    step)."""
+    import time
+    clock = iter(range(0, 1000, 2))
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[3] * 100, averaging_timeout=5.0)
+    _hivemind.download_state(optimizer)
+    assert optimizer.local_epoch == 3
