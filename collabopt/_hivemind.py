@@ -15,6 +15,7 @@ import functools
 import hashlib
 import inspect
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -241,8 +242,21 @@ def optimizer_class() -> type:
             status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
             client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
 
+    def _update_global_epoch(self: Any, grad_scaler: Any) -> None:
+        if self.local_epoch < self.tracker.global_epoch - 1:
+            # step() checked the sync on one view of the swarm, a newer one (its fetcher runs in the background)
+            # made it "ready": that is the swarm 2+ epochs ahead (a peer back from a cut link). Its gradients and
+            # parameters are stale: download instead of joining the swarm's rounds with them
+            logging.getLogger(__name__).log(
+                self.status_loglevel, "collabopt: the swarm is at epoch %d, this peer at %d: downloading its state",
+                self.tracker.global_epoch, self.local_epoch)
+            self.load_state_from_peers()
+            return
+        hivemind.Optimizer._update_global_epoch(self, grad_scaler)
+
     return type("Optimizer", (hivemind.Optimizer,), dict(_make_progress_tracker=make_progress_tracker,
                                                           _make_state_averager=_make_state_averager,
+                                                          _update_global_epoch=_update_global_epoch,
                                                           load_state_from_peers=download_state,
                                                           __module__=__name__))
 
@@ -289,6 +303,12 @@ def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
     if optimizer.scheduled_grads is not None and not optimizer.scheduled_grads.done():
         optimizer._tag_along_with_zero_weight(optimizer.scheduled_grads)  # as hivemind: the round may have started
         optimizer.scheduled_grads = None
+    state_round, optimizer.scheduled_state = optimizer.scheduled_state, None
+    if state_round is not None and not state_round.triggered and not state_round.done():
+        # a pre-scheduled state round may have a group already: take part with nothing (the others' round would
+        # wait for this peer's part until it timed out), without waiting for it (it may start seconds from now)
+        state_round.weight = 0
+        state_round.allow_allreduce()
     optimizer.state_averager.step(wait_for_delayed_updates=True)
     with optimizer.tracker.pause_updates():
         while True:
@@ -314,6 +334,18 @@ def _after_download(optimizer: Any) -> None:
             optimizer.grad_averager.state_sharing_priority = optimizer.local_epoch
 
 
+class _EventThatCalls(threading.Event):
+    """A ``threading.Event`` that calls ``before_set`` each time it is set."""
+
+    def __init__(self, before_set: Callable[[], None]):
+        super().__init__()
+        self._before_set = before_set
+
+    def set(self) -> None:
+        self._before_set()
+        super().set()
+
+
 @functools.lru_cache(maxsize=1)
 def state_averager_class() -> type:
     from hivemind.optim.state_averager import TrainingStateAverager
@@ -329,7 +361,6 @@ def state_averager_class() -> type:
 
         def __init__(self, *args: Any, **kwargs: Any):
             import collections
-            import threading
 
             self._label_lock = threading.Lock()
             self._epoch = 0
@@ -338,7 +369,8 @@ def state_averager_class() -> type:
             self._owes: collections.deque[bool] = collections.deque()  # per submitted _do: does it pay one?
             self._paying = False  # the _do running now pays one when its optimizer step runs
             super().__init__(*args, **kwargs)
-            self.optimizer.register_step_post_hook(lambda *_: self._pay())
+            # _do sets this event right after the optimizer step, still holding lock_optimizer: the step is paid there
+            self.finished_optimizer_step = _EventThatCalls(self._pay)
 
         @property
         def local_epoch(self) -> int:
@@ -368,7 +400,7 @@ def state_averager_class() -> type:
             try:
                 return super()._do(*args, **kwargs)
             finally:
-                self._pay()  # the step did not run (an AMP overflow, an aborted trigger): it is owed no more
+                self._pay()  # the step did not run (an aborted trigger): it is owed no more
 
         def _pay(self) -> None:
             if self._paying:

@@ -37,7 +37,8 @@ class StandIn:
             report_local_progress=lambda local_epoch, samples_accumulated: self.tracker.reported.append(local_epoch))
         self.tracker.global_epoch = swarm_epoch
         self.averaging_timeout, self.load_state_timeout = averaging_timeout, 1.0
-        self.scheduled_grads, self.grad_averager, self.use_gradient_averaging = None, None, False
+        self.scheduled_grads, self.scheduled_state = None, None
+        self.grad_averager, self.use_gradient_averaging = None, False
         self.client_mode, self.status_loglevel = False, logging.INFO
 
     def _serve(self, timeout: float) -> None:
@@ -106,3 +107,36 @@ def test_a_state_two_epochs_old_is_not_relabelled(monkeypatch):
     optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[3] * 100, averaging_timeout=5.0)
     _hivemind.download_state(optimizer)
     assert optimizer.local_epoch == 3
+
+
+class Control:  # hivemind's StepControl, as far as the download touches it
+    def __init__(self):
+        self.weight, self.triggered = None, False
+
+    def allow_allreduce(self) -> None:
+        self.triggered = True
+
+    def done(self) -> bool:
+        return False
+
+
+def test_a_pre_scheduled_state_round_is_joined_with_nothing_not_left_waiting():
+    """Its group may have formed: the others' round would wait for this peer's part until averaging_timeout."""
+    optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[5])
+    optimizer.scheduled_state = control = Control()
+    _hivemind.download_state(optimizer)
+    assert (control.weight, control.triggered) == (0, True)
+    assert optimizer.scheduled_state is None
+
+
+@pytest.mark.parametrize(("local_epoch", "downloads"), [(3, True), (4, False), (5, False)])
+def test_a_boundary_begun_two_epochs_behind_the_swarm_downloads_instead(monkeypatch, local_epoch, downloads):
+    """step() checked the sync on an older view than the one that made it ready (a peer back from a cut link)."""
+    import hivemind
+    boundaries = []
+    monkeypatch.setattr(hivemind.Optimizer, "_update_global_epoch", lambda self, scaler: boundaries.append(scaler))
+    optimizer = SimpleNamespace(local_epoch=local_epoch, tracker=SimpleNamespace(global_epoch=5), downloads=[],
+                                status_loglevel=logging.INFO)
+    optimizer.load_state_from_peers = lambda: optimizer.downloads.append(True)
+    _hivemind.optimizer_class()._update_global_epoch(optimizer, "scaler")
+    assert (optimizer.downloads, boundaries) == (([True], []) if downloads else ([], ["scaler"]))
