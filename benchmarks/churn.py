@@ -12,7 +12,8 @@ averaging joins them, and the peer downloaded one of them).
 
 The report (:func:`run_churn`) says: kills survived, global epochs reached (against a churn-free run of the same
 length in :func:`main`), each restarted peer's distance from the swarm before its first contribution, the live
-peers' distance at the end, whether every loss stayed finite, and which processes of killed peers were left.
+peers' distance at the end (at the last epoch both recorded, see :func:`_diff_at_common_epoch`), whether every loss
+stayed finite, and which processes of killed peers were left.
 """
 
 from __future__ import annotations
@@ -73,6 +74,17 @@ def _alive(pids: set[int]) -> list[int]:
 
 def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def _diff_at_common_epoch(final_a: dict, epochs_a: dict, final_b: dict, epochs_b: dict, target: int) -> float:
+    """How far two live peers are apart at the end: at the last epoch both recorded, if it is the finish line or
+    later, else their final parameters. Peers stop at different epochs: those at the finish line keep training
+    until the last one gets there (often by a download, after which it stops at once), so comparing final
+    parameters would compare different epochs."""
+    common = [epoch for epoch in epochs_a if epoch in epochs_b and epoch >= target]
+    if common:
+        return _max_diff(epochs_a[max(common)], epochs_b[max(common)])
+    return _max_diff(final_a, final_b)
 
 
 def _wait_for(condition, timeout: float, what: str) -> None:
@@ -196,7 +208,8 @@ def run_churn(workdir: Path, *, peers: int = 5, seconds: float = 60.0, kills: in
         peers=peers, seconds=seconds, kills=len(killed), killed=[name for name, _ in killed], restarts=restarts,
         epochs_reached=epochs_reached, target_epoch=target,
         final_epochs={names[s]: r["final_epoch"] for s, r in results.items()},
-        final_diff=max(_max_diff(finals["a"], params) for params in finals.values()),
+        final_diff=max(_diff_at_common_epoch(finals["a"], history.get(names["a"], {}), finals[slot],
+                                             history.get(names[slot], {}), target) for slot in slots),
         finite=all(math.isfinite(r["final_loss"]) for r in results.values()),
         final_loss=results["a"]["final_loss"], orphans=orphans,
     )
