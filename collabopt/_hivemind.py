@@ -252,6 +252,9 @@ def optimizer_class() -> type:
                 self.tracker.global_epoch, self.local_epoch)
             self.load_state_from_peers()
             return
+        before_averaging = getattr(self, "collabopt_before_averaging", None)
+        if before_averaging is not None and self.use_gradient_averaging:
+            before_averaging()  # the non-finite guard's last look at the accumulation (CollaborativeOptimizer)
         hivemind.Optimizer._update_global_epoch(self, grad_scaler)
 
     return type("Optimizer", (hivemind.Optimizer,), dict(_make_progress_tracker=make_progress_tracker,
@@ -870,6 +873,20 @@ class HivemindPeer:
         averager = self.hivemind_optimizer.grad_averager
         return averager.local_samples_accumulated if averager is not None else 0
 
+    def accumulators(self) -> list[torch.Tensor] | None:
+        """The tensors the local steps' gradients accumulate in toward the next global epoch (``param.grad`` with
+        ``reuse_grad_buffers``, else hivemind's accumulators); ``None`` where gradients are applied, not accumulated
+        (``use_local_updates``), or an averager keeps them its own way."""
+        averager = self.hivemind_optimizer.grad_averager
+        if averager is None or not callable(getattr(averager, "_grad_accumulators", None)):
+            return None
+        return list(averager._grad_accumulators())
+
+    def set_before_averaging(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback()`` at each global epoch's boundary, before hivemind averages the accumulated gradients
+        (it may drop them: :meth:`drop_accumulated`; hivemind then takes part with weight 0)."""
+        self.hivemind_optimizer.collabopt_before_averaging = callback
+
     def drop_accumulated(self) -> None:
         """Forget the gradients and samples accumulated toward the next global epoch."""
         self.hivemind_optimizer.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
@@ -1019,6 +1036,10 @@ class DiLoCoPeer(HivemindPeer):
         if samples is not None:
             self.diloco.inner_step(samples)
         return super().step(samples)
+
+    def accumulators(self) -> None:
+        """None: the inner optimizer applies every step's gradients at once (they are checked at each step)."""
+        return None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

@@ -3,9 +3,16 @@
 hivemind's averager has no finiteness check outside its GradScaler path: one peer's NaN gradient makes every peer
 of the round NaN, for good. collabopt refuses non-finite values at both ends:
 
-* **outgoing** (:meth:`NonFiniteGuard.gradients_finite`): before a local step is contributed, its gradients are
-  checked (one read pass); a non-finite step contributes nothing (the core then drops it like an AMP
-  overflow);
+* **outgoing**: nothing non-finite is contributed. Where gradients accumulate toward a global epoch (every
+  synchronous mode but ``use_local_updates``), NaN and inf are sticky: once a step adds them, the accumulation
+  holds them until it is reset. So the accumulation is checked (:meth:`NonFiniteGuard.accumulation_finite`, one
+  read pass) at every global epoch's boundary, before it is averaged, and between boundaries at most once per
+  :data:`CHECK_INTERVAL` seconds and never more often than :data:`CHECK_COST_SHARE` of the time allows (so a
+  local step pays nothing for it: the check costs a pass over the gradients, as much as a tenth of a CPU step).
+  A non-finite accumulation is dropped with its samples (retracted from the swarm's count), as an AMP overflow
+  drops it with ``reuse_grad_buffers``. Where a step's gradients are applied at once (``use_local_updates``,
+  DiLoCo's inner steps) they are checked at every step (:meth:`NonFiniteGuard.gradients_finite`) and a
+  non-finite step contributes nothing;
 * **incoming** (:meth:`NonFiniteGuard.wrap_optimizer`): the optimizer hivemind steps refuses non-finite (averaged)
   gradients, leaving parameters and statistics as they were; after a global step whose parameter averaging
   brought non-finite values (a peer running plain hivemind or an older collabopt), the core restores the
@@ -32,7 +39,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NonFiniteGuard", "all_finite"]
+__all__ = ["CHECK_COST_SHARE", "CHECK_INTERVAL", "NonFiniteGuard", "all_finite"]
+
+CHECK_INTERVAL = 0.25  # seconds between checks of the accumulation, at least (it is always checked at a boundary)
+CHECK_COST_SHARE = 0.005  # and at most this share of the time spent checking it
 
 
 @torch.no_grad()
@@ -65,6 +75,7 @@ class NonFiniteGuard:
         self._lock = threading.Lock()
         self._last_warning = -math.inf
         self._unreported: dict[str, int] = defaultdict(int)
+        self._next_check = -math.inf
 
     # ------------------------------------------------------------------ outgoing
 
@@ -75,6 +86,23 @@ class NonFiniteGuard:
         self.refused_steps += 1
         self._report("local steps with non-finite gradients were not contributed")
         return False
+
+    def check_due(self) -> bool:
+        """Whether the accumulation should be checked now (between boundaries; see the module's docstring)."""
+        return time.monotonic() >= self._next_check
+
+    def accumulation_finite(self, accumulators: Sequence[torch.Tensor | None]) -> bool:
+        """Check the gradients accumulated toward the next global epoch; count and report a refusal. Schedules
+        the next periodic check from what this one cost."""
+        start = time.monotonic()
+        finite = all_finite(accumulators)
+        took = time.monotonic() - start
+        self._next_check = start + max(CHECK_INTERVAL, took / CHECK_COST_SHARE)
+        if not finite:
+            self.refused_steps += 1
+            self._report("accumulations holding non-finite gradients were not contributed (their samples are "
+                         "counted in samples_skipped)")
+        return finite
 
     # ------------------------------------------------------------------ incoming
 

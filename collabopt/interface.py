@@ -25,7 +25,8 @@ class StepResult:
     Attributes:
         samples: samples this step contributed to the swarm (0 when skipped or dropped).
         skipped: samples that were not contributed: NaN/inf gradients (an AMP overflow, or caught by the
-            non-finite guard), and with ``reuse_grad_buffers`` the accumulation such a step discarded.
+            non-finite guard in the accumulation, which it then drops whole: the samples of the epoch's earlier
+            steps too), and with ``reuse_grad_buffers`` the accumulation an AMP overflow discarded.
         epoch_changed: a global epoch happened (or a state download moved this peer to another epoch).
         grads_reset: with ``reuse_grad_buffers``, ``param.grad`` was cleared (hivemind used the accumulation).
         grad_factor: the factor this step multiplied ``param.grad`` by in place (1.0, except with

@@ -206,6 +206,8 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         self._grad_units: float | None = None  # the loss scale param.grad is expressed in (reuse_grad_buffers + AMP)
         self._sigterm = SigtermHandler()
         self._guard = NonFiniteGuard() if config.nonfinite_guard else None
+        self._guard_each_step = False  # check every step's gradients (else the accumulation: collabopt/guard.py)
+        self._dropped_at_boundary = 0  # samples whose non-finite accumulation was dropped inside the last peer.step
         # DiLoCo mode's state and counters (collabopt/diloco.py); None in the synchronous mode
         self.diloco = (diloco.DiLoCo(optimizer, self._guard, overlap=config.overlap_rounds)
                        if config.outer_optimizer is not None else None)
@@ -230,6 +232,9 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
             if self._guard is not None:  # a snapshot to undo a non-finite averaging result, where it is synchronous
                 self._guard.wrap_optimizer(peer.optimizer, keep_snapshot=not config.updates_in_background
                                            and self.diloco is None)  # DiLoCo rounds check their own results
+                self._guard_each_step = config.auxiliary or peer.accumulators() is None
+                if not self._guard_each_step:
+                    peer.set_before_averaging(self._check_accumulation_at_boundary)
             if config.handle_signals:
                 self._sigterm.install()
             if config.print_join_message and self._owns_dht:
@@ -282,7 +287,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         self.local_steps += 1
         amp = found_inf is not None
         refused = float(found_inf) > 0 if amp else (  # the scaler checked AMP gradients already
-            self._guard is not None and not self._guard.gradients_finite(self._peer.parameters))
+            self._guard_each_step and not self._guard.gradients_finite(self._peer.parameters))
         if refused:
             return self._after_step(self._discard_local_progress(samples, loss), epoch_before)
 
@@ -300,21 +305,44 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         elif amp and reuse:  # the user called scaler.unscale_(): grads are unscaled already
             units = self._known_scale()
 
-        accepted = self._peer.step(samples)
+        self._dropped_at_boundary = 0
+        accepted = self._peer.step(samples)  # may call _check_accumulation_at_boundary
         if accepted:
             self.samples_reported += samples
             self._failed_syncs = 0
         elif self._peer.local_epoch < self._peer.global_epoch:
             self._give_up_sync_if_nobody_serves()
-        grads_reset = reuse and self._peer.accumulated_steps == 0
+        dropped = self._dropped_at_boundary
+        if (not dropped and not amp and self._guard is not None and not self._guard_each_step
+                and self._peer.accumulated_steps > 0 and self._guard.check_due()
+                and not self._guard.accumulation_finite(self._peer.accumulators())):
+            dropped = self._drop_accumulation()
+        if dropped:  # NaN/inf in the accumulation: it is not contributed, its samples are retracted
+            self.samples_reported -= dropped
+            self.samples_skipped += dropped
+            self._grad_units = None
+            accepted = False
+        grads_reset = reuse and (dropped > 0 or self._peer.accumulated_steps == 0)
         grad_factor = 1.0
         if reuse and amp:
             self._scale_grads(units)  # keep param.grad in the units of the current loss scale
             self._grad_units = units
             grad_factor = 1.0 if grad_scale is not None else units  # net in-place factor of this step
-        result = StepResult(samples=samples if accepted else 0, epoch_changed=False, grads_reset=grads_reset,
-                            grad_factor=grad_factor, loss=loss)
+        result = StepResult(samples=samples if accepted else 0, skipped=dropped, epoch_changed=False,
+                            grads_reset=grads_reset, grad_factor=grad_factor, loss=loss)
         return self._after_step(result, epoch_before)
+
+    def _check_accumulation_at_boundary(self) -> None:
+        """Called by the peer at a global epoch's boundary, before the accumulated gradients are averaged."""
+        if not self._guard.accumulation_finite(self._peer.accumulators()):
+            self._dropped_at_boundary = self._drop_accumulation()
+
+    def _drop_accumulation(self) -> int:
+        """Forget the gradients accumulated toward the next global epoch and their samples (the swarm's count loses
+        them at this peer's next progress report). Returns how many samples they were."""
+        lost = self._peer.accumulated_samples
+        self._peer.drop_accumulated()
+        return lost
 
     def _after_step(self, result: StepResult, epoch_before: int) -> StepResult:
         epoch_changed = self._peer.local_epoch != epoch_before
@@ -510,8 +538,8 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
 
     @property
     def nonfinite_steps(self) -> int:
-        """Local steps refused by the non-finite guard (their samples are in ``samples_skipped``) plus global
-        steps whose non-finite averaging result was refused."""
+        """Accumulations (or, where each step is applied at once, local steps) the non-finite guard dropped (their
+        samples are in ``samples_skipped``) plus global steps whose non-finite averaging result was refused."""
         guard = self._guard
         return guard.refused_steps + guard.refused_updates + guard.restored_parameters if guard is not None else 0
 

@@ -37,6 +37,8 @@ class FakePeer:
         self.calls: list[str] = []
         self.fail_next: BaseException | None = None  # raised by the next step()
         self.poison: str | None = None  # "gradients" / "parameters": what a rogue peer's averaging round brings
+        self.before_averaging: Any = None  # the core's callback at a boundary (HivemindPeer.set_before_averaging)
+        self._accumulators: list[torch.Tensor] | None = None  # without reuse_grad_buffers: the sum of the grads
 
     @property
     def global_epoch(self) -> int:
@@ -68,8 +70,19 @@ class FakePeer:
             return False
         self.accumulated_samples += samples
         self.accumulated_steps += 1
+        if not self.reuse_grad_buffers:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]
+            if self._accumulators is None:
+                self._accumulators = [g.detach().clone() for g in grads]
+            else:
+                torch._foreach_add_(self._accumulators, grads)
         if self.accumulated_samples >= self.target_batch_size:
+            if self.before_averaging is not None:
+                self.before_averaging()
             with torch.no_grad():
+                if self.accumulated_samples == 0:  # dropped: this peer takes part with nothing (weight 0)
+                    for p in self.parameters:
+                        p.grad = torch.zeros_like(p)
                 if self.poison == "gradients":  # averaged with a peer that sent NaN
                     for p in self.parameters:
                         p.grad.fill_(float("nan"))
@@ -81,8 +94,17 @@ class FakePeer:
             self._reset()
         return True
 
+    def accumulators(self) -> list[torch.Tensor]:
+        if self.reuse_grad_buffers:
+            return [p.grad for p in self.parameters]
+        return list(self._accumulators or [])
+
+    def set_before_averaging(self, callback: Any) -> None:
+        self.before_averaging = callback
+
     def _reset(self) -> None:
         self.accumulated_samples = self.accumulated_steps = 0
+        self._accumulators = None
         if self.reuse_grad_buffers:
             for p in self.parameters:
                 if p.grad is not None:

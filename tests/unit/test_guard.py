@@ -8,7 +8,7 @@ import pytest
 import torch
 from fakes import FakePeer, backward, model_and_optimizer
 
-from collabopt import CollaborativeOptimizer, StepResult
+from collabopt import CollaborativeOptimizer, StepResult, guard
 from collabopt.guard import all_finite
 
 
@@ -30,8 +30,39 @@ def test_all_finite_is_exact_also_for_large_fp16_values():
     assert not all_finite([torch.tensor([float("nan")], dtype=torch.float16)])
 
 
+class PeerThatAppliesEachStep(FakePeer):
+    """A peer whose gradients are applied at every step (use_local_updates, DiLoCo): nothing accumulates."""
+
+    def accumulators(self) -> None:
+        return None
+
+
+@pytest.fixture
+def check_every_step(monkeypatch):
+    monkeypatch.setattr(guard, "CHECK_INTERVAL", 0.0)
+    monkeypatch.setattr(guard, "CHECK_COST_SHARE", 1.0)
+
+
 @pytest.mark.parametrize("reuse", [False, True])
-def test_a_nan_step_is_not_contributed(reuse, caplog):
+def test_a_nan_accumulation_is_dropped_at_the_boundary_before_it_is_averaged(reuse, monkeypatch):
+    monkeypatch.setattr(guard, "CHECK_INTERVAL", 3600.0)  # only the first step and the boundary are checked
+    model, copt, peer = make_core(target=16, reuse_grad_buffers=reuse)
+    before = [p.detach().clone() for p in model.parameters()]
+    for samples, step_backward in ((8, backward), (4, nan_backward), (4, backward)):
+        step_backward(model, samples)
+        result = copt.step()
+        if not reuse:
+            copt.zero_grad()
+    assert result == StepResult(skipped=16, epoch_changed=True, grads_reset=reuse)
+    assert copt.samples_skipped == 16 and copt.samples_reported == 0 and copt.nonfinite_steps == 1
+    assert copt.local_epoch == 1  # the epoch goes on: this peer takes part with nothing
+    for old, p in zip(before, model.parameters(), strict=True):
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p, old)  # Adam's first step on zero gradients moves nothing
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_a_nan_accumulation_is_dropped_at_the_next_check(reuse, check_every_step, caplog):
     model, copt, peer = make_core(target=1000, reuse_grad_buffers=reuse)
     backward(model, 8)
     copt.step()
@@ -40,10 +71,10 @@ def test_a_nan_step_is_not_contributed(reuse, caplog):
     nan_backward(model, 4)
     with caplog.at_level(logging.WARNING, logger="collabopt.guard"):
         result = copt.step()
-    skipped = 12 if reuse else 4  # with reuse_grad_buffers param.grad held the first step too
-    assert result == StepResult(skipped=skipped, grads_reset=reuse)
-    assert copt.samples_skipped == skipped and copt.nonfinite_steps == 1
-    assert peer.accumulated_samples == (0 if reuse else 8)
+    # NaN is sticky in the accumulation: the steps accumulated with it (8 samples) are dropped too
+    assert result == StepResult(skipped=12, grads_reset=reuse)
+    assert copt.samples_skipped == 12 and copt.samples_reported == 0 and copt.nonfinite_steps == 1
+    assert peer.accumulated_samples == 0 and "drop_accumulated" in peer.calls
     assert "non-finite gradients were not contributed" in caplog.text
     if not reuse:
         copt.zero_grad()
@@ -52,7 +83,39 @@ def test_a_nan_step_is_not_contributed(reuse, caplog):
     assert copt.metrics()["nonfinite_steps"] == 1
 
 
-def test_warnings_are_rate_limited(caplog):
+def test_the_accumulation_is_checked_at_most_once_per_interval(monkeypatch):
+    checked = []
+    monkeypatch.setattr(guard, "CHECK_INTERVAL", 3600.0)
+    check = guard.NonFiniteGuard.accumulation_finite
+    monkeypatch.setattr(guard.NonFiniteGuard, "accumulation_finite",
+                        lambda self, tensors: checked.append(len(tensors)) or check(self, tensors))
+    model, copt, _ = make_core(target=80)
+    for _ in range(10):  # 10 steps of 8: the 10th reaches the boundary
+        backward(model, 8)
+        copt.step()
+        copt.zero_grad()
+    assert copt.local_epoch == 1
+    assert len(checked) == 2  # the first step (no check yet), then the boundary; none in between
+
+
+def test_where_each_step_is_applied_each_step_is_checked(caplog):
+    model, opt = model_and_optimizer()
+    peer = PeerThatAppliesEachStep(opt, 1000)
+    copt = CollaborativeOptimizer(opt, run_id="guard", target_batch_size=1000, model=model, peer=peer,
+                                  handle_signals=False)
+    backward(model, 8)
+    copt.step()
+    copt.zero_grad()
+    nan_backward(model, 4)
+    with caplog.at_level(logging.WARNING, logger="collabopt.guard"):
+        result = copt.step()
+    assert result == StepResult(skipped=4)  # this step only: the earlier one was applied already
+    assert copt.samples_skipped == 4 and copt.samples_reported == 8 and copt.nonfinite_steps == 1
+    assert all(p.grad is None for p in model.parameters())
+    assert "local steps with non-finite gradients were not contributed" in caplog.text
+
+
+def test_warnings_are_rate_limited(check_every_step, caplog):
     model, copt, _ = make_core(target=1000)
     with caplog.at_level(logging.WARNING, logger="collabopt.guard"):
         for _ in range(5):
