@@ -443,7 +443,7 @@ def state_averager_class() -> type:
 # back) joined the others' state rounds without downloading first and kept counting 2 epochs behind them (2 of 5
 # runs of the cut-link test; its parameters ended in sync, its epoch, and so its LR schedule, did not). To do
 # (issue 10): make such a peer download before its boundary, then turn this on.
-PRESCHEDULE_STATE_ROUND = False
+PRESCHEDULE_STATE_ROUND = True
 STATE_ROUND_SLACK = 1.0
 
 
