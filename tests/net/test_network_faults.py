@@ -38,10 +38,13 @@ def test_a_cut_link_heals_and_the_peer_catches_up(tmp_path, make_net):
     assert not behind or "Downloading parameters from peer" in procs["c"].log(), (
         f"C fell behind ({seen}) but never downloaded the swarm's state")
     assert_in_sync(params)
-    # and C counts the same epochs as the others (once, back 2 epochs behind, it joined their rounds without
-    # downloading and kept counting 2 behind: its parameters in sync, its LR schedule not)
+    # and C counts epochs with the others (once, back 2 epochs behind, it joined their rounds without downloading
+    # and kept counting 2 behind: parameters in sync, LR schedule not). One apart is hivemind's tolerance, seen at
+    # the end between A and B: rounds are matched by time, not epoch; A's epoch-6 state round ran with C's stale
+    # one as the link came back, its epoch-7 rounds with B's epoch-6 ones, and A counted one ahead until its next
+    # exact-sync check
     final = {name: result["final_epoch"] for name, result in results.items()}
-    assert len(set(final.values())) == 1, final
+    assert max(final.values()) - min(final.values()) <= 1, final
 
 
 def test_a_partition_heals_into_one_swarm(tmp_path, make_net):
