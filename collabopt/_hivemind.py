@@ -256,16 +256,15 @@ def optimizer_class() -> type:
         before_averaging = getattr(self, "collabopt_before_averaging", None)
         if before_averaging is not None and self.use_gradient_averaging:
             before_averaging()  # the non-finite guard's last look at the accumulation (CollaborativeOptimizer)
-        if _skips_state_round(self) or (getattr(self, "collabopt_preschedules_state", False)
-                                        and not _state_round_ready(self.scheduled_state)):
-            # this peer reaches the boundary just after a download, or without a state round pre-scheduled: the
-            # others' state groups may be closed, and a round started now would meet their next epoch's and count one
-            # epoch behind them for good (the churn test: a restarted peer downloaded epoch 8 as the others reached
-            # its boundary, and its epoch 11 was the others' 12). Its parameters are the swarm's and it receives the
-            # others' averaged gradients, so it skips this epoch's parameter averaging; the next one includes it
+        if _skips_state_round(self):
+            # this peer reaches the boundary of an epoch whose state it downloaded: the others' state groups may be
+            # closed, and a round started now met their next epoch's and left it counting one epoch behind them for
+            # good (the churn test: a restarted peer downloaded epoch 8 as the others reached its boundary, and its
+            # epoch 11 was the others' 12). Its parameters and statistics are the swarm's and it receives the others'
+            # averaged gradients, so it skips this epoch's parameter averaging; the next one includes it
             logging.getLogger(__name__).log(
-                self.status_loglevel, "collabopt: no parameter averaging at the end of epoch %d (state downloaded or "
-                "no state round pre-scheduled)", self.local_epoch)
+                self.status_loglevel, "collabopt: no parameter averaging at the end of epoch %d (its state was "
+                "downloaded)", self.local_epoch)
             every, self.average_state_every = self.average_state_every, sys.maxsize
             try:
                 hivemind.Optimizer._update_global_epoch(self, grad_scaler)
@@ -291,11 +290,6 @@ def _skips_state_round(optimizer: Any) -> bool:
     state came from a download (see ``_update_global_epoch`` in :func:`optimizer_class`)."""
     return (getattr(optimizer, "collabopt_preschedules_state", False)
             and getattr(optimizer, "collabopt_downloaded_epoch", None) == optimizer.local_epoch)
-
-
-def _state_round_ready(control: Any) -> bool:
-    """Whether a pre-scheduled state round (a hivemind ``StepControl``, or None) can still be used."""
-    return control is not None and not control.triggered and not control.done()
 
 
 def download_state(optimizer: Any, **kwargs: Any) -> None:

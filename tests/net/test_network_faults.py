@@ -17,8 +17,8 @@ from netswarm import AVERAGING_TIMEOUT, FAULT_SECONDS, MATCHMAKING_TIME, assert_
 
 def test_a_cut_link_heals_and_the_peer_catches_up(tmp_path, make_net):
     """C's link is down for 20 s. A and B keep making global epochs (at most averaging_timeout + matchmaking_time
-    apart); C does not crash, downloads the swarm's state once its link is back if it fell behind, and ends in sync
-    with A and B."""
+    apart); C does not crash, downloads the swarm's state once its link is back if it fell 2+ epochs behind, and
+    ends in sync with A and B."""
     net = make_net(3)
     seen = {}
 
@@ -32,11 +32,12 @@ def test_a_cut_link_heals_and_the_peer_catches_up(tmp_path, make_net):
     results, params, procs = run_swarm(tmp_path, net, dict(target_batch_size=1152, epochs=8, lr=0.3), cut_c)
     for name in ("a", "b"):
         assert seen["at_restore"][name] - seen["at_cut"][name] >= 1, seen
-    # C catches up by downloading the swarm's state when it fell behind; when its lone epochs kept pace with the
-    # others' (seen with a 20 s cut), the epoch numbers agree and parameter averaging joins it instead
-    behind = seen["at_restore"]["c"] < min(seen["at_restore"]["a"], seen["at_restore"]["b"])
+    # C catches up by downloading the swarm's state when it fell 2+ epochs behind. When its lone epochs kept pace
+    # with the others' (seen with a 20 s cut), or it was one behind (seen: it joined the others' next rounds, as
+    # hivemind lets a peer one epoch late do), parameter averaging joins it instead
+    behind = min(seen["at_restore"]["a"], seen["at_restore"]["b"]) - seen["at_restore"]["c"] >= 2
     assert not behind or "Downloading parameters from peer" in procs["c"].log(), (
-        f"C fell behind ({seen}) but never downloaded the swarm's state")
+        f"C fell 2+ epochs behind ({seen}) but never downloaded the swarm's state")
     assert_in_sync(params)
     # and C counts epochs with the others (once, back 2 epochs behind, it joined their rounds without downloading
     # and kept counting 2 behind: parameters in sync, LR schedule not). One apart is hivemind's tolerance, seen at

@@ -44,14 +44,6 @@ def test_the_scheduled_time_stays_before_the_rounds_deadline():
     assert optimizer.calls[0][0] < get_dht_time() + 2.5
 
 
-class Control:
-    def __init__(self, done: bool = False):
-        self.triggered, self._done = False, done
-
-    def done(self) -> bool:
-        return self._done
-
-
 def boundary(monkeypatch, **attributes) -> tuple[list[int], list[str]]:
     """Run ``optimizer_class()._update_global_epoch`` on a stand-in; return the ``average_state_every`` hivemind's
     own method saw, and which scheduling calls reached hivemind."""
@@ -64,7 +56,7 @@ def boundary(monkeypatch, **attributes) -> tuple[list[int], list[str]]:
                         lambda self: scheduled.append("state"))
     optimizer = SimpleNamespace(local_epoch=8, average_state_every=1, status_loglevel=10, use_gradient_averaging=True,
                                 tracker=SimpleNamespace(global_epoch=8), collabopt_preschedules_state=True,
-                                scheduled_state=Control(), **attributes)
+                                **attributes)
     cls = _hivemind.optimizer_class()
     cls._maybe_schedule_state_averaging(optimizer)
     cls._update_global_epoch(optimizer, None)
@@ -81,17 +73,3 @@ def test_the_first_boundary_after_a_download_skips_parameter_averaging(monkeypat
     hivemind's boundary sees no averaging epoch (next_epoch % average_state_every != 0)."""
     seen, scheduled = boundary(monkeypatch, collabopt_downloaded_epoch=8)
     assert scheduled == [] and seen[0] > 10**9
-
-
-@pytest.mark.parametrize("control", [None, Control(done=True)])
-def test_a_boundary_without_a_usable_pre_scheduled_round_skips_parameter_averaging(monkeypatch, control):
-    import hivemind
-
-    seen = []
-    monkeypatch.setattr(hivemind.Optimizer, "_update_global_epoch",
-                        lambda self, grad_scaler: seen.append(self.average_state_every))
-    optimizer = SimpleNamespace(local_epoch=8, average_state_every=1, status_loglevel=10, use_gradient_averaging=True,
-                                tracker=SimpleNamespace(global_epoch=8), collabopt_preschedules_state=True,
-                                scheduled_state=control)
-    _hivemind.optimizer_class()._update_global_epoch(optimizer, None)
-    assert seen[0] > 10**9 and optimizer.average_state_every == 1
