@@ -8,6 +8,9 @@ cancels. (Rounds shorter than an epoch would leave a peer idle mid-epoch; hivemi
 the epoch is overdue and steps early, so the cadence would differ.) The number of epochs each variant ran is
 reported as a check.
 
+For the collabopt variants the time spent inside the non-finite guard's checks is measured too (its share of the
+variant's time: a figure that the round-to-round noise of the ratios does not blur).
+
 Run alone: ``python -m benchmarks.local_step config.json`` (the runner writes the config).
 """
 
@@ -38,6 +41,26 @@ VARIANTS = {
     "collabopt offload": ("collabopt", {"offload_optimizer": True}),
     "collabopt reuse+offload": ("collabopt", {"reuse_grad_buffers": True, "offload_optimizer": True}),
 }
+
+
+GUARD_SECONDS: dict[int, float] = {}  # id(guard) -> seconds spent in its checks
+
+
+def time_the_guard() -> None:
+    """Make every ``NonFiniteGuard`` check add its duration to :data:`GUARD_SECONDS`."""
+    from collabopt.guard import NonFiniteGuard
+
+    def timed(method: Any) -> Any:
+        def check(self: Any, *args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(self, *args)
+            finally:
+                GUARD_SECONDS[id(self)] = GUARD_SECONDS.get(id(self), 0.0) + time.perf_counter() - start
+        return check
+
+    for name in ("gradients_finite", "accumulation_finite"):
+        setattr(NonFiniteGuard, name, timed(getattr(NonFiniteGuard, name)))
 
 
 class Variant:
@@ -80,6 +103,10 @@ class Variant:
     def epoch(self) -> int:
         return self.epochs if self.impl == "torch" else self.opt.local_epoch
 
+    def guard_seconds(self) -> float:
+        guard = getattr(self.opt, "_guard", None) if self.impl == "collabopt" else None
+        return GUARD_SECONDS.get(id(guard), 0.0) if guard is not None else 0.0
+
     def train(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """Run one local step per batch; return (wall seconds, CPU seconds of this thread)."""
         model, opt = self.model, self.opt
@@ -115,6 +142,7 @@ def main(config_path: str) -> None:
 
     torch.set_num_threads(cfg.get("threads", 1))
     warnings.filterwarnings("ignore")
+    time_the_guard()
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     names = cfg.get("variants", list(VARIANTS))
     g = torch.Generator().manual_seed(1)
@@ -126,9 +154,11 @@ def main(config_path: str) -> None:
     variants = [Variant(name, cfg, dht) for name in names]
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
+    guard_before: dict[str, float] = {}
     try:
         for v in variants:  # warm-up: first epochs create optimizer state, buffers, JIT paths
             v.train(batches)
+            guard_before[v.name] = v.guard_seconds()
         for r in range(cfg["rounds"]):
             order = variants[r % len(variants):] + variants[: r % len(variants)]  # rotate so no variant is always first
             for v in order:
@@ -143,6 +173,8 @@ def main(config_path: str) -> None:
             rows.append(dict(
                 variant=v.name, ratio=median(ratios), ratio_range=spread(ratios), cpu_ratio=median(cpu_ratios),
                 ms_per_step=1000 * median(times[v.name]) / steps, local_steps=v.local_steps, epochs=v.epoch(),
+                guard_share=(v.guard_seconds() - guard_before[v.name]) / sum(times[v.name])
+                if v.impl == "collabopt" else None,
             ))
     finally:
         for v in variants:

@@ -95,6 +95,10 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+def _fmt_share(value: float | None) -> str:
+    return "" if value is None else f"{value:.2%}"
+
+
 def _verdict(ok: bool | None) -> str:
     return "" if ok is None else ("met" if ok else "**missed**")
 
@@ -148,8 +152,8 @@ def markdown(results: dict[str, Any]) -> str:
                 "steps, 1 thread.",
                 "",
                 "| variant | time / plain torch (median) | range | main-thread CPU / plain | ms per step | "
-                "global steps / local steps | goal |",
-                "|---|---|---|---|---|---|---|",
+                "global steps / local steps | guard's share of the time | goal |",
+                "|---|---|---|---|---|---|---|---|",
             ]
             for row in r["rows"]:
                 goal = ""
@@ -157,7 +161,8 @@ def markdown(results: dict[str, Any]) -> str:
                     goal = f"≤ {GOALS['b2']} {_verdict(row['ratio'] <= GOALS['b2'])}"
                 lines.append(f"| {row['variant']} | {row['ratio']:.3f} | {row['ratio_range']} | "
                              f"{row['cpu_ratio']:.3f} | {row['ms_per_step']:.1f} | "
-                             f"{row.get('epochs', '?')} / {row.get('local_steps', '?')} | {goal} |")
+                             f"{row.get('epochs', '?')} / {row.get('local_steps', '?')} | "
+                             f"{_fmt_share(row.get('guard_share'))} | {goal} |")
             lines.append("")
     if "b3" in results:
         r = results["b3"]

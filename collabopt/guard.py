@@ -66,7 +66,7 @@ class NonFiniteGuard:
 
     def __init__(self, warn_interval: float = 60.0):
         self.warn_interval = warn_interval
-        self.refused_steps = 0  # local steps whose gradients were not finite (not contributed)
+        self.refused_steps = 0  # accumulations (or, checked each step, local steps) not contributed: non-finite
         self.refused_updates = 0  # optimizer steps refused: the averaged gradients were not finite
         self.restored_parameters = 0  # global steps whose averaged parameters were not finite (restored)
         self._snapshot: list[torch.Tensor] | None = None

@@ -28,7 +28,8 @@ class StepResult:
             non-finite guard in the accumulation, which it then drops whole: the samples of the epoch's earlier
             steps too), and with ``reuse_grad_buffers`` the accumulation an AMP overflow discarded.
         epoch_changed: a global epoch happened (or a state download moved this peer to another epoch).
-        grads_reset: with ``reuse_grad_buffers``, ``param.grad`` was cleared (hivemind used the accumulation).
+        grads_reset: with ``reuse_grad_buffers``, ``param.grad`` was cleared (hivemind used the accumulation, or
+            the non-finite guard dropped it).
         grad_factor: the factor this step multiplied ``param.grad`` by in place (1.0, except with
             ``reuse_grad_buffers`` and AMP after ``scaler.unscale_()``: back to the loss scale's units).
         loss: what the closure returned, if one was given.

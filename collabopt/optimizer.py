@@ -207,6 +207,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         self._sigterm = SigtermHandler()
         self._guard = NonFiniteGuard() if config.nonfinite_guard else None
         self._guard_each_step = False  # check every step's gradients (else the accumulation: collabopt/guard.py)
+        self._stepping_samples = 0  # samples of the step in peer.step() now (not in samples_reported yet)
         self._dropped_at_boundary = 0  # samples whose non-finite accumulation was dropped inside the last peer.step
         # DiLoCo mode's state and counters (collabopt/diloco.py); None in the synchronous mode
         self.diloco = (diloco.DiLoCo(optimizer, self._guard, overlap=config.overlap_rounds)
@@ -305,21 +306,22 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         elif amp and reuse:  # the user called scaler.unscale_(): grads are unscaled already
             units = self._known_scale()
 
-        self._dropped_at_boundary = 0
-        accepted = self._peer.step(samples)  # may call _check_accumulation_at_boundary
-        if accepted:
+        self._dropped_at_boundary, self._stepping_samples = 0, samples
+        try:
+            accepted = self._peer.step(samples)  # may call _check_accumulation_at_boundary
+        finally:
+            self._stepping_samples = 0
+        dropped = self._dropped_at_boundary
+        if accepted and not dropped:
             self.samples_reported += samples
             self._failed_syncs = 0
-        elif self._peer.local_epoch < self._peer.global_epoch:
+        elif not accepted and self._peer.local_epoch < self._peer.global_epoch:
             self._give_up_sync_if_nobody_serves()
-        dropped = self._dropped_at_boundary
         if (not dropped and not amp and self._guard is not None and not self._guard_each_step
                 and self._peer.accumulated_steps > 0 and self._guard.check_due()
                 and not self._guard.accumulation_finite(self._peer.accumulators())):
             dropped = self._drop_accumulation()
-        if dropped:  # NaN/inf in the accumulation: it is not contributed, its samples are retracted
-            self.samples_reported -= dropped
-            self.samples_skipped += dropped
+        if dropped:  # NaN/inf in the accumulation: it was not contributed, its samples were retracted
             self._grad_units = None
             accepted = False
         grads_reset = reuse and (dropped > 0 or self._peer.accumulated_steps == 0)
@@ -333,15 +335,19 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         return self._after_step(result, epoch_before)
 
     def _check_accumulation_at_boundary(self) -> None:
-        """Called by the peer at a global epoch's boundary, before the accumulated gradients are averaged."""
+        """Called by the peer at a global epoch's boundary, before the accumulated gradients are averaged (they
+        include the samples of the step in progress)."""
         if not self._guard.accumulation_finite(self._peer.accumulators()):
-            self._dropped_at_boundary = self._drop_accumulation()
+            self._dropped_at_boundary = self._drop_accumulation(counted=self._stepping_samples)
 
-    def _drop_accumulation(self) -> int:
+    def _drop_accumulation(self, counted: int = 0) -> int:
         """Forget the gradients accumulated toward the next global epoch and their samples (the swarm's count loses
-        them at this peer's next progress report). Returns how many samples they were."""
+        them at this peer's next progress report); ``counted`` of them are not in ``samples_reported`` yet. Returns
+        how many samples they were."""
         lost = self._peer.accumulated_samples
         self._peer.drop_accumulated()
+        self.samples_reported -= lost - counted
+        self.samples_skipped += lost
         return lost
 
     def _after_step(self, result: StepResult, epoch_before: int) -> StepResult:

@@ -121,8 +121,9 @@ def all_finite(params: dict) -> bool:
 
 
 def test_a_peer_with_nan_batches_does_not_poison_the_swarm(tmp_path, bootstrap):
-    """Every 4th batch of C has a NaN or inf loss. Its guard drops those steps: all peers end finite, in sync, and
-    every sample is either contributed or counted as skipped (without the guard all 3 ended NaN)."""
+    """Every 4th batch of C has a NaN or inf loss. Its guard drops the accumulations those batches poison: all peers
+    end finite, in sync, and every sample is either contributed or counted as skipped (without the guard all 3
+    ended NaN)."""
     run_id = unique_run_id("nan_batches")
     base = dict(run_id=run_id, target_batch_size=512, epochs=3, model_seed=0, lr=0.5, step_sleep=0.05,
                 finish_with=finish_line(tmp_path, "a", "b", "c"), wait_peers=3, max_seconds=150)

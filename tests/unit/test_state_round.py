@@ -73,3 +73,39 @@ def test_the_first_boundary_after_a_download_skips_parameter_averaging(monkeypat
     hivemind's boundary sees no averaging epoch (next_epoch % average_state_every != 0)."""
     seen, scheduled = boundary(monkeypatch, collabopt_downloaded_epoch=8)
     assert scheduled == [] and seen[0] > 10**9
+
+
+def test_tagging_along_with_weight_0_sends_zeros_not_what_the_buffers_held(monkeypatch):
+    """0 * NaN is NaN: a peer taking part with weight 0 must not send a refused non-finite result left in its
+    gradient averager's buffers. Parameters (the state round's tensors) are never touched."""
+    import contextlib
+
+    import hivemind
+    import torch
+
+    sent = []
+    monkeypatch.setattr(hivemind.Optimizer, "_tag_along_with_zero_weight",
+                        lambda self, control: sent.append([b.clone() for b in buffers]))
+    buffers = [torch.tensor([float("nan"), 1.0]), torch.tensor([float("inf")])]
+    grad_averager = SimpleNamespace(get_tensors=lambda: contextlib.nullcontext(buffers))
+    grads, state = SimpleNamespace(triggered=False), SimpleNamespace(triggered=False)
+    optimizer = SimpleNamespace(scheduled_grads=grads, scheduled_state=state, grad_averager=grad_averager)
+    cls = _hivemind.optimizer_class()
+    cls._tag_along_with_zero_weight(optimizer, state)
+    assert not torch.isfinite(sent[-1][0]).all()  # the state round's control: nothing zeroed
+    cls._tag_along_with_zero_weight(optimizer, grads)
+    assert all((b == 0).all() for b in sent[-1])
+
+
+def test_an_averager_that_accumulates_its_own_way_is_checked_at_every_step():
+    from hivemind.optim.grad_averager import GradientAverager
+
+    class OwnAccumulation(GradientAverager):
+        def accumulate_grads_(self, batch_size: int) -> None:  # e.g. compresses as it accumulates
+            pass
+
+    peer = object.__new__(_hivemind.HivemindPeer)
+    peer.hivemind_optimizer = SimpleNamespace(grad_averager=object.__new__(OwnAccumulation))
+    assert peer.accumulators() is None
+    peer.hivemind_optimizer = SimpleNamespace(grad_averager=None)  # use_local_updates
+    assert peer.accumulators() is None
