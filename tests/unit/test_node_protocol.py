@@ -24,5 +24,6 @@ def test_node_step_protocol(tmp_path):
     assert r0["rank0_error"] == "ValueError: boom"
     assert "rank 0 failed (ValueError: boom)" in r1["rank0_error"]
     assert r0["after_errors"] == r1["after_errors"] == "ok"
-    assert r0["nan_step"] == r1["nan_step"] == [0, 8, 0, 1]
+    # the NaN step's 8 samples and the 4 accumulated before it in this epoch (retracted) are skipped
+    assert r0["nan_step"] == r1["nan_step"] == [0, 12, -4, 1]
     assert r0["init_error"] == r1["init_error"] == "ConfigurationError: initial_peers"
