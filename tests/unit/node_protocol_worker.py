@@ -13,7 +13,6 @@ from fakes import backward, fake_core, model_and_optimizer
 from collabopt import ConfigurationError, guard
 from collabopt.node import NodeOptimizer
 
-
 guard.CHECK_INTERVAL, guard.CHECK_COST_SHARE = 0.0, 1.0  # the accumulation is checked at every step here
 
 

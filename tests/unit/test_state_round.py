@@ -21,7 +21,7 @@ def stand_in(matchmaking_time: float, eta: float) -> SimpleNamespace:
                            calls=calls)
 
 
-@pytest.mark.parametrize(("matchmaking_time", "slack"), [(1.0, 0.5), (2.0, 1.0), (5.0, 1.0)])
+@pytest.mark.parametrize(("matchmaking_time", "slack"), [(0.5, 0.25), (1.0, 0.5), (5.0, 0.5)])
 def test_the_group_stays_open_until_the_estimated_start_plus_a_slack(matchmaking_time, slack):
     eta = get_dht_time() + matchmaking_time
     optimizer = stand_in(matchmaking_time, eta)
