@@ -492,10 +492,18 @@ STATE_ROUND_SLACK = 0.5
 
 def preschedule_state_rounds(optimizer: Any) -> None:
     """Make ``optimizer`` (a ``hivemind.Optimizer``) pre-schedule its state rounds from the first epoch, each group
-    open until the round's estimated start plus a slack (see the comment above)."""
+    open until the round's estimated start plus a slack (see the comment above).
+
+    A client-mode peer never leads a group, and a leader takes a peer only if the peer's round ends no earlier
+    than its own (hivemind's matchmaking: BAD_EXPIRATION_TIME otherwise). Each peer schedules from its own estimate,
+    so a client whose estimate came out earliest found no group at all (the NAT test: a client's state round
+    failed, the other two averaged without it). A client's round is scheduled a ``matchmaking_time`` later: it
+    waits for whichever leader takes it, and costs nobody any time."""
     averager, tracker = optimizer.state_averager, optimizer.tracker
     optimizer.collabopt_preschedules_state = True  # optimizer_class()._update_global_epoch relies on it
     slack = min(STATE_ROUND_SLACK, 0.5 * optimizer.matchmaking_time)
+    if optimizer.client_mode:
+        slack += optimizer.matchmaking_time
     optimizer.delay_before_state_averaging.update(task_size=1, interval=0.0)
     schedule_step = averager.schedule_step
 

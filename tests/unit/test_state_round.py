@@ -18,7 +18,7 @@ def stand_in(matchmaking_time: float, eta: float) -> SimpleNamespace:
                                schedule_step=lambda scheduled_time=None, **kw: calls.append((scheduled_time, kw)))
     return SimpleNamespace(state_averager=averager, tracker=SimpleNamespace(estimated_next_update_time=eta),
                            delay_before_state_averaging=PerformanceEMA(alpha=1.0), matchmaking_time=matchmaking_time,
-                           calls=calls)
+                           client_mode=False, calls=calls)
 
 
 @pytest.mark.parametrize(("matchmaking_time", "slack"), [(0.5, 0.25), (1.0, 0.5), (5.0, 0.5)])
@@ -109,3 +109,14 @@ def test_an_averager_that_accumulates_its_own_way_is_checked_at_every_step():
     assert peer.accumulators() is None
     peer.hivemind_optimizer = SimpleNamespace(grad_averager=None)  # use_local_updates
     assert peer.accumulators() is None
+
+
+def test_a_client_schedules_its_state_round_a_matchmaking_time_later():
+    """A client never leads, and a leader refuses a peer whose round would end before its own: a client's round
+    ends later than any leader's estimate plus slack."""
+    eta = get_dht_time() + 2.0
+    optimizer = stand_in(2.0, eta)
+    optimizer.client_mode = True
+    _hivemind.preschedule_state_rounds(optimizer)
+    optimizer.state_averager.schedule_step(gather=3, timeout=30.0)
+    assert optimizer.calls == [(pytest.approx(eta + 0.5 + 2.0), dict(gather=3, timeout=30.0))]
