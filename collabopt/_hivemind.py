@@ -478,8 +478,9 @@ def state_averager_class() -> type:
 # seconds (peers reach the boundary up to a progress refresh, 0.5 s, and a local step apart). Every peer waits for the
 # slack at each boundary: B5 (quick runs, matchmaking_time 1 s, epochs of 4 s) measured idle 14% of the epoch with a
 # 1 s slack, 8.5% with 0.5 s, 6.2% with none, 19-30% without pre-scheduling; full runs (matchmaking_time 5 s, epochs
-# of 4x it, 3 and 4 peers) 5.3-5.5% with a 1 s slack. Peers arrive at the boundary 0.07 s apart there (the gradient
-# round is pre-scheduled too), so the slack is 0.5 s.
+# of 4x it, 3 and 4 peers) 5.3-5.5% with a 1 s slack, where peers arrived at the boundary 0.07 s apart. A 0.5 s
+# slack passed the fault tests (7 of 7) but not a fresh-clone suite: with epochs shorter than matchmaking_time
+# (tests/swarm/test_swarm_training.py) peers paired off across epochs and ended 0.02 apart; with 1 s, 4 of 4 passed.
 # It was off for a while: with it, a peer back from a cut link (2 epochs behind) joined the others' state rounds
 # without downloading and kept counting 2 epochs behind (2 of 5 cut-link runs). optimizer_class() now makes a peer
 # that begins a boundary 2+ epochs behind download first, and downloads no longer relabel an older state; with both,
@@ -487,7 +488,7 @@ def state_averager_class() -> type:
 # 2 | 2 partition ended bit-identical in 5 of 5, and churn passed (80 s, was 103-124 s) once a peer skips the state
 # round of its first boundary after a download (see _update_global_epoch in optimizer_class).
 PRESCHEDULE_STATE_ROUND = True
-STATE_ROUND_SLACK = 0.5
+STATE_ROUND_SLACK = 1.0
 
 
 def preschedule_state_rounds(optimizer: Any) -> None:
