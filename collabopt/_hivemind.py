@@ -388,6 +388,9 @@ class _EventThatCalls(threading.Event):
         super().set()
 
 
+SERVE_WAIT = 30.0  # seconds a download waits for a boundary's averaging to be applied (hivemind's default timeout)
+
+
 @functools.lru_cache(maxsize=1)
 def state_averager_class() -> type:
     from hivemind.optim.state_averager import TrainingStateAverager
@@ -399,7 +402,11 @@ def state_averager_class() -> type:
         they stream out) with the epoch read apart from them, and it counts the next epoch before that epoch's
         optimizer step has run (``step`` increments, then the step runs in its executor). A download at that moment
         got epoch e+1 with epoch e's parameters, or parameters torn between the two. Here a state is served as a
-        copy taken while no optimizer step runs, labelled with the epoch whose update its parameters hold."""
+        copy taken while no optimizer step runs, labelled with the epoch whose update its parameters hold. And while
+        a boundary's foreground parameter averaging runs (after the optimizer step, before its result is applied),
+        a download waits for it, for up to :data:`SERVE_WAIT` seconds: served then, it got epoch e+1 with parameters
+        the averaging had not yet moved (the churn soak: a restarted peer 0.004 from the swarm; once in a
+        fresh-clone suite's churn test, 0.0048), and it skips that boundary's averaging after a download."""
 
         def __init__(self, *args: Any, **kwargs: Any):
             import collections
@@ -410,6 +417,8 @@ def state_averager_class() -> type:
             self._step_with_increment = False  # the epoch step() counts next comes with an optimizer step
             self._owes: collections.deque[bool] = collections.deque()  # per submitted _do: does it pay one?
             self._paying = False  # the _do running now pays one when its optimizer step runs
+            self._no_boundary = threading.Event()  # cleared while a boundary's foreground averaging is unfinished
+            self._no_boundary.set()
             super().__init__(*args, **kwargs)
             # _do sets this event right after the optimizer step, still holding lock_optimizer: the step is paid there
             self.finished_optimizer_step = _EventThatCalls(self._pay)
@@ -431,11 +440,16 @@ def state_averager_class() -> type:
             self._step_with_increment = increment_epoch and optimizer_step
             if optimizer_step or zero_grad or averaging_round:  # hivemind submits one _do for this call
                 self._owes.append(increment_epoch and optimizer_step)
+            boundary = (increment_epoch and averaging_round and not kwargs.get("delay_averaging")
+                        and not kwargs.get("delay_optimizer_step"))  # step() returns once the result is applied
+            if boundary:
+                self._no_boundary.clear()
             try:
                 return super().step(*args, increment_epoch=increment_epoch, optimizer_step=optimizer_step,
                                     zero_grad=zero_grad, averaging_round=averaging_round, **kwargs)
             finally:
                 self._step_with_increment = False
+                self._no_boundary.set()
 
         def _do(self, *args: Any, **kwargs: Any) -> Any:
             self._paying = self._owes.popleft() if self._owes else False
@@ -455,6 +469,7 @@ def state_averager_class() -> type:
                 super()._apply_averaging_results_()
 
         def get_current_state(self) -> Any:
+            self._no_boundary.wait(SERVE_WAIT)  # (runs in hivemind's thread that serves downloads)
             with self.lock_optimizer:  # no optimizer step runs meanwhile
                 with self._label_lock:
                     epoch = self._epoch - self._steps_owed

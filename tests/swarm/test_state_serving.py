@@ -82,6 +82,30 @@ def test_a_download_during_a_boundary_gets_an_epoch_and_the_parameters_of_that_e
         averager.step(increment_epoch=True, optimizer_step=True, wait_for_trigger=_fail)
         time.sleep(0.2)
         assert averager.get_current_state()[0]["epoch"] == averager.local_epoch == 3
+
+        # 4. a download during the boundary's parameter averaging (here: alone, it looks for a group for 6 s, then
+        # fails) waits until the averaging is over: served earlier, it got the next epoch's label with parameters
+        # the averaging had not moved yet
+        finished = []
+
+        def boundary() -> None:
+            averager.step(increment_epoch=True, optimizer_step=True, averaging_round=True,
+                          averaging_opts=dict(timeout=6.0))
+            finished.append(time.monotonic())
+
+        served_at = []
+        original = averager.get_current_state
+
+        def timed_state():
+            state = original()
+            served_at.append(time.monotonic())
+            return state
+
+        averager.get_current_state = timed_state
+        epoch, tensors = snapshot_during(averager, boundary, delay=1.3)  # after the 1 s optimizer step
+        assert served_at[0] >= finished[0], "served while the boundary's averaging was still running"
+        assert epoch == averager.local_epoch == 4
+        assert all(torch.equal(a, p) for a, p in zip(tensors[:len(served)], served, strict=True))
     finally:
         averager.shutdown()
         dht.shutdown()
