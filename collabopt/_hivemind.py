@@ -502,7 +502,10 @@ def state_averager_class() -> type:
 # the cut-link test passed 5 of 7 runs (the other two failed on over-strict checks of the test, relaxed since), the
 # 2 | 2 partition ended bit-identical in 5 of 5, and churn passed (80 s, was 103-124 s) once a peer skips the state
 # round of its first boundary after a download (see _update_global_epoch in optimizer_class).
-PRESCHEDULE_STATE_ROUND = True
+# OFF by default again at the end of session 8: in the third fresh-clone suite run with it on, the demo's 3 peers
+# (epochs of 2x matchmaking_time, 3 epochs) ended 0.0074 apart (it passed in the other two). Groups formed in advance
+# can pair peers across epochs when epochs are short; the fixes above stay and are exercised only when this is on.
+PRESCHEDULE_STATE_ROUND = False
 STATE_ROUND_SLACK = 1.0
 
 
