@@ -270,6 +270,7 @@ def optimizer_class() -> type:
                 hivemind.Optimizer._update_global_epoch(self, grad_scaler)
             finally:
                 self.average_state_every = every
+            self.collabopt_skipped_epoch = self.local_epoch - 1
             return
         hivemind.Optimizer._update_global_epoch(self, grad_scaler)
 
@@ -283,8 +284,15 @@ def optimizer_class() -> type:
         hivemind.Optimizer._tag_along_with_zero_weight(self, control)
 
     def _maybe_schedule_state_averaging(self: Any) -> None:
-        if not _skips_state_round(self):  # (a round scheduled and then cancelled can leave the averager stuck)
-            hivemind.Optimizer._maybe_schedule_state_averaging(self)
+        if _skips_state_round(self):  # (a round scheduled and then cancelled can leave the averager stuck)
+            return
+        if getattr(self, "collabopt_skipped_epoch", None) == self.local_epoch - 1 and not _swarm_reached(self):
+            # without the round it skipped, this peer ended that boundary before the others: a state round it
+            # scheduled now would join the group of theirs still in progress (groups are matched by time, not
+            # epoch) and hold it open without averaging (the demo: they waited 4 s for its part, "received 66.7% of
+            # input tensors", and ended 0.0077 apart). It schedules once the swarm's records show them past it
+            return
+        hivemind.Optimizer._maybe_schedule_state_averaging(self)
 
     return type("Optimizer", (hivemind.Optimizer,), dict(_make_progress_tracker=make_progress_tracker,
                                                           _make_state_averager=_make_state_averager,
@@ -300,6 +308,13 @@ def _skips_state_round(optimizer: Any) -> bool:
     one: the epoch's state came from a download (see ``_update_global_epoch`` in :func:`optimizer_class`)."""
     return (getattr(optimizer, "collabopt_preschedules_state", False) and optimizer.use_gradient_averaging
             and getattr(optimizer, "collabopt_downloaded_epoch", None) == optimizer.local_epoch)
+
+
+def _swarm_reached(optimizer: Any) -> bool:
+    """Whether the progress records of every peer, fetched since ``optimizer`` began its epoch, show that epoch."""
+    tracker = optimizer.tracker
+    return (getattr(tracker, "lowest_epoch", None) is not None and tracker.lowest_epoch[1] >= optimizer.local_epoch
+            and tracker.lowest_epoch[0] >= optimizer.local_epoch)
 
 
 def download_state(optimizer: Any, **kwargs: Any) -> None:
@@ -499,13 +514,14 @@ def state_averager_class() -> type:
 # It was off for a while: with it, a peer back from a cut link (2 epochs behind) joined the others' state rounds
 # without downloading and kept counting 2 epochs behind (2 of 5 cut-link runs). optimizer_class() now makes a peer
 # that begins a boundary 2+ epochs behind download first, and downloads no longer relabel an older state; with both,
-# the cut-link test passed 5 of 7 runs (the other two failed on over-strict checks of the test, relaxed since), the
-# 2 | 2 partition ended bit-identical in 5 of 5, and churn passed (80 s, was 103-124 s) once a peer skips the state
-# round of its first boundary after a download (see _update_global_epoch in optimizer_class).
-# OFF by default again at the end of session 8: in the third fresh-clone suite run with it on, the demo's 3 peers
-# (epochs of 2x matchmaking_time, 3 epochs) ended 0.0074 apart (it passed in the other two). Groups formed in advance
-# can pair peers across epochs when epochs are short; the fixes above stay and are exercised only when this is on.
-PRESCHEDULE_STATE_ROUND = False
+# the cut-link test passed 5 of 7 runs (the other two failed on over-strict checks of the test, relaxed since) and the
+# 2 | 2 partition ended bit-identical in 5 of 5. The epoch of a download starts its state round at the boundary (see
+# _unscheduled_state_round). It was off again for a while: the demo's 3 peers (3 epochs) ended 0.0074 apart in 3 of 10
+# runs. The cause was not pre-scheduling but the first epoch: hivemind fetched the swarm's progress 10 s apart while
+# its ETA estimates warmed up, each peer began the first boundary on its own samples and the slowest missed the first
+# round; make_progress_tracker now fetches at least every half matchmaking_time (the demo: 10 of 10 bit-identical,
+# peers in every round from the first).
+PRESCHEDULE_STATE_ROUND = True
 STATE_ROUND_SLACK = 1.0
 
 
@@ -558,7 +574,14 @@ def forget_stale_progress(tracker: Any, local_epoch: int) -> None:
 
 def make_progress_tracker(optimizer: Any, target_batch_size: int, **kwargs: Any) -> Any:
     """``hivemind.Optimizer._make_progress_tracker``, building :func:`_progress_tracker_class`'s tracker (a
-    subclass of ``hivemind.Optimizer`` gets it with ``_make_progress_tracker = make_progress_tracker``)."""
+    subclass of ``hivemind.Optimizer`` gets it with ``_make_progress_tracker = make_progress_tracker``).
+
+    It fetches the swarm's progress at least every half ``matchmaking_time`` (hivemind: every 10 s at most). Between
+    fetches a peer counts only its own samples, and hivemind spaces fetches by its ETA, which is far too long while
+    its throughput estimates warm up (the demo's first fetches: ETA 34-96 s for epochs of 4 s): each peer began the
+    first boundary when its own samples reached the target, seconds apart, the slowest missed the first round and
+    counted one epoch behind the others from then on."""
+    kwargs.setdefault("max_refresh_period", max(kwargs.get("min_refresh_period", 0.5), optimizer.matchmaking_time / 2))
     return _progress_tracker_class()(dht=optimizer.dht, prefix=optimizer.run_id, target_batch_size=target_batch_size,
                                      client_mode=optimizer.client_mode, status_loglevel=optimizer.status_loglevel,
                                      start=True, **kwargs)
@@ -573,6 +596,17 @@ def _progress_tracker_class() -> type:
         cancelled) is still pending, and asyncio prints "Task was destroyed but it is pending!" when that task is
         garbage-collected: at nearly every peer's exit. This one lets the loop finish those tasks, then closes it,
         before it reports the shutdown complete (and so before hivemind stores the peer's goodbye record)."""
+
+        lowest_epoch: tuple[int, int] | None = None  # (the lowest epoch in the last records fetched, this peer's then)
+
+        def _parse_swarm_progress_data(self, metadata: Any) -> Any:
+            progress = super()._parse_swarm_progress_data(metadata)
+            epochs = [self.local_progress.epoch]
+            for record in metadata.values() if isinstance(metadata, dict) else ():
+                with contextlib.suppress(Exception):  # a goodbye (None) or a record hivemind skipped too
+                    epochs.append(int(record.value["epoch"]))
+            self.lowest_epoch = (min(epochs), self.local_progress.epoch)
+            return progress
 
         def run(self) -> None:
             loop = asyncio.new_event_loop()

@@ -75,6 +75,36 @@ def test_the_first_boundary_after_a_download_skips_parameter_averaging(monkeypat
     assert scheduled == [] and seen[0] > 10**9
 
 
+@pytest.mark.parametrize(("lowest_epoch", "schedules"), [
+    (None, False),  # no records fetched yet
+    ((8, 8), False),  # a peer still at epoch 8: the others are still in the boundary it skipped
+    ((9, 8), False),  # fetched before this peer left epoch 8
+    ((9, 9), True),
+])
+def test_after_a_skipped_round_the_next_is_scheduled_once_the_swarm_is_past_it(monkeypatch, lowest_epoch, schedules):
+    import hivemind
+
+    scheduled = []
+    monkeypatch.setattr(hivemind.Optimizer, "_maybe_schedule_state_averaging", lambda self: scheduled.append(1))
+    optimizer = SimpleNamespace(local_epoch=9, collabopt_preschedules_state=True, use_gradient_averaging=True,
+                                collabopt_downloaded_epoch=8, collabopt_skipped_epoch=8,
+                                tracker=SimpleNamespace(lowest_epoch=lowest_epoch))
+    _hivemind.optimizer_class()._maybe_schedule_state_averaging(optimizer)
+    assert bool(scheduled) == schedules
+
+
+def test_the_progress_is_fetched_at_least_every_half_matchmaking_time(monkeypatch):
+    """hivemind spaces fetches by its ETA (up to 10 s), far too long while throughput estimates warm up."""
+    made = []
+    monkeypatch.setattr(_hivemind, "_progress_tracker_class", lambda: lambda **kwargs: made.append(kwargs))
+    optimizer = SimpleNamespace(dht=None, run_id="r", client_mode=False, status_loglevel=10, matchmaking_time=2.0)
+    _hivemind.make_progress_tracker(optimizer, 64)
+    _hivemind.make_progress_tracker(optimizer, 64, max_refresh_period=30.0)  # the user's own setting is kept
+    optimizer.matchmaking_time = 0.5
+    _hivemind.make_progress_tracker(optimizer, 64, min_refresh_period=0.4)
+    assert [kwargs["max_refresh_period"] for kwargs in made] == [1.0, 30.0, 0.4]
+
+
 def test_tagging_along_with_weight_0_sends_zeros_not_what_the_buffers_held(monkeypatch):
     """0 * NaN is NaN: a peer taking part with weight 0 must not send a refused non-finite result left in its
     gradient averager's buffers. Parameters (the state round's tensors) are never touched."""
