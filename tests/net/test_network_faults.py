@@ -55,9 +55,9 @@ def test_a_partition_heals_into_one_swarm(tmp_path, make_net):
     together again (rounds of 4 peers).
 
     The four end in sync only with the state round pre-scheduled (PRESCHEDULE_STATE_ROUND in collabopt/_hivemind.py:
-    9 of 9 runs, bit-identical); with it off (the default) 4 of 5 runs ended 0.005-0.04 apart: each side's state
-    round began its matchmaking at the boundary, groups of 2 and 3 formed from whoever was there, and each group's
-    average was its own lineage. So in sync is asserted only when pre-scheduling is on."""
+    9 of 9 and 3 of 3 runs); with it off (the default) 4 of 5 runs ended 0.005-0.04 apart: each side's state round
+    began its matchmaking at the boundary, groups of 2 and 3 formed from whoever was there, and each group's average
+    was its own lineage. So in sync is asserted only when pre-scheduling is on."""
     net = make_net(4)
     seen = {}
 

@@ -75,19 +75,22 @@ def test_the_first_boundary_after_a_download_skips_parameter_averaging(monkeypat
     assert scheduled == [] and seen[0] > 10**9
 
 
-@pytest.mark.parametrize(("lowest_epoch", "schedules"), [
-    (None, False),  # no records fetched yet
-    ((8, 8), False),  # a peer still at epoch 8: the others are still in the boundary it skipped
-    ((9, 8), False),  # fetched before this peer left epoch 8
-    ((9, 9), True),
+@pytest.mark.parametrize(("lowest_epoch", "seconds_since", "schedules"), [
+    (None, 0.0, False),  # no records fetched yet
+    ((8, 9), 0.0, False),  # a peer still at epoch 8: the others are still in the boundary it skipped
+    ((9, 8), 0.0, False),  # fetched before this peer left epoch 8
+    ((9, 9), 0.0, True),
+    ((8, 9), 2.1, True),  # a matchmaking_time later: their groups for it are closed (a killed peer's record stays)
 ])
-def test_after_a_skipped_round_the_next_is_scheduled_once_the_swarm_is_past_it(monkeypatch, lowest_epoch, schedules):
+def test_after_a_skipped_round_the_next_is_scheduled_once_the_swarm_is_past_it(monkeypatch, lowest_epoch,
+                                                                               seconds_since, schedules):
     import hivemind
 
     scheduled = []
     monkeypatch.setattr(hivemind.Optimizer, "_maybe_schedule_state_averaging", lambda self: scheduled.append(1))
     optimizer = SimpleNamespace(local_epoch=9, collabopt_preschedules_state=True, use_gradient_averaging=True,
-                                collabopt_downloaded_epoch=8, collabopt_skipped_epoch=8,
+                                collabopt_downloaded_epoch=8, collabopt_skipped_epoch=8, matchmaking_time=2.0,
+                                collabopt_skipped_at=get_dht_time() - seconds_since,
                                 tracker=SimpleNamespace(lowest_epoch=lowest_epoch))
     _hivemind.optimizer_class()._maybe_schedule_state_averaging(optimizer)
     assert bool(scheduled) == schedules
