@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import hashlib
 import inspect
 import logging
+import multiprocessing
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 from hivemind.dht.validation import RecordValidatorBase
 
+from collabopt import lineage
 from collabopt.lifeline import children_follow_parent
 
 try:  # hivemind >= 1.1.11 vendors its multiaddr implementation
@@ -256,7 +260,8 @@ def optimizer_class() -> type:
         before_averaging = getattr(self, "collabopt_before_averaging", None)
         if before_averaging is not None and self.use_gradient_averaging:
             before_averaging()  # the non-finite guard's last look at the accumulation (CollaborativeOptimizer)
-        if _skips_state_round(self):
+        skips = _skips_state_round(self)
+        if skips:
             # this peer reaches the boundary of an epoch whose state it downloaded: the others' state groups may be
             # closed, and a round started now met their next epoch's and left it counting one epoch behind them for
             # good (the churn test: a restarted peer downloaded epoch 8 as the others reached its boundary, and its
@@ -265,14 +270,28 @@ def optimizer_class() -> type:
             logging.getLogger(__name__).log(
                 self.status_loglevel, "collabopt: no parameter averaging at the end of epoch %d (its state was "
                 "downloaded)", self.local_epoch)
-            every, self.average_state_every = self.average_state_every, sys.maxsize
-            try:
-                hivemind.Optimizer._update_global_epoch(self, grad_scaler)
-            finally:
-                self.average_state_every = every
+        every = self.average_state_every
+        if skips:
+            self.average_state_every = sys.maxsize
+        try:  # (_judge_lineage may turn this epoch's parameter averaging off too)
+            hivemind.Optimizer._update_global_epoch(self, grad_scaler)
+        finally:
+            self.average_state_every = every
+        if skips:
             self.collabopt_skipped_epoch, self.collabopt_skipped_at = self.local_epoch - 1, dht_time()
-            return
-        hivemind.Optimizer._update_global_epoch(self, grad_scaler)
+        if getattr(self, "collabopt_resync", None) is not None:
+            _serve_below_the_others(self)  # hivemind just declared this peer's state at its new epoch
+
+    def _average_gradients_and_load_into_optimizer(self: Any, maybe_step_control: Any) -> None:
+        hivemind.Optimizer._average_gradients_and_load_into_optimizer(self, maybe_step_control)
+        if getattr(self, "collabopt_checks_lineage", False):
+            _judge_lineage(self, maybe_step_control)
+
+    def _should_load_state_from_peers(self: Any) -> bool:
+        resync = getattr(self, "collabopt_resync", None)
+        if resync is not None and time.monotonic() >= resync.next_try:
+            return True  # step() downloads, then starts over (this step's gradients came from the other lineage)
+        return hivemind.Optimizer._should_load_state_from_peers(self)
 
     def _tag_along_with_zero_weight(self: Any, control: Any) -> None:
         if control is self.scheduled_grads and self.grad_averager is not None and not control.triggered:
@@ -299,6 +318,9 @@ def optimizer_class() -> type:
                                                           _update_global_epoch=_update_global_epoch,
                                                           _maybe_schedule_state_averaging=_maybe_schedule_state_averaging,
                                                           _tag_along_with_zero_weight=_tag_along_with_zero_weight,
+                                                          _average_gradients_and_load_into_optimizer=(
+                                                              _average_gradients_and_load_into_optimizer),
+                                                          _should_load_state_from_peers=_should_load_state_from_peers,
                                                           load_state_from_peers=download_state,
                                                           __module__=__name__))
 
@@ -323,6 +345,118 @@ def _swarm_moved_on(optimizer: Any) -> bool:
             and tracker.lowest_epoch[0] >= optimizer.local_epoch)
 
 
+# The lineage check. A gradient round gives all its members the same averaged gradients, so it keeps in sync only
+# peers that already held the same parameters. Peers that trained apart (the two sides of a healed partition) or
+# came out of different parameter-averaging groups hold two lineages, and rounds of all of them kept both: with
+# state-round pre-scheduling off, the 2 | 2 partition test ended 0.005-0.04 apart in 4 of 5 runs (each side's state
+# round gathered whoever reached the boundary first, in groups of 2 and 3). So every member tells its gradient
+# round its epoch and a fingerprint of its parameters (hivemind's ``gather``); after the round, a peer whose
+# fingerprint is not the round's canonical one (lineage.canonical_peers, among the members at its epoch) skips that
+# boundary's parameter averaging (it would mix the lineages), serves its state below the others and, at its next
+# step, downloads the state of a member that holds the canonical one. Off where the optimizer step or averaging
+# runs in the background (delay_*: parameters at scheduling time are not the epoch's) and in DiLoCo mode (which
+# checks its anchors the same way).
+CHECK_LINEAGE = True
+RESYNC_RETRY = 1.0  # seconds between downloads while the canonical peers have not served the new state yet
+
+
+@dataclasses.dataclass
+class Resync:
+    """A pending re-synchronization: download the state of one of ``peers`` (base58 peer ids) until ``until``."""
+
+    peers: list[str]
+    epoch: int
+    until: float
+    next_try: float = 0.0
+
+
+def check_lineage(optimizer: Any) -> None:
+    """Make ``optimizer`` (a ``hivemind.Optimizer`` of :func:`optimizer_class`) take part in the lineage check
+    (see above), where its mode allows it."""
+    if not (CHECK_LINEAGE and optimizer.use_gradient_averaging and not optimizer.auxiliary
+            and not optimizer.delay_optimizer_step and not optimizer.delay_grad_averaging
+            and not optimizer.delay_state_averaging):
+        return
+    optimizer.collabopt_checks_lineage = True
+    averager = optimizer.grad_averager
+    schedule_step = averager.schedule_step  # GradientAverager.step() begins an unscheduled round through it too
+
+    def schedule_step_telling_lineage(scheduled_time: float | None = None, **kwargs: Any) -> Any:
+        if kwargs.get("gather") is None:  # the parameters stay as they are until this epoch's optimizer step
+            kwargs["gather"] = lineage_metadata(optimizer)
+        return schedule_step(scheduled_time, **kwargs)
+
+    averager.schedule_step = schedule_step_telling_lineage
+
+
+def lineage_metadata(optimizer: Any) -> dict[str, Any]:
+    return {"epoch": int(optimizer.local_epoch), "serves": not optimizer.client_mode,
+            "lineage": lineage.fingerprint(optimizer.state_averager.main_parameters)}
+
+
+def _judge_lineage(optimizer: Any, control: Any) -> None:
+    """After a gradient round (``control``): if this peer's parameters are not its group's canonical lineage, turn
+    this boundary's parameter averaging off and plan a download from a peer that holds it."""
+    if control is None or not control.done() or control.cancelled() or control.exception() is not None:
+        return
+    group = control.result()
+    me = optimizer.dht.peer_id
+    mine = group.get(me) if isinstance(group, dict) else None
+    if not isinstance(mine, dict) or not isinstance(mine.get("epoch"), int):
+        return
+    if getattr(optimizer, "collabopt_resync", None) is not None:
+        return  # one re-synchronization at a time
+    canonical = lineage.canonical_peers(group, mine["epoch"])
+    if len(canonical) < 2 or me in canonical or not any(group[peer].get("serves") for peer in canonical):
+        # a lineage of one peer is no majority (with lossy gradient compression no two peers are bit-identical:
+        # each keeps its own part of a round uncompressed), and a lineage held by client-mode peers only cannot
+        # be downloaded: the parameter averaging merges them as before
+        return
+    peers_at_epoch = sum(1 for m in group.values() if isinstance(m, dict) and m.get("epoch") == mine["epoch"])
+    logging.getLogger(__name__).warning(
+        "collabopt: this peer's parameters differ from those of %d of the %d peers of its gradient round at epoch %d "
+        "(they trained apart, e.g. across a network partition): it downloads their state after this step",
+        len(canonical), peers_at_epoch, mine["epoch"])
+    optimizer.collabopt_resync = Resync(peers=[str(peer) for peer in canonical], epoch=mine["epoch"],
+                                        until=time.monotonic() + optimizer.averaging_timeout)
+    optimizer.average_state_every = sys.maxsize  # no parameter averaging at this boundary (_update_global_epoch
+    _join_state_round_with_nothing(optimizer)    # restores it): it would mix the lineages
+    _serve_below_the_others(optimizer)
+
+
+def _serve_below_the_others(optimizer: Any) -> None:
+    """Others' downloads prefer peers of higher priority: serve this peer's state (of the other lineage) below
+    theirs at the same epoch."""
+    if not optimizer.client_mode:
+        optimizer.state_averager.state_sharing_priority = optimizer.local_epoch - 0.5
+
+
+def _join_state_round_with_nothing(optimizer: Any) -> None:
+    state_round, optimizer.scheduled_state = optimizer.scheduled_state, None
+    if state_round is not None and not state_round.triggered and not state_round.done():
+        # a pre-scheduled state round may have a group already: take part with nothing (the others' round would
+        # wait for this peer's part until it timed out), without waiting for it (it may start seconds from now)
+        state_round.weight = 0
+        state_round.allow_allreduce()
+
+
+def _resync_outcome(optimizer: Any, resync: Resync, before: list[float]) -> None:
+    """After a download for ``resync``: done if the parameters changed (they came from another lineage), else try
+    again at a later step (the canonical peers had not served the boundary's state yet), until ``resync.until``."""
+    logger = logging.getLogger(__name__)
+    if not lineage.same_fingerprint(before, lineage.fingerprint(optimizer.state_averager.main_parameters)):
+        logger.log(optimizer.status_loglevel, "collabopt: re-synchronized with its gradient round's parameters "
+                   "(epoch %d)", optimizer.local_epoch)
+        optimizer.collabopt_resync = None
+    elif time.monotonic() >= resync.until:
+        logger.warning("collabopt: no peer of the other lineage served its state within %.0f s; this peer goes on "
+                       "with its own parameters (the next gradient round checks again)", optimizer.averaging_timeout)
+        optimizer.collabopt_resync = None
+    else:
+        resync.next_try = time.monotonic() + RESYNC_RETRY
+        _serve_below_the_others(optimizer)
+
+
 def download_state(optimizer: Any, **kwargs: Any) -> None:
     """``hivemind.Optimizer.load_state_from_peers`` without its relabelling, for :func:`optimizer_class`.
 
@@ -331,9 +465,22 @@ def download_state(optimizer: Any, **kwargs: Any) -> None:
     then counts epoch e+1 with epoch e's parameters, joins the others' rounds and stays one update apart from them
     for good (a restarted peer of the churn test, 0.012 apart before its first step). Here the peer downloads again
     once its progress view is fresh, until its state is as new as the swarm's, for up to ``averaging_timeout``
-    (the boundary the others are passing ends within it); only then does it fall back on hivemind's relabelling."""
-    import time
+    (the boundary the others are passing ends within it); only then does it fall back on hivemind's relabelling.
+    A re-synchronization of the lineage check downloads from the peers of the group's lineage first."""
+    resync = getattr(optimizer, "collabopt_resync", None)
+    if resync is not None:  # (the lineage check) a download from a peer of the group's lineage
+        before = lineage.fingerprint(optimizer.state_averager.main_parameters)
+        optimizer.state_averager.prefer_sources(resync.peers)
+    try:
+        _download_until_current(optimizer, **kwargs)
+    finally:
+        if resync is not None:
+            optimizer.state_averager.prefer_sources([])
+    if resync is not None:
+        _resync_outcome(optimizer, resync, before)
 
+
+def _download_until_current(optimizer: Any, **kwargs: Any) -> None:
     from hivemind.utils import get_dht_time
 
     deadline = time.monotonic() + optimizer.averaging_timeout
@@ -365,12 +512,7 @@ def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
     if optimizer.scheduled_grads is not None and not optimizer.scheduled_grads.done():
         optimizer._tag_along_with_zero_weight(optimizer.scheduled_grads)  # as hivemind: the round may have started
         optimizer.scheduled_grads = None
-    state_round, optimizer.scheduled_state = optimizer.scheduled_state, None
-    if state_round is not None and not state_round.triggered and not state_round.done():
-        # a pre-scheduled state round may have a group already: take part with nothing (the others' round would
-        # wait for this peer's part until it timed out), without waiting for it (it may start seconds from now)
-        state_round.weight = 0
-        state_round.allow_allreduce()
+    _join_state_round_with_nothing(optimizer)
     optimizer.state_averager.step(wait_for_delayed_updates=True)
     with optimizer.tracker.pause_updates():
         while True:
@@ -409,6 +551,28 @@ class _EventThatCalls(threading.Event):
         super().set()
 
 
+PREFERRED_SOURCES_BYTES = 4096
+PREFERRED_BOOST = 1e9  # added to the priority of a preferred source (priorities are epochs)
+
+
+def raise_priority(found: Any, preferred: set[str]) -> Any:
+    """``found`` (the DHT's ``{subkey: priority}`` record of the peers that serve their state) with the priority
+    of the ``preferred`` peers raised above every other's."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils import ValueWithExpiration
+
+    if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
+        return found
+    raised = {}
+    for subkey, info in found.value.items():
+        with contextlib.suppress(Exception):  # a malformed subkey stays as it is (hivemind skips it)
+            if (isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))
+                    and str(PeerID(subkey)) in preferred):
+                info = ValueWithExpiration(float(info.value) + PREFERRED_BOOST, info.expiration_time)
+        raised[subkey] = info
+    return ValueWithExpiration(raised, found.expiration_time)
+
+
 SERVE_WAIT = 30.0  # seconds a download waits for a boundary's averaging to be applied (hivemind's default timeout)
 
 
@@ -440,6 +604,8 @@ def state_averager_class() -> type:
             self._paying = False  # the _do running now pays one when its optimizer step runs
             self._no_boundary = threading.Event()  # cleared while a boundary's foreground averaging is unfinished
             self._no_boundary.set()
+            # peers whose state a download tries first (base58, comma-separated), shared with the averager process
+            self._preferred_sources = multiprocessing.Array(ctypes.c_char, PREFERRED_SOURCES_BYTES)
             super().__init__(*args, **kwargs)
             # _do sets this event right after the optimizer step, still holding lock_optimizer: the step is paid there
             self.finished_optimizer_step = _EventThatCalls(self._pay)
@@ -488,6 +654,31 @@ def state_averager_class() -> type:
         def _apply_averaging_results_(self) -> None:
             with self.lock_optimizer:  # the copy of a round's result into the parameters is not served half done
                 super()._apply_averaging_results_()
+
+        def prefer_sources(self, peers: Sequence[str]) -> None:
+            """Make the next downloads try ``peers`` (base58 peer ids) before any other, as many as fit."""
+            chosen: list[str] = []
+            for peer in peers:
+                if len(",".join([*chosen, peer])) < PREFERRED_SOURCES_BYTES:
+                    chosen.append(peer)
+            self._preferred_sources.value = ",".join(chosen).encode()
+
+        async def _load_state_from_peers(self, future: Any, timeout: float | None = None) -> None:
+            # (runs in the averager's process) hivemind tries the peers the DHT lists, highest priority first
+            # (self.dht.get is called before its first await): from now on, the record of the peers that serve
+            # their state is read with the preferred peers' priority raised, whichever download reads it
+            if not getattr(self, "_reads_preferring", False):
+                dht_get = self.dht.get
+
+                def get_preferring(key: Any, *args: Any, **kwargs: Any) -> Any:
+                    found = dht_get(key, *args, **kwargs)
+                    preferred = {peer for peer in self._preferred_sources.value.decode().split(",") if peer}
+                    if preferred and isinstance(key, str) and key.endswith(".all_averagers"):
+                        found = raise_priority(found, preferred)
+                    return found
+
+                self.dht.get, self._reads_preferring = get_preferring, True
+            return await super()._load_state_from_peers(future, timeout)
 
         def get_current_state(self) -> Any:
             self._no_boundary.wait(SERVE_WAIT)  # (runs in hivemind's thread that serves downloads)
@@ -957,6 +1148,7 @@ class HivemindPeer:
 
     def _create_optimizer(self, dht: Any, arguments: dict[str, Any]) -> Any:
         optimizer = optimizer_class()(dht=dht, **arguments)
+        check_lineage(optimizer)
         if PRESCHEDULE_STATE_ROUND:
             preschedule_state_rounds(optimizer)
         return optimizer

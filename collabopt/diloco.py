@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -55,6 +54,7 @@ import torch
 
 from collabopt.errors import ConfigurationError
 from collabopt.guard import NonFiniteGuard, all_finite
+from collabopt.lineage import canonical_peers, fingerprint, same_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,6 @@ INCOMPATIBLE_HIVEMIND = {
     "grad_averager_factory": "collabopt averages pseudo-gradients with its own averager",
     "average_opt_statistics": "the inner optimizer's statistics stay local (as in DiLoCo)",
 }
-FINGERPRINT_TOLERANCE = 1e-6  # relative: anchors that agree to this are the same anchor
 
 
 def check_outer_optimizer(outer_optimizer: Any) -> None:
@@ -391,44 +390,16 @@ def write_pseudo_gradients(anchors: Sequence[torch.Tensor], parameters: Sequence
     return all_finite(out)
 
 
-@torch.no_grad()
-def fingerprint(tensors: Sequence[torch.Tensor]) -> list[float]:
-    """Sum, sum of magnitudes and sum of squares of ``tensors`` (float64): equal anchors give equal fingerprints
-    (to rounding), different ones practically never do."""
-    total = magnitude = squares = 0.0
-    for t in tensors:
-        t = t.detach().double()
-        total += float(t.sum())
-        magnitude += float(t.abs().sum())
-        squares += float((t * t).sum())
-    return [total, magnitude, squares]
-
-
-def same_fingerprint(a: Sequence[float], b: Sequence[float], tolerance: float = FINGERPRINT_TOLERANCE) -> bool:
-    if len(a) != 3 or len(b) != 3 or not all(math.isfinite(x) for x in (*a, *b)):
-        return False
-    scale = max(abs(a[1]), abs(b[1]), 1e-30)
-    return (abs(a[0] - b[0]) <= tolerance * scale and abs(a[1] - b[1]) <= tolerance * scale
-            and abs(a[2] - b[2]) <= tolerance * max(a[2], b[2], 1e-30))
-
-
 def agrees_with_group(mine: dict[str, Any], group: list[Any]) -> bool:
     """Whether this peer's anchor is the group's canonical one: the newest epoch, then the anchor most peers of
     that epoch hold (ties: the smallest fingerprint). Malformed metadata of other peers is ignored."""
-    entries = [(m["epoch"], list(m["anchor"])) for m in group if _valid_metadata(m)]
+    entries = [m for m in group if _valid_metadata(m)]
     if not entries:
         return True
-    top = max(epoch for epoch, _ in entries)
-    clusters: list[list[list[float]]] = []
-    for _, anchor in sorted((e for e in entries if e[0] == top), key=lambda e: e[1]):
-        for cluster in clusters:
-            if same_fingerprint(cluster[0], anchor):
-                cluster.append(anchor)
-                break
-        else:
-            clusters.append([anchor])
-    canonical = max(clusters, key=len)[0]  # max() keeps the first of equal sizes: the smallest fingerprint
-    return mine["epoch"] == top and same_fingerprint(mine["anchor"], canonical)
+    top = max(m["epoch"] for m in entries)
+    canonical = canonical_peers(dict(enumerate(entries)), top, key="anchor")
+    return (mine["epoch"] == top and bool(canonical)
+            and same_fingerprint(mine["anchor"], min(list(entries[i]["anchor"]) for i in canonical)))
 
 
 def _valid_metadata(metadata: Any) -> bool:

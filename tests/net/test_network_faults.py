@@ -14,8 +14,6 @@ import torch
 from helpers import max_param_diff, progress_epoch
 from netswarm import AVERAGING_TIMEOUT, FAULT_SECONDS, MATCHMAKING_TIME, assert_in_sync, run_swarm
 
-from collabopt._hivemind import PRESCHEDULE_STATE_ROUND
-
 
 def test_a_cut_link_heals_and_the_peer_catches_up(tmp_path, make_net):
     """C's link is down for 20 s. A and B keep making global epochs (at most averaging_timeout + matchmaking_time
@@ -52,12 +50,13 @@ def test_a_cut_link_heals_and_the_peer_catches_up(tmp_path, make_net):
 
 def test_a_partition_heals_into_one_swarm(tmp_path, make_net):
     """A, B | C, D for 20 s: each side trains on by itself (both make epochs); once healed, the sides average
-    together again (rounds of 4 peers).
+    together again (rounds of 4 peers) and end in sync.
 
-    The four end in sync only with the state round pre-scheduled (PRESCHEDULE_STATE_ROUND in collabopt/_hivemind.py:
-    9 of 9 and 3 of 3 runs); with it off (the default) 4 of 5 runs ended 0.005-0.04 apart: each side's state round
-    began its matchmaking at the boundary, groups of 2 and 3 formed from whoever was there, and each group's average
-    was its own lineage. So in sync is asserted only when pre-scheduling is on."""
+    The sides come back as two lineages of parameters. Averaging gradients together does not merge them, and
+    parameter averaging merges them only in a round of all four: with state-round pre-scheduling off, each state
+    round began its matchmaking at the boundary, groups of 2 and 3 formed from whoever was there, and 4 of 5 runs
+    ended 0.005-0.04 apart. The lineage check (collabopt/_hivemind.py) makes the peers of the lineage that loses a
+    gradient round's vote download the other's state."""
     net = make_net(4)
     seen = {}
 
@@ -79,11 +78,12 @@ def test_a_partition_heals_into_one_swarm(tmp_path, make_net):
     # "transition" path (its next boundary moves it to the swarm's epoch) and the first round of all 4 merges the
     # lineages: both were seen (the second ended bit-identical), so neither is asserted
     downloads = {name: procs[name].log().count("Downloading parameters from peer") for name in procs}
+    resyncs = {name: procs[name].log().count("parameters differ from those of") for name in procs}
     assert all(torch.isfinite(value).all() for p in params.values() for value in p.values())
     print(f"partition: epochs at heal {seen['at_heal']}, gradient groups after healing {groups}, "
-          f"downloads {downloads}, max difference at the end {max_difference(params):.3g}")
-    if PRESCHEDULE_STATE_ROUND:
-        assert_in_sync(params)
+          f"downloads {downloads}, lineage checks failed {resyncs}, "
+          f"max difference at the end {max_difference(params):.3g}")
+    assert_in_sync(params)
 
 
 def group_sizes_after(log: str, since: float) -> list[int]:

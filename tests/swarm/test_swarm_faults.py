@@ -75,6 +75,28 @@ def test_sigkill_one_of_three_peers_the_others_keep_training_in_sync(tmp_path, b
     assert max_param_diff(params["a"], params["b"]) <= SWARM_ROUNDING
 
 
+def test_a_peer_of_another_lineage_adopts_the_majoritys_parameters(tmp_path, bootstrap):
+    """Two lineages at the same epoch (a healed partition's sides, in small): a and b start from one model, c from
+    another, and no parameter averaging runs (average_state_every=1000), so rounds of all three average only
+    gradients and would keep c apart for good. The lineage check makes c download a's or b's state after its
+    first gradient round: all three end in sync."""
+    base = dict(run_id=unique_run_id("lineage"), target_batch_size=480, epochs=4, lr=0.3, step_sleep=0.05,
+                wait_peers=3, finish_with=finish_line(tmp_path, "a", "b", "c"),
+                options=dict(average_state_every=1000))
+    configs = {"a": dict(base, seed=1, model_seed=0), "b": dict(base, seed=2, model_seed=0),
+               "c": dict(base, seed=3, model_seed=1)}
+    procs = {name: start_peer(tmp_path, name, cfg, bootstrap) for name, cfg in configs.items()}
+    finish(procs, 150)
+    logs = {name: proc.log() for name, proc in procs.items()}
+    judged = "parameters differ from those of 2 of the 3 peers of its gradient round at epoch 0"
+    assert judged in logs["c"] and "Finished downloading state" in logs["c"].split(judged)[1], logs["c"][-3000:]
+    assert all("differ from those of" not in logs[name] for name in "ab")
+    params = {name: read_params(tmp_path, name) for name in configs}
+    assert max_param_diff(params["a"], params["b"]) <= SWARM_ROUNDING
+    assert max_param_diff(params["a"], params["c"]) <= SWARM_ROUNDING
+    assert all(read_result(tmp_path, name)["final_epoch"] >= 4 for name in configs)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_stops_a_peer_quickly_and_leaves_no_process(tmp_path, bootstrap, signum):
     cfg = dict(run_id=unique_run_id("signal"), target_batch_size=64, epochs=10_000, lr=0.1, step_sleep=0.02,

@@ -136,7 +136,7 @@ def test_a_boundary_begun_two_epochs_behind_the_swarm_downloads_instead(monkeypa
     boundaries = []
     monkeypatch.setattr(hivemind.Optimizer, "_update_global_epoch", lambda self, scaler: boundaries.append(scaler))
     optimizer = SimpleNamespace(local_epoch=local_epoch, tracker=SimpleNamespace(global_epoch=5), downloads=[],
-                                status_loglevel=logging.INFO)
+                                status_loglevel=logging.INFO, average_state_every=1)
     optimizer.load_state_from_peers = lambda: optimizer.downloads.append(True)
     _hivemind.optimizer_class()._update_global_epoch(optimizer, "scaler")
     assert (optimizer.downloads, boundaries) == (([True], []) if downloads else ([], ["scaler"]))

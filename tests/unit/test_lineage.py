@@ -1,0 +1,156 @@
+"""The lineage check (collabopt.lineage, and its use in collabopt._hivemind): which members of a gradient round hold
+the group's canonical parameters, and what a peer that holds others does. The swarm behaviour (a 2 | 2 partition
+that heals ends in sync) is tested in tests/net/test_network_faults.py."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from collabopt import _hivemind
+from collabopt.lineage import canonical_peers, fingerprint, same_fingerprint
+
+A, B, C = fingerprint([torch.ones(4)]), fingerprint([torch.full((4,), 2.0)]), fingerprint([torch.zeros(4) - 1])
+
+
+def meta(epoch: int, value: list[float], serves: bool = True) -> dict:
+    return {"epoch": epoch, "lineage": value, "serves": serves}
+
+
+def test_the_lineage_most_members_hold_is_canonical():
+    group = {"p1": meta(3, B), "p2": meta(3, A), "p3": meta(3, B)}
+    assert canonical_peers(group, 3) == ["p1", "p3"]
+
+
+def test_a_tie_goes_to_the_smallest_fingerprint_whoever_judges():
+    group = {"p1": meta(3, B), "p2": meta(3, A), "p3": meta(3, B), "p4": meta(3, A)}
+    assert A < B
+    assert canonical_peers(group, 3) == ["p2", "p4"]
+    assert canonical_peers(dict(reversed(group.items())), 3) == ["p4", "p2"]  # same members, any order
+
+
+def test_members_at_other_epochs_and_malformed_metadata_take_no_part():
+    group = {"old": meta(2, B), "new": meta(4, B), "plain": None, "nan": meta(3, [float("nan")] * 3),
+             "short": meta(3, [1.0]), "text": {"epoch": "3", "lineage": A}, "me": meta(3, A)}
+    assert canonical_peers(group, 3) == ["me"]
+    assert canonical_peers({"plain": None}, 3) == []
+
+
+def test_rounding_differences_are_the_same_lineage_and_one_update_is_not():
+    params = [torch.randn(1000, generator=torch.Generator().manual_seed(0))]
+    assert same_fingerprint(fingerprint(params), fingerprint([params[0].double().float()]))
+    assert same_fingerprint(fingerprint(params), fingerprint([params[0] * (1 + 1e-9)]))
+    updated = params[0].clone()
+    updated[:10] -= 1e-3  # one small step on 1% of the parameters
+    assert not same_fingerprint(fingerprint(params), fingerprint([updated]))
+
+
+class Control:
+    """A finished hivemind StepControl: its result is the round's gathered metadata."""
+
+    def __init__(self, group=None, error: BaseException | None = None):
+        self.group, self.error = group, error
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def exception(self):
+        return self.error
+
+    def result(self):
+        return self.group
+
+
+def stand_in(epoch: int = 3, client_mode: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(
+        dht=SimpleNamespace(peer_id="me"), local_epoch=epoch, averaging_timeout=10.0, average_state_every=1,
+        scheduled_state=None, client_mode=client_mode, status_loglevel=logging.INFO,
+        state_averager=SimpleNamespace(state_sharing_priority=float(epoch), main_parameters=[torch.ones(4)]))
+
+
+def test_a_peer_of_another_lineage_plans_a_download_from_the_canonical_members(caplog):
+    optimizer = stand_in()
+    group = {"p1": meta(3, A), "me": meta(3, B), "p2": meta(3, A), "p3": meta(2, B)}
+    _hivemind._judge_lineage(optimizer, Control(group))
+    assert optimizer.collabopt_resync.peers == ["p1", "p2"] and optimizer.collabopt_resync.epoch == 3
+    assert optimizer.average_state_every == sys.maxsize  # no parameter averaging at this boundary
+    assert optimizer.state_averager.state_sharing_priority == 2.5  # downloads prefer the others
+    assert "differ from those of 2 of the 3 peers of its gradient round at epoch 3" in caplog.text
+
+
+@pytest.mark.parametrize("group", [
+    {"p1": meta(3, A), "me": meta(3, A), "p2": meta(3, B)},  # in the canonical lineage
+    {"p1": meta(4, A), "me": meta(3, B)},  # behind: hivemind's epoch checks handle it
+    {"p1": meta(3, A), "me": None},  # this peer did not tell its lineage
+    {"p1": meta(3, A), "me": meta(3, B), "p2": meta(3, C)},  # all apart (lossy compression): no majority
+    {"p1": meta(3, A, serves=False), "p2": meta(3, A, serves=False), "me": meta(3, B)},  # clients only: no source
+    None,
+])
+def test_a_peer_of_the_canonical_lineage_or_without_a_verdict_goes_on(group):
+    optimizer = stand_in()
+    _hivemind._judge_lineage(optimizer, Control(group))
+    assert getattr(optimizer, "collabopt_resync", None) is None and optimizer.average_state_every == 1
+
+
+def test_a_pending_resync_is_not_replaced():
+    optimizer = stand_in()
+    pending = _hivemind.Resync(peers=["p9"], epoch=2, until=float("inf"))
+    optimizer.collabopt_resync = pending
+    _hivemind._judge_lineage(optimizer, Control({"p1": meta(3, A), "p2": meta(3, A), "me": meta(3, B)}))
+    assert optimizer.collabopt_resync is pending and optimizer.average_state_every == 1
+
+
+def test_the_fingerprint_sums_in_float64():
+    big = [torch.full((1000,), 1e-3), torch.tensor([-2.0, 3.0])]
+    total, magnitude, squares = fingerprint(big)
+    assert total == pytest.approx(2.0) and magnitude == pytest.approx(6.0) and squares == pytest.approx(13.001)
+
+
+def test_a_failed_round_judges_nothing():
+    optimizer = stand_in()
+    _hivemind._judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, B)}, error=TimeoutError()))
+    _hivemind._judge_lineage(optimizer, None)
+    assert getattr(optimizer, "collabopt_resync", None) is None
+
+
+def test_a_resync_ends_when_the_parameters_changed_and_retries_while_they_did_not(monkeypatch):
+    optimizer = stand_in()
+    before = fingerprint(optimizer.state_averager.main_parameters)
+    resync = _hivemind.Resync(peers=["p1"], epoch=3, until=float("inf"))
+    optimizer.collabopt_resync = resync
+    _hivemind._resync_outcome(optimizer, resync, before)  # the canonical peers had not served the new epoch yet
+    assert optimizer.collabopt_resync is resync and resync.next_try > 0
+    assert optimizer.state_averager.state_sharing_priority == 2.5
+    optimizer.state_averager.main_parameters = [torch.full((4,), 2.0)]
+    _hivemind._resync_outcome(optimizer, resync, before)
+    assert optimizer.collabopt_resync is None
+
+
+def test_a_resync_gives_up_at_its_deadline(caplog):
+    optimizer = stand_in()
+    resync = _hivemind.Resync(peers=["p1"], epoch=3, until=0.0)
+    optimizer.collabopt_resync = resync
+    _hivemind._resync_outcome(optimizer, resync, fingerprint(optimizer.state_averager.main_parameters))
+    assert optimizer.collabopt_resync is None and "goes on with its own parameters" in caplog.text
+
+
+def test_downloads_try_the_preferred_peers_first():
+    from hivemind.p2p import PeerID
+    from hivemind.utils import ValueWithExpiration
+
+    ids = [PeerID.from_base58(p) for p in ("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N",
+                                           "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN")]
+    record = ValueWithExpiration({ids[0].to_bytes(): ValueWithExpiration(7.0, 1.0),
+                                  ids[1].to_bytes(): ValueWithExpiration(6.5, 1.0),
+                                  b"junk": ValueWithExpiration(7.0, 1.0)}, 2.0)
+    raised = _hivemind.raise_priority(record, {str(ids[1])})
+    assert raised.value[ids[1].to_bytes()].value > raised.value[ids[0].to_bytes()].value == 7.0
+    assert raised.value[b"junk"].value == 7.0 and raised.expiration_time == 2.0
+    assert _hivemind.raise_priority(None, {str(ids[1])}) is None
