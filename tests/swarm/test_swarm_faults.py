@@ -169,7 +169,9 @@ def test_a_peer_with_nan_batches_does_not_poison_the_swarm(tmp_path, bootstrap):
 
 def test_nan_from_an_unguarded_peer_is_never_applied(tmp_path, bootstrap):
     """R runs without the guard (as plain hivemind or an older collabopt would) and sends NaN gradients, then NaN
-    parameters. A and B refuse them: they end finite and equal to each other; R is NaN."""
+    parameters. A and B refuse them (each counts non-finite steps, so the poison reached them): they end finite and
+    equal to each other. R's own parameters turn NaN; being no lineage, the lineage check makes it download A's or
+    B's state after a round of the three (a plain hivemind peer would stay NaN)."""
     run_id = unique_run_id("nan_rogue")
     base = dict(run_id=run_id, target_batch_size=512, epochs=3, model_seed=0, lr=0.5, step_sleep=0.05,
                 finish_with=finish_line(tmp_path, "a", "b", "r"), wait_peers=3, max_seconds=150)
@@ -182,7 +184,6 @@ def test_nan_from_an_unguarded_peer_is_never_applied(tmp_path, bootstrap):
     finish(procs, 180)
     results = {name: read_result(tmp_path, name) for name in procs}
     params = {name: read_params(tmp_path, name) for name in procs}
-    assert not all_finite(params["r"])  # the poison really reached the swarm
     for name in ("a", "b"):
         assert all_finite(params[name]), name
         assert results[name]["nonfinite_steps"] >= 1, (name, results[name])
