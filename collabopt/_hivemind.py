@@ -539,6 +539,18 @@ def _after_download(optimizer: Any) -> None:
             optimizer.grad_averager.state_sharing_priority = optimizer.local_epoch
 
 
+class _GatedEvent(threading.Event):
+    """A ``threading.Event`` whose ``set()`` does nothing unless ``allow()`` says so."""
+
+    def __init__(self, allow: Callable[[], bool]):
+        super().__init__()
+        self._allow = allow
+
+    def set(self) -> None:
+        if self._allow():
+            super().set()
+
+
 class _EventThatCalls(threading.Event):
     """A ``threading.Event`` that calls ``before_set`` each time it is set."""
 
@@ -1493,22 +1505,41 @@ def _diloco_classes() -> dict[str, type]:
 
     class ThrottledProgressTracker(_progress_tracker_class()):
         """A DiLoCo peer's tracker. hivemind stores this peer's progress record in the DHT at every step (a signed
-        record to 5 replicas: ~15 kB sent per step on the WAN bed, more per sample than the round's all-reduce at
+        record to 5 replicas: ~20 kB sent per step on the WAN bed, more per sample than the round's all-reduce at
         hundreds of steps per round); this one stores it at most once per ``min_refresh_period`` (peers fetch the
-        records no more often than that), and at once when the epoch changes or the count drops."""
+        records no more often than that), and at once when the epoch changes or the count drops.
+
+        The gate is the reporter's event itself: hivemind's reporter thread waits on it, so setting it and clearing
+        it a moment later (as this class once did) still woke the reporter, which stored anyway (measured: 350-400
+        kB/s sent per peer of 4 between rounds at 20 steps/s, ~100 kB/s at 5 steps/s)."""
 
         _next_report = -float("inf")
+        _gated = False  # set while report_local_progress runs for a report that may wait
+
+        @property
+        def should_report_progress(self) -> threading.Event:
+            return self._report_event
+
+        @should_report_progress.setter
+        def should_report_progress(self, _event: threading.Event) -> None:  # hivemind's __init__ assigns one
+            self._report_event = _GatedEvent(self._may_report)
+
+        def _may_report(self) -> bool:
+            now = get_dht_time()
+            if self._gated and now < self._next_report:
+                return False  # this count goes out with a later step's report (or the reporter's own refresh)
+            self._next_report = now + self.min_refresh_period
+            return True
 
         def report_local_progress(self, local_epoch: int, samples_accumulated: int,
                                   update_global_samples: bool = True) -> None:
-            previous, now = self.local_progress, get_dht_time()
+            previous = self.local_progress
             urgent = local_epoch != previous.epoch or samples_accumulated < previous.samples_accumulated
-            requested = self.should_report_progress.is_set()
-            super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
-            if urgent or now >= self._next_report:
-                self._next_report = now + self.min_refresh_period
-            elif not requested:  # this count goes out with a later step's report (or the reporter's own refresh)
-                self.should_report_progress.clear()
+            self._gated = not urgent
+            try:
+                super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+            finally:
+                self._gated = False
 
     class DiLoCoOptimizer(optimizer_class()):
         """hivemind's optimizer with DiLoCo rounds: its (offloaded) optimizer is the outer one, whose parameters are
@@ -1707,4 +1738,5 @@ def _diloco_classes() -> dict[str, type]:
             self.land(wait=True)  # the others' round needs this peer's part
             super().shutdown()
 
-    return dict(runner=ValueAllReduceRunner, averager=PseudoGradientAverager, optimizer=DiLoCoOptimizer)
+    return dict(runner=ValueAllReduceRunner, averager=PseudoGradientAverager, optimizer=DiLoCoOptimizer,
+                tracker=ThrottledProgressTracker)
