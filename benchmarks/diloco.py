@@ -327,6 +327,7 @@ def write_report(result: dict[str, Any]) -> None:
     quality = result.get("quality")
     if quality:
         lines += ["## Quality: character-level LM on the repository's Markdown text, 4 peers, loopback", "",
+                  *([f"From an earlier run: {quality['machine']}", ""] if quality.get("machine") else []),
                   f"Corpus: {quality['corpus_chars']} characters (sha256 {quality['corpus_sha256'][:12]}...), "
                   f"batch {quality['batch']} per step per peer.", "",
                   "| mode | inner optimizer | samples per round/epoch | inner steps per round (nominal / measured) "
@@ -424,8 +425,8 @@ def main(argv: list[str] | None = None) -> None:
                 result[part]["rows"] = sorted(kept + result[part]["rows"],
                                               key=lambda r: (r["mbit"], list(WAN["modes"]).index(r["mode"])))
                 add_ratios(result[part]["rows"])
-        elif part in previous:
-            result[part] = previous[part]  # keep the figures of a part not run now
+        elif part in previous:  # keep the figures of a part not run now, with the machine they were taken on
+            result[part] = dict(previous[part], machine=previous[part].get("machine", previous.get("machine")))
     if not args.quick:
         write_report(result)
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1, default=str)[:4000])
