@@ -61,6 +61,9 @@ def test_three_peers_with_different_batch_sizes_are_equal_after_every_round(tmp_
     results, params = run_swarm(tmp_path, bootstrap, configs)
 
     for epoch in range(1, 5):
+        missed = [name for name in names if epoch not in rounds_by_epoch(results[name])]
+        assert not missed, (epoch, {n: results[n]["rounds"] for n in names},
+                            {n: (tmp_path / f"{n}.log").read_text()[-4000:] for n in missed})
         rounds = {name: rounds_by_epoch(results[name])[epoch] for name in names}
         assert all(r["applied"] and r["group_size"] == 3 for r in rounds.values()), rounds
         after = {name: params[name]["after"][epoch] for name in names}

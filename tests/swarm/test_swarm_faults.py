@@ -90,7 +90,10 @@ def test_a_peer_of_another_lineage_adopts_the_majoritys_parameters(tmp_path, boo
     logs = {name: proc.log() for name, proc in procs.items()}
     judged = "parameters differ from those of 2 of the 3 peers of its gradient round at epoch 0"
     assert judged in logs["c"] and "Finished downloading state" in logs["c"].split(judged)[1], logs["c"][-3000:]
-    assert all("differ from those of" not in logs[name] for name in "ab")
+    for name in "ab":  # the majority keeps its parameters; a later judgement of a or b is legitimate only after it
+        # stepped alone (a gradient round that failed under load on 2 cores leaves it on its own lineage)
+        first = logs[name].find("differ from those of")
+        assert first == -1 or "Proceeding with local gradients" in logs[name][:first], logs[name][-3000:]
     params = {name: read_params(tmp_path, name) for name in configs}
     assert max_param_diff(params["a"], params["b"]) <= SWARM_ROUNDING
     assert max_param_diff(params["a"], params["c"]) <= SWARM_ROUNDING
