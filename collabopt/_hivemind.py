@@ -90,6 +90,21 @@ def gradient_averager_factory(factory: Callable[..., Any] | None, request_timeou
     return functools.partial(factory or GradientAverager, request_timeout=request_timeout)
 
 
+def log_like_hivemind() -> None:
+    """Give collabopt's loggers hivemind's handler (its format and ``HIVEMIND_LOGLEVEL``) unless the application
+    configured logging itself: otherwise collabopt's status lines (INFO with ``verbose=True``, like hivemind's) were
+    dropped and its warnings printed without a time, between hivemind's timed lines."""
+    from hivemind.utils.logging import get_logger
+
+    ours, theirs = logging.getLogger("collabopt"), get_logger("hivemind")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 def start_dht(**kwargs: Any) -> Any:
     """Start a ``hivemind.DHT``; unless it is a client, it also serves collabopt's dial-back check (see
     :mod:`collabopt.doctor`) so that ``collabopt doctor`` on another machine can learn whether it is reachable."""
@@ -1606,8 +1621,8 @@ def _diloco_classes() -> dict[str, type]:
         def _maybe_schedule_gradient_averaging(self) -> None:
             """As hivemind's, with this peer's round metadata (epoch, anchor fingerprint) for its group."""
             soon = self.tracker.estimated_next_update_time - get_dht_time() <= self.matchmaking_time
-            if self.num_peers <= 1 or not soon:
-                return
+            if self.num_peers <= 1 or not soon or self._should_load_state_from_peers():
+                return  # (a peer that must download first would bring a stale anchor to the others' round)
             self.land(wait=False)
             if self._in_flight is not None:
                 return  # the anchor (whose fingerprint the group gathers) moves when it lands: schedule after
@@ -1617,8 +1632,10 @@ def _diloco_classes() -> dict[str, type]:
 
         def _update_global_epoch(self, grad_scaler: Any) -> None:
             self.land(wait=True)  # one round in flight at most
-            if self.diloco.needs_sync:
-                return  # it could not be applied: the next step downloads the swarm's state, then rounds go on
+            if self._should_load_state_from_peers():
+                # its round could not be applied (its anchor is stale: the swarm is past its epoch, read after
+                # this step began, or its group's anchor differed): the next step downloads, then rounds go on
+                return
             if self.diloco.overlap and self.num_peers > 1:
                 with self.tracker.pause_updates():
                     self._start_overlapped_round()

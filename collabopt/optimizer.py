@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from collabopt import diloco, scheduling, swarm
-from collabopt._hivemind import DiLoCoPeer, HivemindPeer
+from collabopt._hivemind import DiLoCoPeer, HivemindPeer, log_like_hivemind
 from collabopt.batch_size import ForwardSampleCounter, resolve_samples
 from collabopt.config import (
     CollabConfig,
@@ -222,6 +222,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         self._closed = False
         try:
             if peer is None:
+                log_like_hivemind()
                 with preserved_sigint():
                     if swarm_options is not None:
                         self.dht = swarm.start_dht(swarm_options)
