@@ -50,7 +50,10 @@ def main() -> None:
             break
         time.sleep(2)
     write_json(workdir / f"{name}.result.json", dict(answered=answered))
-    time.sleep(5)  # stay up while the other one pings
+    deadline = time.monotonic() + 15  # stay up while the other one pings (until it wrote its answer)
+    while not (workdir / f"{other}.result.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)
     dht.shutdown()
 
 

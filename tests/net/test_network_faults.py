@@ -68,7 +68,7 @@ def test_a_partition_heals_into_one_swarm(tmp_path, make_net):
         seen["heal_time"] = time.time()
         net.heal()
 
-    results, params, procs = run_swarm(tmp_path, net, dict(target_batch_size=1536, epochs=12, lr=0.3), split)
+    results, params, procs = run_swarm(tmp_path, net, dict(target_batch_size=1536, epochs=10, lr=0.3), split)
     for name in ("a", "b", "c", "d"):  # both sides kept training
         assert seen["at_heal"][name] - seen["at_split"][name] >= 1, seen
     groups = {name: group_sizes_after(procs[name].log(), seen["heal_time"]) for name in procs}
