@@ -90,19 +90,33 @@ def gradient_averager_factory(factory: Callable[..., Any] | None, request_timeou
     return functools.partial(factory or GradientAverager, request_timeout=request_timeout)
 
 
-def log_like_hivemind() -> None:
-    """Give collabopt's loggers hivemind's handler (its format and ``HIVEMIND_LOGLEVEL``) unless the application
-    configured logging itself: otherwise collabopt's status lines (INFO with ``verbose=True``, like hivemind's) were
-    dropped and its warnings printed without a time, between hivemind's timed lines."""
-    from hivemind.utils.logging import get_logger
+class _HivemindHandlerUnlessConfigured(logging.Handler):
+    """Hands a record to hivemind's own handler while the application has configured no logging (the root logger
+    has no handler); otherwise the record propagates to the application's handlers only."""
 
-    ours, theirs = logging.getLogger("collabopt"), get_logger("hivemind")
-    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+    def __init__(self, target: logging.Handler):
+        super().__init__()
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            self.target.handle(record)
+
+
+def log_like_hivemind() -> None:
+    """collabopt's log lines in hivemind's format and at ``HIVEMIND_LOGLEVEL`` while the application configured no
+    logging: otherwise collabopt's status lines (INFO with ``verbose=True``, like hivemind's) were dropped and its
+    warnings printed without a time, between hivemind's timed lines. A level set on the ``collabopt`` logger is kept."""
+    from hivemind.utils import logging as hivemind_logging
+
+    hivemind_logging.get_logger("hivemind")  # hivemind creates its handler on first use
+    target = getattr(hivemind_logging, "_default_handler", None)
+    ours = logging.getLogger("collabopt")
+    if target is None or any(isinstance(h, _HivemindHandlerUnlessConfigured) for h in ours.handlers):
         return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(theirs.level)
-    ours.propagate = False
+    ours.addHandler(_HivemindHandlerUnlessConfigured(target))
+    if ours.level == logging.NOTSET:
+        ours.setLevel(hivemind_logging.loglevel)
 
 
 def start_dht(**kwargs: Any) -> Any:
@@ -1635,6 +1649,9 @@ def _diloco_classes() -> dict[str, type]:
             if self._should_load_state_from_peers():
                 # its round could not be applied (its anchor is stale: the swarm is past its epoch, read after
                 # this step began, or its group's anchor differed): the next step downloads, then rounds go on
+                if not self.diloco.needs_sync:
+                    logger.log(self.status_loglevel, f"collabopt: the swarm is at epoch {self.tracker.global_epoch}, "
+                               f"this peer at {self.local_epoch}: no round; it downloads the swarm's state first")
                 return
             if self.diloco.overlap and self.num_peers > 1:
                 with self.tracker.pause_updates():

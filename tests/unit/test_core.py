@@ -177,3 +177,34 @@ def test_config_or_options_not_both():
         CollaborativeOptimizer(opt, config=config, matchmaking_time=2.0, peer=FakePeer(opt, 8))
     with CollaborativeOptimizer(opt, config=config, peer=FakePeer(opt, 8)) as copt:
         assert copt.config is config and copt.step().samples == 4  # the config's fixed batch_size
+
+
+def test_collabopt_logs_through_hiveminds_handler_only_while_the_application_configured_no_logging(monkeypatch):
+    import logging
+
+    from hivemind.utils import logging as hivemind_logging
+
+    from collabopt import _hivemind
+
+    ours = logging.getLogger("collabopt")
+    saved = ours.handlers[:], ours.level
+    ours.handlers.clear()
+    ours.setLevel(logging.NOTSET)
+    try:
+        _hivemind.log_like_hivemind()
+        _hivemind.log_like_hivemind()  # a second optimizer in the process adds nothing
+        (handler,) = ours.handlers
+        assert logging.getLevelName(ours.level) == hivemind_logging.loglevel  # HIVEMIND_LOGLEVEL (default INFO)
+        seen = []
+        monkeypatch.setattr(handler, "target", type("Target", (), {"handle": lambda self, r: seen.append(r)})())
+        record = logging.LogRecord("collabopt.x", logging.INFO, __file__, 1, "a status line", None, None)
+        root = logging.getLogger()
+        monkeypatch.setattr(root, "handlers", [])
+        handler.handle(record)
+        assert seen == [record]
+        monkeypatch.setattr(root, "handlers", [logging.NullHandler()])  # the application configured logging
+        handler.handle(record)
+        assert seen == [record]
+    finally:
+        ours.handlers[:] = saved[0]
+        ours.setLevel(saved[1])
