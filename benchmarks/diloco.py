@@ -268,7 +268,7 @@ def run_wan(cfg: dict[str, Any], workdir: Path, log: Any = print) -> dict[str, A
                                     matchmaking_time=cfg["matchmaking_time"],
                                     averaging_timeout=cfg["averaging_timeout"], average_state_every=1000,
                                     options=settings.get("options", {}), outer=settings.get("outer"),
-                                    count_bytes=True, warmup_epochs=settings["warmup_epochs"],
+                                    count_bytes=True, write_grads=True, warmup_epochs=settings["warmup_epochs"],
                                     measure_epochs=settings["measure_epochs"], max_seconds=cfg["max_seconds"])
                         records = run_peers(workdir, f"b6_{rate}_{mode.replace(' ', '')}",
                                             [dict(peer, host=net.addr[i], seed=i) for i in range(n)],

@@ -1535,8 +1535,9 @@ def _diloco_classes() -> dict[str, type]:
     class ThrottledProgressTracker(_progress_tracker_class()):
         """A DiLoCo peer's tracker. hivemind stores this peer's progress record in the DHT at every step (a signed
         record to 5 replicas: ~20 kB sent per step on the WAN bed, more per sample than the round's all-reduce at
-        hundreds of steps per round); this one stores it at most once per ``min_refresh_period`` (peers fetch the
-        records no more often than that), and at once when the epoch changes or the count drops.
+        hundreds of steps per round); this one stores it at most once per :func:`collabopt.diloco.report_period`
+        (``min_refresh_period``, peers fetch the records no more often than that, or a tenth of the last round),
+        and at once when the epoch changes or the count drops.
 
         The gate is the reporter's event itself: hivemind's reporter thread waits on it, so setting it and clearing
         it a moment later (as this class once did) still woke the reporter, which stored anyway (measured: 350-400
@@ -1544,6 +1545,8 @@ def _diloco_classes() -> dict[str, type]:
 
         _next_report = -float("inf")
         _gated = False  # set while report_local_progress runs for a report that may wait
+        _epoch_began: float | None = None  # when this peer's current epoch (round) began, DHT time
+        _last_round: float | None = None  # how long its last whole round took, seconds
 
         @property
         def should_report_progress(self) -> threading.Event:
@@ -1557,12 +1560,18 @@ def _diloco_classes() -> dict[str, type]:
             now = get_dht_time()
             if self._gated and now < self._next_report:
                 return False  # this count goes out with a later step's report (or the reporter's own refresh)
-            self._next_report = now + self.min_refresh_period
+            self._next_report = now + diloco_module.report_period(self._last_round, self.min_refresh_period,
+                                                                  self.max_refresh_period)
             return True
 
         def report_local_progress(self, local_epoch: int, samples_accumulated: int,
                                   update_global_samples: bool = True) -> None:
             previous = self.local_progress
+            if local_epoch != previous.epoch:
+                now = get_dht_time()
+                if self._epoch_began is not None and local_epoch == previous.epoch + 1:
+                    self._last_round = now - self._epoch_began
+                self._epoch_began = now
             urgent = local_epoch != previous.epoch or samples_accumulated < previous.samples_accumulated
             self._gated = not urgent
             try:

@@ -381,6 +381,25 @@ def should_download(diloco: DiLoCo, local_epoch: int, global_epoch: int) -> bool
     return diloco.needs_sync or behind > 1 or (behind == 1 and not joins)
 
 
+REPORT_SHARE = 0.1  # a DiLoCo peer stores its progress record at most once per this share of a round
+
+
+def report_period(last_round_seconds: float | None, min_period: float, max_period: float) -> float:
+    """How long a DiLoCo peer waits between two stores of its progress record (a change of epoch goes out at once).
+
+    Each store is a signed DHT record sent to several replicas (~20-30 kB on the wire); at hivemind's pace (every
+    step, or every ``min_period`` with collabopt's throttle) that costs more per sample than the round's all-reduce
+    once rounds are hundreds of steps long. Others extrapolate a record with its samples per second, so a long
+    round needs few: one per ``REPORT_SHARE`` of the last round, within ``[min_period, max_period]``.
+
+        >>> report_period(None, 0.5, 10.0), report_period(3.0, 0.5, 10.0), report_period(40.0, 0.5, 10.0)
+        (0.5, 0.5, 4.0)
+    """
+    if last_round_seconds is None:
+        return min_period
+    return min(max_period, max(min_period, REPORT_SHARE * last_round_seconds))
+
+
 @torch.no_grad()
 def write_pseudo_gradients(anchors: Sequence[torch.Tensor], parameters: Sequence[torch.Tensor],
                            out: Sequence[torch.Tensor]) -> bool:

@@ -231,9 +231,12 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
             self._peer = peer
             if isinstance(peer, HivemindPeer):  # publishes this peer's metrics record (collabopt.metrics)
                 self._reporter = MetricsReporter(self, peer)
-            if self._guard is not None:  # a snapshot to undo a non-finite averaging result, where it is synchronous
-                self._guard.wrap_optimizer(peer.optimizer, keep_snapshot=not config.updates_in_background
-                                           and self.diloco is None)  # DiLoCo rounds check their own results
+            if self._guard is not None:
+                if self.diloco is None and not config.use_local_updates:  # averaged gradients reach the optimizer:
+                    # it refuses non-finite ones (with a snapshot to undo a non-finite averaging result, where it is
+                    # synchronous). DiLoCo's inner steps and use_local_updates step on the local gradients step()
+                    # has just checked: a second pass over them would cost as much again at every step
+                    self._guard.wrap_optimizer(peer.optimizer, keep_snapshot=not config.updates_in_background)
                 self._guard_each_step = config.auxiliary or peer.accumulators() is None
                 if not self._guard_each_step:
                     peer.set_before_averaging(self._check_accumulation_at_boundary)

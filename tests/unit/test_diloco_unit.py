@@ -13,7 +13,7 @@ from collabopt.integrations.pytorch import collaborate
 import collabopt.optimizer as optimizer_module
 import collabopt.swarm as swarm_module
 from collabopt import CollabConfig, CollaborativeOptimizer, ConfigurationError
-from collabopt.diloco import INCOMPATIBLE, DiLoCo, agrees_with_group, fingerprint
+from collabopt.diloco import INCOMPATIBLE, DiLoCo, agrees_with_group, fingerprint, report_period
 from collabopt.guard import NonFiniteGuard
 
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -350,7 +350,8 @@ def test_the_progress_reporter_is_woken_at_most_once_per_refresh_period():
     from collabopt import _hivemind
 
     tracker_class = _hivemind._diloco_classes()["tracker"]
-    tracker = SimpleNamespace(min_refresh_period=60.0, _next_report=-float("inf"), _gated=False)
+    tracker = SimpleNamespace(min_refresh_period=60.0, max_refresh_period=600.0, _next_report=-float("inf"),
+                              _gated=False, _last_round=None)
     tracker._may_report = lambda: tracker_class._may_report(tracker)
     tracker_class.should_report_progress.fset(tracker, None)  # what hivemind's __init__ does
     event = tracker_class.should_report_progress.fget(tracker)
@@ -366,3 +367,13 @@ def test_the_progress_reporter_is_woken_at_most_once_per_refresh_period():
     assert report(gated=False)  # an epoch change does not wait
     tracker._next_report = 0.0  # the period is over
     assert report(gated=True)
+    tracker._last_round = 4000.0  # long rounds: one store per tenth of the last round
+    assert report(gated=False)
+    assert tracker._next_report - _hivemind.dht_time() == pytest.approx(400.0, abs=5.0)
+
+
+def test_a_long_round_spaces_the_progress_records_out():
+    assert report_period(None, 0.5, 10.0) == 0.5  # no round yet: as often as peers fetch them
+    assert report_period(2.0, 0.5, 10.0) == 0.5  # short rounds (the tests'): unchanged
+    assert report_period(33.0, 0.5, 10.0) == pytest.approx(3.3)  # B6's 600 steps of 55 ms
+    assert report_period(1000.0, 0.5, 10.0) == 10.0  # never longer than the fetch period
