@@ -313,6 +313,7 @@ def optimizer_class() -> type:
 
     def _average_gradients_and_load_into_optimizer(self: Any, maybe_step_control: Any) -> None:
         hivemind.Optimizer._average_gradients_and_load_into_optimizer(self, maybe_step_control)
+        _hint_state_group(self, maybe_step_control)
         if getattr(self, "collabopt_checks_lineage", False):
             _judge_lineage(self, maybe_step_control)
 
@@ -421,6 +422,24 @@ def check_lineage(optimizer: Any) -> None:
 def lineage_metadata(optimizer: Any) -> dict[str, Any]:
     return {"epoch": int(optimizer.local_epoch), "serves": not optimizer.client_mode,
             "lineage": lineage.fingerprint(optimizer.state_averager.main_parameters)}
+
+
+def _hint_state_group(optimizer: Any, control: Any) -> None:
+    """After a boundary's gradient round (``control``): tell the state averager how many peers will take part in the
+    parameter averaging that follows, those of the gradient group at this peer's epoch (see
+    ``ConsistentStateAverager.group_size_hint``); nothing if the round failed."""
+    hint = None  # (a delayed gradient round ends after the state round's matchmaking began: no hint)
+    if (control is not None and not optimizer.delay_grad_averaging and control.done() and not control.cancelled()
+            and control.exception() is None):
+        group = control.result()
+        if isinstance(group, dict) and len(group) >= 2:
+            mine = group.get(optimizer.dht.peer_id)
+            if isinstance(mine, dict) and isinstance(mine.get("epoch"), int):  # the lineage check's metadata
+                size = sum(1 for m in group.values() if isinstance(m, dict) and m.get("epoch") == mine["epoch"])
+            else:
+                size = len(group)
+            hint = (optimizer.local_epoch, size)
+    optimizer.state_averager.group_size_hint = hint
 
 
 def _judge_lineage(optimizer: Any, control: Any) -> None:
@@ -663,8 +682,13 @@ def state_averager_class() -> type:
                     self._step_with_increment = False
                 self._epoch = value
 
+        # (epoch, peers): the peers of this epoch's gradient round, who go on to its parameter averaging now
+        group_size_hint: tuple[int, int] | None = None
+
         def step(self, *args: Any, increment_epoch: bool = False, optimizer_step: bool = False,
                  zero_grad: bool = False, averaging_round: bool = False, **kwargs: Any) -> Any:
+            if averaging_round and kwargs.get("averaging_control") is None:
+                self._size_next_group()
             self._step_with_increment = increment_epoch and optimizer_step
             if optimizer_step or zero_grad or averaging_round:  # hivemind submits one _do for this call
                 self._owes.append(increment_epoch and optimizer_step)
@@ -678,6 +702,21 @@ def state_averager_class() -> type:
             finally:
                 self._step_with_increment = False
                 self._no_boundary.set()
+
+        def _size_next_group(self) -> None:
+            """The parameter averaging at a boundary starts its matchmaking there. hivemind's group leader waits out
+            the whole ``matchmaking_time`` for more peers unless the group reaches ``target_group_size`` (unset: one
+            ``matchmaking_time`` of idle at every epoch, measured in B5 and in every swarm test's epochs). The peers
+            of this epoch's gradient round reach the boundary together (its all-reduce just ended): a group of that
+            many assembles as soon as they are in. Without a hint (its gradient round failed, a delayed one), the
+            leader waits as before. A peer the hint does not count finds the group full: its round fails, as one that
+            reaches the boundary after the group closed does."""
+            hint, self.group_size_hint = self.group_size_hint, None
+            size = hint[1] if hint is not None and hint[0] == self.local_epoch else None
+            self._outer_pipe.send(("_set_target_group_size", [size], {}))  # before the step's own message
+
+        async def _set_target_group_size(self, size: int | None) -> None:
+            self._matchmaking.target_group_size = size  # (runs in the averager's process)
 
         def _do(self, *args: Any, **kwargs: Any) -> Any:
             self._paying = self._owes.popleft() if self._owes else False

@@ -153,3 +153,48 @@ def test_a_client_schedules_its_state_round_a_matchmaking_time_later():
     _hivemind.preschedule_state_rounds(optimizer)
     optimizer.state_averager.schedule_step(gather=3, timeout=30.0)
     assert optimizer.calls == [(pytest.approx(eta + 1.0 + 2.0), dict(gather=3, timeout=30.0))]
+
+
+class DoneRound:
+    """A finished gradient round's StepControl: ``result()`` is the group's gathered metadata."""
+
+    def __init__(self, group: dict | None = None, error: Exception | None = None):
+        self.group, self.error = group, error
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def exception(self) -> Exception | None:
+        return self.error
+
+    def result(self) -> dict | None:
+        return self.group
+
+
+@pytest.mark.parametrize(("control", "delayed", "expected"), [
+    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}, "c": {"epoch": 5}}), False, (5, 3)),
+    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}, "c": {"epoch": 4}}), False, (5, 2)),  # c is at another epoch
+    (DoneRound({"me": None, "b": None, "c": None}), False, (5, 3)),  # no lineage metadata: the whole group
+    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), True, None),  # delayed: it ends after the state round began
+    (DoneRound({"me": {"epoch": 5}}), False, None),  # alone: hivemind's matchmaking as before
+    (DoneRound(error=TimeoutError()), False, None),
+    (None, False, None),
+])
+def test_the_state_round_expects_the_peers_of_the_gradient_round(control, delayed, expected):
+    optimizer = SimpleNamespace(local_epoch=5, delay_grad_averaging=delayed, dht=SimpleNamespace(peer_id="me"),
+                                state_averager=SimpleNamespace(group_size_hint=(1, 9)))
+    _hivemind._hint_state_group(optimizer, control)
+    assert optimizer.state_averager.group_size_hint == expected
+
+
+@pytest.mark.parametrize(("hint", "expected"), [((5, 3), 3), ((4, 3), None), (None, None)])
+def test_a_hint_sizes_only_the_state_round_of_its_epoch(hint, expected):
+    cls = _hivemind.state_averager_class()
+    sent = []
+    averager = SimpleNamespace(group_size_hint=hint, local_epoch=5, _outer_pipe=SimpleNamespace(send=sent.append))
+    cls._size_next_group(averager)
+    assert sent == [("_set_target_group_size", [expected], {})]
+    assert averager.group_size_hint is None  # used once
