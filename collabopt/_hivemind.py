@@ -425,20 +425,18 @@ def lineage_metadata(optimizer: Any) -> dict[str, Any]:
 
 
 def _hint_state_group(optimizer: Any, control: Any) -> None:
-    """After a boundary's gradient round (``control``): tell the state averager how many peers will take part in the
-    parameter averaging that follows, those of the gradient group at this peer's epoch (see
-    ``ConsistentStateAverager.group_size_hint``); nothing if the round failed."""
+    """After a boundary's gradient round (``control``): if every peer this one counts in the swarm was in it, tell
+    the state averager to expect that many peers in the parameter averaging that follows (see
+    ``ConsistentStateAverager._size_next_group``); otherwise (a failed round, groups split under load) no hint.
+
+    A hint too small would be harmful: a peer that finds the group full waits for another until
+    ``averaging_timeout``. One too large costs what no hint costs (the group waits out its matchmaking time)."""
     hint = None  # (a delayed gradient round ends after the state round's matchmaking began: no hint)
     if (control is not None and not optimizer.delay_grad_averaging and control.done() and not control.cancelled()
             and control.exception() is None):
         group = control.result()
-        if isinstance(group, dict) and len(group) >= 2:
-            mine = group.get(optimizer.dht.peer_id)
-            if isinstance(mine, dict) and isinstance(mine.get("epoch"), int):  # the lineage check's metadata
-                size = sum(1 for m in group.values() if isinstance(m, dict) and m.get("epoch") == mine["epoch"])
-            else:
-                size = len(group)
-            hint = (optimizer.local_epoch, size)
+        if isinstance(group, dict) and len(group) >= max(2, optimizer.tracker.global_progress.num_peers):
+            hint = (optimizer.local_epoch, len(group))
     optimizer.state_averager.group_size_hint = hint
 
 
@@ -800,6 +798,8 @@ def state_averager_class() -> type:
 # OFF by default: the churn test (5 peers, a kill every 10-12 s, epochs about one matchmaking_time long) failed 2 of 4
 # runs with it on in session 9 (restarted peers that downloaded as the others passed a boundary counted one epoch
 # behind and their skipped state round left them apart), 0 of 2 with it off.
+# With it off, the round started at the boundary no longer idles a matchmaking_time either: its group assembles as
+# soon as the peers of the epoch's gradient round are in (ConsistentStateAverager._size_next_group).
 PRESCHEDULE_STATE_ROUND = False
 STATE_ROUND_SLACK = 1.0
 

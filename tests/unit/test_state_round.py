@@ -174,17 +174,18 @@ class DoneRound:
         return self.group
 
 
-@pytest.mark.parametrize(("control", "delayed", "expected"), [
-    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}, "c": {"epoch": 5}}), False, (5, 3)),
-    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}, "c": {"epoch": 4}}), False, (5, 2)),  # c is at another epoch
-    (DoneRound({"me": None, "b": None, "c": None}), False, (5, 3)),  # no lineage metadata: the whole group
-    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), True, None),  # delayed: it ends after the state round began
-    (DoneRound({"me": {"epoch": 5}}), False, None),  # alone: hivemind's matchmaking as before
-    (DoneRound(error=TimeoutError()), False, None),
-    (None, False, None),
+@pytest.mark.parametrize(("control", "delayed", "swarm", "expected"), [
+    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}, "c": {"epoch": 4}}), False, 3, (5, 3)),  # every peer counted
+    (DoneRound({"me": None, "b": None, "c": None}), False, 2, (5, 3)),  # (a peer not counted yet)
+    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), False, 3, None),  # split groups: the others may come
+    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), True, 2, None),  # delayed: ends after the state round began
+    (DoneRound({"me": {"epoch": 5}}), False, 1, None),  # alone: hivemind's matchmaking as before
+    (DoneRound(error=TimeoutError()), False, 3, None),
+    (None, False, 3, None),
 ])
-def test_the_state_round_expects_the_peers_of_the_gradient_round(control, delayed, expected):
-    optimizer = SimpleNamespace(local_epoch=5, delay_grad_averaging=delayed, dht=SimpleNamespace(peer_id="me"),
+def test_the_state_round_expects_the_gradient_group_when_it_held_the_whole_swarm(control, delayed, swarm, expected):
+    optimizer = SimpleNamespace(local_epoch=5, delay_grad_averaging=delayed,
+                                tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=swarm)),
                                 state_averager=SimpleNamespace(group_size_hint=(1, 9)))
     _hivemind._hint_state_group(optimizer, control)
     assert optimizer.state_averager.group_size_hint == expected
