@@ -708,9 +708,13 @@ def state_averager_class() -> type:
             of this epoch's gradient round reach the boundary together (its all-reduce just ended): a group of that
             many assembles as soon as they are in. Without a hint (its gradient round failed, a delayed one), the
             leader waits as before. A peer the hint does not count finds the group full: its round fails, as one that
-            reaches the boundary after the group closed does."""
+            reaches the boundary after the group closed does. A ``target_group_size`` of the user's (in
+            ``averager_opts``, to split a large swarm into groups) stays the upper bound."""
             hint, self.group_size_hint = self.group_size_hint, None
             size = hint[1] if hint is not None and hint[0] == self.local_epoch else None
+            configured = self.matchmaking_kwargs.get("target_group_size")
+            if configured is not None:
+                size = configured if size is None else min(size, configured)
             self._outer_pipe.send(("_set_target_group_size", [size], {}))  # before the step's own message
 
         async def _set_target_group_size(self, size: int | None) -> None:

@@ -191,11 +191,15 @@ def test_the_state_round_expects_the_gradient_group_when_it_held_the_whole_swarm
     assert optimizer.state_averager.group_size_hint == expected
 
 
-@pytest.mark.parametrize(("hint", "expected"), [((5, 3), 3), ((4, 3), None), (None, None)])
-def test_a_hint_sizes_only_the_state_round_of_its_epoch(hint, expected):
+@pytest.mark.parametrize(("hint", "configured", "expected"), [
+    ((5, 3), None, 3), ((4, 3), None, None), (None, None, None),
+    ((5, 3), 2, 2), ((5, 3), 8, 3), (None, 8, 8),  # a target_group_size of the user's stays the upper bound
+])
+def test_a_hint_sizes_only_the_state_round_of_its_epoch(hint, configured, expected):
     cls = _hivemind.state_averager_class()
     sent = []
-    averager = SimpleNamespace(group_size_hint=hint, local_epoch=5, _outer_pipe=SimpleNamespace(send=sent.append))
+    averager = SimpleNamespace(group_size_hint=hint, local_epoch=5, _outer_pipe=SimpleNamespace(send=sent.append),
+                               matchmaking_kwargs=dict(target_group_size=configured))
     cls._size_next_group(averager)
     assert sent == [("_set_target_group_size", [expected], {})]
     assert averager.group_size_hint is None  # used once
