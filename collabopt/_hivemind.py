@@ -432,20 +432,23 @@ def _hint_state_group(optimizer: Any, control: Any) -> None:
     A hint too small would be harmful: a peer that finds the group full waits for another until
     ``averaging_timeout``. One too large costs what no hint costs (the group waits out its matchmaking time)."""
     hint = None  # (a delayed gradient round ends after the state round's matchmaking began: no hint)
-    if (control is not None and not optimizer.delay_grad_averaging and control.done() and not control.cancelled()
-            and control.exception() is None):
-        group = control.result()
-        if isinstance(group, dict) and len(group) >= max(2, optimizer.tracker.global_progress.num_peers):
-            hint = (optimizer.local_epoch, len(group))
+    group = None if optimizer.delay_grad_averaging else _finished_group(control)
+    if isinstance(group, dict) and len(group) >= max(2, optimizer.tracker.global_progress.num_peers):
+        hint = (optimizer.local_epoch, len(group))
     optimizer.state_averager.group_size_hint = hint
+
+
+def _finished_group(control: Any) -> Any:
+    """What a gradient round (a StepControl) gathered from its group, or None if it did not finish successfully."""
+    if control is None or not control.done() or control.cancelled() or control.exception() is not None:
+        return None
+    return control.result()
 
 
 def _judge_lineage(optimizer: Any, control: Any) -> None:
     """After a gradient round (``control``): if this peer's parameters are not its group's canonical lineage, turn
     this boundary's parameter averaging off and plan a download from a peer that holds it."""
-    if control is None or not control.done() or control.cancelled() or control.exception() is not None:
-        return
-    group = control.result()
+    group = _finished_group(control)
     me = optimizer.dht.peer_id
     mine = group.get(me) if isinstance(group, dict) else None
     if not isinstance(mine, dict) or not isinstance(mine.get("epoch"), int):
