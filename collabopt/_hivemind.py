@@ -84,10 +84,34 @@ def check_compression(value: Any) -> bool:
 
 def gradient_averager_factory(factory: Callable[..., Any] | None, request_timeout: float) -> Callable[..., Any]:
     """hivemind 1.1.12 hands ``averager_opts`` to its state averager only: give the gradient averager the same
-    join-request timeout."""
+    join-request timeout. Without a factory of the user's: :func:`gradient_averager_class`."""
+    return functools.partial(factory or gradient_averager_class(), request_timeout=request_timeout)
+
+
+@functools.lru_cache(maxsize=1)
+def gradient_averager_class() -> type:
     from hivemind.optim.grad_averager import GradientAverager
 
-    return functools.partial(factory or GradientAverager, request_timeout=request_timeout)
+    class GradientAveragerThatTellsGaps(GradientAverager):
+        """hivemind's gradient averager, telling its optimizer which share of a round's results arrived.
+
+        When a reducer's part of the average does not arrive in time, hivemind 1.1.12 uses this peer's own values
+        for it (``TensorPartContainer.register_failed_reducer``) and the round still succeeds: this peer's
+        parameters then differ from every other member's ("Averaging: received 75.7% results"). The share received
+        is added to this peer's own entry of the round's gathered metadata (``"received"``, only when below 1), which
+        only this peer sees; the lineage check reads it (see ``_judge_lineage``)."""
+
+        async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+            runner = self._running_groups.get(group_info.group_id)  # (set by _run_allreduce_inplace_)
+            done = runner is not None and runner.done() and not runner.cancelled()
+            container = getattr(runner.result(), "tensor_part_container", None) if done else None
+            mine = gathered.get(self.peer_id) if isinstance(gathered, dict) else None
+            if container is not None and container.failed_size and isinstance(mine, dict):
+                gathered[self.peer_id] = dict(mine, received=1.0 - container.failed_size / container.total_size)
+            return gathered
+
+    return GradientAveragerThatTellsGaps
 
 
 class _HivemindHandlerUnlessConfigured(logging.Handler):
@@ -381,11 +405,15 @@ def _swarm_moved_on(optimizer: Any) -> bool:
 # state-round pre-scheduling off, the 2 | 2 partition test ended 0.005-0.04 apart in 4 of 5 runs (each side's state
 # round gathered whoever reached the boundary first, in groups of 2 and 3). So every member tells its gradient
 # round its epoch and a fingerprint of its parameters (hivemind's ``gather``); after the round, a peer whose
-# fingerprint is not the round's canonical one (lineage.canonical_peers, among the members at its epoch) skips that
-# boundary's parameter averaging (it would mix the lineages), serves its state below the others and, at its next
-# step, downloads the state of a member that holds the canonical one. Off where the optimizer step or averaging
-# runs in the background (delay_*: parameters at scheduling time are not the epoch's) and in DiLoCo mode (which
-# checks its anchors the same way).
+# fingerprint is not the round's canonical one (lineage.judge) skips that boundary's parameter averaging (it would
+# mix the lineages), serves its state below the others and, at its next step, downloads the state of a member that
+# holds the canonical one. The same check catches two other ways of drifting apart without parameter averaging
+# (average_state_every > 1), both seen in a fresh-clone suite's run of the lineage test on 2 loaded cores: a partial
+# round (a member's part of the average arrived late, the others used their own values for it and ended 0.0066
+# apart: each says "apart" at its next round and adopts the lineage of a member whose round was whole), and a member
+# one epoch behind (it missed a round and counted the next one as its own: it adopts the newest epoch's lineage).
+# Off where the optimizer step or averaging runs in the background (delay_*: parameters at scheduling time are not
+# the epoch's) and in DiLoCo mode (which checks its anchors the same way).
 CHECK_LINEAGE = True
 RESYNC_RETRY = 1.0  # seconds between downloads while the canonical peers have not served the new state yet
 
@@ -421,7 +449,15 @@ def check_lineage(optimizer: Any) -> None:
 
 def lineage_metadata(optimizer: Any) -> dict[str, Any]:
     return {"epoch": int(optimizer.local_epoch), "serves": not optimizer.client_mode,
+            "apart": bool(getattr(optimizer, "collabopt_apart", False)),
             "lineage": lineage.fingerprint(optimizer.state_averager.main_parameters)}
+
+
+def out_of_sync(optimizer: Any) -> bool:
+    """Whether ``optimizer`` knows its parameters differ from its swarm's: its last gradient round was partial, or
+    a round found it on another lineage and its re-synchronization is pending."""
+    apart = bool(getattr(optimizer, "collabopt_apart", False))
+    return apart or getattr(optimizer, "collabopt_resync", None) is not None
 
 
 def _hint_state_group(optimizer: Any, control: Any) -> None:
@@ -446,31 +482,45 @@ def _finished_group(control: Any) -> Any:
 
 
 def _judge_lineage(optimizer: Any, control: Any) -> None:
-    """After a gradient round (``control``): if this peer's parameters are not its group's canonical lineage, turn
-    this boundary's parameter averaging off and plan a download from a peer that holds it."""
+    """After a gradient round (``control``): if this peer's parameters are not its group's canonical lineage (see
+    :func:`collabopt.lineage.judge`), turn this boundary's parameter averaging off and plan a download from a peer
+    that holds it. Then note whether this round was partial (see :func:`gradient_averager_class`)."""
     group = _finished_group(control)
     me = optimizer.dht.peer_id
     mine = group.get(me) if isinstance(group, dict) else None
     if not isinstance(mine, dict) or not isinstance(mine.get("epoch"), int):
         return
-    if getattr(optimizer, "collabopt_resync", None) is not None:
-        return  # one re-synchronization at a time
-    canonical = lineage.canonical_peers(group, mine["epoch"])
-    if len(canonical) < 2 or me in canonical or not any(group[peer].get("serves") for peer in canonical):
-        # a lineage of one peer is no majority (with lossy gradient compression no two peers are bit-identical:
-        # each keeps its own part of a round uncompressed), and a lineage held by client-mode peers only cannot
-        # be downloaded: the parameter averaging merges them as before
-        return
-    peers_at_epoch = sum(1 for m in group.values() if isinstance(m, dict) and m.get("epoch") == mine["epoch"])
-    logging.getLogger(__name__).warning(
-        "collabopt: this peer's parameters differ from those of %d of the %d peers of its gradient round at epoch %d "
-        "(they trained apart, e.g. across a network partition): it downloads their state after this step",
-        len(canonical), peers_at_epoch, mine["epoch"])
-    optimizer.collabopt_resync = Resync(peers=[str(peer) for peer in canonical], epoch=mine["epoch"],
-                                        until=time.monotonic() + optimizer.averaging_timeout)
-    optimizer.average_state_every = sys.maxsize  # no parameter averaging at this boundary (_update_global_epoch
-    _join_state_round_with_nothing(optimizer)    # restores it): it would mix the lineages
-    _serve_below_the_others(optimizer)
+    verdict = lineage.judge(group, me) if getattr(optimizer, "collabopt_resync", None) is None else None
+    if verdict is not None and verdict.reason == "holds":
+        optimizer.collabopt_apart = False
+    elif verdict is not None:
+        logging.getLogger(__name__).warning("collabopt: %s: it downloads their state after this step",
+                                            _verdict_text(verdict, group, mine["epoch"]))
+        optimizer.collabopt_resync = Resync(peers=[str(peer) for peer in verdict.peers], epoch=mine["epoch"],
+                                            until=time.monotonic() + optimizer.averaging_timeout)
+        optimizer.average_state_every = sys.maxsize  # no parameter averaging at this boundary (_update_global_epoch
+        _join_state_round_with_nothing(optimizer)    # restores it): it would mix the lineages
+        _serve_below_the_others(optimizer)
+    received = mine.get("received", 1.0)
+    if isinstance(received, float) and received < 1.0 and getattr(optimizer, "collabopt_resync", None) is None:
+        optimizer.collabopt_apart = True
+        logging.getLogger(__name__).warning(
+            "collabopt: %.1f%% of this peer's gradient round at epoch %d arrived (hivemind used its own gradients for "
+            "the rest): its parameters now differ from its group's; its next gradient round re-synchronizes it",
+            100 * received, mine["epoch"])
+
+
+def _verdict_text(verdict: lineage.Verdict, group: dict, epoch: int) -> str:
+    newest = group[verdict.peers[0]]["epoch"]
+    if verdict.reason == "behind":
+        return (f"this peer is at epoch {epoch}, {len(verdict.peers)} peer(s) of its gradient round at epoch "
+                f"{newest} (it missed a round)")
+    if verdict.reason == "apart":
+        return (f"this peer's last gradient round was partial, so its parameters are its own; {len(verdict.peers)} "
+                f"peer(s) of its gradient round at epoch {epoch} hold the group's")
+    peers_at_epoch = sum(1 for m in group.values() if isinstance(m, dict) and m.get("epoch") == epoch)
+    return (f"this peer's parameters differ from those of {len(verdict.peers)} of the {peers_at_epoch} peers of its "
+            f"gradient round at epoch {epoch} (they trained apart, e.g. across a network partition)")
 
 
 def _serve_below_the_others(optimizer: Any) -> None:
@@ -497,6 +547,7 @@ def _resync_outcome(optimizer: Any, resync: Resync, before: list[float]) -> None
         logger.log(optimizer.status_loglevel, "collabopt: re-synchronized with its gradient round's parameters "
                    "(epoch %d)", optimizer.local_epoch)
         optimizer.collabopt_resync = None
+        optimizer.collabopt_apart = False
     elif time.monotonic() >= resync.until:
         logger.warning("collabopt: no peer of the other lineage served its state within %.0f s; this peer goes on "
                        "with its own parameters (the next gradient round checks again)", optimizer.averaging_timeout)
@@ -517,8 +568,9 @@ def download_state(optimizer: Any, **kwargs: Any) -> None:
     (the boundary the others are passing ends within it); only then does it fall back on hivemind's relabelling.
     A re-synchronization of the lineage check downloads from the peers of the group's lineage first."""
     resync = getattr(optimizer, "collabopt_resync", None)
+    apart = getattr(optimizer, "collabopt_apart", False)
+    before = lineage.fingerprint(optimizer.state_averager.main_parameters) if resync is not None or apart else []
     if resync is not None:  # (the lineage check) a download from a peer of the group's lineage
-        before = lineage.fingerprint(optimizer.state_averager.main_parameters)
         optimizer.state_averager.prefer_sources(resync.peers)
     try:
         _download_until_current(optimizer, **kwargs)
@@ -527,6 +579,8 @@ def download_state(optimizer: Any, **kwargs: Any) -> None:
             optimizer.state_averager.prefer_sources([])
     if resync is not None:
         _resync_outcome(optimizer, resync, before)
+    elif apart and not lineage.same_fingerprint(before, lineage.fingerprint(optimizer.state_averager.main_parameters)):
+        optimizer.collabopt_apart = False  # (after a partial round) it holds a served state now
 
 
 def _download_until_current(optimizer: Any, **kwargs: Any) -> None:

@@ -5,7 +5,12 @@ result, and the same update of the same state gives the same state). Peers that 
 sides of a healed partition) or averaged in different groups hold different ones, a *lineage* each; averaging
 gradients together does not bring them back together. Each member of a round tells its group its epoch and a
 fingerprint of its parameters (hivemind's ``gather``); every member then judges the same way which lineage is the
-group's (:func:`canonical_peers`), and a peer that holds another one re-synchronizes from a peer that holds it.
+group's (:func:`judge`), and a peer that holds another one re-synchronizes from a peer that holds it.
+
+A member also says whether it is *apart*: its last gradient round was partial (a reducer's share of the average
+did not arrive and hivemind used the member's own values for it), so its parameters are its own. The group's lineage
+is then chosen among the members whose last round was whole, and an apart member adopts it even when one peer
+alone holds it.
 
     >>> import torch
     >>> a, b = [torch.ones(3)], [torch.full((3,), 2.0)]
@@ -17,6 +22,7 @@ group's (:func:`canonical_peers`), and a peer that holds another one re-synchron
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
@@ -74,4 +80,64 @@ def canonical_peers(group: Mapping[Hashable, Any], epoch: int, key: str = "linea
     return [peer for peer in group if peer in chosen]
 
 
-__all__ = ["FINGERPRINT_TOLERANCE", "canonical_peers", "fingerprint", "same_fingerprint", "valid_fingerprint"]
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """A member's judgement of its round (:func:`judge`). ``reason``: ``"holds"`` (it holds the group's lineage;
+    ``peers`` is empty), else why it downloads the state of one of ``peers``: ``"lineage"`` (most of its epoch's
+    members hold another one), ``"apart"`` (its own last round was partial) or ``"behind"`` (the group's newest
+    epoch is ahead of its own)."""
+
+    peers: list[Hashable]
+    reason: str
+
+
+def judge(group: Mapping[Hashable, Any], me: Hashable, key: str = "lineage") -> Verdict | None:
+    """How ``me``, a member of ``group`` (``{peer: {"epoch": int, key: fingerprint, "serves": bool, "apart":
+    bool}}``, what every member gathered), stands to the group's lineage; None if nothing can be judged (its
+    metadata is missing) or nothing should be done. Every member that sees the same group judges the same way.
+
+    The group's lineage is held at its newest epoch: among the members there whose last round was whole (all of
+    them if none was), the fingerprint most of them hold (:func:`canonical_peers`). ``me`` adopts it when
+
+    - its epoch is older, and the newest epoch has at least as many members as its own (one peer alone ahead of
+      the others, e.g. one that mislabelled a download, does not pull them);
+    - it is apart (its last round was partial): its parameters are its own, whoever holds the lineage;
+    - otherwise, when two or more members hold it: a lineage of one peer is no majority (with lossy gradient
+      compression no two peers are bit-identical, each keeps its own part of a round uncompressed).
+
+    Only members that serve their state (not client-mode) are sources; a lineage no one can serve is not adopted.
+
+        >>> import torch
+        >>> a, b = fingerprint([torch.ones(3)]), fingerprint([torch.zeros(3)])
+        >>> group = {"p1": {"epoch": 4, "lineage": a, "serves": True},
+        ...          "p2": {"epoch": 4, "lineage": b, "serves": True, "apart": True}}
+        >>> judge(group, "p2")
+        Verdict(peers=['p1'], reason='apart')
+        >>> judge(group, "p1")
+        Verdict(peers=[], reason='holds')
+    """
+    valid = {peer: m for peer, m in group.items() if isinstance(m, dict) and type(m.get("epoch")) is int
+             and valid_fingerprint(m.get(key))}
+    mine = valid.get(me)
+    if mine is None:
+        return None
+    newest = max(m["epoch"] for m in valid.values())
+    at_newest = {peer: m for peer, m in valid.items() if m["epoch"] == newest}
+    whole = {peer: m for peer, m in at_newest.items() if not m.get("apart")}
+    canonical = canonical_peers(whole or at_newest, newest, key=key)
+    if mine["epoch"] == newest and same_fingerprint(mine[key], valid[canonical[0]][key]):
+        return Verdict(peers=[], reason="holds")
+    if mine["epoch"] < newest:
+        at_mine = sum(1 for m in valid.values() if m["epoch"] == mine["epoch"])
+        reason = "behind" if len(at_newest) >= at_mine else None
+    elif mine.get("apart"):
+        reason = "apart"
+    else:
+        reason = "lineage" if len(canonical) >= 2 else None
+    if reason is None or not any(valid[peer].get("serves") for peer in canonical):
+        return None
+    return Verdict(peers=canonical, reason=reason)
+
+
+__all__ = ["FINGERPRINT_TOLERANCE", "Verdict", "canonical_peers", "fingerprint", "judge", "same_fingerprint",
+           "valid_fingerprint"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from collabopt import diloco, scheduling, swarm
+from collabopt import _hivemind, diloco, scheduling, swarm
 from collabopt._hivemind import DiLoCoPeer, HivemindPeer, log_like_hivemind
 from collabopt.batch_size import ForwardSampleCounter, resolve_samples
 from collabopt.config import (
@@ -552,6 +552,15 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         samples are in ``samples_skipped``) plus global steps whose non-finite averaging result was refused."""
         guard = self._guard
         return guard.refused_steps + guard.refused_updates + guard.restored_parameters if guard is not None else 0
+
+    @property
+    def out_of_sync(self) -> bool:
+        """Whether this peer knows its parameters differ from its swarm's: its last gradient round was partial (a
+        peer's share of the average arrived late; hivemind used this peer's own gradients for it), or a round found
+        it on another lineage or an epoch behind. Its next gradient round or step re-synchronizes it. False proves
+        nothing: only rounds compare parameters. Save the checkpoint of a run from a peer where this is False."""
+        optimizer = self.hivemind_optimizer
+        return optimizer is not None and _hivemind.out_of_sync(optimizer)
 
     def get_lr(self) -> list[float]:
         """Learning rates of the optimizer that hivemind steps."""

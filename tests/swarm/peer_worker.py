@@ -13,6 +13,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -55,23 +56,59 @@ def write_json(path: str, value) -> None:
     os.replace(path + ".tmp", path)
 
 
-def at_finish_line(cfg: dict, epoch: int, target: int) -> bool:
-    """Whether this peer (at ``epoch``) and every peer named in ``cfg["finish_with"]`` reached ``target``.
+def at_finish_line(cfg: dict, epoch: int, target: int, in_sync: bool = True) -> bool:
+    """Whether this peer (at ``epoch``) and every peer named in ``cfg["finish_with"]`` reached ``target``, none of
+    them out of sync (``CollaborativeOptimizer.out_of_sync``).
 
     Peers that got there keep training until all did. hivemind matches averaging rounds by time, not by epoch: a
     peer that missed the start of one round joins the next one and from then on counts every round one epoch
     later than the others. Stopping at a fixed epoch, the others would be gone when it takes its last step, which
-    it would take alone (with its own gradients). Each peer's epoch is read from its ``<out>.progress`` file.
+    it would take alone (with its own gradients). And a peer whose last round was partial re-synchronizes at its
+    next round, which needs the others. Each peer's epoch is read from its ``<out>.progress`` file.
     """
-    if epoch < target:
+    if epoch < target or not in_sync:
         return False
     for prefix in cfg.get("finish_with", []):
         try:
-            if json.loads(Path(prefix + ".progress").read_text())["epoch"] < target:
+            progress = json.loads(Path(prefix + ".progress").read_text())
+            if progress["epoch"] < target or not progress.get("in_sync", True):
                 return False
         except (OSError, ValueError, KeyError):
             return False
     return True
+
+
+def stall_reducer(seconds: float) -> Callable[[], None]:
+    """Fault injection: once armed (call the function returned), in the next gradient round that gives this peer a
+    part of the average to reduce (hivemind gives parts of a small model to some members of a group only), its
+    reducer answers the others ``seconds`` late, past hivemind's reducer timeout: they use their own values for its
+    part (a partial round: "Averaging: received ...% results"), while this peer's own round is whole. Patched before
+    the averager process is forked; armed from the training loop through shared memory."""
+    import asyncio
+    import ctypes
+    import functools
+    import multiprocessing
+
+    from hivemind.optim.grad_averager import GradientAverager
+    from hivemind.utils.asyncio import achain, anext, as_aiter
+
+    original = GradientAverager.rpc_aggregate_part
+    armed = multiprocessing.Value(ctypes.c_bool, False, lock=False)
+    stalled: list[bytes] = []
+
+    @functools.wraps(original)
+    async def rpc_aggregate_part(self, stream, context):
+        request = await anext(stream)
+        if armed.value and not stalled:
+            stalled.append(request.group_id)
+        if request.group_id in stalled:
+            print(f"stalling the reducer of a gradient round for {seconds} s", flush=True)
+            await asyncio.sleep(seconds)
+        async for message in original(self, achain(as_aiter(request), stream), context):
+            yield message
+
+    GradientAverager.rpc_aggregate_part = rpc_aggregate_part
+    return lambda: setattr(armed, "value", True)
 
 
 def target_epoch(cfg: dict, epochs: int) -> int:
@@ -135,6 +172,7 @@ def main(config_path: str) -> None:
                 pass
             time.sleep(0.1)
 
+    arm_stall = stall_reducer(cfg["stall_reducer"]["seconds"]) if cfg.get("stall_reducer") else None
     result = {"samples_fed": 0, "lrs": {}, "losses": [], "epochs_seen": [], "epoch_times": []}
     sizes = batch_size_sequence(cfg.get("batch_sizes", [16]), rng)
     with CollaborativeOptimizer(
@@ -154,7 +192,9 @@ def main(config_path: str) -> None:
         write_json(out + ".started", {"epoch": copt.local_epoch})  # for drivers that may kill it before the end
         result["lrs"][str(copt.local_epoch)] = copt.get_lr()[0]
         epoch_params = {}
-        while not at_finish_line(cfg, copt.local_epoch, target_epoch(cfg, epochs)) and time.monotonic() < deadline:
+        progress = {"epoch": copt.local_epoch, "in_sync": True}
+        while (not at_finish_line(cfg, copt.local_epoch, target_epoch(cfg, epochs), progress["in_sync"])
+               and time.monotonic() < deadline):
             step_samples = 0
             for _ in range(accumulate):
                 n = next(sizes)
@@ -190,7 +230,11 @@ def main(config_path: str) -> None:
                 result["lrs"][str(copt.local_epoch)] = copt.get_lr()[0]
                 if cfg.get("save_epoch_params"):
                     epoch_params[copt.local_epoch] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                write_json(progress_file, {"epoch": copt.local_epoch})
+            if arm_stall is not None and copt.local_epoch >= cfg["stall_reducer"]["from_epoch"]:
+                arm_stall()
+            if progress != {"epoch": copt.local_epoch, "in_sync": not copt.out_of_sync}:
+                progress = {"epoch": copt.local_epoch, "in_sync": not copt.out_of_sync}
+                write_json(progress_file, progress)
             time.sleep(step_sleep)
         copt.flush()
         result.update(

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from collabopt import _hivemind
-from collabopt.lineage import canonical_peers, fingerprint, same_fingerprint
+from collabopt.lineage import Verdict, canonical_peers, fingerprint, judge, same_fingerprint
 
 A, B, C = fingerprint([torch.ones(4)]), fingerprint([torch.full((4,), 2.0)]), fingerprint([torch.zeros(4) - 1])
 
 
-def meta(epoch: int, value: list[float], serves: bool = True) -> dict:
-    return {"epoch": epoch, "lineage": value, "serves": serves}
+def meta(epoch: int, value: list[float], serves: bool = True, apart: bool = False, **more) -> dict:
+    return {"epoch": epoch, "lineage": value, "serves": serves, "apart": apart, **more}
 
 
 def test_the_lineage_most_members_hold_is_canonical():
@@ -87,7 +87,7 @@ def test_a_peer_of_another_lineage_plans_a_download_from_the_canonical_members(c
 
 @pytest.mark.parametrize("group", [
     {"p1": meta(3, A), "me": meta(3, A), "p2": meta(3, B)},  # in the canonical lineage
-    {"p1": meta(4, A), "me": meta(3, B)},  # behind: hivemind's epoch checks handle it
+    {"p1": meta(4, A), "me": meta(3, B), "p2": meta(3, B)},  # behind, but one peer ahead of two does not pull them
     {"p1": meta(3, A), "me": None},  # this peer did not tell its lineage
     {"p1": meta(3, A), "me": meta(3, B), "p2": meta(3, C)},  # all apart (lossy compression): no majority
     {"p1": meta(3, A, serves=False), "p2": meta(3, A, serves=False), "me": meta(3, B)},  # clients only: no source
@@ -97,6 +97,50 @@ def test_a_peer_of_the_canonical_lineage_or_without_a_verdict_goes_on(group):
     optimizer = stand_in()
     _hivemind._judge_lineage(optimizer, Control(group))
     assert getattr(optimizer, "collabopt_resync", None) is None and optimizer.average_state_every == 1
+
+
+def test_a_peer_apart_adopts_the_lineage_of_a_whole_member_even_alone():
+    """The fresh-clone failure: C's part of a round arrived late, A and B used their own values for it and ended
+    apart from each other and from C."""
+    group = {"a": meta(3, A, apart=True), "b": meta(3, B, apart=True), "c": meta(3, C)}
+    assert judge(group, "a") == judge(group, "b") == Verdict(peers=["c"], reason="apart")
+    assert judge(group, "c") == Verdict(peers=[], reason="holds")
+
+
+def test_when_every_member_is_apart_all_adopt_the_smallest_fingerprint():
+    group = {"a": meta(3, B, apart=True), "b": meta(3, A, apart=True), "c": meta(3, C, apart=True)}
+    smallest = min((A, "b"), (B, "a"), (C, "c"))[1]
+    assert judge(group, smallest).reason == "holds"
+    assert all(judge(group, peer) == Verdict([smallest], "apart") for peer in "abc" if peer != smallest)
+
+
+def test_a_peer_whose_last_round_was_partial_but_holds_the_lineage_is_back_in_sync():
+    optimizer = stand_in()
+    optimizer.collabopt_apart = True  # (a parameter averaging merged it with the others since)
+    _hivemind._judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, A, apart=True)}))
+    assert optimizer.collabopt_apart is False and getattr(optimizer, "collabopt_resync", None) is None
+
+
+def test_a_peer_behind_adopts_the_newest_epochs_lineage(caplog):
+    group = {"a": meta(4, A, apart=True), "b": meta(4, B, apart=True), "c": meta(3, C)}
+    smallest = "a" if A < B else "b"
+    assert judge(group, "c") == Verdict([smallest], "behind")
+    optimizer = stand_in()
+    _hivemind._judge_lineage(optimizer, Control({"p1": meta(4, A), "me": meta(3, A)}))
+    assert optimizer.collabopt_resync.peers == ["p1"]
+    assert "this peer is at epoch 3, 1 peer(s) of its gradient round at epoch 4" in caplog.text
+
+
+def test_a_partial_round_leaves_the_peer_apart_until_a_round_or_a_download_says_otherwise(caplog):
+    optimizer = stand_in()
+    _hivemind._judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, A, received=0.757)}))
+    assert optimizer.collabopt_apart is True and _hivemind.out_of_sync(optimizer)
+    assert "75.7% of this peer's gradient round at epoch 3 arrived" in caplog.text
+    assert _hivemind.lineage_metadata(optimizer)["apart"] is True
+    optimizer.collabopt_resync = _hivemind.Resync(peers=["p1"], epoch=3, until=float("inf"))
+    optimizer.state_averager.main_parameters = [torch.full((4,), 2.0)]  # the download brought the others' state
+    _hivemind._resync_outcome(optimizer, optimizer.collabopt_resync, A)
+    assert optimizer.collabopt_apart is False and not _hivemind.out_of_sync(optimizer)
 
 
 def test_a_pending_resync_is_not_replaced():
