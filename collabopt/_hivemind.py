@@ -88,11 +88,24 @@ def gradient_averager_factory(factory: Callable[..., Any] | None, request_timeou
     return functools.partial(factory or gradient_averager_class(), request_timeout=request_timeout)
 
 
+class _SameHandlers:
+    """A mixin for subclasses of a hivemind averager: serve and call its RPCs under the names of hivemind's class.
+    hivemind names a servicer's handlers after its class (``ServicerBase._get_handle_name``): a subclass would
+    answer only peers running the same subclass (no round, no state download with plain hivemind or an older
+    collabopt)."""
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        hivemind_class = next(base for base in cls.__mro__ if base.__module__.startswith("hivemind."))
+        handle_name = f"{hivemind_class.__name__}.{method_name}"
+        return handle_name if namespace is None else f"{namespace}::{handle_name}"
+
+
 @functools.lru_cache(maxsize=1)
 def gradient_averager_class() -> type:
     from hivemind.optim.grad_averager import GradientAverager
 
-    class GradientAveragerThatTellsGaps(GradientAverager):
+    class GradientAveragerThatTellsGaps(_SameHandlers, GradientAverager):
         """hivemind's gradient averager, telling its optimizer which share of a round's results arrived.
 
         When a reducer's part of the average does not arrive in time, hivemind 1.1.12 uses this peer's own values
@@ -332,7 +345,7 @@ def optimizer_class() -> type:
             self.average_state_every = every
         if skips:
             self.collabopt_skipped_epoch, self.collabopt_skipped_at = self.local_epoch - 1, dht_time()
-        if getattr(self, "collabopt_resync", None) is not None:
+        if out_of_sync(self):
             _serve_below_the_others(self)  # hivemind just declared this peer's state at its new epoch
 
     def _average_gradients_and_load_into_optimizer(self: Any, maybe_step_control: Any) -> None:
@@ -502,8 +515,9 @@ def _judge_lineage(optimizer: Any, control: Any) -> None:
         _join_state_round_with_nothing(optimizer)    # restores it): it would mix the lineages
         _serve_below_the_others(optimizer)
     received = mine.get("received", 1.0)
-    if isinstance(received, float) and received < 1.0 and getattr(optimizer, "collabopt_resync", None) is None:
+    if isinstance(received, float) and received < 1.0:  # (a pending download clears it when it brings a state)
         optimizer.collabopt_apart = True
+        _serve_below_the_others(optimizer)  # others' downloads should not fetch parameters only this peer holds
         logging.getLogger(__name__).warning(
             "collabopt: %.1f%% of this peer's gradient round at epoch %d arrived (hivemind used its own gradients for "
             "the rest): its parameters now differ from its group's; its next gradient round re-synchronizes it",
@@ -518,6 +532,9 @@ def _verdict_text(verdict: lineage.Verdict, group: dict, epoch: int) -> str:
     if verdict.reason == "apart":
         return (f"this peer's last gradient round was partial, so its parameters are its own; {len(verdict.peers)} "
                 f"peer(s) of its gradient round at epoch {epoch} hold the group's")
+    if verdict.reason == "nonfinite":
+        return (f"this peer's parameters are not finite; {len(verdict.peers)} peer(s) of its gradient round at epoch "
+                f"{epoch} hold the group's")
     peers_at_epoch = sum(1 for m in group.values() if isinstance(m, dict) and m.get("epoch") == epoch)
     return (f"this peer's parameters differ from those of {len(verdict.peers)} of the {peers_at_epoch} peers of its "
             f"gradient round at epoch {epoch} (they trained apart, e.g. across a network partition)")
@@ -695,7 +712,7 @@ SERVE_WAIT = 30.0  # seconds a download waits for a boundary's averaging to be a
 def state_averager_class() -> type:
     from hivemind.optim.state_averager import TrainingStateAverager
 
-    class ConsistentStateAverager(TrainingStateAverager):
+    class ConsistentStateAverager(_SameHandlers, TrainingStateAverager):
         """hivemind's state averager, serving states whose epoch and tensors belong together.
 
         hivemind 1.1.12 serves a download from the live tensors (on CPU, ``.cpu()`` is no copy; they are read while

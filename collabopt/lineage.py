@@ -84,8 +84,8 @@ def canonical_peers(group: Mapping[Hashable, Any], epoch: int, key: str = "linea
 class Verdict:
     """A member's judgement of its round (:func:`judge`). ``reason``: ``"holds"`` (it holds the group's lineage;
     ``peers`` is empty), else why it downloads the state of one of ``peers``: ``"lineage"`` (most of its epoch's
-    members hold another one), ``"apart"`` (its own last round was partial) or ``"behind"`` (the group's newest
-    epoch is ahead of its own)."""
+    members hold another one), ``"apart"`` (its own last round was partial), ``"nonfinite"`` (its parameters are
+    not) or ``"behind"`` (the group's newest epoch is ahead of its own)."""
 
     peers: list[Hashable]
     reason: str
@@ -96,12 +96,14 @@ def judge(group: Mapping[Hashable, Any], me: Hashable, key: str = "lineage") -> 
     bool}}``, what every member gathered), stands to the group's lineage; None if nothing can be judged (its
     metadata is missing) or nothing should be done. Every member that sees the same group judges the same way.
 
-    The group's lineage is held at its newest epoch: among the members there whose last round was whole (all of
-    them if none was), the fingerprint most of them hold (:func:`canonical_peers`). ``me`` adopts it when
+    A peer behind (at an older epoch than the group's newest, which has at least as many members as its own: one
+    peer alone ahead of several does not pull them) looks at the newest epoch's members; any other peer at its own
+    epoch's. Among those, the lineage is the fingerprint most of the members whose last round was whole hold (all of
+    them if none was; :func:`canonical_peers`). ``me`` holds it if its fingerprint is that one; else it adopts it when
 
-    - its epoch is older, and the newest epoch has at least as many members as its own (one peer alone ahead of
-      the others, e.g. one that mislabelled a download, does not pull them);
-    - it is apart (its last round was partial): its parameters are its own, whoever holds the lineage;
+    - it is behind: it missed a round;
+    - it is apart (its last round was partial) or its parameters are not finite: they are its own, whoever holds
+      the lineage;
     - otherwise, when two or more members hold it: a lineage of one peer is no majority (with lossy gradient
       compression no two peers are bit-identical, each keeps its own part of a round uncompressed).
 
@@ -116,20 +118,27 @@ def judge(group: Mapping[Hashable, Any], me: Hashable, key: str = "lineage") -> 
         >>> judge(group, "p1")
         Verdict(peers=[], reason='holds')
     """
+    mine = group.get(me)
+    if not isinstance(mine, dict) or type(mine.get("epoch")) is not int:
+        return None
     valid = {peer: m for peer, m in group.items() if isinstance(m, dict) and type(m.get("epoch")) is int
              and valid_fingerprint(m.get(key))}
-    mine = valid.get(me)
-    if mine is None:
+    newest = max([m["epoch"] for m in valid.values()], default=mine["epoch"])
+    at_mine = sum(1 for m in group.values() if isinstance(m, dict) and m.get("epoch") == mine["epoch"])
+    behind = mine["epoch"] < newest and sum(1 for m in valid.values() if m["epoch"] == newest) >= at_mine
+    epoch = newest if behind else mine["epoch"]
+    members = {peer: m for peer, m in valid.items() if m["epoch"] == epoch}
+    whole = {peer: m for peer, m in members.items() if not m.get("apart")}
+    canonical = canonical_peers(whole or members, epoch, key=key)
+    if not canonical:
         return None
-    newest = max(m["epoch"] for m in valid.values())
-    at_newest = {peer: m for peer, m in valid.items() if m["epoch"] == newest}
-    whole = {peer: m for peer, m in at_newest.items() if not m.get("apart")}
-    canonical = canonical_peers(whole or at_newest, newest, key=key)
-    if mine["epoch"] == newest and same_fingerprint(mine[key], valid[canonical[0]][key]):
-        return Verdict(peers=[], reason="holds")
-    if mine["epoch"] < newest:
-        at_mine = sum(1 for m in valid.values() if m["epoch"] == mine["epoch"])
-        reason = "behind" if len(at_newest) >= at_mine else None
+    finite = valid_fingerprint(mine.get(key))
+    if finite and same_fingerprint(mine[key], valid[canonical[0]][key]):
+        return Verdict(peers=[], reason="holds")  # (one epoch behind by its count only: rounds keep it in sync)
+    if behind:
+        reason: str | None = "behind"
+    elif not finite:
+        reason = "nonfinite"
     elif mine.get("apart"):
         reason = "apart"
     else:

@@ -126,7 +126,7 @@ def test_a_peer_behind_adopts_the_newest_epochs_lineage(caplog):
     smallest = "a" if A < B else "b"
     assert judge(group, "c") == Verdict([smallest], "behind")
     optimizer = stand_in()
-    _hivemind._judge_lineage(optimizer, Control({"p1": meta(4, A), "me": meta(3, A)}))
+    _hivemind._judge_lineage(optimizer, Control({"p1": meta(4, A), "me": meta(3, B)}))
     assert optimizer.collabopt_resync.peers == ["p1"]
     assert "this peer is at epoch 3, 1 peer(s) of its gradient round at epoch 4" in caplog.text
 
@@ -141,6 +141,38 @@ def test_a_partial_round_leaves_the_peer_apart_until_a_round_or_a_download_says_
     optimizer.state_averager.main_parameters = [torch.full((4,), 2.0)]  # the download brought the others' state
     _hivemind._resync_outcome(optimizer, optimizer.collabopt_resync, A)
     assert optimizer.collabopt_apart is False and not _hivemind.out_of_sync(optimizer)
+
+
+def test_a_peer_with_non_finite_parameters_adopts_the_lineage_even_of_one_peer(caplog):
+    nan = [float("nan")] * 3
+    assert judge({"p1": meta(3, A), "me": meta(3, nan)}, "me") == Verdict(["p1"], "nonfinite")
+    optimizer = stand_in()
+    _hivemind._judge_lineage(optimizer, Control({"p1": meta(3, A), "p2": meta(3, B), "me": meta(3, nan)}))
+    assert optimizer.collabopt_resync.peers == (["p1"] if A < B else ["p2"])
+    assert "this peer's parameters are not finite" in caplog.text
+
+
+def test_peers_outside_the_newest_epoch_are_judged_among_their_own_epoch():
+    group = {"y": meta(4, A), "x1": meta(3, B), "x2": meta(3, B), "x3": meta(3, C)}
+    assert judge(group, "x3") == Verdict(["x1", "x2"], "lineage")  # one peer ahead of three does not pull them
+    assert judge(group, "x1").reason == "holds" and judge(group, "y").reason == "holds"
+
+
+def test_a_peer_behind_by_its_count_only_holds_the_lineage():
+    assert judge({"a": meta(4, A), "c": meta(3, A)}, "c") == Verdict([], "holds")
+
+
+def test_collabopts_averagers_answer_under_hiveminds_handler_names():
+    """hivemind names a servicer's RPCs after its class: subclasses keep hivemind's names, so collabopt's peers form
+    rounds and serve downloads with plain hivemind peers (and each other, whichever version)."""
+    from hivemind.optim.grad_averager import GradientAverager
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    for ours, theirs in ((_hivemind.gradient_averager_class(), GradientAverager),
+                         (_hivemind.state_averager_class(), TrainingStateAverager)):
+        for method in ("rpc_join_group", "rpc_aggregate_part", "rpc_download_state"):
+            assert ours._get_handle_name("run", method) == theirs._get_handle_name("run", method)
+            assert ours._get_handle_name(None, method) == theirs._get_handle_name(None, method)
 
 
 def test_a_pending_resync_is_not_replaced():
