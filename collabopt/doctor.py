@@ -282,8 +282,10 @@ def _incoming_check(results: list[_PeerResult], listening: list[str], options: D
     name = "incoming connections"
     answers = [(r, r.dialback) for r in results if r.dialback is not None]
     if not answers:
+        errors = sorted({r.dialback_error for r in results if r.dialback_error})
         why = "no initial peer answered" if all(r.error for r in results) else (
-            "no initial peer serves collabopt's dial-back check (a plain hivemind peer?)")
+            "no initial peer serves collabopt's dial-back check (a plain hivemind peer?)"
+            + (f"; the request failed: {'; '.join(errors)}" if errors else ""))
         return Check(name, UNKNOWN, f"cannot tell: {why}",
                      "run `collabopt dht` (or any collabopt peer) as the initial peer; if others cannot connect to "
                      "this machine, " + RELAY_OR_CLIENT_FIX)
@@ -333,8 +335,8 @@ async def serve_dialback(stream_info: Any, reader: asyncio.StreamReader, writer:
         request = json.loads(await asyncio.wait_for(read_message(reader, _MAX_REQUEST_BYTES), 10))
         answer = await dial_back(str(stream_info.addr), request)
         await write_message(writer, json.dumps(answer).encode())
-    except Exception as e:
-        logger.debug("collabopt: dial-back request failed: %r", e)
+    except Exception as e:  # (the caller then reports "cannot tell": say why here, in the serving peer's log)
+        logger.warning("collabopt: a dial-back request from %s failed: %r", getattr(stream_info, "addr", "?"), e)
     finally:
         writer.close()
 

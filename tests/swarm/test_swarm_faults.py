@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import sys
 import time
 
 import psutil
 import pytest
 import torch
 from helpers import (
+    HERE,
     SWARM_ROUNDING,
+    Process,
+    child_env,
     finish,
     finish_line,
     max_param_diff,
@@ -131,6 +136,27 @@ def test_peers_of_a_partial_round_adopt_the_parameters_of_the_peer_whose_round_w
     assert max_param_diff(params["a"], params["b"]) <= SWARM_ROUNDING
     assert max_param_diff(params["a"], params["c"]) <= SWARM_ROUNDING
     assert all(read_result(tmp_path, name)["final_epoch"] >= 6 for name in configs)
+
+
+def test_a_plain_hivemind_peer_downloads_a_collabopt_peers_state(tmp_path, bootstrap):
+    """hivemind names its RPC handlers after the averager's class: collabopt's averagers (subclasses) answer under
+    hivemind's names, so a plain hivemind peer of the run gets the state of a collabopt peer (before, collabopt's
+    state averager answered as ``ConsistentStateAverager``: the download found no one to serve it)."""
+    collab = start_peer(tmp_path, "collab", dict(run_id=unique_run_id("plain"), target_batch_size=64, epochs=3,
+                                                 model_seed=0, lr=0.1, linger=60), bootstrap)
+    try:
+        assert wait_for_file(tmp_path / "collab.pt", 90), collab.log()[-3000:]
+        config = tmp_path / "plain.config.json"
+        config.write_text(json.dumps(dict(run_id=json.loads((tmp_path / "collab.config.json").read_text())["run_id"],
+                                          out=str(tmp_path / "plain"), target_batch_size=64, model_seed=0, lr=0.1)))
+        plain = Process([sys.executable, str(HERE / "plain_hivemind_worker.py"), str(config)], tmp_path / "plain.log",
+                        env=child_env(INITIAL_PEERS=bootstrap))
+        assert plain.wait(90) == 0, plain.log()[-3000:]
+    finally:
+        collab.kill_tree()
+    epoch = json.loads((tmp_path / "plain.json").read_text())["epoch"]
+    assert epoch >= 3, plain.log()[-3000:]
+    assert max_param_diff(read_params(tmp_path, "plain"), read_params(tmp_path, "collab")) == 0.0
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
