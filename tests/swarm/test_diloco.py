@@ -249,8 +249,12 @@ def test_a_late_joiner_downloads_the_anchor_and_the_outer_momentum(tmp_path, boo
     assert diff(params["d"]["start"], params["a"]["after"][late["start_epoch"]]) <= EQUAL
     joined = [r["epoch"] for r in late["rounds"] if r["applied"]]
     assert joined, late["rounds"]
-    for epoch in joined:
-        assert diff(params["d"]["after"][epoch], params["a"]["after"][epoch]) <= EQUAL, epoch
+    for epoch in joined:  # equal to every other peer whose round at that epoch was applied (a round that failed
+        # for one of them, e.g. a partial all-reduce, keeps its own progress by design: fresh-clone suite #27's A)
+        applied = [name for name in "ab" if any(r["epoch"] == epoch and r["applied"] for r in results[name]["rounds"])]
+        assert applied, (epoch, results["a"]["rounds"], results["b"]["rounds"])
+        for name in applied:
+            assert diff(params["d"]["after"][epoch], params[name]["after"][epoch]) <= EQUAL, (epoch, name)
 
 
 def test_overlap_rounds_land_equal_and_reproduce_plain_torch(tmp_path, bootstrap):
