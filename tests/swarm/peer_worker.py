@@ -232,8 +232,9 @@ def main(config_path: str) -> None:
                     epoch_params[copt.local_epoch] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             if arm_stall is not None and copt.local_epoch >= cfg["stall_reducer"]["from_epoch"]:
                 arm_stall()
-            if progress != {"epoch": copt.local_epoch, "in_sync": not copt.out_of_sync}:
-                progress = {"epoch": copt.local_epoch, "in_sync": not copt.out_of_sync}
+            now = {"epoch": copt.local_epoch, "in_sync": not copt.out_of_sync}
+            if progress != now:
+                progress = now
                 write_json(progress_file, progress)
             time.sleep(step_sleep)
         copt.flush()
