@@ -14,8 +14,9 @@ Writes ``benchmarks/results/diloco.{json,md,png}``.
   (interpolated), and the inner steps per round.
 * **wan**: the B3 bed (:mod:`collabopt.testnet`: 4 peers in network namespaces, every link limited with ``tc``),
   ~5M parameters, simulated compute (``benchmarks.peer`` with ``compute="sleep"``): compute utilization (the
-  simulated compute and, in DiLoCo mode, the inner optimizer step, over wall time) and bytes sent per sample (all
-  interfaces of the peer's namespace but loopback, over the samples of its measured window).
+  simulated compute and, in DiLoCo mode, the inner optimizer step, over wall time) and bytes sent per sample (what
+  all peers sent on their namespaces' interfaces but loopback over their measured windows, over the samples of
+  those windows: a swarm's figure; a median of per-peer ratios swung with how many steps each peer took per epoch).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ QUALITY = dict(peers=4, batch=64, step_sleep=0.02, matchmaking_time=1.0, averagi
 DILOCO_WAN = dict(steps_per_epoch=600, warmup_epochs=1, measure_epochs=1, outer=OUTER)
 WAN = dict(width=1024, in_dim=256, batch=32, params=5_000_000, compute_seconds=0.05, matchmaking_time=3.0,
            averaging_timeout=120.0, max_seconds=600, peers=4, rates=(20, 100),
-           modes={"synchronous": dict(steps_per_epoch=10, warmup_epochs=1, measure_epochs=2),
+           modes={"synchronous": dict(steps_per_epoch=10, warmup_epochs=1, measure_epochs=5),
                   "diloco": DILOCO_WAN,
                   "diloco + overlap": dict(DILOCO_WAN, options=dict(overlap_rounds=True))})
 QUICK = dict(quality=dict(QUALITY, modes={"synchronous": dict(lr=1e-2, steps_per_epoch=4, epochs=8),
@@ -298,7 +299,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def wan_figures(records: list[dict[str, Any]], warmup_epochs: int, batch: int) -> dict[str, Any]:
     """Utilization, bytes sent per sample and rounds of one swarm, from the peers' records (benchmarks.peer)."""
-    utilizations, per_sample, rounds, overheads, longest = [], [], [], [], []
+    utilizations, sent, samples, rounds, overheads, longest = [], [], [], [], [], []
     for record in records:
         start, end = record["window"]
         steps = [s for s in record["steps"] if start <= s[0] <= end]
@@ -308,11 +309,11 @@ def wan_figures(records: list[dict[str, Any]], warmup_epochs: int, batch: int) -
         longest.append(max(s[2] for s in steps))
         compute = sum(s[1] + (s[4] if len(s) > 4 else 0.0) for s in steps)  # simulated compute + inner step
         utilizations.append(compute / (end - start))
-        sent = record["net_bytes"][1] - record["net_bytes"][0]
-        per_sample.append(sent / (len(steps) * batch))
+        sent.append(record["net_bytes"][1] - record["net_bytes"][0])
+        samples.append(len(steps) * batch)
         rounds.append(sum(1 for t, _ in record["epochs"] if start < t <= end))
     return dict(utilization=sum(utilizations) / len(utilizations), utilization_min=min(utilizations),
-                bytes_per_sample=median(per_sample), rounds_in_window=min(rounds),
+                bytes_per_sample=sum(sent) / sum(samples), rounds_in_window=min(rounds),
                 step_overhead_ms=1e3 * median(overheads), longest_step_s=max(longest),
                 window_seconds=median([r["window"][1] - r["window"][0] for r in records]))
 
@@ -363,7 +364,8 @@ def write_report(result: dict[str, Any]) -> None:
                              f"| {r['bytes_per_sample']:.0f} | {ratio} |")
             lines += ["", "Goal: DiLoCo compute utilization >= 0.98 and >= 100x fewer bytes sent per sample. "
                       "Compute: the simulated compute (sleep) plus the inner optimizer's step; utilization: compute "
-                      "over the wall time of a whole number of epochs / rounds after the first. Gradients travel in "
+                      "over the wall time of a whole number of epochs / rounds after the first; bytes per sample: "
+                      "what the 4 peers sent over the samples they trained on in those windows. Gradients travel in "
                       "fp32 in the synchronous mode (its default), pseudo-gradients in fp16 (DiLoCo's default)."]
     (RESULTS / "diloco.md").write_text("\n".join(lines) + "\n")
     if quality:

@@ -118,3 +118,17 @@ def test_b1_rounds_are_epochs():
     assert list(rates) == [1]  # epoch 2 never ends
     assert rates[1] == pytest.approx(20 * 10 / (19 * 0.1 + 1.09))
     assert overhead.swarm_rates([peer, peer], batch=10, first_epoch=1) == pytest.approx([2 * rates[1]])
+
+
+def test_b6_bytes_per_sample_is_the_swarms():
+    from benchmarks import diloco
+
+    def peer(steps: int, sent: int) -> dict:
+        # steps of 1 s (0.9 s of compute, 0.1 s in step()), one round at the window's end
+        return dict(window=[0.0, float(steps)], net_bytes=[1000, 1000 + sent], epochs=[(float(steps), 1)],
+                    steps=[(float(i), 0.9, 0.1, 0, 0.0) for i in range(steps)])
+
+    figures = diloco.wan_figures([peer(10, 3200), peer(30, 3200)], warmup_epochs=1, batch=2)
+    # all bytes over all samples (a median of per-peer ratios would give 160 or 53)
+    assert figures["bytes_per_sample"] == pytest.approx(6400 / 80)
+    assert figures["utilization"] == pytest.approx(0.9) and figures["rounds_in_window"] == 1
