@@ -188,7 +188,8 @@ def train_node_with_peer(tmp_path: Path, node: Process, *, run_id: str, target_b
     peer_result = read_result(tmp_path, "peer")
     assert r0["type"] == r1["type"] == "NodeOptimizer"
     assert r0["max_num_peers"] == r1["max_num_peers"] == 2, (r0, r1)
-    assert peer_result["num_peers"] == 2
+    # counted at its epochs: after its finish line the peer may read the swarm once the node has left (1 peer)
+    assert peer_result["max_peers_seen"] == 2
     assert r0["final_epoch"] == r1["final_epoch"] >= epochs and peer_result["final_epoch"] >= epochs
     assert abs(r0["final_epoch"] - peer_result["final_epoch"]) <= 1  # see peer_worker.at_finish_line
     assert r0["samples_reported"] == r1["samples_reported"] == r0["samples_fed"] + r1["samples_fed"]
