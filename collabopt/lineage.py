@@ -32,17 +32,39 @@ import torch
 FINGERPRINT_TOLERANCE = 1e-6  # relative: fingerprints that agree to this belong to the same parameters
 
 
+FINGERPRINT_BLOCK = 256  # elements summed in the tensors' precision (float32 at least) before the sums go float64
+FINGERPRINT_CHUNK = 1 << 20  # elements per pass: the temporary |x| and x**2 stay small
+
+
 @torch.no_grad()
 def fingerprint(tensors: Sequence[torch.Tensor]) -> list[float]:
-    """Sum, sum of magnitudes and sum of squares of ``tensors`` (in float64, without float64 copies): equal
-    tensors give equal fingerprints (to rounding), different ones practically never do."""
-    sums = [torch.stack([t.detach().sum(dtype=torch.float64),
-                         torch.linalg.vector_norm(t.detach(), 1, dtype=torch.float64),
-                         torch.linalg.vector_norm(t.detach(), 2, dtype=torch.float64).square()]).cpu()
-            for t in tensors]
-    if not sums:
+    """Sum, sum of magnitudes and sum of squares of ``tensors``: equal tensors give equal fingerprints (to rounding),
+    different ones practically never do.
+
+    Blocks of :data:`FINGERPRINT_BLOCK` elements are summed in the tensors' precision (float32 at least; about
+    1e-7 of a block's magnitude at worst, 1e-8 typically: well under :data:`FINGERPRINT_TOLERANCE`), the blocks'
+    sums in float64. Summing every element in float64 cost ten times as much (47 ms against 5 ms for 4.5M
+    parameters on one core, and several times that at a round's boundary on a busy machine), on the main thread at
+    every round. (``torch.linalg.vector_norm`` sums without cascading: 3e-5 off on a constant tensor.)"""
+    totals: dict[torch.device, torch.Tensor] = {}
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1)
+        if flat.numel() == 0:
+            continue
+        accumulate = flat.dtype if flat.dtype in (torch.float32, torch.float64) else torch.float32
+        whole = flat.numel() // FINGERPRINT_BLOCK * FINGERPRINT_BLOCK
+        tail = flat[whole:].to(torch.float64)
+        parts = [torch.stack([tail.sum(), tail.abs().sum(), tail.square().sum()])]
+        for start in range(0, whole, FINGERPRINT_CHUNK):
+            blocks = flat[start:min(whole, start + FINGERPRINT_CHUNK)].view(-1, FINGERPRINT_BLOCK).to(accumulate)
+            parts.append(torch.stack([blocks.sum(dim=1).to(torch.float64).sum(),
+                                      blocks.abs().sum(dim=1).to(torch.float64).sum(),
+                                      blocks.square().sum(dim=1).to(torch.float64).sum()]))
+        sums = torch.stack(parts).sum(dim=0)
+        totals[sums.device] = totals[sums.device] + sums if sums.device in totals else sums
+    if not totals:
         return [0.0, 0.0, 0.0]
-    return [float(x) for x in torch.stack(sums).sum(dim=0).tolist()]
+    return [float(x) for x in sum(t.cpu() for t in totals.values()).tolist()]
 
 
 def same_fingerprint(a: Sequence[float], b: Sequence[float], tolerance: float = FINGERPRINT_TOLERANCE) -> bool:

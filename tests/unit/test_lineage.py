@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from collabopt import _hivemind
+from collabopt import _hivemind, lineage
 from collabopt.lineage import Verdict, canonical_peers, fingerprint, judge, same_fingerprint
 
 A, B, C = fingerprint([torch.ones(4)]), fingerprint([torch.full((4,), 2.0)]), fingerprint([torch.zeros(4) - 1])
@@ -181,6 +181,18 @@ def test_a_pending_resync_is_not_replaced():
     optimizer.collabopt_resync = pending
     _hivemind._judge_lineage(optimizer, Control({"p1": meta(3, A), "p2": meta(3, A), "me": meta(3, B)}))
     assert optimizer.collabopt_resync is pending and optimizer.average_state_every == 1
+
+
+@pytest.mark.parametrize("tensor", [torch.full((3 * lineage.FINGERPRINT_CHUNK + 7,), 0.3333),  # LayerNorm-like
+                                    torch.randn(1000, 1000) * 1e-2 + 1e-3, torch.randn(70_000).half(),
+                                    torch.randn(70_000).bfloat16(), torch.randn(70_000, dtype=torch.float64)],
+                         ids=["constant", "random", "fp16", "bf16", "fp64"])
+def test_the_fingerprint_agrees_with_float64_sums_far_under_the_tolerance(tensor):
+    exact = tensor.double()
+    expected = [float(exact.sum()), float(exact.abs().sum()), float(exact.square().sum())]
+    total, magnitude, squares = fingerprint([tensor, torch.zeros(0)])
+    assert abs(total - expected[0]) <= 1e-7 * expected[1] and abs(magnitude - expected[1]) <= 1e-7 * expected[1]
+    assert squares == pytest.approx(expected[2], rel=2e-7)
 
 
 def test_the_fingerprint_sums_in_float64():
