@@ -32,6 +32,7 @@ from collabopt.config import (
     make_config,
     positive_int,
     positive_number,
+    sized_next_chunk_timeout,
 )
 from collabopt.errors import ConfigurationError
 from collabopt.guard import NonFiniteGuard
@@ -189,6 +190,10 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         else:
             hivemind_arguments = dict(config.hivemind_arguments(), **_hivemind_optimizer(optimizer, config,
                                                                                           optimizer_factory))
+        if hivemind_arguments.get("next_chunk_timeout") is None:
+            hivemind_arguments["next_chunk_timeout"] = sized_next_chunk_timeout(
+                sum(p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"]
+                    if p.requires_grad), config.matchmaking_time, config.averaging_timeout)
         swarm_options = config.swarm_options() if dht is None and peer is None else None
 
         # ---- configuration accepted: remember it ----

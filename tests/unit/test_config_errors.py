@@ -162,3 +162,28 @@ def test_plain_adapter_refuses_foreign_optimizer_and_bad_scaler(no_network):
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
     with pytest.raises(ConfigurationError, match="GradScaler"):
         collaborate(model2, opt2, run_id="errors", target_batch_size=64, scaler=object())
+
+
+@pytest.mark.parametrize("width, options, expected", [
+    (8, {}, 5.0),  # a small model keeps hivemind's default, matchmaking_time
+    (1000, dict(averaging_timeout=120.0), 2 * 1000 * 1001 * 4 / 1.25e6),  # 4 MB: what 10 Mbit/s moves both ways
+    (3000, {}, 15.0),  # 36 MB: at most half of averaging_timeout (30 s)
+    (1000, dict(next_chunk_timeout=4.0), 4.0),  # the user's choice is kept
+])
+def test_next_chunk_timeout_grows_with_the_tensors(monkeypatch, width, options, expected):
+    seen = {}
+
+    class Captured(Exception):
+        pass
+
+    def capture(_dht, arguments, *_):
+        seen.update(arguments)
+        raise Captured
+
+    monkeypatch.setattr(swarm_module, "start_dht", lambda *args, **kwargs: object())
+    monkeypatch.setattr(optimizer_module, "HivemindPeer", capture)
+    model = torch.nn.Linear(width, width)
+    with pytest.raises(Captured):
+        CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), run_id="chunks", target_batch_size=64,
+                               **options)
+    assert seen["next_chunk_timeout"] == pytest.approx(expected)
