@@ -949,12 +949,69 @@ def _progress_tracker_class() -> type:
     from hivemind.optim.progress_tracker import ProgressTracker
 
     class ProgressTrackerThatDrains(ProgressTracker):
-        """hivemind 1.1.12's tracker stops its event loop while its last progress report (a DHT store it has just
-        cancelled) is still pending, and asyncio prints "Task was destroyed but it is pending!" when that task is
-        garbage-collected: at nearly every peer's exit. This one lets the loop finish those tasks, then closes it,
-        before it reports the shutdown complete (and so before hivemind stores the peer's goodbye record)."""
+        """hivemind's tracker, with two changes.
+
+        * **Throttled reports.** hivemind stores this peer's progress record in the DHT at every step: a signed record
+          to 5 replicas, ~20 kB on the wire each (measured: 390 kB/s sent per peer of 4 at 20 steps/s on the WAN
+          bed, with no round at all; a 10 Mbit/s uplink is 1,250 kB/s). Others fetch the records at most every
+          ``min_refresh_period`` and extrapolate each by its samples per second, so this one stores the record at
+          most once per :meth:`report_period` (``min_refresh_period``), at once when the epoch changes or the count
+          drops, and a count held back goes out when its period ends.
+        * **A clean exit.** hivemind 1.1.12's tracker stops its event loop while its last progress report (a DHT
+          store it has just cancelled) is still pending, and asyncio prints "Task was destroyed but it is pending!"
+          when that task is garbage-collected: at nearly every peer's exit. This one lets the loop finish those
+          tasks, then closes it, before it reports the shutdown complete (and so before hivemind stores the peer's
+          goodbye record).
+
+        The gate is the reporter's event itself: hivemind's reporter thread waits on it, so setting it and clearing
+        it a moment later (as collabopt once did) still woke the reporter, which stored anyway."""
 
         lowest_epoch: tuple[int, int] | None = None  # (the lowest epoch in the last records fetched, this peer's then)
+        _next_report = -float("inf")
+        _gated = False  # set while report_local_progress runs for a report that may wait
+        _flush: threading.Timer | None = None  # sends a held-back count when its period ends
+
+        def report_period(self) -> float:
+            """Seconds between two stores of this peer's record (a change of epoch goes out at once)."""
+            return self.min_refresh_period
+
+        @property
+        def should_report_progress(self) -> threading.Event:
+            return self._report_event
+
+        @should_report_progress.setter
+        def should_report_progress(self, _event: threading.Event) -> None:  # hivemind's __init__ assigns one
+            self._report_event = _GatedEvent(self._may_report)
+
+        def _may_report(self) -> bool:
+            now = dht_time()
+            if self._gated and now < self._next_report:
+                if self._flush is None or self._flush.finished.is_set():
+                    self._flush = threading.Timer(self._next_report - now, self._report_held_back)
+                    self._flush.daemon = True
+                    self._flush.start()
+                return False
+            self._next_report = now + self.report_period()
+            return True
+
+        def _report_held_back(self) -> None:
+            self._next_report = dht_time() + self.report_period()
+            threading.Event.set(self._report_event)
+
+        def report_local_progress(self, local_epoch: int, samples_accumulated: int,
+                                  update_global_samples: bool = True) -> None:
+            previous = self.local_progress
+            urgent = local_epoch != previous.epoch or samples_accumulated < previous.samples_accumulated
+            self._gated = not urgent
+            try:
+                super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+            finally:
+                self._gated = False
+
+        def shutdown(self, *args: Any, **kwargs: Any) -> Any:
+            if self._flush is not None:
+                self._flush.cancel()
+            return super().shutdown(*args, **kwargs)
 
         def _parse_swarm_progress_data(self, metadata: Any) -> Any:
             progress = super()._parse_swarm_progress_data(metadata)
@@ -1650,36 +1707,15 @@ def _diloco_classes() -> dict[str, type]:
             self._state_updated.set()
 
     class ThrottledProgressTracker(_progress_tracker_class()):
-        """A DiLoCo peer's tracker. hivemind stores this peer's progress record in the DHT at every step (a signed
-        record to 5 replicas: ~20 kB sent per step on the WAN bed, more per sample than the round's all-reduce at
-        hundreds of steps per round); this one stores it at most once per :func:`collabopt.diloco.report_period`
-        (``min_refresh_period``, peers fetch the records no more often than that, or a tenth of the last round),
-        and at once when the epoch changes or the count drops.
+        """A DiLoCo peer's tracker: it stores its progress record at most once per
+        :func:`collabopt.diloco.report_period` (a tenth of the last round: rounds are hundreds of steps long, and
+        one store per ``min_refresh_period`` would still cost more per sample than the round's all-reduce)."""
 
-        The gate is the reporter's event itself: hivemind's reporter thread waits on it, so setting it and clearing
-        it a moment later (as this class once did) still woke the reporter, which stored anyway (measured: 350-400
-        kB/s sent per peer of 4 between rounds at 20 steps/s, ~100 kB/s at 5 steps/s)."""
-
-        _next_report = -float("inf")
-        _gated = False  # set while report_local_progress runs for a report that may wait
         _epoch_began: float | None = None  # when this peer's current epoch (round) began, DHT time
         _last_round: float | None = None  # how long its last whole round took, seconds
 
-        @property
-        def should_report_progress(self) -> threading.Event:
-            return self._report_event
-
-        @should_report_progress.setter
-        def should_report_progress(self, _event: threading.Event) -> None:  # hivemind's __init__ assigns one
-            self._report_event = _GatedEvent(self._may_report)
-
-        def _may_report(self) -> bool:
-            now = get_dht_time()
-            if self._gated and now < self._next_report:
-                return False  # this count goes out with a later step's report (or the reporter's own refresh)
-            self._next_report = now + diloco_module.report_period(self._last_round, self.min_refresh_period,
-                                                                  self.max_refresh_period)
-            return True
+        def report_period(self) -> float:
+            return diloco_module.report_period(self._last_round, self.min_refresh_period, self.max_refresh_period)
 
         def report_local_progress(self, local_epoch: int, samples_accumulated: int,
                                   update_global_samples: bool = True) -> None:
@@ -1689,12 +1725,7 @@ def _diloco_classes() -> dict[str, type]:
                 if self._epoch_began is not None and local_epoch == previous.epoch + 1:
                     self._last_round = now - self._epoch_began
                 self._epoch_began = now
-            urgent = local_epoch != previous.epoch or samples_accumulated < previous.samples_accumulated
-            self._gated = not urgent
-            try:
-                super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
-            finally:
-                self._gated = False
+            super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
 
     class DiLoCoOptimizer(optimizer_class()):
         """hivemind's optimizer with DiLoCo rounds: its (offloaded) optimizer is the outer one, whose parameters are
