@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from hivemind.optim.optimizer import PerformanceEMA
 from hivemind.utils import get_dht_time
 
@@ -203,3 +204,34 @@ def test_a_hint_sizes_only_the_state_round_of_its_epoch(hint, configured, expect
     cls._size_next_group(averager)
     assert sent == [("_set_target_group_size", [expected], {})]
     assert averager.group_size_hint is None  # used once
+
+
+@pytest.mark.parametrize("shielded", [True, False], ids=["collabopt", "hivemind"])
+def test_a_sender_that_dies_mid_part_does_not_cancel_the_part_for_the_others(shielded):
+    """hivemind 1.1.12: the handler of a sender whose stream closed is cancelled, and with it the part's future that
+    every sender awaits; each member then waited for its own share until allreduce_timeout (30 s in the churn test).
+    collabopt's reducer shields that future: the others get the average."""
+    import asyncio
+
+    from hivemind.averaging.partition import TensorPartReducer
+
+    reducer_class = _hivemind.shielded_part_reducer_class() if shielded else TensorPartReducer
+
+    async def round_with_a_dying_sender() -> tuple[bool, torch.Tensor | None]:
+        reducer = reducer_class([torch.Size([4])], num_senders=3)
+        first = asyncio.create_task(reducer.accumulate_part(0, 0, torch.ones(4)))
+        dying = asyncio.create_task(reducer.accumulate_part(1, 0, torch.full((4,), 3.0)))
+        await asyncio.sleep(0.01)  # both parts added, both senders waiting for the third
+        dying.cancel()  # its stream closed: hivemind cancels its handler
+        await asyncio.sleep(0.01)
+        if first.done():
+            return first.cancelled(), None
+        reducer.on_sender_failed(1)  # the runner bans it; the part it sent stays in
+        third = await reducer.accumulate_part(2, 0, torch.full((4,), 5.0))
+        return False, torch.stack([await first, third])
+
+    cancelled, averages = asyncio.run(round_with_a_dying_sender())
+    if shielded:
+        assert not cancelled and torch.equal(averages, torch.full((2, 4), 3.0))
+    else:
+        assert cancelled  # the defect the shield removes (if this fails, hivemind fixed it)
