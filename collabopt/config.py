@@ -238,7 +238,8 @@ REFERENCE_LINK_BYTES_PER_SECOND = 10e6 / 8  # 10 Mbit/s: a slow home uplink (siz
 def sized_next_chunk_timeout(tensor_bytes: int, matchmaking_time: float, averaging_timeout: float) -> float:
     """collabopt's default ``next_chunk_timeout``: the time a 10 Mbit/s link takes to move a peer's share of an
     all-reduce both ways (about twice ``tensor_bytes``), at least ``matchmaking_time`` (hivemind's default) and at
-    most half of ``averaging_timeout`` (a reducer may pause for twice the timeout).
+    most a third of ``averaging_timeout`` (hivemind leaves out a reducer silent for twice the timeout: that must
+    happen before the whole round times out).
 
     During an all-reduce a sender's next part, and a reducer's next result, wait behind everything queued on a
     saturated link; hivemind leaves out a member that pauses longer than this (a partial round). With hivemind's
@@ -251,7 +252,7 @@ def sized_next_chunk_timeout(tensor_bytes: int, matchmaking_time: float, averagi
         3.0
     """
     needed = 2 * tensor_bytes / REFERENCE_LINK_BYTES_PER_SECOND
-    return max(matchmaking_time, min(needed, averaging_timeout / 2))
+    return max(matchmaking_time, min(needed, averaging_timeout / 3))
 
 
 def hivemind_option_names() -> frozenset[str]:

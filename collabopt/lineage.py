@@ -41,11 +41,12 @@ def fingerprint(tensors: Sequence[torch.Tensor]) -> list[float]:
     """Sum, sum of magnitudes and sum of squares of ``tensors``: equal tensors give equal fingerprints (to rounding),
     different ones practically never do.
 
-    Blocks of :data:`FINGERPRINT_BLOCK` elements are summed in the tensors' precision (float32 at least; about
-    1e-7 of a block's magnitude at worst, 1e-8 typically: well under :data:`FINGERPRINT_TOLERANCE`), the blocks'
-    sums in float64. Summing every element in float64 cost ten times as much (47 ms against 5 ms for 4.5M
-    parameters on one core, and several times that at a round's boundary on a busy machine), on the main thread at
-    every round. (``torch.linalg.vector_norm`` sums without cascading: 3e-5 off on a constant tensor.)"""
+    Blocks of :data:`FINGERPRINT_BLOCK` elements are summed in the tensors' precision (float32 at least; rounding
+    typically 1e-8 of a block's magnitude, a few 1e-7 at worst: under :data:`FINGERPRINT_TOLERANCE`), the blocks'
+    sums in float64; when float32 overflows (values beyond ~1e19) everything is summed in float64. Summing every
+    element in float64 cost ten times as much (47 ms against 5 ms for 4.5M parameters on one core, and several times
+    that at a round's boundary on a busy machine), on the main thread at every round. (``torch.linalg.vector_norm``
+    sums without cascading: 3e-5 off on a constant tensor.)"""
     totals: dict[torch.device, torch.Tensor] = {}
     for tensor in tensors:
         flat = tensor.detach().reshape(-1)
@@ -64,7 +65,21 @@ def fingerprint(tensors: Sequence[torch.Tensor]) -> list[float]:
         totals[sums.device] = totals[sums.device] + sums if sums.device in totals else sums
     if not totals:
         return [0.0, 0.0, 0.0]
-    return [float(x) for x in sum(t.cpu() for t in totals.values()).tolist()]
+    result = [float(x) for x in sum(t.cpu() for t in totals.values()).tolist()]
+    if not all(math.isfinite(x) for x in result):  # float32 overflowed, or the values are not finite
+        result = _fingerprint_float64(tensors)
+    return result
+
+
+def _fingerprint_float64(tensors: Sequence[torch.Tensor]) -> list[float]:
+    totals = [0.0, 0.0, 0.0]
+    for tensor in tensors:
+        t = tensor.detach()
+        if t.numel():
+            sums = (t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, 1, dtype=torch.float64),
+                    torch.linalg.vector_norm(t, 2, dtype=torch.float64).square())
+            totals = [a + float(b) for a, b in zip(totals, sums, strict=True)]
+    return totals
 
 
 def same_fingerprint(a: Sequence[float], b: Sequence[float], tolerance: float = FINGERPRINT_TOLERANCE) -> bool:

@@ -190,10 +190,12 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         else:
             hivemind_arguments = dict(config.hivemind_arguments(), **_hivemind_optimizer(optimizer, config,
                                                                                           optimizer_factory))
-        if hivemind_arguments.get("next_chunk_timeout") is None:
+        timeouts_given = {"sender_timeout", "reducer_timeout"} & set(hivemind_arguments.get("averager_opts") or {})
+        if hivemind_arguments.get("next_chunk_timeout") is None and not timeouts_given:
+            # every parameter of the groups is averaged, frozen ones too (hivemind averages their zero gradients)
             hivemind_arguments["next_chunk_timeout"] = sized_next_chunk_timeout(
-                sum(p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"]
-                    if p.requires_grad), config.matchmaking_time, config.averaging_timeout)
+                sum(p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"]),
+                config.matchmaking_time, config.averaging_timeout)
         swarm_options = config.swarm_options() if dht is None and peer is None else None
 
         # ---- configuration accepted: remember it ----

@@ -342,21 +342,29 @@ def test_when_a_peer_downloads_the_swarms_state(overlap, needs_sync, local, glob
     assert should_download(diloco, local, global_) is expected
 
 
-@pytest.mark.parametrize("kind", ["synchronous", "diloco"])
-def test_the_progress_reporter_is_woken_at_most_once_per_report_period(kind):
-    """hivemind's reporter thread stores a record each time its event is set (~20 kB sent per store on the WAN bed):
-    steps set it at most once per report period, changes of epoch or drops at once, and a count held back goes out
-    when its period ends."""
+def gate_only(kind: str):
+    """A progress tracker's gate alone (no DHT, no thread started), built as hivemind's __init__ builds it."""
     import threading
 
     from collabopt import _hivemind
 
     tracker_class = (_hivemind._progress_tracker_class() if kind == "synchronous"
                      else _hivemind._diloco_classes()["tracker"])
-    tracker = object.__new__(tracker_class)  # the gate alone: no DHT, no thread started
+    tracker = object.__new__(tracker_class)
     threading.Thread.__init__(tracker)
     tracker.min_refresh_period, tracker.max_refresh_period, tracker._last_round = 60.0, 600.0, None
-    tracker_class.should_report_progress.fset(tracker, None)  # what hivemind's __init__ does
+    tracker_class.should_report_progress.fset(tracker, None)
+    return tracker
+
+
+@pytest.mark.parametrize("kind", ["synchronous", "diloco"])
+def test_the_progress_reporter_is_woken_at_most_once_per_report_period(kind):
+    """hivemind's reporter thread stores a record each time its event is set (~25 kB sent per store on the WAN bed):
+    steps set it at most once per report period, changes of epoch or drops at once, and a count held back goes out
+    when its period ends."""
+    import time
+
+    tracker = gate_only(kind)
     event = tracker.should_report_progress
 
     def report(gated: bool) -> bool:
@@ -370,15 +378,50 @@ def test_the_progress_reporter_is_woken_at_most_once_per_report_period(kind):
     assert not report(gated=True)  # the next step's waits for the report period
     assert report(gated=False)  # an epoch change does not wait
     tracker._flush.cancel()
+    tracker._flush = None
     tracker._next_report = 0.0  # the period is over
     assert report(gated=True)
     if kind == "diloco":
         tracker._last_round = 4000.0  # long rounds: one store per tenth of the last round
         assert report(gated=False)
-        assert tracker._next_report - _hivemind.dht_time() == pytest.approx(400.0, abs=5.0)
-    tracker._next_report = _hivemind.dht_time() + 0.3
+        assert tracker._next_report - time.monotonic() == pytest.approx(400.0, abs=5.0)
+    tracker._next_report = time.monotonic() + 2.0
     assert not report(gated=True)  # held back ...
-    assert event.wait(timeout=5.0)  # ... and sent when its period ends
+    assert event.wait(timeout=20.0)  # ... and sent when its period ends
+    assert tracker._flush is None
+
+
+def test_a_held_back_count_waits_for_the_period_of_an_epoch_change_sent_meanwhile():
+    import time
+
+    tracker = gate_only("synchronous")
+    tracker.min_refresh_period = 1.5
+    event = tracker.should_report_progress
+    tracker._next_report = time.monotonic() + 0.5
+    tracker._gated = True
+    event.set()  # held back until the period ends (0.5 s) ...
+    tracker._gated = False
+    assert not event.is_set()
+    event.set()  # ... but an epoch change goes out now: its period (1.5 s) starts
+    event.clear()
+    time.sleep(1.0)
+    assert not event.is_set()  # the held-back count did not go out right after it
+    assert event.wait(timeout=20.0)
+
+
+def test_a_step_reports_at_once_only_a_new_epoch_or_a_smaller_count(monkeypatch):
+    from types import SimpleNamespace
+
+    from hivemind.optim.progress_tracker import ProgressTracker
+
+    tracker = gate_only("synchronous")
+    seen = []
+    monkeypatch.setattr(ProgressTracker, "report_local_progress",
+                        lambda self, epoch, samples, update=True: seen.append(self._gated))
+    tracker.local_progress = SimpleNamespace(epoch=3, samples_accumulated=64)
+    for epoch, samples in ((3, 96), (4, 0), (3, 32)):
+        tracker.report_local_progress(epoch, samples)
+    assert seen == [True, False, False] and not tracker._gated
 
 
 def test_a_long_round_spaces_the_progress_records_out():

@@ -5,6 +5,7 @@ that heals ends in sync) is tested in tests/net/test_network_faults.py."""
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from types import SimpleNamespace
 
@@ -195,7 +196,11 @@ def test_the_fingerprint_agrees_with_float64_sums_far_under_the_tolerance(tensor
     assert squares == pytest.approx(expected[2], rel=2e-7)
 
 
-def test_the_fingerprint_sums_in_float64():
+def test_values_beyond_float32_sums_still_fingerprint():
+    assert all(math.isfinite(x) for x in fingerprint([torch.full((1000,), 1e20)]))
+
+
+def test_the_fingerprint_of_mixed_magnitudes():
     big = [torch.full((1000,), 1e-3), torch.tensor([-2.0, 3.0])]
     total, magnitude, squares = fingerprint(big)
     assert total == pytest.approx(2.0) and magnitude == pytest.approx(6.0) and squares == pytest.approx(13.001)
