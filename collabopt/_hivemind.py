@@ -1002,8 +1002,8 @@ def _progress_tracker_class() -> type:
         """hivemind's tracker, with two changes.
 
         * **Throttled reports.** hivemind stores this peer's progress record in the DHT at every step: a signed record
-          to 5 replicas, ~20 kB on the wire each (measured: 390 kB/s sent per peer of 4 at 20 steps/s on the WAN
-          bed, with no round at all; a 10 Mbit/s uplink is 1,250 kB/s). Others fetch the records at most every
+          to 5 replicas, ~25 kB sent across the swarm each (measured: 390 kB/s sent per peer of 4 at 20 steps/s on the
+          WAN bed, with no round at all; a 10 Mbit/s uplink is 1,250 kB/s). Others fetch the records at most every
           ``min_refresh_period`` and extrapolate each by its samples per second, so this one stores the record at
           most once per :meth:`report_period` (``min_refresh_period``), at once when the epoch changes or the count
           drops, and a count held back goes out when its period ends.

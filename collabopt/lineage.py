@@ -54,13 +54,10 @@ def fingerprint(tensors: Sequence[torch.Tensor]) -> list[float]:
             continue
         accumulate = flat.dtype if flat.dtype in (torch.float32, torch.float64) else torch.float32
         whole = flat.numel() // FINGERPRINT_BLOCK * FINGERPRINT_BLOCK
-        tail = flat[whole:].to(torch.float64)
-        parts = [torch.stack([tail.sum(), tail.abs().sum(), tail.square().sum()])]
+        parts = [_three_sums(flat[whole:].to(torch.float64))]
         for start in range(0, whole, FINGERPRINT_CHUNK):
             blocks = flat[start:min(whole, start + FINGERPRINT_CHUNK)].view(-1, FINGERPRINT_BLOCK).to(accumulate)
-            parts.append(torch.stack([blocks.sum(dim=1).to(torch.float64).sum(),
-                                      blocks.abs().sum(dim=1).to(torch.float64).sum(),
-                                      blocks.square().sum(dim=1).to(torch.float64).sum()]))
+            parts.append(_three_sums(blocks).to(torch.float64).sum(dim=-1))
         sums = torch.stack(parts).sum(dim=0)
         totals[sums.device] = totals[sums.device] + sums if sums.device in totals else sums
     if not totals:
@@ -69,6 +66,11 @@ def fingerprint(tensors: Sequence[torch.Tensor]) -> list[float]:
     if not all(math.isfinite(x) for x in result):  # float32 overflowed, or the values are not finite
         result = _fingerprint_float64(tensors)
     return result
+
+
+def _three_sums(x: torch.Tensor) -> torch.Tensor:
+    """Sum, sum of magnitudes and sum of squares along the last dimension (stacked first)."""
+    return torch.stack([x.sum(dim=-1), x.abs().sum(dim=-1), x.square().sum(dim=-1)])
 
 
 def _fingerprint_float64(tensors: Sequence[torch.Tensor]) -> list[float]:
