@@ -999,7 +999,7 @@ def _progress_tracker_class() -> type:
     from hivemind.optim.progress_tracker import ProgressTracker
 
     class ProgressTrackerThatDrains(ProgressTracker):
-        """hivemind's tracker, with two changes.
+        """hivemind's tracker, with three changes.
 
         * **Throttled reports.** hivemind stores this peer's progress record in the DHT at every step: a signed record
           to 5 replicas, ~25 kB sent across the swarm each (measured: 390 kB/s sent per peer of 4 at 20 steps/s on the
@@ -1012,9 +1012,18 @@ def _progress_tracker_class() -> type:
           when that task is garbage-collected: at nearly every peer's exit. This one lets the loop finish those
           tasks, then closes it, before it reports the shutdown complete (and so before hivemind stores the peer's
           goodbye record).
+        * **Fetches outside the lock.** hivemind holds ``lock_global_progress`` while its DHT get of the records is
+          in flight, and a peer's step takes that lock at every epoch boundary: when a peer holding a replica of
+          the records cannot be reached (a cut link), each get waits out the DHT's timeout (3 s) and so did every
+          other peer's training thread at its boundary (profiled in the cut-link test: every peer's training thread
+          waited there on the lock, up to 3.6 s). This one fetches without the lock and takes it only to
+          apply the records; records fetched while the epoch changed are dropped and fetched again (they may
+          predate the change and would count the old epoch's samples toward the new one).
 
         The gate is the reporter's event itself: hivemind's reporter thread waits on it, so setting it and clearing
         it a moment later (as collabopt once did) still woke the reporter, which stored anyway."""
+
+        _epoch_changes = 0  # update_epoch() calls so far: a fetch that straddles one is dropped
 
         lowest_epoch: tuple[int, int] | None = None  # (the lowest epoch in the last records fetched, this peer's then)
         _next_report = -float("inf")  # time.monotonic() before which a step's report waits
@@ -1074,6 +1083,41 @@ def _progress_tracker_class() -> type:
                 if self._flush is not None:
                     self._flush.cancel()
             return super().shutdown(*args, **kwargs)
+
+        def update_epoch(self, new_epoch: int | None = None) -> int:
+            self._epoch_changes += 1  # (under lock_global_progress, which hivemind asserts)
+            return super().update_epoch(new_epoch)
+
+        async def _progress_fetcher(self) -> None:
+            """hivemind 1.1.12's fetcher, with the DHT get moved out of ``lock_global_progress`` (see above)."""
+            from hivemind.utils.asyncio import enter_asynchronously
+            from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
+
+            loop = asyncio.get_event_loop()
+            shutdown = asyncio.create_task(asyncio.wait_for(loop.run_in_executor(None, self.shutdown_triggered.wait),
+                                                            None))
+            try:
+                while not self.shutdown_triggered.is_set():
+                    wait = max(0.0, self.global_progress.next_fetch_time - get_dht_time())
+                    if await loop.run_in_executor(None, self.global_state_updated.wait, wait):
+                        self.global_state_updated.clear()
+                        continue
+                    changes = self._epoch_changes
+                    getter = asyncio.create_task(asyncio.wait_for(  # (wraps hivemind's MPFuture in a coroutine)
+                        self.dht.get(self.training_progress_key, latest=True, return_future=True), None))
+                    await asyncio.wait({getter, shutdown}, return_when=asyncio.FIRST_COMPLETED)
+                    if self.shutdown_triggered.is_set():
+                        break
+                    found = await getter
+                    metadata = found.value if isinstance(found, ValueWithExpiration) else None
+                    async with enter_asynchronously(self.lock_global_progress):
+                        if self._epoch_changes != changes:
+                            continue  # the epoch changed while the records were in flight: fetch them again
+                        self.global_progress = self._parse_swarm_progress_data(metadata)
+                        self.fetched_global_progress_this_epoch.set()
+            finally:
+                logging.getLogger("hivemind.optim.progress_tracker").log(
+                    self.status_loglevel, f"No longer fetching {self.training_progress_key}")
 
         def _parse_swarm_progress_data(self, metadata: Any) -> Any:
             progress = super()._parse_swarm_progress_data(metadata)

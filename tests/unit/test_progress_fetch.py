@@ -1,0 +1,75 @@
+"""collabopt's progress tracker fetches the swarm's records without holding the lock a step takes at each epoch
+boundary, and drops records fetched while the epoch changed."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from collabopt import _hivemind
+
+
+class SlowDHT:
+    """A DHT whose gets return only when the test releases them (a replica that does not answer)."""
+
+    def __init__(self) -> None:
+        self.started, self.release = threading.Semaphore(0), threading.Semaphore(0)
+        self.gets = 0
+
+    def get(self, key: str, latest: bool, return_future: bool):
+        self.gets += 1
+        number = self.gets
+
+        async def answer():
+            self.started.release()
+            while not self.release.acquire(blocking=False):
+                await asyncio.sleep(0.005)
+            return ValueWithExpiration(f"records #{number}", float("inf"))
+        return answer()
+
+
+def tracker_without_network(dht: SlowDHT):
+    """A tracker as hivemind's __init__ leaves it, minus the DHT and the threads; each parse records its records."""
+    tracker = object.__new__(_hivemind._progress_tracker_class())
+    threading.Thread.__init__(tracker)
+    tracker.dht, tracker.training_progress_key, tracker.status_loglevel = dht, "run_progress", 10
+    tracker.lock_global_progress, tracker.global_state_updated = threading.Lock(), threading.Event()
+    tracker.fetched_global_progress_this_epoch, tracker.shutdown_triggered = threading.Event(), threading.Event()
+    tracker.global_progress = SimpleNamespace(next_fetch_time=0.0, applied=None)
+    tracker._parse_swarm_progress_data = lambda metadata: SimpleNamespace(next_fetch_time=0.0, applied=metadata)
+    return tracker
+
+
+def test_a_slow_fetch_does_not_hold_the_epoch_lock_and_one_that_straddles_an_epoch_change_is_dropped():
+    dht = SlowDHT()
+    tracker = tracker_without_network(dht)
+    loop = asyncio.new_event_loop()
+    fetcher = threading.Thread(target=loop.run_until_complete, args=(tracker._progress_fetcher(),), daemon=True)
+    fetcher.start()
+    try:
+        assert dht.started.acquire(timeout=10)  # get #1 is in flight, and stays so
+        # what a step's pause_updates() takes at a boundary is free (hivemind 1.1.12 holds it until the get answers)
+        assert tracker.lock_global_progress.acquire(timeout=2.0)
+        tracker._epoch_changes += 1  # as update_epoch() counts, under the lock (hivemind's part needs a real tracker)
+        tracker.lock_global_progress.release()
+        dht.release.release()  # get #1 answers with records that may predate the change: dropped, fetched again
+        assert dht.started.acquire(timeout=10)
+        assert tracker.global_progress.applied is None
+        dht.release.release()  # get #2 answers with nothing changed meanwhile: applied
+        deadline = time.monotonic() + 10
+        while tracker.global_progress.applied is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tracker.global_progress.applied == "records #2"
+        assert tracker.fetched_global_progress_this_epoch.is_set()
+    finally:
+        tracker.shutdown_triggered.set()
+        for _ in range(3):
+            dht.release.release()
+        fetcher.join(timeout=10)
+    assert not fetcher.is_alive()
+    loop.run_until_complete(asyncio.wait(asyncio.all_tasks(loop), timeout=5))  # hivemind's shutdown watcher
+    loop.close()
