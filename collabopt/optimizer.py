@@ -38,7 +38,7 @@ from collabopt.errors import ConfigurationError
 from collabopt.guard import NonFiniteGuard
 from collabopt.interface import StepResult, SwarmOptimizerBase, check_state, pack_state
 from collabopt.lifecycle import SigtermHandler, preserved_sigint
-from collabopt.metrics import MetricsReporter
+from collabopt.metrics import DILOCO_PUBLISH_INTERVAL, PUBLISH_INTERVAL, MetricsReporter
 from collabopt.scheduling import CollaborativeScheduler, install_step_guard, is_scheduler, remove_step_guard
 
 logger = logging.getLogger(__name__)
@@ -237,7 +237,8 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
                             else DiLoCoPeer(self.dht, hivemind_arguments, self.diloco))
             self._peer = peer
             if isinstance(peer, HivemindPeer):  # publishes this peer's metrics record (collabopt.metrics)
-                self._reporter = MetricsReporter(self, peer)
+                self._reporter = MetricsReporter(
+                    self, peer, interval=PUBLISH_INTERVAL if self.diloco is None else DILOCO_PUBLISH_INTERVAL)
             if self._guard is not None:
                 if self.diloco is None and not config.use_local_updates:  # averaged gradients reach the optimizer:
                     # it refuses non-finite ones (with a snapshot to undo a non-finite averaging result, where it is

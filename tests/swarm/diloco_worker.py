@@ -113,7 +113,7 @@ def main(config_path: str) -> None:
         result.update(final_epoch=copt.local_epoch, final_loss=full_loss(model, x_all, y_all),
                       rounds_applied=copt.diloco.rounds_applied, rounds_failed=copt.diloco.rounds_failed,
                       resyncs=copt.diloco.resyncs, samples_reported=copt.samples_reported,
-                      nonfinite_steps=copt.nonfinite_steps)
+                      nonfinite_steps=copt.nonfinite_steps, metrics_interval=copt._reporter.interval)
         params["final"] = snapshot(model)
         torch.save(params, out + ".pt")
     write_json(out + ".json", result)

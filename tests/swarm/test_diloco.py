@@ -16,6 +16,8 @@ import pytest
 import torch
 from helpers import Process, child_env, finish, finish_line, read_params, read_result, unique_run_id
 
+from collabopt.metrics import DILOCO_PUBLISH_INTERVAL
+
 pytestmark = pytest.mark.swarm
 WORKER = Path(__file__).resolve().parent / "diloco_worker.py"
 EQUAL = 1e-6  # the bound; every peer of a round receives the same averaged values
@@ -78,6 +80,7 @@ def test_three_peers_with_different_batch_sizes_are_equal_after_every_round(tmp_
             if r["applied"]:
                 assert r["weight"] == r["fed_since_anchor"], (name, r)
         assert results[name]["final_loss"] < results[name]["start_loss"]
+        assert results[name]["metrics_interval"] == DILOCO_PUBLISH_INTERVAL  # (DHT traffic: see collabopt.metrics)
 
 
 def reference_rounds(start: dict, before: dict[str, dict], weights: dict[str, dict], epochs: list[int],
