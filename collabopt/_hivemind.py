@@ -1012,18 +1012,21 @@ def _progress_tracker_class() -> type:
           when that task is garbage-collected: at nearly every peer's exit. This one lets the loop finish those
           tasks, then closes it, before it reports the shutdown complete (and so before hivemind stores the peer's
           goodbye record).
-        * **Fetches outside the lock.** hivemind holds ``lock_global_progress`` while its DHT get of the records is
-          in flight, and a peer's step takes that lock at every epoch boundary: when a peer holding a replica of
-          the records cannot be reached (a cut link), each get waits out the DHT's timeout (3 s) and so did every
-          other peer's training thread at its boundary (profiled in the cut-link test: every peer's training thread
-          waited there on the lock, up to 3.6 s). This one fetches without the lock and takes it only to
-          apply the records; records fetched while the epoch changed are dropped and fetched again (they may
-          predate the change and would count the old epoch's samples toward the new one).
+        * **Fetches outside the lock.** hivemind holds ``lock_global_progress`` (:meth:`pause_updates`) while its DHT
+          get of the records is in flight, and a peer's step takes that lock at every epoch boundary: when a peer
+          holding a replica of the records cannot be reached (a cut link), each get waits out the DHT's timeout
+          (3 s) and so did every other peer's training thread at its boundary (profiled in the cut-link test:
+          every peer's training thread waited there on the lock, up to 3.6 s). This one fetches without the lock
+          and takes it only to apply the records. Records fetched while a :meth:`pause_updates` section ran are
+          dropped and fetched again, as hivemind's lock kept them out: such a section changes the epoch, downloads
+          a state or (DiLoCo, a round not applied) resets the count toward the next round, and records from
+          before it would restore the old count (the next step would start another round at once), its ETA and
+          ``fetched_global_progress_this_epoch``.
 
         The gate is the reporter's event itself: hivemind's reporter thread waits on it, so setting it and clearing
         it a moment later (as collabopt once did) still woke the reporter, which stored anyway."""
 
-        _epoch_changes = 0  # update_epoch() calls so far: a fetch that straddles one is dropped
+        _pauses = 0  # pause_updates() sections ended so far: a fetch that straddles one is dropped
 
         lowest_epoch: tuple[int, int] | None = None  # (the lowest epoch in the last records fetched, this peer's then)
         _next_report = -float("inf")  # time.monotonic() before which a step's report waits
@@ -1084,9 +1087,13 @@ def _progress_tracker_class() -> type:
                     self._flush.cancel()
             return super().shutdown(*args, **kwargs)
 
-        def update_epoch(self, new_epoch: int | None = None) -> int:
-            self._epoch_changes += 1  # (under lock_global_progress, which hivemind asserts)
-            return super().update_epoch(new_epoch)
+        @contextlib.contextmanager
+        def pause_updates(self) -> Iterator[None]:
+            with super().pause_updates():
+                try:
+                    yield
+                finally:
+                    self._pauses += 1  # (still under lock_global_progress)
 
         async def _progress_fetcher(self) -> None:
             """hivemind 1.1.12's fetcher, with the DHT get moved out of ``lock_global_progress`` (see above)."""
@@ -1102,7 +1109,7 @@ def _progress_tracker_class() -> type:
                     if await loop.run_in_executor(None, self.global_state_updated.wait, wait):
                         self.global_state_updated.clear()
                         continue
-                    changes = self._epoch_changes
+                    pauses = self._pauses
                     getter = asyncio.create_task(asyncio.wait_for(  # (wraps hivemind's MPFuture in a coroutine)
                         self.dht.get(self.training_progress_key, latest=True, return_future=True), None))
                     await asyncio.wait({getter, shutdown}, return_when=asyncio.FIRST_COMPLETED)
@@ -1111,8 +1118,8 @@ def _progress_tracker_class() -> type:
                     found = await getter
                     metadata = found.value if isinstance(found, ValueWithExpiration) else None
                     async with enter_asynchronously(self.lock_global_progress):
-                        if self._epoch_changes != changes:
-                            continue  # the epoch changed while the records were in flight: fetch them again
+                        if self._pauses != pauses:
+                            continue  # a paused section ran while the records were in flight: fetch them again
                         self.global_progress = self._parse_swarm_progress_data(metadata)
                         self.fetched_global_progress_this_epoch.set()
             finally:
