@@ -233,14 +233,20 @@ def test_nan_from_an_unguarded_peer_is_never_applied(tmp_path, bootstrap):
     """R runs without the guard (as plain hivemind or an older collabopt would) and sends NaN gradients, then NaN
     parameters. A and B refuse them (each counts non-finite steps, so the poison reached them): they end finite and
     equal to each other. R's own parameters turn NaN; being no lineage, the lineage check makes it download A's or
-    B's state after a round of the three (a plain hivemind peer would stay NaN)."""
+    B's state after a round of the three (a plain hivemind peer would stay NaN).
+
+    averaging_timeout is 10 s, not the harness's 30 s. In one fresh-clone suite A began epoch 3's global step 0.07 s
+    after entering epoch 3, while R was downloading and B was at the finish line: its gradient round and then its
+    parameter round each waited out the timeout alone (60 s; the test took 75 s instead of ~16 s)."""
     run_id = unique_run_id("nan_rogue")
     base = dict(run_id=run_id, target_batch_size=512, epochs=3, model_seed=0, lr=0.5, step_sleep=0.05,
-                finish_with=finish_line(tmp_path, "a", "b", "r"), wait_peers=3, max_seconds=150)
+                finish_with=finish_line(tmp_path, "a", "b", "r"), wait_peers=3, max_seconds=150,
+                options={"averaging_timeout": 10.0})
     procs = {
         "a": start_peer(tmp_path, "a", dict(base, seed=1), bootstrap),
         "b": start_peer(tmp_path, "b", dict(base, seed=2), bootstrap),
-        "r": start_peer(tmp_path, "r", dict(base, seed=3, nan_every=20, options={"nonfinite_guard": False}),
+        "r": start_peer(tmp_path, "r", dict(base, seed=3, nan_every=20,
+                                            options={"averaging_timeout": 10.0, "nonfinite_guard": False}),
                         bootstrap),
     }
     finish(procs, 180)
