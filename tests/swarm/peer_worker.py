@@ -173,7 +173,9 @@ def main(config_path: str) -> None:
             time.sleep(0.1)
 
     arm_stall = stall_reducer(cfg["stall_reducer"]["seconds"]) if cfg.get("stall_reducer") else None
-    result = {"samples_fed": 0, "lrs": {}, "losses": [], "epochs_seen": [], "epoch_times": []}
+    # samples_dropped: fed in steps that contributed nothing and skipped nothing (hivemind dropped the step to
+    # download the swarm's state first)
+    result = {"samples_fed": 0, "samples_dropped": 0, "lrs": {}, "losses": [], "epochs_seen": [], "epoch_times": []}
     sizes = batch_size_sequence(cfg.get("batch_sizes", [16]), rng)
     with CollaborativeOptimizer(
         optimizer,
@@ -221,7 +223,9 @@ def main(config_path: str) -> None:
                 scaler.step(copt, **kwargs)
                 scaler.update()
             else:
-                copt.step(**kwargs)
+                outcome = copt.step(**kwargs)
+                if outcome.samples == 0 and outcome.skipped == 0:
+                    result["samples_dropped"] += step_samples
             copt.zero_grad()
             if copt.local_epoch != before:
                 result["epochs_seen"].append(copt.local_epoch)

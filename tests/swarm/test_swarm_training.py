@@ -37,8 +37,13 @@ def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
     params = {name: read_params(tmp_path, name) for name in configs}
     for name, result in results.items():
         assert result["final_epoch"] >= 5, (name, result["final_epoch"])
-        # every sample fed was counted (no step was discarded in a healthy swarm)
-        assert result["samples_reported"] == result["samples_fed"], (name, result)
+        # every sample fed was counted, but for a step hivemind dropped to download the swarm's state first: that
+        # happens only to re-synchronize after a partial round (a member's share arrived late; on a loaded machine,
+        # e.g. a fresh-clone suite: C got 24.3% of a gradient round, downloaded, and its next step's 56 samples went)
+        assert result["samples_reported"] + result["samples_dropped"] == result["samples_fed"], (name, result)
+        if result["samples_dropped"]:
+            assert "re-synchronized with its gradient round's parameters" in (tmp_path / f"{name}.log").read_text(), (
+                name, result)
         assert result["final_loss"] < 0.85 * result["start_loss"], (name, result["start_loss"], result["final_loss"])
     # the same epoch, or one apart: hivemind may count a round one epoch later on a peer (see at_finish_line)
     assert max(r["final_epoch"] for r in results.values()) - min(r["final_epoch"] for r in results.values()) <= 1
