@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -53,3 +54,34 @@ class SigtermHandler:
         if self.installed and in_main_thread():
             signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
             self.installed = False
+
+
+# An interrupt (SIGINT's KeyboardInterrupt, SIGTERM's Terminated) raised while Python runs a finalizer is printed
+# ("Exception ignored in: <generator ...>") and dropped: the signal is lost and training goes on. hivemind's
+# accumulate_grads_ finalizes a generator at every step; a fresh-clone suite lost a SIGINT there (the peer was still
+# training 10 s later). Such an interrupt is kept here and raised at the next step().
+_lost_interrupts: list[BaseException] = []
+_previous_unraisablehook = sys.unraisablehook
+
+
+def _keep_lost_interrupts(unraisable: Any) -> None:
+    if isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated)):
+        _lost_interrupts.append(unraisable.exc_value)
+    _previous_unraisablehook(unraisable)
+
+
+def keep_lost_interrupts() -> None:
+    """Install the hook that keeps interrupts dropped in finalizers, unless it is installed; it chains to the hook
+    that was there."""
+    global _previous_unraisablehook
+    if sys.unraisablehook is not _keep_lost_interrupts:
+        _previous_unraisablehook = sys.unraisablehook
+        sys.unraisablehook = _keep_lost_interrupts
+
+
+def raise_lost_interrupt() -> None:
+    """Raise an interrupt that a finalizer dropped since the last call (see :func:`keep_lost_interrupts`)."""
+    if _lost_interrupts:
+        lost = _lost_interrupts[0]
+        _lost_interrupts.clear()
+        raise lost

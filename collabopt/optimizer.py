@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from collabopt import _hivemind, diloco, scheduling, swarm
+from collabopt import _hivemind, diloco, lifecycle, scheduling, swarm
 from collabopt._hivemind import DiLoCoPeer, HivemindPeer, log_like_hivemind
 from collabopt.batch_size import ForwardSampleCounter, resolve_samples
 from collabopt.config import (
@@ -250,6 +250,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
                     peer.set_before_averaging(self._check_accumulation_at_boundary)
             if config.handle_signals:
                 self._sigterm.install()
+                lifecycle.keep_lost_interrupts()
             if config.print_join_message and self._owns_dht:
                 swarm.print_join_message(self.dht, config.run_id, self.dht.client_mode)
             self._bind_scheduler(optimizer, scheduler, scheduler_fn, scheduler_wrapper)
@@ -291,6 +292,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         ``torch.amp.GradScaler``: ``scaler.step(copt)`` gives the same update as fp32. Returns a
         :class:`~collabopt.interface.StepResult` (its ``loss`` is what ``closure`` returned).
         """
+        lifecycle.raise_lost_interrupt()  # a Ctrl+C or SIGTERM that a finalizer dropped during the last step
         loss, grad_scale, found_inf = self._begin_step(closure)
         epoch_before = self._peer.local_epoch
         if self.config.auxiliary:
