@@ -125,7 +125,9 @@ def test_peers_of_a_partial_round_adopt_the_parameters_of_the_peer_whose_round_w
         partial = "of this peer's gradient round at epoch"
         assert partial in logs[name], logs[name][-3000:]
         after = logs[name].split(partial, 1)[1]
-        if "last gradient round was partial, so its parameters are its own; 1 peer(s)" in after:
+        # (how many peers hold the group's parameters varies: under load B also had a round of its own partial,
+        # and both then read "2 peer(s)")
+        if "last gradient round was partial, so its parameters are its own;" in after:
             assert "re-synchronized with its gradient round's parameters" in after, after[-3000:]
             resynced.append(name)
     # a peer whose parameters came out equal to C's anyway holds the lineage and needs no download (seen in 4 of 11
