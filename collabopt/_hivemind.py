@@ -161,6 +161,19 @@ def gradient_averager_class() -> type:
         is added to this peer's own entry of the round's gathered metadata (``"received"``, only when below 1), which
         only this peer sees; the lineage check reads it (see ``_judge_lineage``)."""
 
+        # set by collabopt's optimizer where it awaits the round within its step (no delay_grad_averaging)
+        keeps_accumulation = False
+
+        def step(self, weight: float | None = None, reset_accumulators: bool = True, control: Any = None,
+                 timeout: float | None = None, wait: bool = True, **kwargs: Any) -> Any:
+            """hivemind 1.1.12 zeroes the accumulators as it hands them to the round. When the round then fails
+            (no group, a timeout), its optimizer logs "Proceeding with local gradients" and reloads the zeroed
+            accumulators: the epoch's optimizer step got zero gradients and the peer's samples of that epoch were
+            lost. With ``keeps_accumulation`` they stay until the epoch ends (hivemind's optimizer resets them
+            there), so that a failed round steps with this peer's own accumulated gradients."""
+            return super().step(weight, reset_accumulators and not self.keeps_accumulation, control, timeout, wait,
+                                **kwargs)
+
         async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
             runner = self._running_groups.get(group_info.group_id)  # (set by _run_allreduce_inplace_)
@@ -401,6 +414,12 @@ def optimizer_class() -> type:
             status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
             client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
 
+    def _make_gradient_averager(self: Any, factory: Any, **kwargs: Any) -> Any:
+        averager = hivemind.Optimizer._make_gradient_averager(self, factory, **kwargs)
+        if isinstance(averager, gradient_averager_class()):  # (in the background, the next epoch accumulates)
+            averager.keeps_accumulation = not self.delay_grad_averaging
+        return averager
+
     def _update_global_epoch(self: Any, grad_scaler: Any) -> None:
         if self.local_epoch < self.tracker.global_epoch - 1:
             # step() checked the sync on one view of the swarm, a newer one (its fetcher runs in the background)
@@ -437,7 +456,10 @@ def optimizer_class() -> type:
             _serve_below_the_others(self)  # hivemind just declared this peer's state at its new epoch
 
     def _average_gradients_and_load_into_optimizer(self: Any, maybe_step_control: Any) -> None:
-        hivemind.Optimizer._average_gradients_and_load_into_optimizer(self, maybe_step_control)
+        if self.delay_grad_averaging and maybe_step_control is not None:
+            _average_gradients_in_background(self, maybe_step_control)
+        else:
+            hivemind.Optimizer._average_gradients_and_load_into_optimizer(self, maybe_step_control)
         _hint_state_group(self, maybe_step_control)
         if getattr(self, "collabopt_checks_lineage", False):
             _judge_lineage(self, maybe_step_control)
@@ -470,6 +492,7 @@ def optimizer_class() -> type:
 
     return type("Optimizer", (hivemind.Optimizer,), dict(_make_progress_tracker=make_progress_tracker,
                                                           _make_state_averager=_make_state_averager,
+                                                          _make_gradient_averager=_make_gradient_averager,
                                                           _update_global_epoch=_update_global_epoch,
                                                           _maybe_schedule_state_averaging=_maybe_schedule_state_averaging,
                                                           _tag_along_with_zero_weight=_tag_along_with_zero_weight,
@@ -478,6 +501,26 @@ def optimizer_class() -> type:
                                                           _should_load_state_from_peers=_should_load_state_from_peers,
                                                           load_state_from_peers=download_state,
                                                           __module__=__name__))
+
+
+def _average_gradients_in_background(optimizer: Any, control: Any) -> None:
+    """hivemind 1.1.12's ``_average_gradients_and_load_into_optimizer`` for ``delay_grad_averaging``, but a failed
+    round steps with the gradients this peer handed to it. hivemind's fallback reloaded the accumulators, which by then
+    hold the next epoch's first gradients: the delayed step applied those, and the next epoch's round included them
+    again, while this epoch's were lost. The round's buffers (the offloaded optimizer's gradients) still hold this
+    peer's contribution, or, where the round failed midway, whole tensors of the group's average beside it (as in a
+    partial round)."""
+    from hivemind.optim.optimizer import logger as hivemind_logger
+
+    try:
+        group_info = control.result(optimizer.averaging_timeout)
+        hivemind_logger.log(optimizer.status_loglevel, f"Averaged gradients with {len(group_info)} peers")
+    except BaseException as e:
+        hivemind_logger.log(optimizer.status_loglevel, f"Averaging gradients failed with {e!r}")
+        hivemind_logger.log(optimizer.status_loglevel, "Proceeding with local gradients")
+        with optimizer.grad_averager.get_tensors():
+            pass  # an all-reduce still writing them holds this lock: let it finish first
+    optimizer._load_averaged_gradients_into_optimizer_()
 
 
 def _skips_state_round(optimizer: Any) -> bool:
