@@ -371,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                 if name in old:
                     results[name] = old[name]
                     results["config"][name] = old["config"][name]
-            results["machine"]["earlier_run"] = old["machine"]["date_utc"]
+            # (the oldest run whose tables are kept: an updated run keeps tables of the run before it)
+            results["machine"]["earlier_run"] = old["machine"].get("earlier_run") or old["machine"]["date_utc"]
     for path in write_report(results, args.out):
         log(f"wrote {path}")
     print(markdown(results))

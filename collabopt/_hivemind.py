@@ -82,10 +82,12 @@ def check_compression(value: Any) -> bool:
     return isinstance(value, CompressionBase)
 
 
-def gradient_averager_factory(factory: Callable[..., Any] | None, request_timeout: float) -> Callable[..., Any]:
-    """hivemind 1.1.12 hands ``averager_opts`` to its state averager only: give the gradient averager the same
-    join-request timeout. Without a factory of the user's: :func:`gradient_averager_class`."""
-    return functools.partial(factory or gradient_averager_class(), request_timeout=request_timeout)
+def gradient_averager_factory(factory: Callable[..., Any] | None,
+                              request_timeout: float | None) -> Callable[..., Any]:
+    """Without a factory of the user's: :func:`gradient_averager_class`. hivemind 1.1.12 hands ``averager_opts`` to
+    its state averager only: give the gradient averager the same join-request timeout, where one is set."""
+    extra = {} if request_timeout is None else dict(request_timeout=request_timeout)
+    return functools.partial(factory or gradient_averager_class(), **extra)
 
 
 class _SameHandlers:
@@ -163,6 +165,25 @@ def gradient_averager_class() -> type:
 
         # set by collabopt's optimizer where it awaits the round within its step (no delay_grad_averaging)
         keeps_accumulation = False
+        # the accumulators are the round's buffers (accumulate_in_place)
+        accumulates_in_place = False
+
+        def __init__(self, *args: Any, **kwargs: Any):
+            # whether an all-reduce may write into the buffers now: set as a round is triggered, cleared (under the
+            # buffers' lock) when the epoch's accumulation is reset. Shared with the averager process (forked below)
+            self._round_open = multiprocessing.Value(ctypes.c_bool, False, lock=False)
+            self._scaled = False  # the accumulation was scaled into the round's input this epoch
+            super().__init__(*args, **kwargs)
+
+        def accumulate_in_place(self) -> None:
+            """Accumulate the local steps' gradients in the round's shared-memory buffers instead of accumulators
+            of their own (1x the parameters less; see :data:`ACCUMULATE_IN_PLACE`). Needs ``keeps_accumulation``."""
+            assert self.keeps_accumulation and not self.reuse_grad_buffers
+            with self.get_tensors() as buffers:
+                for buffer in buffers:
+                    buffer.zero_()
+                self._local_accumulators = tuple(buffers)
+            self.accumulates_in_place = True
 
         def step(self, weight: float | None = None, reset_accumulators: bool = True, control: Any = None,
                  timeout: float | None = None, wait: bool = True, **kwargs: Any) -> Any:
@@ -171,8 +192,40 @@ def gradient_averager_class() -> type:
             accumulators: the epoch's optimizer step got zero gradients and the peer's samples of that epoch were
             lost. With ``keeps_accumulation`` they stay until the epoch ends (hivemind's optimizer resets them
             there), so that a failed round steps with this peer's own accumulated gradients."""
+            if self.accumulates_in_place:
+                self._round_open.value = True
             return super().step(weight, reset_accumulators and not self.keeps_accumulation, control, timeout, wait,
                                 **kwargs)
+
+        @torch.no_grad()
+        def load_accumulators_into_averager_(self) -> None:
+            if not self.accumulates_in_place:
+                return super().load_accumulators_into_averager_()
+            with self.get_tensors() as buffers:
+                if not self._scaled:  # once an epoch: a failed round's fallback loads again what the buffers hold
+                    scale = 1.0 / self.local_times_accumulated if self.local_times_accumulated else 0.0
+                    for buffer in buffers:
+                        buffer.mul_(scale)
+                    self._scaled = True
+
+        @torch.no_grad()
+        def reset_accumulated_grads_(self) -> None:
+            if not self.accumulates_in_place:
+                return super().reset_accumulated_grads_()
+            with self.get_tensors():  # an all-reduce still writing the buffers holds this lock: it finishes first
+                super().reset_accumulated_grads_()
+                self._scaled = False
+                self._round_open.value = False
+
+        async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any, group_id: Any = None,
+                                          **kwargs: Any) -> Any:
+            # (in the averager process, holding the buffers' lock) a round whose epoch this peer has ended must not
+            # write into the next epoch's accumulation
+            if self.accumulates_in_place and not self._round_open.value:
+                from hivemind.averaging.partition import AllreduceException
+
+                raise AllreduceException("collabopt: this peer ended the round's epoch, its buffers accumulate anew")
+            return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
 
         async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
@@ -394,6 +447,27 @@ def averages_parameters_in_place(optimizer: Any, arguments: dict[str, Any]) -> b
                                  for t in tensors)
 
 
+# Gradient accumulation in place. hivemind's gradient averager accumulates the local steps' gradients in
+# accumulators of its own (1x the parameters), copies them into the round's shared-memory buffers (1x) at the
+# boundary, and the optimizer steps with what the round leaves there. Where the round is awaited within step() and
+# the optimizer steps there too (no delay_grad_averaging or delay_optimizer_step), on CPU gradients without
+# reuse_grad_buffers, the accumulation happens in those buffers: scaled in place as the round begins, averaged in
+# place, zeroed as the epoch ends. A failed round's fallback steps with what they hold: this peer's accumulation, or
+# where the all-reduce failed midway, whole tensors of the group's average beside it (as in a partial round).
+ACCUMULATE_IN_PLACE = True
+
+
+def can_accumulate_in_place(optimizer: Any, averager: Any) -> bool:
+    """Whether ``averager`` (the gradient averager of ``optimizer``, a ``hivemind.Optimizer`` being built) can
+    accumulate in the round's buffers (see above)."""
+    if not ACCUMULATE_IN_PLACE or not averager.keeps_accumulation or averager.reuse_grad_buffers:
+        return False
+    if optimizer.delay_optimizer_step or optimizer.delay_grad_averaging:
+        return False
+    return all(acc.device.type == "cpu" and param.device.type == "cpu"
+               for acc, param in zip(averager._grad_accumulators(), averager.parameters, strict=True))
+
+
 @functools.lru_cache(maxsize=1)
 def optimizer_class() -> type:
     """``hivemind.Optimizer`` with a progress tracker that shuts down cleanly (see :func:`make_progress_tracker`), a
@@ -418,6 +492,8 @@ def optimizer_class() -> type:
         averager = hivemind.Optimizer._make_gradient_averager(self, factory, **kwargs)
         if isinstance(averager, gradient_averager_class()):  # (in the background, the next epoch accumulates)
             averager.keeps_accumulation = not self.delay_grad_averaging
+            if can_accumulate_in_place(self, averager):
+                averager.accumulate_in_place()
         return averager
 
     def _update_global_epoch(self: Any, grad_scaler: Any) -> None:
@@ -1594,7 +1670,8 @@ class HivemindPeer:
         from hivemind.optim.grad_averager import GradientAverager
 
         averager = self.hivemind_optimizer.grad_averager
-        if not isinstance(averager, GradientAverager) or any(  # an averager that accumulates its own way
+        if not isinstance(averager, GradientAverager) or type(averager) is not gradient_averager_class() and any(
+                # an averager that accumulates its own way
                 getattr(type(averager), name) is not getattr(GradientAverager, name)
                 for name in ("accumulate_grads_", "_grad_accumulators", "load_accumulators_into_averager_")):
             return None

@@ -209,7 +209,7 @@ class CollabConfig(DhtOptions):
         if request_timeout is None and self.matchmaking_time <= _hivemind.HIVEMIND_REQUEST_TIMEOUT:
             request_timeout = self.matchmaking_time / 2
             extra["averager_opts"] = dict(averager_opts or {}, request_timeout=request_timeout)
-        if request_timeout is not None and not self.use_local_updates:
+        if not self.use_local_updates:  # (collabopt's averager, also where no request timeout is set)
             extra["grad_averager_factory"] = _hivemind.gradient_averager_factory(
                 extra.get("grad_averager_factory"), request_timeout)
         return dict(

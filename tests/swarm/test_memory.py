@@ -1,7 +1,9 @@
-"""Parameter averaging in place (``collabopt._hivemind.averages_parameters_in_place``): where the round runs inside
-``step()`` on float32 CPU parameters, hivemind's state averager averages the parameters themselves instead of a
-copy of them (1x the parameters less; B4 measures it). One real optimizer in this process, a lone peer, no swarm:
-that peers averaging in place end in sync is what every synchronous swarm test checks."""
+"""Parameter averaging and gradient accumulation in place: where the round runs inside ``step()`` on CPU tensors,
+hivemind's state averager averages the parameters themselves instead of a copy of them
+(``collabopt._hivemind.averages_parameters_in_place``), and the local steps' gradients accumulate in the gradient
+round's buffers instead of accumulators of their own (``can_accumulate_in_place``): 1x the parameters less each (B4
+measures it). One real optimizer in this process, a lone peer, no swarm: that peers averaging in place end in sync
+is what every synchronous swarm test checks."""
 
 from __future__ import annotations
 
@@ -44,5 +46,43 @@ def test_the_state_averager_averages_the_parameters_themselves_unless_it_runs_in
         assert any(not torch.equal(a, p) for a, p in zip(before, params, strict=True))
         if not delay_state_averaging:  # still the same memory: nothing replaced the parameters' storage
             assert averaged_pointers(opt)[:len(params)] == [p.data_ptr() for p in params]
+    finally:
+        opt.close()
+
+
+def round_buffer_pointers(optimizer) -> tuple[list[int], list[int]]:
+    averager = optimizer.hivemind_optimizer.grad_averager
+    with averager.get_tensors() as buffers:
+        return [t.data_ptr() for t in averager._grad_accumulators()], [t.data_ptr() for t in buffers]
+
+
+@pytest.mark.parametrize("mode", ["default", "offload_optimizer", "reuse_grad_buffers", "delay_optimizer_step"])
+def test_gradients_accumulate_in_the_rounds_buffers_where_the_round_runs_inside_step(mode):
+    from collabopt import CollaborativeOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    options = {"default": {}, "offload_optimizer": dict(offload_optimizer=True),
+               "reuse_grad_buffers": dict(reuse_grad_buffers=True),
+               "delay_optimizer_step": dict(offload_optimizer=True, delay_optimizer_step=True,
+                                            delay_state_averaging=True)}[mode]
+    opt = CollaborativeOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                 run_id=unique_run_id("accumulate_in_place"), target_batch_size=16, batch_size=4,
+                                 matchmaking_time=1.0, averaging_timeout=2.0, print_join_message=False,
+                                 handle_signals=False, **options)
+    in_place = mode in ("default", "offload_optimizer")  # (reuse_grad_buffers accumulates in param.grad)
+    try:
+        accumulators, buffers = round_buffer_pointers(opt)
+        assert (accumulators == buffers) is in_place
+        x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+        before = [p.detach().clone() for p in model.parameters()]
+        for _ in range(4 * 3):  # a lone peer's epochs of 4 steps
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.local_epoch >= 2
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+        assert (round_buffer_pointers(opt) == (buffers, buffers)) is in_place
     finally:
         opt.close()
