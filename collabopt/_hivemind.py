@@ -1238,6 +1238,23 @@ def _progress_tracker_class() -> type:
             finally:
                 self._gated = False
 
+        def update_epoch(self, new_epoch: int | None = None) -> int:
+            """hivemind's, but where the swarm's view already was at the new epoch (a peer entered it first), its ETA
+            is dropped and the swarm's progress fetched now. hivemind kept that ETA: extrapolated, at the last fetch
+            before this peer's boundary, from every peer's rate, it could have passed while this peer was busy in its
+            boundary, and the peer then began the epoch's global step at its next step (a suite run: 0.07 s after
+            entering the epoch, while another peer downloaded; its rounds found no group and waited out
+            ``averaging_timeout``). :func:`forget_stale_progress` does the same after a download."""
+            from hivemind.utils import get_dht_time
+
+            joins = new_epoch is not None and new_epoch <= self.global_progress.epoch
+            epoch = super().update_epoch(new_epoch)
+            if joins:
+                self.global_progress.eta_next_epoch = float("inf")
+                self.global_progress.next_fetch_time = get_dht_time()
+                self.global_state_updated.set()  # the fetcher re-reads next_fetch_time: it fetches now
+            return epoch
+
         def shutdown(self, *args: Any, **kwargs: Any) -> Any:
             with self._flush_lock:
                 if self._flush is not None:

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.swarm
 OVERLAP = ("offload_optimizer", "delay_optimizer_step", "delay_grad_averaging", "delay_state_averaging")
 
 
-@pytest.mark.parametrize("mode", ["default", "reuse_grad_buffers", "offload_optimizer", "overlap"])
+# (reuse_grad_buffers keeps its accumulation the same way as the default mode; the offload mode's optimizer steps
+# with the round's buffers themselves)
+@pytest.mark.parametrize("mode", ["default", "offload_optimizer", "overlap"])
 def test_a_failed_gradient_round_steps_with_the_local_gradients(mode, monkeypatch):
     from collabopt import CollaborativeOptimizer
 
@@ -32,7 +34,8 @@ def test_a_failed_gradient_round_steps_with_the_local_gradients(mode, monkeypatc
     options = {name: True for name in (OVERLAP if mode == "overlap" else (mode,)) if name != "default"}
     opt = CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), run_id=unique_run_id("failed_round"),
                                  target_batch_size=8, batch_size=4, matchmaking_time=0.5, averaging_timeout=2.0,
-                                 print_join_message=False, handle_signals=False, **options)
+                                 print_join_message=False, handle_signals=False,
+                                 average_state_every=1000, **options)  # (no parameter round: it would fail too)
     try:
         hm = opt.hivemind_optimizer
         begin = hm._begin_averaging_gradients

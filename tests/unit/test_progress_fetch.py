@@ -74,3 +74,34 @@ def test_a_slow_fetch_does_not_hold_the_epoch_lock_and_one_that_straddles_a_paus
             loop.run_until_complete(asyncio.wait(pending, timeout=5))
         loop.close()
     assert not fetcher.is_alive()
+
+
+def tracker_at(global_epoch: int, eta: float):
+    from hivemind.optim.progress_tracker import GlobalTrainingProgress
+
+    tracker = tracker_without_network(SlowDHT())
+    tracker.global_progress = GlobalTrainingProgress(epoch=global_epoch, samples_accumulated=40, target_batch_size=100,
+                                                     num_peers=3, num_clients=0, eta_next_epoch=eta,
+                                                     next_fetch_time=float("inf"))
+    tracker.local_progress = SimpleNamespace(epoch=2, samples_accumulated=30)
+    tracker.report_local_progress = lambda *args, **kwargs: None  # (stores this peer's record: no DHT here)
+    return tracker
+
+
+def test_entering_an_epoch_the_swarm_entered_first_drops_its_stale_eta_and_fetches_now():
+    from hivemind.utils import get_dht_time
+
+    passed = get_dht_time() - 1.0  # extrapolated at the last fetch before this peer's boundary: passed meanwhile
+    tracker = tracker_at(global_epoch=3, eta=passed)
+    with tracker.pause_updates():
+        assert tracker.update_epoch(3) == 3
+    assert tracker.global_progress.eta_next_epoch == float("inf")  # not ready at once, with no samples of its own
+    assert tracker.global_progress.samples_accumulated == 40  # the swarm's samples of epoch 3 still count
+    assert tracker.global_progress.next_fetch_time <= get_dht_time() and tracker.global_state_updated.is_set()
+
+    # first to enter: hivemind's own reset (an ETA from nobody's progress yet); no fetch forced
+    tracker = tracker_at(global_epoch=2, eta=passed)
+    with tracker.pause_updates():
+        tracker.update_epoch(3)
+    assert (tracker.global_progress.epoch, tracker.global_progress.samples_accumulated) == (3, 0)
+    assert tracker.global_progress.next_fetch_time == float("inf") and not tracker.global_state_updated.is_set()
