@@ -460,9 +460,10 @@ ACCUMULATE_IN_PLACE = True
 def can_accumulate_in_place(optimizer: Any, averager: Any) -> bool:
     """Whether ``averager`` (the gradient averager of ``optimizer``, a ``hivemind.Optimizer`` being built) can
     accumulate in the round's buffers (see above)."""
+    # (keeps_accumulation: no delay_grad_averaging)
     if not ACCUMULATE_IN_PLACE or not averager.keeps_accumulation or averager.reuse_grad_buffers:
         return False
-    if optimizer.delay_optimizer_step or optimizer.delay_grad_averaging:
+    if optimizer.delay_optimizer_step:
         return False
     return all(acc.device.type == "cpu" and param.device.type == "cpu"
                for acc, param in zip(averager._grad_accumulators(), averager.parameters, strict=True))
