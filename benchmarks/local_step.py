@@ -6,18 +6,21 @@ hivemind epoch ends). Variants run interleaved in rounds (A/B/C/.../A/B/C/...) o
 round's time is divided by the plain loop's time of the same round, so machine noise that lasts longer than a round
 cancels. (Rounds shorter than an epoch would leave a peer idle mid-epoch; hivemind's progress tracker then thinks
 the epoch is overdue and steps early, so the cadence would differ.) The number of epochs each variant ran is
-reported as a check.
+reported as a check. Each variant runs in a process of its own, as a user's script does: collabopt sets glibc's
+malloc thresholds for its process (collabopt/host_memory.py), which would change the plain loop's allocations too.
 
 For the collabopt variants the time spent inside the non-finite guard's checks is measured too (its share of the
 variant's time: a figure that the round-to-round noise of the ratios does not blur).
 
-Run alone: ``python -m benchmarks.local_step config.json`` (the runner writes the config).
+Run alone: ``python -m benchmarks.local_step config.json`` (the runner writes the config; it starts
+``python -m benchmarks.local_step config.json VARIANT`` for each variant).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import uuid
@@ -40,7 +43,24 @@ VARIANTS = {
     "collabopt reuse": ("collabopt", {"reuse_grad_buffers": True}),
     "collabopt offload": ("collabopt", {"offload_optimizer": True}),
     "collabopt reuse+offload": ("collabopt", {"reuse_grad_buffers": True, "offload_optimizer": True}),
+    "collabopt, glibc's malloc defaults": ("collabopt", {}),
+    "plain torch, collabopt's malloc thresholds": ("torch", {}),
 }
+
+
+def variant_env(name: str, gradient_bytes: int) -> dict[str, str]:
+    """Environment of a variant's process beyond the harness's."""
+    if name == "collabopt, glibc's malloc defaults":
+        # collabopt leaves malloc alone where the user tuned it (collabopt/host_memory.py). A malloc tunable set to
+        # its default value: glibc's dynamic thresholds stay on (setting a threshold would switch them off), so
+        # this is the default mode as it ran before collabopt set them
+        return {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"}
+    if name == "plain torch, collabopt's malloc thresholds":  # what collabopt would set for this model
+        from collabopt.host_memory import HEADROOM, MMAP_THRESHOLD
+
+        return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
+                "MALLOC_TRIM_THRESHOLD_": str(2 * gradient_bytes + HEADROOM)}
+    return {}
 
 
 GUARD_SECONDS: dict[int, float] = {}  # id(guard) -> seconds spent in its checks
@@ -136,57 +156,115 @@ class Variant:
             self.opt.shutdown()
 
 
-def main(config_path: str) -> None:
-    cfg = json.loads(Path(config_path).read_text())
+def worker(cfg: dict[str, Any], name: str) -> None:
+    """One variant in a process of its own: build it, then run a round per ``round`` line read from stdin and
+    answer each with a JSON line; ``close`` answers with the variant's totals."""
     import hivemind
 
     torch.set_num_threads(cfg.get("threads", 1))
     warnings.filterwarnings("ignore")
     time_the_guard()
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    names = cfg.get("variants", list(VARIANTS))
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]) if VARIANTS[name][0] != "torch" else None
     g = torch.Generator().manual_seed(1)
-    steps = cfg["steps_per_epoch"]
     batches = [
         (torch.randn(cfg["batch"], cfg["in_dim"], generator=g), torch.randint(0, 16, (cfg["batch"],), generator=g))
-        for _ in range(steps)
+        for _ in range(cfg["steps_per_epoch"])
     ]
-    variants = [Variant(name, cfg, dht) for name in names]
+    variant = Variant(name, cfg, dht)
+    try:
+        variant.train(batches)  # warm-up: the first epoch creates optimizer state, buffers, JIT paths
+        guard_before = variant.guard_seconds()
+        print(json.dumps(dict(ready=True)), flush=True)
+        for line in sys.stdin:
+            if line.strip() != "round":
+                break
+            wall, thread_cpu = variant.train(batches)
+            print(json.dumps(dict(wall=wall, cpu=thread_cpu)), flush=True)
+        print(json.dumps(dict(params=num_params(variant.model), local_steps=variant.local_steps,
+                              epochs=variant.epoch(), guard_seconds=variant.guard_seconds() - guard_before)),
+              flush=True)
+    finally:
+        variant.close()
+        if dht is not None:
+            dht.shutdown()
+
+
+def main(config_path: str) -> None:
+    """Start every variant in a process of its own, then run their rounds one at a time, interleaved.
+
+    Separate processes: a variant's allocations do not change another's (collabopt sets glibc's malloc thresholds
+    for its process: collabopt/host_memory.py), and the plain loop runs as a user's own script does. A variant's
+    processes are stopped while the others run.
+    """
+    import subprocess
+
+    cfg = json.loads(Path(config_path).read_text())
+    names = cfg.get("variants", list(VARIANTS))
+    gradient_bytes = 4 * num_params(make_mlp(cfg["params"], width=cfg["width"], in_dim=cfg["in_dim"]))
+    procs = {name: subprocess.Popen([sys.executable, "-m", "benchmarks.local_step", config_path, name],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    env=dict(os.environ, **variant_env(name, gradient_bytes)),
+                                    start_new_session=True)
+             for name in names}
+
+    def ask(name: str, command: str | None = None) -> dict[str, Any]:
+        """Send ``command``, read the answer; the variant's processes are stopped (SIGSTOP) between rounds, so the
+        background work of the idle variants' swarms (DHT, tracker, averagers) does not run beside a round."""
+        proc = procs[name]
+        if command is not None:
+            os.killpg(proc.pid, signal.SIGCONT)
+            proc.stdin.write(command + "\n")
+            proc.stdin.flush()
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"B2 variant {name!r} exited with {proc.wait()} (its output is in this log)")
+        if command == "round":
+            os.killpg(proc.pid, signal.SIGSTOP)
+        return json.loads(line)
+
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
-    guard_before: dict[str, float] = {}
     try:
-        for v in variants:  # warm-up: first epochs create optimizer state, buffers, JIT paths
-            v.train(batches)
-            guard_before[v.name] = v.guard_seconds()
+        for name in names:
+            ask(name)  # ready
+            os.killpg(procs[name].pid, signal.SIGSTOP)
         for r in range(cfg["rounds"]):
-            order = variants[r % len(variants):] + variants[: r % len(variants)]  # rotate so no variant is always first
-            for v in order:
-                wall, thread_cpu = v.train(batches)
-                times[v.name].append(wall)
-                cpu[v.name].append(thread_cpu)
-        base, base_cpu = times["plain torch"], cpu["plain torch"]
-        rows = []
-        for v in variants:
-            ratios = [t / b for t, b in zip(times[v.name], base, strict=True)]
-            cpu_ratios = [t / b for t, b in zip(cpu[v.name], base_cpu, strict=True)]
-            rows.append(dict(
-                variant=v.name, ratio=median(ratios), ratio_range=spread(ratios), cpu_ratio=median(cpu_ratios),
-                ms_per_step=1000 * median(times[v.name]) / steps, local_steps=v.local_steps, epochs=v.epoch(),
-                guard_share=(v.guard_seconds() - guard_before[v.name]) / sum(times[v.name])
-                if v.impl == "collabopt" else None,
-            ))
+            order = names[r % len(names):] + names[: r % len(names)]  # rotate so no variant is always first
+            for name in order:
+                answer = ask(name, "round")
+                times[name].append(answer["wall"])
+                cpu[name].append(answer["cpu"])
+        totals = {name: ask(name, "close") for name in names}
     finally:
-        for v in variants:
-            v.close()
-        dht.shutdown()
+        for proc in procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGCONT)
+                proc.stdin.close()
+                proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+    base, base_cpu = times["plain torch"], cpu["plain torch"]
+    rows = []
+    for name in names:
+        ratios = [t / b for t, b in zip(times[name], base, strict=True)]
+        cpu_ratios = [t / b for t, b in zip(cpu[name], base_cpu, strict=True)]
+        total = totals[name]
+        rows.append(dict(
+            variant=name, ratio=median(ratios), ratio_range=spread(ratios), cpu_ratio=median(cpu_ratios),
+            ms_per_step=1000 * median(times[name]) / cfg["steps_per_epoch"], local_steps=total["local_steps"],
+            epochs=total["epochs"],
+            guard_share=total["guard_seconds"] / sum(times[name]) if VARIANTS[name][0] == "collabopt" else None,
+        ))
     write_json(cfg["out"], dict(
-        params=num_params(variants[0].model), batch=cfg["batch"], steps_per_epoch=cfg["steps_per_epoch"],
-        steps_per_round=steps, rounds=cfg["rounds"], rows=rows,
+        params=totals[names[0]]["params"], batch=cfg["batch"], steps_per_epoch=cfg["steps_per_epoch"],
+        steps_per_round=cfg["steps_per_epoch"], rounds=cfg["rounds"], rows=rows, processes="one per variant",
     ))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if len(sys.argv) > 2:
+        worker(json.loads(Path(sys.argv[1]).read_text()), sys.argv[2])
+    else:
+        main(sys.argv[1])
     sys.stdout.flush()
     os._exit(0)  # skip hivemind's noisy interpreter-exit finalizers; everything was shut down above

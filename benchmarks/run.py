@@ -152,7 +152,7 @@ def markdown(results: dict[str, Any]) -> str:
             lines += [
                 f"MLP {r['params']:,} params, Adam, batch {r['batch']}, optimizer step every {r['steps_per_epoch']} "
                 f"local steps (a lone peer's epoch), {r['rounds']} interleaved rounds of {r['steps_per_round']} "
-                "steps, 1 thread.",
+                "steps, 1 thread" + (", each variant in a process of its own." if r.get("processes") else "."),
                 "",
                 "| variant | time / plain torch (median) | range | main-thread CPU / plain | ms per step | "
                 "global steps / local steps | guard's share of the time | goal |",
@@ -160,7 +160,7 @@ def markdown(results: dict[str, Any]) -> str:
             ]
             for row in r["rows"]:
                 goal = ""
-                if row["variant"].startswith("collabopt"):
+                if row["variant"].startswith("collabopt") and not row["variant"].startswith("collabopt,"):
                     goal = f"≤ {GOALS['b2']} {_verdict(row['ratio'] <= GOALS['b2'])}"
                 lines.append(f"| {row['variant']} | {row['ratio']:.3f} | {row['ratio_range']} | "
                              f"{row['cpu_ratio']:.3f} | {row['ms_per_step']:.1f} | "

@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from collabopt import host_memory
 from collabopt.batch_size import ForwardSampleCounter, resolve_samples
 from collabopt.config import (
     CORE_OBJECTS,
@@ -223,6 +224,7 @@ class NodeOptimizer(SwarmOptimizerBase):
         self._user_scheduler = scheduler
         self.scheduler: CollaborativeScheduler | None = None
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        host_memory.keep_freed_memory_for(self._params)  # every rank steps alike (rank 0's core does it again)
         self._counter = ForwardSampleCounter(model) if model is not None else None
         self._copt: CollaborativeOptimizer | None = None
         self._status = NodeStatus()

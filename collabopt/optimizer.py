@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from collabopt import _hivemind, diloco, lifecycle, scheduling, swarm
+from collabopt import _hivemind, diloco, host_memory, lifecycle, scheduling, swarm
 from collabopt._hivemind import DiLoCoPeer, HivemindPeer, log_like_hivemind
 from collabopt.batch_size import ForwardSampleCounter, resolve_samples
 from collabopt.config import (
@@ -230,6 +230,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         try:
             if peer is None:
                 log_like_hivemind()
+                host_memory.keep_freed_memory_for(p for group in optimizer.param_groups for p in group["params"])
                 with preserved_sigint():
                     if swarm_options is not None:
                         self.dht = swarm.start_dht(swarm_options)
