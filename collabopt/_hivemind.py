@@ -1126,15 +1126,31 @@ def forget_stale_progress(tracker: Any, local_epoch: int) -> None:
     epoch 11's progress (ETA passed), so ``ready_to_update_epoch`` was true and it began the boundary of epoch 12 at
     once, with no samples, before the others had any; its state round then found no group (the others had
     pre-scheduled theirs) and it ended the run apart (the 2 | 2 partition test)."""
+    with tracker.pause_updates():
+        if tracker.global_progress.epoch > local_epoch:
+            return  # news: the swarm moved on during the download (hivemind downloads again)
+        fetch_progress_anew(tracker, epoch=local_epoch, samples_accumulated=0)
+
+
+def fetch_progress_anew(tracker: Any, **changes: Any) -> None:
+    """Drop the ETA of the tracker's view of the swarm (with ``changes`` to that view) and make it fetch the swarm's
+    progress now. Call under ``tracker.pause_updates()``."""
     from hivemind.utils import get_dht_time
 
-    with tracker.pause_updates():
-        progress = tracker.global_progress
-        if progress.epoch > local_epoch:
-            return  # news: the swarm moved on during the download (hivemind downloads again)
-        tracker.global_progress = dataclasses.replace(progress, epoch=local_epoch, samples_accumulated=0,
-                                                      eta_next_epoch=float("inf"), next_fetch_time=get_dht_time())
+    tracker.global_progress = dataclasses.replace(tracker.global_progress, eta_next_epoch=float("inf"),
+                                                  next_fetch_time=get_dht_time(), **changes)
     tracker.global_state_updated.set()  # the fetcher re-reads next_fetch_time: it fetches now
+
+
+def _record_not_older_than(record: Any, oldest: float) -> Any:
+    """A progress record (a ``ValueWithExpiration`` of a dict) whose ``time`` is at least ``oldest``: as it was, or
+    a copy with ``time = oldest``; anything else as it was (hivemind's parser skips what it cannot read)."""
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    value = getattr(record, "value", None)
+    if not isinstance(value, dict) or not isinstance(value.get("time"), float) or value["time"] >= oldest:
+        return record
+    return ValueWithExpiration(dict(value, time=oldest), record.expiration_time)
 
 
 def make_progress_tracker(optimizer: Any, target_batch_size: int, **kwargs: Any) -> Any:
@@ -1157,7 +1173,7 @@ def _progress_tracker_class() -> type:
     from hivemind.optim.progress_tracker import ProgressTracker
 
     class ProgressTrackerThatDrains(ProgressTracker):
-        """hivemind's tracker, with three changes.
+        """hivemind's tracker, with these changes.
 
         * **Throttled reports.** hivemind stores this peer's progress record in the DHT at every step: a signed record
           to 5 replicas, ~25 kB sent across the swarm each (measured: 390 kB/s sent per peer of 4 at 20 steps/s on the
@@ -1180,6 +1196,9 @@ def _progress_tracker_class() -> type:
           a state or (DiLoCo, a round not applied) resets the count toward the next round, and records from
           before it would restore the old count (the next step would start another round at once), its ETA and
           ``fetched_global_progress_this_epoch``.
+        * **No extrapolation of idle peers.** hivemind extrapolates each record's count by its samples per second
+          until the record expires, also for a peer that stopped stepping; this one for at most
+          :meth:`extrapolation_limit` seconds (:meth:`_parse_swarm_progress_data`).
 
         The gate is the reporter's event itself: hivemind's reporter thread waits on it, so setting it and clearing
         it a moment later (as collabopt once did) still woke the reporter, which stored anyway."""
@@ -1246,14 +1265,10 @@ def _progress_tracker_class() -> type:
             boundary, and the peer then began the epoch's global step at its next step (a suite run: 0.07 s after
             entering the epoch, while another peer downloaded; its rounds found no group and waited out
             ``averaging_timeout``). :func:`forget_stale_progress` does the same after a download."""
-            from hivemind.utils import get_dht_time
-
             joins = new_epoch is not None and new_epoch <= self.global_progress.epoch
             epoch = super().update_epoch(new_epoch)
             if joins:
-                self.global_progress.eta_next_epoch = float("inf")
-                self.global_progress.next_fetch_time = get_dht_time()
-                self.global_state_updated.set()  # the fetcher re-reads next_fetch_time: it fetches now
+                fetch_progress_anew(self)
             return epoch
 
         def shutdown(self, *args: Any, **kwargs: Any) -> Any:
@@ -1301,7 +1316,29 @@ def _progress_tracker_class() -> type:
                 logging.getLogger("hivemind.optim.progress_tracker").log(
                     self.status_loglevel, f"No longer fetching {self.training_progress_key}")
 
+        def extrapolation_limit(self) -> float:
+            """Seconds past its record's time for which a peer's samples are extrapolated (see
+            :meth:`_parse_swarm_progress_data`): a peer that steps stores its record at least once per
+            :meth:`report_period` (peers of a run share it); ``min_refresh_period`` more for the store's latency."""
+            return self.report_period() + self.min_refresh_period
+
         def _parse_swarm_progress_data(self, metadata: Any) -> Any:
+            """hivemind's, but a peer's samples are extrapolated for at most :meth:`extrapolation_limit` seconds past
+            its record's time.
+
+            hivemind adds ``samples_per_second * (now - record time)`` to each record's count, without limit, until
+            the record expires. A peer that stopped stepping (blocked in a state download, paused, at a finish line,
+            or killed) still counted as training: 2 s of an idle peer's rate filled a 512-sample epoch, and a peer
+            that had just entered it began the global step at its next step with none of its own (a suite run of the
+            unguarded-NaN test: its rounds found no group and waited out ``averaging_timeout``). A peer that steps
+            stores its record at least once per report period (collabopt) or at every step (hivemind), so within the
+            limit its count is extrapolated as before; a peer whose steps take longer than the limit has its samples
+            counted when its step reports them."""
+            from hivemind.utils import get_dht_time
+
+            if isinstance(metadata, dict):
+                oldest = get_dht_time() - self.extrapolation_limit()
+                metadata = {key: _record_not_older_than(record, oldest) for key, record in metadata.items()}
             progress = super()._parse_swarm_progress_data(metadata)
             epochs = [self.local_progress.epoch]
             for record in metadata.values() if isinstance(metadata, dict) else ():

@@ -105,3 +105,48 @@ def test_entering_an_epoch_the_swarm_entered_first_drops_its_stale_eta_and_fetch
         tracker.update_epoch(3)
     assert (tracker.global_progress.epoch, tracker.global_progress.samples_accumulated) == (3, 0)
     assert tracker.global_progress.next_fetch_time == float("inf") and not tracker.global_state_updated.is_set()
+
+
+def parsing_tracker(epoch: int = 3):
+    """A tracker that parses records with hivemind's arithmetic (min_refresh_period 0.5 s: records of stepping
+    peers are at most 0.5 s old, plus the store's latency)."""
+    from hivemind.utils.performance_ema import PerformanceEMA
+
+    tracker = tracker_without_network(SlowDHT())
+    del tracker._parse_swarm_progress_data  # the class's own
+    tracker.prefix, tracker.target_batch_size = "run", 512
+    tracker.min_refresh_period, tracker.max_refresh_period = 0.5, 1.0
+    tracker.expected_drift_peers, tracker.expected_drift_rate = 3, 0.2
+    tracker.local_progress = SimpleNamespace(epoch=epoch, samples_accumulated=0)
+    tracker.performance_ema = PerformanceEMA(alpha=0.1)
+    return tracker
+
+
+def record(age: float, samples: int, rate: float, epoch: int = 3):
+    from hivemind.utils import get_dht_time
+
+    return ValueWithExpiration(dict(peer_id=b"peer", epoch=epoch, samples_accumulated=samples,
+                                    samples_per_second=rate, time=get_dht_time() - age, client_mode=False),
+                               float("inf"))
+
+
+def test_a_peer_that_stopped_stepping_is_not_extrapolated_into_a_full_epoch():
+    from hivemind.optim.progress_tracker import ProgressTracker
+    from hivemind.utils import get_dht_time
+
+    # the suite run: R's record (epoch 3, 0 samples, 320 samples/s) was 2 s old while R downloaded a state; hivemind
+    # extrapolated it to 640 of 512 samples, ETA 0, and the peer that had just entered epoch 3 began its global step
+    stale = {b"r": record(age=2.0, samples=0, rate=320.0), b"b": record(age=0.05, samples=0, rate=320.0)}
+    hivemind_view = ProgressTracker._parse_swarm_progress_data(parsing_tracker(), stale)
+    assert hivemind_view.eta_next_epoch <= get_dht_time()
+    progress = parsing_tracker()._parse_swarm_progress_data(stale)
+    # R counts for at most 1 s (0.5 s report period + 0.5 s): 320 + 16 samples of 512, 0.27 s more at 640/s
+    assert progress.eta_next_epoch - get_dht_time() > 0.2
+    assert progress.num_peers == 2 and progress.epoch == 3
+
+    # records of peers that step (at most a report period old) are extrapolated as hivemind does
+    fresh = {b"r": record(age=0.4, samples=100, rate=320.0), b"b": record(age=0.1, samples=50, rate=320.0)}
+    ours = parsing_tracker()._parse_swarm_progress_data(fresh)
+    theirs = ProgressTracker._parse_swarm_progress_data(parsing_tracker(), fresh)
+    assert abs(ours.eta_next_epoch - theirs.eta_next_epoch) < 0.05
+    assert ours.samples_accumulated == theirs.samples_accumulated == 150
