@@ -44,6 +44,13 @@ def diff(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
+def log_tail(tmp_path: Path, name: str, lines: int = 40) -> str:
+    """The DiLoCo rounds, downloads and epochs of a peer's log (the last ``lines`` of them), for assertion messages."""
+    keep = ("DiLoCo round", "Downloading", "out of sync", "accumulated", "WARN", "ERROR")
+    log = (tmp_path / f"{name}.log").read_text(errors="replace").splitlines()
+    return "\n".join([line[:200] for line in log if any(k in line for k in keep)][-lines:])
+
+
 def rounds_by_epoch(result: dict) -> dict[int, dict]:
     return {r["epoch"]: r for r in result["rounds"]}
 
@@ -130,12 +137,13 @@ def test_a_peer_that_misses_a_round_keeps_its_progress_and_resyncs(tmp_path, boo
     results, params = run_swarm(tmp_path, bootstrap, configs)
 
     rounds = {name: rounds_by_epoch(results[name]) for name in names}
+    why = ({n: results[n]["rounds"] for n in names}, {n: log_tail(tmp_path, n) for n in names})
     # C missed round 2 (the others applied it, maybe the next one too, while C's averaging failed), then
     # downloaded the swarm's state at epoch `caught_up`
-    assert not rounds["c"].get(2, {}).get("applied", False), rounds["c"]
+    assert not rounds["c"].get(2, {}).get("applied", False), why
     caught_up = min(e for e, r in rounds["c"].items() if r["resynced"])
-    assert caught_up >= 2 and not rounds["c"][caught_up]["applied"]
-    assert rounds["a"][2]["applied"] and rounds["a"][2]["group_size"] == 2
+    assert caught_up >= 2 and not rounds["c"][caught_up]["applied"], why
+    assert rounds["a"][2]["applied"] and rounds["a"][2]["group_size"] == 2, why
     # C's parameters after the download: the swarm's anchor plus C's own progress since its old anchor (epoch 1)
     anchor_old, anchor_new = params["c"]["after"][1], params["a"]["after"][caught_up]
     kept = {k: anchor_new[k] + params["c"]["before"][caught_up][k] - anchor_old[k] for k in anchor_new}
@@ -144,7 +152,7 @@ def test_a_peer_that_misses_a_round_keeps_its_progress_and_resyncs(tmp_path, boo
     # the next round: everyone again, equal; C's weight counts every sample since its last round (before the fault)
     following = caught_up + 1
     for name in names:
-        assert rounds[name][following]["applied"] and rounds[name][following]["group_size"] == 3
+        assert rounds[name][following]["applied"] and rounds[name][following]["group_size"] == 3, (name, why)
         assert diff(params[name]["after"][following], params["a"]["after"][following]) <= EQUAL
         for r in results[name]["rounds"]:
             if r["applied"]:
