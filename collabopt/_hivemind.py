@@ -1962,7 +1962,7 @@ def _diloco_classes() -> dict[str, type]:
 
         async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
             # hivemind 1.1.12's method, replying with the average instead of the difference
-            part_index = 0
+            part_index = sent = 0
             try:
                 loop = asyncio.get_event_loop()
                 async for tensor_part, weight, part_compression in amap_in_executor(
@@ -1979,7 +1979,12 @@ def _diloco_classes() -> dict[str, type]:
                     serialized = await loop.run_in_executor(
                         None, lambda part=averaged_part, kind=part_compression: serialize_torch_tensor(part, kind))
                     yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                    sent += 1
             finally:
+                if sent != self.tensor_part_reducer.num_parts:
+                    logger.debug(f"{self}: results to sender {sender_index}: {sent} of "
+                                 f"{self.tensor_part_reducer.num_parts} parts sent ({part_index} accumulated)",
+                                 stack_info=True)
                 if part_index != self.tensor_part_reducer.num_parts:
                     await self._ban_sender(self.sender_peer_ids[sender_index])
 

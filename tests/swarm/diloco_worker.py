@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import random
 import sys
 import time
@@ -35,6 +36,10 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
+    # why a member's all-reduce failed (hivemind says it at debug level only): in the log when a test fails
+    logging.getLogger("hivemind.averaging.allreduce").setLevel(logging.DEBUG)
+    logging.getLogger("collabopt._hivemind").setLevel(logging.DEBUG)
+    logging.getLogger("hivemind.p2p.p2p_daemon").setLevel(logging.DEBUG)
     out = cfg["out"]
     seed = cfg.get("seed", 0)
     rng = random.Random(seed)
