@@ -43,7 +43,9 @@ needs_glibc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="g
 def test_freed_gradients_are_reused_without_page_faults():
     pages = 32 * 2**20 // 4096
     plain = run_probe("plain")
-    assert min(plain["faults"]) > pages // 2, plain  # glibc's defaults: the freed gradients went back to the kernel
+    # glibc's defaults: the freed gradients went back to the kernel. At least one round: glibc's dynamic thresholds
+    # (raised as mmapped blocks are freed) can keep a later round in the heap (a fresh-clone run: [8072, 256])
+    assert max(plain["faults"]) > pages // 2, plain
     kept = run_probe("keep")
     assert kept["kept"] is True
     assert max(kept["faults"]) < pages // 20, kept
