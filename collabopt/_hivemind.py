@@ -1888,8 +1888,12 @@ class DiLoCoPeer(HivemindPeer):
         return super().step(samples)
 
     def accumulators(self) -> None:
-        """None: the inner optimizer applies every step's gradients at once (they are checked at each step)."""
+        """None: the inner optimizer applies every step's gradients at once."""
         return None
+
+    def restart_from_last_round(self) -> None:
+        """The parameters turned non-finite: restart from the last round's (see :mod:`collabopt.diloco`)."""
+        self.diloco.restart_from_last_round(self.hivemind_optimizer)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -1911,6 +1915,18 @@ class DiLoCoPeer(HivemindPeer):
         self.diloco.reanchor(self.hivemind_optimizer)
 
 
+PARTIAL_RESULTS = "collabopt_partial_results"  # what a DiLoCo round returns instead of its group's metadata when
+# part of the average did not arrive (the averager runs in its own process: its round's result is the only channel)
+
+
+def _raise_if_partial(gathered: Any) -> Any:
+    from collabopt.diloco import PartialRound
+
+    if isinstance(gathered, dict) and PARTIAL_RESULTS in gathered:
+        raise PartialRound("part of the round's average did not arrive")
+    return gathered
+
+
 @functools.lru_cache(maxsize=1)
 def _diloco_classes() -> dict[str, type]:
     """The hivemind subclasses of DiLoCo mode, built on first use (they import hivemind)."""
@@ -1929,6 +1945,10 @@ def _diloco_classes() -> dict[str, type]:
 
     logger = logging.getLogger(__name__)
 
+    class PartialResults(AllreduceException):
+        """The all-reduce ended with part (less than half) of the average missing here: most of this peer's
+        pseudo-gradient demonstrably reached its reducers (see :class:`collabopt.diloco.PartialRound`)."""
+
     class ValueAllReduceRunner(AllReduceRunner):
         """hivemind's butterfly all-reduce, except that each reducer sends back the average itself, compressed
         once, instead of ``average - what that sender sent`` compressed per sender, and uses that same compressed
@@ -1945,8 +1965,13 @@ def _diloco_classes() -> dict[str, type]:
         async def run(self) -> Any:
             async for value in super().run():
                 yield value
-            if self.tensor_part_container.failed_size:
-                raise AllreduceException(f"{self.tensor_part_container.failed_size} values were not averaged")
+            failed, total = self.tensor_part_container.failed_size, self.tensor_part_container.total_size
+            if failed and 2 * failed < total:
+                # a reducer returns a part's average only once it holds every member's part: most of this peer's
+                # pseudo-gradient reached the group (and where the rest went is unknown)
+                raise PartialResults(f"{failed} of {total} values were not averaged")
+            if failed:  # most of its pseudo-gradient may not have left (its link failed): a failed round
+                raise AllreduceException(f"{failed} of {total} values were not averaged")
 
         async def _communicate_with_peer(self, peer_id: Any) -> None:
             if peer_id != self.peer_id:
@@ -1991,7 +2016,9 @@ def _diloco_classes() -> dict[str, type]:
     class PseudoGradientAverager(GradientAverager):
         """hivemind's gradient averager as the carrier of pseudo-gradients: it only counts samples (the round writes
         the pseudo-gradients into its tensors) and averages with :class:`ValueAllReduceRunner`, applying a result
-        only once all of it arrived (a retried round then resends the pseudo-gradients, not a partial result)."""
+        only once all of it arrived. A round whose average came in part is not retried when most of it came (the
+        others may have applied it with this peer's pseudo-gradient: :class:`collabopt.diloco.PartialRound`); a
+        retried round resends the pseudo-gradients, not a partial result."""
 
         def __init__(self, parameters: Any, *, dht: Any, prefix: str, client_mode: bool | None = None,
                      **kwargs: Any):
@@ -2000,6 +2027,7 @@ def _diloco_classes() -> dict[str, type]:
             parameters = tuple(parameters)
             buffers = tuple(torch.zeros(p.shape, dtype=torch.float32).share_memory_() for p in parameters)
             kwargs.setdefault("allow_state_sharing", False)  # nothing to serve: the state averager serves the state
+            self._partial_groups: set[bytes] = set()  # (averager process) all-reduces whose average came in part
             super().__init__(parameters, dht=dht, prefix=prefix, reuse_grad_buffers=True, client_mode=client_mode,
                              warn=False, averaged_grads=buffers, **kwargs)
             self.reuse_grad_buffers = False
@@ -2031,11 +2059,25 @@ def _diloco_classes() -> dict[str, type]:
                 async for _ in runner:
                     raise ValueError("aux peers should not receive averaged tensors")
                 return
-            results = [value async for value in runner]
+            try:
+                results = [value async for value in runner]
+            except PartialResults as e:
+                # not an error hivemind may retry: this peer's pseudo-gradient may have reached the group, and a
+                # retry would send it into another round (_aggregate_with_group tells the round instead)
+                logger.warning(f"{self}: {e}; this peer's pseudo-gradient may have reached its group")
+                self._partial_groups.add(group_id)
+                return
             for tensor, value in zip(tensors, results, strict=True):
                 tensor.copy_(value)
             self.last_updated = get_dht_time()
             self._state_updated.set()
+
+        async def _aggregate_with_group(self, group_info: Any, *args: Any, **kwargs: Any) -> Any:
+            gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
+            if group_info.group_id in self._partial_groups:
+                self._partial_groups.discard(group_info.group_id)
+                return {PARTIAL_RESULTS: True}
+            return gathered
 
     class ThrottledProgressTracker(_progress_tracker_class()):
         """A DiLoCo peer's tracker: it stores its progress record at most once per
@@ -2101,7 +2143,7 @@ def _diloco_classes() -> dict[str, type]:
                 if not control.done():
                     control.cancel()
             self.grad_averager.notify_used_averaged_gradients()
-            return gathered
+            return _raise_if_partial(gathered)
 
         def skip_averaging(self) -> None:
             control, self.scheduled_grads = self.scheduled_grads, None
@@ -2180,15 +2222,18 @@ def _diloco_classes() -> dict[str, type]:
                 self._tag_along_with_zero_weight(control)
             self.state_averager.step(wait_for_delayed_updates=True)
             with self.tracker.pause_updates():
-                progress = self.diloco.local_progress(self)
+                progress, since = self.diloco.progress_to_keep(self)
                 epoch, anchor = self.local_epoch, diloco_module.fingerprint(self.anchors)
+                downloaded = True
                 try:
                     self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
                 except Exception as e:  # nobody could serve it now: the next step tries again
                     logger.warning("collabopt: downloading the swarm's state failed: %r", e)
-                self.diloco.restore_progress(self, progress)
+                    downloaded = False
+                moved = self.local_epoch != epoch or diloco_module.fingerprint(self.anchors) != anchor
+                self.diloco.restore_after_download(self, progress, since, downloaded, moved)
                 self.diloco.needs_sync = False
-                if self.local_epoch != epoch or diloco_module.fingerprint(self.anchors) != anchor:
+                if moved:
                     self.diloco.resyncs += 1
                 self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
                 self._share_state()
@@ -2214,7 +2259,7 @@ def _diloco_classes() -> dict[str, type]:
                 return
             self._in_flight = None
             try:
-                result = control.result(self.averaging_timeout)
+                result = _raise_if_partial(control.result(self.averaging_timeout))
                 self.grad_averager.notify_used_averaged_gradients()
             except Exception as e:
                 result = e

@@ -10,9 +10,13 @@ of the round NaN, for good. collabopt refuses non-finite values at both ends:
   :data:`CHECK_INTERVAL` seconds and never more often than :data:`CHECK_COST_SHARE` of the time allows (so a
   local step pays nothing for it: the check costs a pass over the gradients, as much as a tenth of a CPU step).
   A non-finite accumulation is dropped with its samples (retracted from the swarm's count), as an AMP overflow
-  drops it with ``reuse_grad_buffers``. Where a step's gradients are applied at once (``use_local_updates``,
-  DiLoCo's inner steps) they are checked at every step (:meth:`NonFiniteGuard.gradients_finite`) and a
-  non-finite step contributes nothing;
+  drops it with ``reuse_grad_buffers``. Where a step's gradients are applied at once with ``use_local_updates``
+  they are checked at every step (:meth:`NonFiniteGuard.gradients_finite`) and a non-finite step contributes
+  nothing. DiLoCo's inner steps are applied at once too, but what a round contributes is the change of the
+  parameters: they are checked at every round and between rounds at most once per
+  :data:`PARAMETER_CHECK_INTERVAL` seconds and :data:`CHECK_COST_SHARE` of the time
+  (:meth:`NonFiniteGuard.parameters_finite`); a peer whose parameters turned non-finite restarts from the last
+  round's (:mod:`collabopt.diloco`);
 * **incoming** (:meth:`NonFiniteGuard.wrap_optimizer`): the optimizer hivemind steps refuses non-finite (averaged)
   gradients, leaving parameters and statistics as they were; after a global step whose parameter averaging
   brought non-finite values (a peer running plain hivemind or an older collabopt), the core restores the
@@ -39,10 +43,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CHECK_COST_SHARE", "CHECK_INTERVAL", "NonFiniteGuard", "all_finite"]
+__all__ = ["CHECK_COST_SHARE", "CHECK_INTERVAL", "PARAMETER_CHECK_INTERVAL", "NonFiniteGuard", "all_finite"]
 
 CHECK_INTERVAL = 0.25  # seconds between checks of the accumulation, at least (it is always checked at a boundary)
 CHECK_COST_SHARE = 0.005  # and at most this share of the time spent checking it
+# seconds between checks of a DiLoCo peer's parameters, at least: a peer whose parameters turned non-finite restarts
+# from the last round's whenever the check finds it, so a later check only wastes the (non-finite) steps in between
+PARAMETER_CHECK_INTERVAL = 1.0
 
 
 @torch.no_grad()
@@ -94,14 +101,23 @@ class NonFiniteGuard:
     def accumulation_finite(self, accumulators: Sequence[torch.Tensor | None]) -> bool:
         """Check the gradients accumulated toward the next global epoch; count and report a refusal. Schedules
         the next periodic check from what this one cost."""
-        start = time.monotonic()
-        finite = all_finite(accumulators)
-        took = time.monotonic() - start
-        self._next_check = start + max(CHECK_INTERVAL, took / CHECK_COST_SHARE)
+        finite = self._check_now(accumulators)
         if not finite:
             self.refused_steps += 1
             self._report("accumulations holding non-finite gradients were not contributed (their samples are "
                          "counted in samples_skipped)")
+        return finite
+
+    def parameters_finite(self, parameters: Sequence[torch.Tensor]) -> bool:
+        """Check a DiLoCo peer's parameters (its inner steps since the last check); schedules the next periodic
+        check from what this one cost. The caller decides what a refusal costs (see :mod:`collabopt.diloco`)."""
+        return self._check_now(parameters, PARAMETER_CHECK_INTERVAL)
+
+    def _check_now(self, tensors: Sequence[torch.Tensor | None], interval: float | None = None) -> bool:
+        start = time.monotonic()
+        finite = all_finite(tensors)
+        took = time.monotonic() - start
+        self._next_check = start + max(CHECK_INTERVAL if interval is None else interval, took / CHECK_COST_SHARE)
         return finite
 
     # ------------------------------------------------------------------ incoming

@@ -35,7 +35,7 @@ from collabopt.config import (
     sized_next_chunk_timeout,
 )
 from collabopt.errors import ConfigurationError
-from collabopt.guard import NonFiniteGuard
+from collabopt.guard import NonFiniteGuard, all_finite
 from collabopt.interface import StepResult, SwarmOptimizerBase, check_state, pack_state
 from collabopt.lifecycle import SigtermHandler, preserved_sigint
 from collabopt.metrics import DILOCO_PUBLISH_INTERVAL, PUBLISH_INTERVAL, MetricsReporter
@@ -213,7 +213,9 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         self._grad_units: float | None = None  # the loss scale param.grad is expressed in (reuse_grad_buffers + AMP)
         self._sigterm = SigtermHandler()
         self._guard = NonFiniteGuard() if config.nonfinite_guard else None
-        self._guard_each_step = False  # check every step's gradients (else the accumulation: collabopt/guard.py)
+        # what the guard checks between boundaries (collabopt/guard.py): "each step" (its gradients), "accumulation"
+        # (on its schedule) or, in DiLoCo mode, "parameters" (on its schedule); None without a guard
+        self._guard_checks: str | None = None
         self._stepping_samples = 0  # samples of the step in peer.step() now (not in samples_reported yet)
         self._dropped_at_boundary = 0  # samples whose non-finite accumulation was dropped inside the last peer.step
         # DiLoCo mode's state and counters (collabopt/diloco.py); None in the synchronous mode
@@ -246,8 +248,12 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
                     # synchronous). DiLoCo's inner steps and use_local_updates step on the local gradients step()
                     # has just checked: a second pass over them would cost as much again at every step
                     self._guard.wrap_optimizer(peer.optimizer, keep_snapshot=not config.updates_in_background)
-                self._guard_each_step = config.auxiliary or peer.accumulators() is None
-                if not self._guard_each_step:
+                if self.diloco is not None:
+                    self._guard_checks = "parameters"
+                elif config.auxiliary or peer.accumulators() is None:
+                    self._guard_checks = "each step"
+                else:
+                    self._guard_checks = "accumulation"
                     peer.set_before_averaging(self._check_accumulation_at_boundary)
             if config.handle_signals:
                 self._sigterm.install()
@@ -303,7 +309,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         self.local_steps += 1
         amp = found_inf is not None
         refused = float(found_inf) > 0 if amp else (  # the scaler checked AMP gradients already
-            self._guard_each_step and not self._guard.gradients_finite(self._peer.parameters))
+            self._guard_checks == "each step" and not self._guard.gradients_finite(self._peer.parameters))
         if refused:
             return self._after_step(self._discard_local_progress(samples, loss), epoch_before)
 
@@ -332,7 +338,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
             self._failed_syncs = 0
         elif not accepted and self._peer.local_epoch < self._peer.global_epoch:
             self._give_up_sync_if_nobody_serves()
-        if (not dropped and not amp and self._guard is not None and not self._guard_each_step
+        if (not dropped and not amp and self._guard_checks == "accumulation"
                 and self._peer.accumulated_steps > 0 and self._guard.check_due()
                 and not self._guard.accumulation_finite(self._peer.accumulators())):
             dropped = self._drop_accumulation()
@@ -376,6 +382,9 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         background modes after any step that changed the parameters (hivemind applies results at a later step)."""
         if self._guard is None:
             return
+        if self.diloco is not None:
+            self._check_diloco_parameters(epoch_changed)
+            return
         if epoch_changed or self.config.updates_in_background:
             main = self._peer.parameters
             version = sum(p._version for p in main)  # every in-place write bumps a tensor's version counter
@@ -384,6 +393,22 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
                 version = sum(p._version for p in main)
             self._checked_version = version
         self._guard.release()
+
+    def _check_each_step(self) -> None:
+        """Check every step's gradients (DiLoCo: instead of the parameters on the guard's schedule). A node's ranks
+        take the same inner steps: a non-finite step must be refused before any rank takes it (rank 0 alone would
+        restart from the last round, the other ranks' inner optimizers kept its non-finite statistics)."""
+        if self._guard is not None:
+            self._guard_checks = "each step"
+
+    def _check_diloco_parameters(self, epoch_changed: bool) -> None:
+        """DiLoCo: inner steps apply every step's gradients at once, and a round applies only finite averages. The
+        parameters are checked on the guard's schedule (see :mod:`collabopt.guard`) and after a round; if they are
+        not finite, this peer restarts from the last round's parameters (:meth:`DiLoCo.restart_from_last_round`)."""
+        if self._guard_checks != "parameters":
+            return  # (a node's: each step's gradients are checked)
+        if (epoch_changed or self._guard.check_due()) and not self._guard.parameters_finite(self._peer.parameters):
+            self._peer.restart_from_last_round()
 
     def _restore_finite_parameters(self, main: list[torch.Tensor]) -> None:
         optimizer_params = [p for group in self._peer.optimizer.param_groups for p in group["params"]]
@@ -559,8 +584,9 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
 
     @property
     def nonfinite_steps(self) -> int:
-        """Accumulations (or, where each step is applied at once, local steps) the non-finite guard dropped (their
-        samples are in ``samples_skipped``) plus global steps whose non-finite averaging result was refused."""
+        """Accumulations (or, with ``use_local_updates``, local steps) the non-finite guard dropped (their samples
+        are in ``samples_skipped``; in DiLoCo mode: restarts from the last round's parameters, see
+        :mod:`collabopt.diloco`) plus global steps or rounds whose non-finite averaging result was refused."""
         guard = self._guard
         return guard.refused_steps + guard.refused_updates + guard.restored_parameters if guard is not None else 0
 
@@ -582,6 +608,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
     def state_dict(self) -> dict[str, Any]:
         """Optimizer statistics, scheduler state and local epoch (save the model's parameters separately)."""
         self._check_open()
+        self._check_diloco_parameters(epoch_changed=True)  # (DiLoCo: now, not on the guard's schedule)
         scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
         return pack_state(self.optimizer.state_dict(), scheduler, self.local_epoch, self.samples_reported)
 
@@ -589,6 +616,9 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         """Restore what :meth:`state_dict` saved. Load the model's parameters before calling this."""
         self._check_open()
         state = check_state(state)
+        if self.diloco is not None and self._guard is not None and not all_finite(self._peer.parameters):
+            raise ValueError("collabopt: the model's parameters are not finite (NaN/inf): in DiLoCo mode loaded "
+                             "parameters become the anchor this peer serves to the swarm; load a finite checkpoint")
         # DiLoCo: a round in flight is not applied onto the loaded parameters (they become the anchor)
         self._peer.finish_background_work(apply=self.diloco is None)
         self.optimizer.load_state_dict(state["optimizer"])

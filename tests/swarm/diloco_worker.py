@@ -6,8 +6,11 @@ epoch change (``after``), and after the last inner step before it (``before``: t
 
 Config (besides peer_worker.py's run_id, target_batch_size, epochs, batch_sizes, lr, seed, model_seed, wait_peers,
 finish_with, max_seconds, step_sleep): ``outer`` (SGD keyword arguments), ``compression`` ("none" for exact
-averaging), ``fail_round`` (this peer's averaging fails at that round: an injected network fault), ``stop_after``
-(leave after this many rounds, without waiting for anyone), ``collaborate`` (build it with
+averaging), ``fail_round`` (this peer's averaging fails at that round: an injected network fault),
+``cut_results_round`` and ``cut_marker`` (from this peer's that-many-th all-reduce on, its reducer ends one member's
+results one part short, once per swarm: an injected fault, see :func:`cut_results`; a member that lost results saves
+``partial``: its parameters when its pseudo-gradient was taken, by the epoch it was at), ``stop_after`` (leave after
+this many rounds, without waiting for anyone), ``collaborate`` (build it with
 ``collabopt.integrations.pytorch.collaborate``, the plain-loop adapter), ``overlap`` (``overlap_rounds=True``; then
 ``landed`` holds, per round applied, the anchor, the parameters after and before the step that applied it).
 """
@@ -59,10 +62,12 @@ def main(config_path: str) -> None:
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     sizes = batch_size_sequence(cfg.get("batch_sizes", [16]), rng)
     result = {"rounds": [], "samples_fed": 0}
-    params = {"after": {}, "before": {}, "landed": {}, "base": {}}
+    params = {"after": {}, "before": {}, "landed": {}, "base": {}, "partial": {}}
     last_inner = {}
     optimizer.register_step_post_hook(lambda *_: last_inner.update(params=snapshot(model)))
 
+    if cfg.get("cut_results_round") is not None:
+        cut_results(cfg["cut_results_round"], cfg["cut_marker"])
     if cfg.get("collaborate"):  # the plain-loop adapter
         copt = collaborate(model, optimizer, run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"],
                            **options)
@@ -89,8 +94,14 @@ def main(config_path: str) -> None:
             result["samples_fed"] += n
             fed_since_anchor += n
             before = (copt.local_epoch, copt.diloco.rounds_applied, copt.diloco.resyncs)
+            partial_before = copt.diloco.delivered is not None
             copt.step()
             copt.zero_grad()
+            if not cfg.get("overlap") and copt.diloco.delivered is not None and not partial_before:
+                # a round whose results did not all arrive: its pseudo-gradient (this step's parameters) reached the
+                # others, who applied it; what the next round weighs is what comes after
+                params["partial"][copt.local_epoch] = snapshot(model)
+                fed_since_anchor = 0
             if cfg.get("overlap") and copt.diloco.rounds_applied != before[1]:  # a round landed in this step
                 params["landed"][copt.diloco.rounds_applied] = dict(
                     after=snapshot(model), before=last_inner["params"],
@@ -122,6 +133,51 @@ def main(config_path: str) -> None:
         params["final"] = snapshot(model)
         torch.save(params, out + ".pt")
     write_json(out + ".json", result)
+
+
+def cut_results(round_index: int, marker: str) -> None:
+    """Fault injection: from this peer's ``round_index``-th all-reduce (1-based) on, the first time its reducer serves
+    a member (a peer reduces a part only in some rounds) and its last part is less than half of the average, it
+    ends that member's stream of results one part short, though it averaged that part: the failure seen on
+    loopback (test_diloco.results_cut), whose member must not count its pseudo-gradient twice. Once per swarm:
+    the peer that cuts creates ``marker`` first. Patched on the classes before hivemind forks the averager's
+    process."""
+    import os
+
+    from collabopt._hivemind import _diloco_classes
+
+    classes = _diloco_classes()
+    runner, averager = classes["runner"], classes["averager"]
+    accumulate, run_allreduce = runner._accumulate_parts_streaming, averager._run_allreduce_inplace_
+    state = {"rounds": 0, "cut": False}
+
+    async def counting_rounds(self, *args, **kwargs):
+        state["rounds"] += 1
+        return await run_allreduce(self, *args, **kwargs)
+
+    async def accumulate_then_cut(self, stream, sender_index):
+        last_part = self.tensor_part_reducer.part_shapes[-1].numel()
+        # (the member must get more than half of the average: with less it cannot tell that its pseudo-gradient
+        # arrived, and its round fails as any other)
+        cutting = (state["rounds"] >= round_index and not state["cut"]
+                   and 2 * last_part < self.tensor_part_container.total_size)
+        if cutting:
+            state["cut"] = True
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                cutting = False  # another peer cut already
+        sent = 0
+        async for message in accumulate(self, stream, sender_index):
+            sent += 1
+            if cutting and sent == self.tensor_part_reducer.num_parts:
+                print(f"fault injection: round {state['rounds']}: results to sender {sender_index} cut one part "
+                      "short", flush=True)
+                return  # averaged, but that member never gets its result
+            yield message
+
+    runner._accumulate_parts_streaming = accumulate_then_cut
+    averager._run_allreduce_inplace_ = counting_rounds
 
 
 def inject_failure(copt: CollaborativeOptimizer, round_index: int) -> None:

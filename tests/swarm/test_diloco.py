@@ -102,7 +102,7 @@ def test_three_peers_with_different_batch_sizes_are_equal_after_every_round(tmp_
         assert diff(after[reference], previous) > 1e-3  # the round moved the parameters
     for name in names:  # every sample since the last round counted in each round's weight
         for r in results[name]["rounds"]:
-            if r["applied"] and not cut[name]:  # (a cut peer re-anchored without a round: the worker cannot tell)
+            if r["applied"]:  # (a peer that lost results weighs only what came after: diloco_worker)
                 assert r["weight"] == r["fed_since_anchor"], (name, r)
         assert results[name]["final_loss"] < results[name]["start_loss"]
         assert results[name]["metrics_interval"] == DILOCO_PUBLISH_INTERVAL  # (DHT traffic: see collabopt.metrics)
@@ -181,9 +181,44 @@ def test_a_peer_that_misses_a_round_keeps_its_progress_and_resyncs(tmp_path, boo
         assert rounds[name][following]["applied"] and rounds[name][following]["group_size"] == 3, (name, why)
         assert diff(params[name]["after"][following], params["a"]["after"][following]) <= EQUAL
         for r in results[name]["rounds"]:
-            if r["applied"] and not cut[name]:  # (a cut peer re-anchored without a round: the worker cannot tell)
+            if r["applied"]:  # (a peer that lost results weighs only what came after: diloco_worker)
                 assert r["weight"] == r["fed_since_anchor"], (name, r)
     assert results["c"]["rounds_failed"] >= 1 and results["c"]["resyncs"] >= 1
+
+
+def test_a_member_that_loses_part_of_a_rounds_results_counts_its_progress_once(tmp_path, bootstrap):
+    """Fault injection (diloco_worker.cut_results): in the second round, one peer's reducer ends one member's
+    results one part short, though it averaged that part (the failure of results_cut). The member's pseudo-gradient
+    reached the group, which applied the round with it: the member does not send it again, downloads the swarm's
+    state and keeps only its progress since, and its next round weighs only the samples since. (It counted them
+    twice: hivemind retried the all-reduce with it, and the download kept all the progress since the old anchor.)"""
+    names = {"a": [8], "b": [16], "c": [24]}
+    configs = peers(unique_run_id("diloco_cut"), names, epochs=5, cut_results_round=2,
+                    cut_marker=str(tmp_path / "cut.marker"))
+    for name in configs:
+        configs[name]["finish_with"] = finish_line(tmp_path, *(n for n in names if n != name))
+    results, params = run_swarm(tmp_path, bootstrap, configs)
+
+    rounds = {name: rounds_by_epoch(results[name]) for name in names}
+    why = ({n: results[n]["rounds"] for n in names}, {n: log_tail(tmp_path, n) for n in names})
+    cutter = [n for n in names if "cut one part short" in (tmp_path / f"{n}.log").read_text(errors="replace")]
+    cut = [n for n in names if results_cut(tmp_path, n)]
+    assert len(cutter) == 1 and len(cut) == 1 and cut != cutter, (cutter, cut, why)
+    member, others = cut[0], [n for n in names if n != cut[0]]
+    epoch = min(e for e, r in rounds[member].items() if r["resynced"])  # the round it lost results of
+    assert not rounds[member][epoch]["applied"], why
+    assert all(rounds[n][epoch]["applied"] and rounds[n][epoch]["group_size"] == 3 for n in others), why
+    # after the download: the swarm's anchor plus the member's progress since its pseudo-gradient was taken
+    contributed, anchor = params[member]["partial"][epoch - 1], params[others[0]]["after"][epoch]
+    kept = {k: anchor[k] + params[member]["before"][epoch][k] - contributed[k] for k in anchor}
+    assert diff(params[member]["after"][epoch], kept) <= EQUAL, why
+    previous = params[member]["after"].get(epoch - 1, params[member]["start"])
+    assert diff(contributed, previous) > 1e-3  # (its pseudo-gradient was not nothing)
+    following = epoch + 1  # everyone again, equal; the member's weight: its samples since that pseudo-gradient
+    for name in names:
+        assert rounds[name][following]["applied"] and rounds[name][following]["group_size"] == 3, (name, why)
+        assert diff(params[name]["after"][following], params["a"]["after"][following]) <= EQUAL
+        assert rounds[name][following]["weight"] == rounds[name][following]["fed_since_anchor"], (name, why)
 
 
 def test_accelerate_two_rank_node_beside_a_plain_peer(tmp_path, bootstrap):

@@ -9,11 +9,13 @@ import functools
 import pytest
 import torch
 from collabopt.integrations.pytorch import collaborate
+from fakes import FakePeer
 
+import collabopt.guard as guard_module
 import collabopt.optimizer as optimizer_module
 import collabopt.swarm as swarm_module
 from collabopt import CollabConfig, CollaborativeOptimizer, ConfigurationError
-from collabopt.diloco import INCOMPATIBLE, DiLoCo, agrees_with_group, fingerprint, report_period
+from collabopt.diloco import INCOMPATIBLE, DiLoCo, PartialRound, agrees_with_group, fingerprint, report_period
 from collabopt.guard import NonFiniteGuard
 
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -236,6 +238,201 @@ def test_a_non_finite_local_pseudo_gradient_is_not_contributed():
     with swarm.buffers() as buffers:  # the average is the other peer's alone: nothing of this peer's NaN
         assert all(torch.equal(b, o) for b, o in zip(buffers, other, strict=True))
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def inner_steps(model: torch.nn.Module, diloco: DiLoCo, steps: int = 1, samples: int = 8) -> None:
+    for _ in range(steps):
+        model(torch.randn(samples, 4)).pow(2).mean().backward()
+        diloco.inner_step(samples)
+        diloco.inner.zero_grad()
+
+
+@pytest.mark.parametrize("anchor_moved", [True, False])
+def test_after_a_partial_round_a_download_keeps_the_progress_the_swarm_has_not_applied(anchor_moved):
+    model, diloco, swarm = trained(num_peers=3)  # 24 samples since the anchor
+    swarm.fail = PartialRound("part of the round's average did not arrive")
+    contributed = [p.detach().clone() for p in model.parameters()]
+    outcome = diloco.run_round(swarm)
+    assert not outcome.applied and diloco.needs_sync  # no next round before the download tells
+    assert diloco.pending_samples == 24 and all(torch.equal(b, c) for b, c in zip(diloco.delivered[0], contributed,
+                                                                                 strict=True))
+    inner_steps(model, diloco)  # 8 more samples before the download
+    now = [p.detach().clone() for p in model.parameters()]
+    old_anchor = [a.detach().clone() for a in swarm.anchors]
+    progress, since = diloco.progress_to_keep(swarm)
+    with torch.no_grad():  # the download: the swarm's anchor, moved by the round if the others applied it
+        for p, a in zip(model.parameters(), swarm.anchors, strict=True):
+            a.add_(0.5 if anchor_moved else 0.0)
+            p.copy_(a)
+    diloco.restore_after_download(swarm, progress, since, downloaded=True, anchor_moved=anchor_moved)
+    kept = ([n - c for n, c in zip(now, contributed, strict=True)] if anchor_moved  # applied: only what came after
+            else [n - a for n, a in zip(now, old_anchor, strict=True)])  # not applied: everything since the anchor
+    for p, a, k in zip(model.parameters(), swarm.anchors, kept, strict=True):
+        torch.testing.assert_close(p.detach(), a.detach() + k)
+    assert diloco.pending_samples == (8 if anchor_moved else 32) and diloco.delivered is None
+
+
+def test_a_failed_download_after_a_partial_round_keeps_what_it_must_decide():
+    model, diloco, swarm = trained(num_peers=3)
+    swarm.fail = PartialRound("part of the round's average did not arrive")
+    diloco.run_round(swarm)
+    before = [p.detach().clone() for p in model.parameters()]
+    progress, since = diloco.progress_to_keep(swarm)
+    diloco.restore_after_download(swarm, progress, since, downloaded=False, anchor_moved=False)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert diloco.delivered is not None and diloco.pending_samples == 24  # the next download decides
+
+
+def test_overlap_a_partial_round_remembers_where_its_pseudo_gradient_was_taken():
+    model, diloco, swarm = trained(num_peers=3)
+    diloco.overlap = True
+    diloco.start_round(swarm)
+    base = diloco.pending.base
+    inner_steps(model, diloco)
+    outcome = diloco.land_round(swarm, PartialRound("part of the round's average did not arrive"))
+    assert not outcome.applied and diloco.needs_sync and diloco.pending_samples == 32
+    assert diloco.delivered[0] is base and diloco.delivered[1] == 24
+
+
+def test_other_failures_and_restarts_leave_no_partial_round_behind():
+    model, diloco, swarm = trained(num_peers=3)
+    swarm.fail = ConnectionError("peer gone")  # its pseudo-gradient never left: kept for the next round
+    diloco.run_round(swarm)
+    assert diloco.delivered is None and not diloco.needs_sync
+    swarm.fail = PartialRound("part of the round's average did not arrive")
+    diloco.run_round(swarm)
+    assert diloco.delivered is not None
+    diloco.restart_from_last_round(swarm)  # (NaN): back at the anchor, nothing left to keep
+    assert diloco.delivered is None
+    diloco.run_round(swarm)
+    swarm.fail = None
+    diloco.run_round(swarm)  # a round since (its download failed): what it sent is what counts from now on
+    assert diloco.delivered is None
+
+
+def nan_inner_step(model: torch.nn.Module, diloco: DiLoCo) -> None:
+    """An inner step whose weight gradient is NaN (the bias's stays finite)."""
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    model.weight.grad[0, 0] = float("nan")
+    diloco.inner_step(8)
+    diloco.inner.zero_grad()
+
+
+def test_non_finite_parameters_restart_from_the_last_round_with_the_inner_statistics_they_spoiled_reset():
+    guard = NonFiniteGuard()
+    model, diloco, swarm = trained(guard=guard)
+    bias_state = {k: v.clone() for k, v in diloco.inner.state[model.bias].items()}
+    nan_inner_step(model, diloco)
+    assert not torch.isfinite(model.weight).all()
+    assert not torch.isfinite(diloco.inner.state[model.weight]["exp_avg"]).all()
+    diloco.restart_from_last_round(swarm)
+    assert all(torch.equal(p, a) for p, a in zip(model.parameters(), swarm.anchors, strict=True))
+    assert model.weight not in diloco.inner.state  # AdamW starts its statistics afresh for the weight only
+    assert diloco.inner.state[model.bias]["exp_avg"].isfinite().all()
+    assert not torch.equal(diloco.inner.state[model.bias]["exp_avg"], bias_state["exp_avg"])  # (the NaN step's)
+    assert diloco.pending_samples == 0 and guard.refused_steps == 1
+    model(torch.randn(8, 4)).pow(2).mean().backward()  # training goes on, and the next round contributes it
+    diloco.inner_step(8)
+    outcome = diloco.run_round(swarm)
+    assert outcome.applied and outcome.weight == 8
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_with_a_round_in_flight_a_restart_goes_back_to_where_that_round_started():
+    model, diloco, swarm = trained(num_peers=2)
+    diloco.overlap = True
+    swarm.others = [(8.0, [torch.ones_like(p) for p in swarm.parameters])]
+    weight = diloco.start_round(swarm)
+    base = [p.detach().clone() for p in model.parameters()]
+    gathered = swarm.average(weight)
+    nan_inner_step(model, diloco)
+    diloco.restart_from_last_round(swarm)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), base, strict=True))
+    outcome = diloco.land_round(swarm, gathered)  # the round lands with no progress made meanwhile
+    assert outcome.applied
+    assert all(torch.equal(p, a) for p, a in zip(model.parameters(), swarm.anchors, strict=True))
+
+
+class FakeDiLoCoPeer(FakePeer):
+    """A DiLoCo peer on a :class:`FakeSwarm` whose round is far away: every step applies the inner optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module):
+        super().__init__(optimizer, target_batch_size=10**9)
+        self.swarm = FakeSwarm(model)
+        self.diloco: DiLoCo | None = None  # the core's (set once it is built)
+
+    def step(self, samples: int | None) -> bool:
+        self.calls.append("step")
+        self.diloco.inner_step(samples)
+        return True
+
+    def accumulators(self) -> None:
+        return None
+
+    def restart_from_last_round(self) -> None:
+        self.calls.append("restart")
+        self.diloco.restart_from_last_round(self.swarm)
+
+
+def diloco_core() -> tuple[torch.nn.Module, CollaborativeOptimizer, FakeDiLoCoPeer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+    peer = FakeDiLoCoPeer(inner, model)
+    copt = CollaborativeOptimizer(inner, outer_optimizer=OUTER, peer=peer, handle_signals=False, **SWARM)
+    peer.diloco = copt.diloco
+    return model, copt, peer
+
+
+def test_a_nodes_core_refuses_a_non_finite_step_before_any_rank_takes_it():
+    model, copt, peer = diloco_core()
+    copt._check_each_step()  # (NodeOptimizer's rank 0: every rank takes the inner steps)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    model.weight.grad[0, 0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    result = copt.step(batch_size=8)
+    assert result.skipped == 8 and "step" not in peer.calls and copt.nonfinite_steps == 1
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    copt.close()
+
+
+def test_diloco_checkpoints_hold_finite_parameters():
+    model, copt, peer = diloco_core()
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    copt.step(batch_size=8)
+    copt.zero_grad()
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    state = copt.state_dict()  # checked now (not on the guard's schedule): the peer restarts first
+    assert "restart" in peer.calls and all(torch.isfinite(p).all() for p in model.parameters())
+    with torch.no_grad():
+        model.weight[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="not finite"):  # loaded parameters would become the anchor it serves
+        copt.load_state_dict(state)
+    copt.close()
+
+
+def test_the_core_checks_diloco_parameters_on_the_guards_schedule_not_at_every_step(monkeypatch):
+    monkeypatch.setattr(guard_module, "PARAMETER_CHECK_INTERVAL", 3600.0)
+    checks = []
+    check = NonFiniteGuard.parameters_finite
+    monkeypatch.setattr(NonFiniteGuard, "parameters_finite", lambda self, ps: checks.append(1) or check(self, ps))
+    model, copt, peer = diloco_core()
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    copt.step(batch_size=8)
+    copt.zero_grad()
+    assert len(checks) == 1  # the first step's (none was due before)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    model.weight.grad[0, 0] = float("nan")
+    copt.step(batch_size=8)  # not checked: applied, as every inner step is
+    copt.zero_grad()
+    assert len(checks) == 1 and not torch.isfinite(model.weight).all() and "restart" not in peer.calls
+    copt._guard._next_check = -float("inf")  # the interval has passed
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    copt.step(batch_size=8)
+    assert len(checks) == 2 and "restart" in peer.calls and copt.nonfinite_steps == 1
+    assert all(torch.equal(p, a) for p, a in zip(model.parameters(), peer.swarm.anchors, strict=True))
+    copt.close()
 
 
 def test_local_progress_survives_a_state_download():
