@@ -73,6 +73,7 @@ class SwarmOptimizer(Protocol):
     samples_per_second: float
     eta_next_epoch: float
     nonfinite_steps: int
+    out_of_sync: bool
 
     def step(self, closure: Callable[[], Any] | None = None, *, batch: Any = None,
              batch_size: int | None = None) -> StepResult: ...

@@ -121,7 +121,7 @@ def collaborative_optimizer(
 # swarm values rank 0 sends to every rank (the other ranks show them as their own)
 SWARM_VALUES = {"local_epoch": 0, "global_epoch": 0, "num_peers": 1, "samples_accumulated": 0,
                 "samples_per_second": 0.0, "eta_next_epoch": 0.0, "samples_reported": 0, "samples_skipped": 0,
-                "nonfinite_steps": 0}
+                "nonfinite_steps": 0, "out_of_sync": False}
 _RESULT_FIELDS = [f for f in dataclasses.fields(StepResult) if f.name != "loss"]
 _CAST = {"bool": bool, "int": int, "float": float}
 

@@ -595,7 +595,11 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         """Whether this peer knows its parameters differ from its swarm's: its last gradient round was partial (a
         peer's share of the average arrived late; hivemind used this peer's own gradients for it), or a round found
         it on another lineage or an epoch behind. Its next gradient round or step re-synchronizes it. False proves
-        nothing: only rounds compare parameters. Save the checkpoint of a run from a peer where this is False."""
+        nothing: only rounds compare parameters. Save the checkpoint of a run from a peer where this is False. In
+        DiLoCo mode: its last round found its anchor apart from its group's, or was partial; it downloads the swarm's
+        state before its next round."""
+        if self.diloco is not None and self.diloco.needs_sync:
+            return True
         optimizer = self.hivemind_optimizer
         return optimizer is not None and _hivemind.out_of_sync(optimizer)
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from accelerate.tracking import GeneralTracker
 from collabopt.integrations.accelerate import CollaborativeAccelerator
-from peer_worker import at_finish_line, make_data, make_model, rank0_decides, write_json
+from peer_worker import at_finish_line, make_data, make_model, progress_of, rank0_decides, write_json
 
 
 class MemoryTracker(GeneralTracker):
@@ -110,6 +110,7 @@ def main(config_path: str) -> None:
     torch.save({k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},
                out + ".start.pt")
     fed_since_sync = 0
+    progress = None  # what <out>.progress holds
     epoch_params = {}
     done = False
     while not done:
@@ -129,10 +130,12 @@ def main(config_path: str) -> None:
             result["samples_fed"] += fed_since_sync
             result["max_num_peers"] = max(result.get("max_num_peers", 0), copt.num_peers)
             fed_since_sync = 0
+            now = progress_of(copt)
+            if now != progress and accelerator.is_main_process:
+                write_json(cfg["out"] + ".progress", now)
+            progress = now
             if copt.local_epoch != before:
                 epoch = copt.local_epoch
-                if accelerator.is_main_process:
-                    write_json(cfg["out"] + ".progress", {"epoch": epoch})
                 result["epochs_seen"].append(epoch)
                 result["lrs"][str(epoch)] = optimizer.param_groups[0]["lr"]
                 result["sched_lrs"][str(epoch)] = scheduler.get_last_lr()[0]
@@ -149,7 +152,7 @@ def main(config_path: str) -> None:
                     break
             # every rank sees the same local_epoch; rank 0 reads the other peers' progress for all of them
             if copt.local_epoch >= cfg["epochs"] and rank0_decides(at_finish_line(cfg, copt.local_epoch,
-                                                                                   cfg["epochs"])):
+                                                                                   cfg["epochs"], progress["in_sync"])):
                 done = True
                 break
             time.sleep(cfg.get("step_sleep", 0.03))

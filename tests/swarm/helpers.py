@@ -144,6 +144,13 @@ def max_param_diff(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
+def rounds_log(tmp_path: Path, name: str, lines: int = 30) -> str:
+    """The last ``lines`` of peer ``name``'s log about its rounds, epochs and warnings, for assertion messages."""
+    keep = ("Averaged", "averaging", "received", "Transitioning", "Proceeding", "collabopt", "WARN", "ERROR")
+    log = (tmp_path / f"{name}.log").read_text(errors="replace").splitlines()
+    return "\n".join([line[:200] for line in log if any(k in line for k in keep)][-lines:])
+
+
 def progress_epoch(tmp_path: Path, name: str) -> int:
     """The epoch peer ``name`` last wrote to ``<name>.progress`` (-1 before its first)."""
     try:

@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from collabopt.integrations.lightning import CollaborativeStrategy
-from peer_worker import at_finish_line
+from peer_worker import at_finish_line, progress_of
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -124,6 +124,7 @@ class Recorder(pl.Callback):
         self.result: dict = {"lrs": {}, "max_peers_logged": 0, "progress_bar_keys": [], "logged_keys": []}
         self.deadline = time.monotonic() + cfg.get("max_seconds", 90)
         self.last_epoch = None
+        self.progress: dict | None = None  # what <out>.progress holds
         self.epoch_params: dict[int, dict] = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -153,8 +154,10 @@ class Recorder(pl.Callback):
             self.result["lrs"][str(epoch)] = copt.get_lr()[0]
             if self.cfg.get("save_epoch_params"):  # DiLoCo: the parameters right after each round
                 self.epoch_params[epoch] = copy_state(pl_module.state_dict())
-            if trainer.is_global_zero:
-                write_json(self.out + ".progress", {"epoch": epoch})
+        progress = progress_of(copt)
+        if progress != self.progress and trainer.is_global_zero:
+            write_json(self.out + ".progress", progress)
+        self.progress = progress
         pause = self.cfg.get("pause_at")
         if pause and epoch >= pause["epoch"] and not self.result.get("paused"):
             # wait for a late joiner: it then downloads the state of this epoch, whatever the machine's load
@@ -174,7 +177,7 @@ class Recorder(pl.Callback):
         # only where an optimizer step was just taken (accumulate_grad_batches), or fed samples would not be counted
         boundary = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
         finished = done and boundary and trainer.strategy.broadcast(
-            at_finish_line(self.cfg, epoch, self.cfg["global_epochs"]))
+            at_finish_line(self.cfg, epoch, self.cfg["global_epochs"], progress["in_sync"]))
         if finished or time.monotonic() > self.deadline:
             trainer.should_stop = True
 
@@ -222,6 +225,7 @@ def main(config_path: str) -> None:
         module_saw=model.seen,
         samples_reported=copt.samples_reported,
         samples_skipped=copt.samples_skipped,
+        out_of_sync=copt.out_of_sync,
         lightning_epoch=trainer.current_epoch,
         world_size=trainer.world_size,
     )

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from peer_worker import at_finish_line, make_data, make_model, write_json
+from peer_worker import at_finish_line, make_data, make_model, progress_of, write_json
 
 from collabopt import CollaborativeOptimizer
 from collabopt._hivemind import dht_time
 
 
-def finished(cfg: dict, epoch: int) -> bool:
+def finished(cfg: dict, epoch: int, in_sync: bool) -> bool:
     """At the finish line: ``epochs`` reached here and by the peers of ``finish_with``; with ``target_file``, only
     once that file exists, and at least the epoch it holds."""
     target = cfg["epochs"]
@@ -32,7 +32,7 @@ def finished(cfg: dict, epoch: int) -> bool:
             target = max(target, int(Path(cfg["target_file"]).read_text()))
         except (OSError, ValueError):
             return False
-    return at_finish_line(cfg, epoch, target)
+    return at_finish_line(cfg, epoch, target, in_sync)
 
 
 def main(config_path: str) -> None:
@@ -56,7 +56,7 @@ def main(config_path: str) -> None:
                                 model=model, host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=2.0,
                                 averaging_timeout=15.0, print_join_message=False) as copt:
         assert copt.wait_for_peers(cfg.get("wait_peers", 1), timeout=60), "the other peers did not come"
-        while not finished(cfg, copt.local_epoch) and time.monotonic() < deadline:
+        while not finished(cfg, copt.local_epoch, not copt.out_of_sync) and time.monotonic() < deadline:
             idx = torch.randint(0, len(x_all), (cfg.get("batch_size", 16),))
             loss = F.cross_entropy(model(x_all[idx]), y_all[idx])
             loss.backward()
@@ -64,7 +64,7 @@ def main(config_path: str) -> None:
             copt.zero_grad()
             copt.report_loss(loss)
             log(copt)
-            write_json(out + ".progress", {"epoch": copt.local_epoch})
+            write_json(out + ".progress", progress_of(copt))
             time.sleep(cfg.get("step_sleep", 0.05))
         Path(out + ".done").touch()
         while not Path(out + ".stop").exists() and time.monotonic() < deadline:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from collabopt.integrations.pytorch import collaborate
-from peer_worker import at_finish_line, make_data, make_model, rank0_decides, write_json
+from peer_worker import at_finish_line, make_data, make_model, progress_of, rank0_decides, write_json
 
 from collabopt import ConfigurationError, wait_for_peers
 
@@ -63,7 +63,8 @@ def main(config_path: str) -> None:
             inner.step = slow_step
         result["lrs"][str(copt.local_epoch)] = optimizer.param_groups[0]["lr"]
         steps = 0
-        while (not rank0_decides(at_finish_line(cfg, copt.local_epoch, cfg["epochs"]))
+        progress = progress_of(copt)
+        while (not rank0_decides(at_finish_line(cfg, copt.local_epoch, cfg["epochs"], progress["in_sync"]))
                and steps < cfg.get("max_steps", 2000)):
             n = cfg.get("batch_sizes", [8, 12])[(steps + rank) % len(cfg.get("batch_sizes", [8, 12]))]
             idx = torch.randint(0, len(x_all), (n,))
@@ -74,9 +75,11 @@ def main(config_path: str) -> None:
             copt.zero_grad()
             steps += 1
             result["max_num_peers"] = max(result.get("max_num_peers", 0), copt.num_peers)
+            now = progress_of(copt)
+            if now != progress and rank == 0:
+                write_json(cfg["out"] + ".progress", now)
+            progress = now
             if copt.local_epoch != before:
-                if rank == 0:
-                    write_json(cfg["out"] + ".progress", {"epoch": copt.local_epoch})
                 result["epochs_seen"].append(copt.local_epoch)
                 result["lrs"][str(copt.local_epoch)] = optimizer.param_groups[0]["lr"]
                 result["num_peers_seen"].append(copt.num_peers)

@@ -56,6 +56,11 @@ def write_json(path: str, value) -> None:
     os.replace(path + ".tmp", path)
 
 
+def progress_of(copt) -> dict:
+    """What a worker writes to its ``<out>.progress`` file for the others' finish line (see :func:`at_finish_line`)."""
+    return {"epoch": copt.local_epoch, "in_sync": not copt.out_of_sync}
+
+
 def at_finish_line(cfg: dict, epoch: int, target: int, in_sync: bool = True) -> bool:
     """Whether this peer (at ``epoch``) and every peer named in ``cfg["finish_with"]`` reached ``target``, none of
     them out of sync (``CollaborativeOptimizer.out_of_sync``).
@@ -236,7 +241,7 @@ def main(config_path: str) -> None:
                     epoch_params[copt.local_epoch] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             if arm_stall is not None and copt.local_epoch >= cfg["stall_reducer"]["from_epoch"]:
                 arm_stall()
-            now = {"epoch": copt.local_epoch, "in_sync": not copt.out_of_sync}
+            now = progress_of(copt)
             if progress != now:
                 progress = now
                 write_json(progress_file, progress)

@@ -626,3 +626,10 @@ def test_a_long_round_spaces_the_progress_records_out():
     assert report_period(2.0, 0.5, 10.0) == 0.5  # short rounds (the tests'): unchanged
     assert report_period(33.0, 0.5, 10.0) == pytest.approx(3.3)  # B6's 600 steps of 55 ms
     assert report_period(1000.0, 0.5, 10.0) == 10.0  # never longer than the fetch period
+
+
+def test_out_of_sync_says_a_download_is_pending():
+    _, copt, _ = diloco_core()
+    assert not copt.out_of_sync
+    copt.diloco.needs_sync = True  # (a round found its anchor apart from its group's, or was partial)
+    assert copt.out_of_sync

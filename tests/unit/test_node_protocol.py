@@ -26,4 +26,5 @@ def test_node_step_protocol(tmp_path):
     assert r0["after_errors"] == r1["after_errors"] == "ok"
     # the NaN step's 8 samples and the 4 accumulated before it in this epoch (retracted) are skipped
     assert r0["nan_step"] == r1["nan_step"] == [0, 12, -4, 1]
+    assert r0["out_of_sync"] is r1["out_of_sync"] is True  # rank 0's core's, sent to rank 1 with the step
     assert r0["init_error"] == r1["init_error"] == "ConfigurationError: initial_peers"
