@@ -363,7 +363,8 @@ def write_report(result: dict[str, Any]) -> None:
                              f"{r['utilization_min']:.3f} | {r['step_overhead_ms']:.1f} | {r['longest_step_s']:.1f} "
                              f"| {r['bytes_per_sample']:.0f} | {ratio} |")
             lines += ["", "Goal: DiLoCo compute utilization >= 0.98 and >= 100x fewer bytes sent per sample. "
-                      "Compute: the simulated compute (sleep) plus the inner optimizer's step; utilization: compute "
+                      "Compute: the simulated compute (sleep) plus the inner optimizer's step() call (torch's "
+                      "wrapper included, which a plain loop pays too); utilization: compute "
                       "over the wall time of a whole number of epochs / rounds after the first; bytes per sample: "
                       "what the 4 peers sent over the samples they trained on in those windows. Gradients travel in "
                       "fp32 in the synchronous mode (its default), pseudo-gradients in fp16 (DiLoCo's default)."]

@@ -245,8 +245,9 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
             if self._guard is not None:
                 if self.diloco is None and not config.use_local_updates:  # averaged gradients reach the optimizer:
                     # it refuses non-finite ones (with a snapshot to undo a non-finite averaging result, where it is
-                    # synchronous). DiLoCo's inner steps and use_local_updates step on the local gradients step()
-                    # has just checked: a second pass over them would cost as much again at every step
+                    # synchronous). use_local_updates steps on the local gradients step() has just checked: a second
+                    # pass over them would cost as much again at every step. DiLoCo's inner steps are not wrapped:
+                    # its parameters are checked (_check_diloco_parameters)
                     self._guard.wrap_optimizer(peer.optimizer, keep_snapshot=not config.updates_in_background)
                 if self.diloco is not None:
                     self._guard_checks = "parameters"
