@@ -150,3 +150,25 @@ def test_a_peer_that_stopped_stepping_is_not_extrapolated_into_a_full_epoch():
     theirs = ProgressTracker._parse_swarm_progress_data(parsing_tracker(), fresh)
     assert abs(ours.eta_next_epoch - theirs.eta_next_epoch) < 0.05
     assert ours.samples_accumulated == theirs.samples_accumulated == 150
+
+
+def test_the_progress_record_built_at_every_step_is_the_one_hivemind_validates():
+    from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
+    from hivemind.p2p import PeerID
+
+    tracker = tracker_without_network(SlowDHT())
+    tracker.dht = SimpleNamespace(peer_id=PeerID(b"peer"))
+    tracker.client_mode = False
+    tracker.performance_ema.update(task_size=32)
+    fast = tracker._get_local_progress(3, 96)
+    validated = ProgressTracker._get_local_progress(tracker, 3, 96)
+    assert isinstance(fast, LocalTrainingProgress)
+    assert fast.dict().keys() == validated.dict().keys()
+    assert {k: type(v) for k, v in fast.dict().items()} == {k: type(v) for k, v in validated.dict().items()}
+    assert LocalTrainingProgress.parse_obj(fast.dict()).samples_accumulated == 96  # what the others fetch parses
+    for epoch, samples in ((-1, 0), (0, -5)):  # what the validation refuses still raises
+        try:
+            tracker._get_local_progress(epoch, samples)
+        except ValueError:
+            continue
+        raise AssertionError(f"epoch {epoch}, samples {samples} were accepted")
