@@ -1222,13 +1222,14 @@ def _progress_tracker_class() -> type:
             from hivemind.optim.progress_tracker import LocalTrainingProgress
             from hivemind.utils import get_dht_time
 
-            if local_epoch < 0 or samples_accumulated < 0:  # what the validation refused (then raise as it did)
+            rate, now = self.performance_ema.samples_per_second, get_dht_time()
+            if not (type(local_epoch) is int and type(samples_accumulated) is int and min(local_epoch,
+                    samples_accumulated) >= 0 and type(rate) is float and rate >= 0 and type(now) is float
+                    and type(self.client_mode) is bool):  # what the validation may refuse: validate (and raise)
                 return super()._get_local_progress(local_epoch, samples_accumulated)
             return LocalTrainingProgress.construct(
-                peer_id=self.dht.peer_id.to_bytes(), epoch=int(local_epoch),
-                samples_accumulated=int(samples_accumulated),
-                samples_per_second=float(self.performance_ema.samples_per_second), time=float(get_dht_time()),
-                client_mode=bool(self.client_mode))
+                peer_id=self.dht.peer_id.to_bytes(), epoch=local_epoch, samples_accumulated=samples_accumulated,
+                samples_per_second=rate, time=now, client_mode=self.client_mode)
 
         @property
         def should_report_progress(self) -> threading.Event:
