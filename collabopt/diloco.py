@@ -222,6 +222,7 @@ class DiLoCo:
         self.rounds_applied = 0
         self.rounds_failed = 0
         self.resyncs = 0  # state downloads that kept this peer's local progress
+        self.samples_discarded = 0  # samples of inner steps undone by restarts (non-finite parameters)
         self.swarm_writes = 0  # times the swarm replaced this peer's parameters (rounds applied, downloads)
         self.last_round: RoundOutcome | None = None
         self.pending: PendingRound | None = None  # overlap mode: the round whose all-reduce is running
@@ -423,6 +424,7 @@ class DiLoCo:
         for param, state in list(self.inner.state.items()):
             if not all_finite([v for v in state.values() if torch.is_tensor(v) and v.is_floating_point()]):
                 del self.inner.state[param]
+        self.samples_discarded += self.pending_samples
         self.pending_samples = 0
         self.delivered = None
         self.swarm_writes += 1

@@ -204,7 +204,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         self.user_optimizer = optimizer
         self.grad_scaler = grad_scaler
         self.samples_reported = 0  # samples this peer passed to the swarm
-        self.samples_skipped = 0  # samples of steps skipped because of inf/nan gradients
+        self._samples_skipped = 0  # samples of steps skipped because of inf/nan gradients (see samples_skipped)
         self.local_steps = 0
         self.scheduler: CollaborativeScheduler | None = None
         self._user_scheduler = scheduler
@@ -369,7 +369,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         lost = self._peer.accumulated_samples
         self._peer.drop_accumulated()
         self.samples_reported -= lost - counted
-        self.samples_skipped += lost
+        self._samples_skipped += lost
         return lost
 
     def _after_step(self, result: StepResult, epoch_before: int) -> StepResult:
@@ -439,7 +439,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
             self._grad_units = None
         else:
             self.zero_grad()
-        self.samples_skipped += skipped
+        self._samples_skipped += skipped
         return StepResult(skipped=skipped, grads_reset=self.config.reuse_grad_buffers, loss=loss)
 
     def _give_up_sync_if_nobody_serves(self) -> None:
@@ -582,6 +582,14 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
                                   doc="Throughput of the whole swarm (this peer's rate times the number of peers).")
     eta_next_epoch = property(lambda self: self._read("eta_next_epoch", 0.0),
                               doc="Estimated seconds until the next global epoch.")
+
+    @property
+    def samples_skipped(self) -> int:
+        """Samples this peer trained on that contribute nothing: steps the non-finite guard (or an AMP overflow)
+        dropped, which also leave ``samples_reported``; in DiLoCo mode also the inner steps undone by a restart from
+        the last round's parameters (those stay in ``samples_reported``: the swarm counted them toward its round)."""
+        diloco = getattr(self, "diloco", None)  # (None before the constructor set it)
+        return self._samples_skipped + (diloco.samples_discarded if diloco is not None else 0)
 
     @property
     def nonfinite_steps(self) -> int:

@@ -325,7 +325,9 @@ def test_non_finite_parameters_restart_from_the_last_round_with_the_inner_statis
     nan_inner_step(model, diloco)
     assert not torch.isfinite(model.weight).all()
     assert not torch.isfinite(diloco.inner.state[model.weight]["exp_avg"]).all()
+    undone = diloco.pending_samples
     diloco.restart_from_last_round(swarm)
+    assert undone > 0 and diloco.samples_discarded == undone  # (a CollaborativeOptimizer's samples_skipped)
     assert all(torch.equal(p, a) for p, a in zip(model.parameters(), swarm.anchors, strict=True))
     assert model.weight not in diloco.inner.state  # AdamW starts its statistics afresh for the weight only
     assert diloco.inner.state[model.bias]["exp_avg"].isfinite().all()
@@ -633,3 +635,13 @@ def test_out_of_sync_says_a_download_is_pending():
     assert not copt.out_of_sync
     copt.diloco.needs_sync = True  # (a round found its anchor apart from its group's, or was partial)
     assert copt.out_of_sync
+
+
+def test_samples_skipped_counts_the_inner_steps_a_restart_undid():
+    copt = CollaborativeOptimizer.__new__(CollaborativeOptimizer)  # (only the counters)
+    copt._samples_skipped = 3  # dropped by the guard
+    copt.diloco = DiLoCo(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    copt.diloco.samples_discarded = 5
+    assert copt.samples_skipped == 8
+    copt.diloco = None  # the synchronous mode
+    assert copt.samples_skipped == 3
