@@ -355,8 +355,8 @@ def write_report(result: dict[str, Any]) -> None:
             lines.append(f"Skipped: {wan['skipped']}")
         else:
             lines += ["| Mbit/s | mode | steps per round/epoch (each peer / swarm) | compute utilization (mean, min) "
-                      "| step() overhead "
-                      "ms (median) | longest step s | bytes sent per sample | fewer bytes per sample than sync |",
+                      "| step() overhead ms (median) | longest step s | bytes sent per sample "
+                      "| fewer bytes per sample than sync |",
                       "|---|---|---|---|---|---|---|---|"]
             for r in wan["rows"]:
                 if "error" in r:
@@ -380,7 +380,7 @@ def write_report(result: dict[str, Any]) -> None:
 
 def steps_cell(row: dict[str, Any]) -> str:
     """A WAN row's steps per round (epoch): each peer's, and the swarm's (all peers compute at the same pace)."""
-    return f"{row['steps_per_round']} / {row['steps_per_round'] * row.get('peers', 4)}"
+    return f"{row['steps_per_round']} / {row['steps_per_round'] * row['peers']}"
 
 
 def plot(quality: dict[str, Any], path: Path) -> None:

@@ -588,8 +588,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         """Samples this peer trained on that contribute nothing: steps the non-finite guard (or an AMP overflow)
         dropped, which also leave ``samples_reported``; in DiLoCo mode also the inner steps undone by a restart from
         the last round's parameters (those stay in ``samples_reported``: the swarm counted them toward its round)."""
-        diloco = getattr(self, "diloco", None)  # (None before the constructor set it)
-        return self._samples_skipped + (diloco.samples_discarded if diloco is not None else 0)
+        return self._samples_skipped + (self.diloco.samples_discarded if self.diloco is not None else 0)
 
     @property
     def nonfinite_steps(self) -> int:
