@@ -34,7 +34,7 @@ from typing import Any
 import psutil
 
 from benchmarks.common import ROOT, write_json
-from collabopt import processes
+from collabopt.testing import processes
 
 WORKER = ROOT / "tests" / "swarm" / "peer_worker.py"
 RESULTS = ROOT / "benchmarks" / "results"

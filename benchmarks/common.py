@@ -1,5 +1,5 @@
 """Shared helpers: machine/version info, robust statistics, model builders and running a benchmark module
-(processes through :mod:`collabopt.processes`, the harness the tests and the demo use too)."""
+(processes through :mod:`collabopt.testing.processes`, the harness the tests and the demo use too)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from collabopt import processes
-from collabopt.processes import Process
+from collabopt.testing import processes
+from collabopt.testing.processes import Process
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Starting benchmark swarms (bootstrap DHT + peer processes, with :mod:`collabopt.processes`) and turning peer
+"""Starting benchmark swarms (bootstrap DHT + peer processes, with :mod:`collabopt.testing.processes`) and turning peer
 records into figures."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, child_env, median, write_json
-from collabopt import processes
-from collabopt.processes import Process
+from collabopt.testing import processes
+from collabopt.testing.processes import Process
 
 
 def start_bootstrap(workdir: Path, host: str = "127.0.0.1", netns: str | None = None) -> tuple[Process, str]:

@@ -12,9 +12,7 @@ from collabopt.node import NodeOptimizer, collaborative_optimizer
 from collabopt.optimizer import CollaborativeOptimizer, wait_for_peers
 from collabopt.scheduling import CollaborativeScheduler
 from collabopt.swarm import parse_initial_peers
-
-__version__ = "0.1.0"
-"""The version of collabopt."""
+from collabopt.version import __version__
 
 __all__ = [
     "CollabConfig",

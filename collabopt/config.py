@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-from collabopt import _hivemind, diloco
+from collabopt import diloco
+from collabopt.engine import compat
+from collabopt.engine.averaging import gradient_averager_factory
 from collabopt.errors import ConfigurationError
 from collabopt.swarm import DhtOptions, SwarmOptions, parse_initial_peers, validate_listen_maddrs
 
@@ -160,7 +162,7 @@ class CollabConfig(DhtOptions):
     def _check_hivemind_options(self) -> None:
         options = self.hivemind_options
         for name in ("grad_compression", "state_averaging_compression"):
-            if name in options and not _hivemind.check_compression(options[name]):
+            if name in options and not compat.check_compression(options[name]):
                 raise ConfigurationError(
                     name, f"expected a hivemind compression instance, got {type(options[name]).__name__}",
                     "pass e.g. hivemind.Float16Compression() or hivemind.Uniform8BitQuantization()",
@@ -206,11 +208,11 @@ class CollabConfig(DhtOptions):
         extra = dict(self.hivemind_options)
         averager_opts = extra.get("averager_opts")
         request_timeout = (averager_opts or {}).get("request_timeout")
-        if request_timeout is None and self.matchmaking_time <= _hivemind.HIVEMIND_REQUEST_TIMEOUT:
+        if request_timeout is None and self.matchmaking_time <= compat.HIVEMIND_REQUEST_TIMEOUT:
             request_timeout = self.matchmaking_time / 2
             extra["averager_opts"] = dict(averager_opts or {}, request_timeout=request_timeout)
         if not self.use_local_updates:  # (collabopt's averager, also where no request timeout is set)
-            extra["grad_averager_factory"] = _hivemind.gradient_averager_factory(
+            extra["grad_averager_factory"] = gradient_averager_factory(
                 extra.get("grad_averager_factory"), request_timeout)
         return dict(
             run_id=self.run_id,
@@ -257,7 +259,7 @@ def sized_next_chunk_timeout(tensor_bytes: int, matchmaking_time: float, averagi
 
 def hivemind_option_names() -> frozenset[str]:
     """``hivemind.Optimizer`` arguments users may pass through collabopt."""
-    return _hivemind.optimizer_parameter_names() - _MANAGED_BY_COLLABOPT
+    return compat.optimizer_parameter_names() - _MANAGED_BY_COLLABOPT
 
 
 def option_names() -> frozenset[str]:
@@ -276,7 +278,7 @@ def check_optimizer(optimizer: Any) -> None:
             "optimizer", f"expected a torch.optim.Optimizer instance, got {type(optimizer).__name__}",
             "pass e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)",
         )
-    if _hivemind.is_hivemind_object(optimizer):
+    if compat.is_hivemind_object(optimizer):
         raise ConfigurationError("optimizer", "it is already a hivemind optimizer",
                                  "pass the plain torch optimizer it wraps")
     if not any(p.requires_grad for group in optimizer.param_groups for p in group["params"]):
@@ -298,7 +300,7 @@ def check_callable(name: str, value: Any, fix: str) -> None:
 def check_dht(dht: Any, config: CollabConfig) -> None:
     if dht is None:
         return
-    if not _hivemind.is_dht(dht):
+    if not compat.is_dht(dht):
         raise ConfigurationError("dht", f"expected a hivemind.DHT, got {type(dht).__name__}",
                                  "pass hivemind.DHT(..., start=True)")
     given = config.swarm_options_given()

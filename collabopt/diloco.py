@@ -12,7 +12,7 @@ Passing ``outer_optimizer=`` to :class:`~collabopt.CollaborativeOptimizer` (or t
   over the round's peers, weighted by the samples each one trained on since the last round, and the **outer
   optimizer** steps from the last round's parameters (the *anchor*) with it. Every peer of the round ends with the
   same parameters: they held the same anchor and outer state, and the averaged pseudo-gradient reaches every peer as
-  the same values (see ``_hivemind.value_all_reduce``);
+  the same values (see :class:`collabopt.engine.diloco_averaging.ValueAllReduceRunner`);
 * the anchor and the outer optimizer's state (e.g. momentum) are the swarm's state: a late joiner downloads them;
 * pseudo-gradients travel compressed (``Float16Compression`` unless ``grad_compression=`` says otherwise);
 * with ``overlap_rounds=True`` the round's all-reduce runs in the background while inner steps go on: the epoch
@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -125,34 +125,6 @@ def check_config(config: Any) -> None:
                                      f"drop {name}")
 
 
-def hivemind_arguments(config: Any, inner: torch.optim.Optimizer, optimizer_factory: Any,
-                       prepare: Callable[[torch.optim.Optimizer], None]) -> dict[str, Any]:
-    """``hivemind.Optimizer`` arguments of a DiLoCo peer: hivemind's optimizer is the outer one, built by
-    ``config.outer_optimizer`` on host copies of the parameters (the anchor), and ``prepare``d (its statistics
-    created without moving a parameter); the pseudo-gradient averager replaces the gradient averager."""
-    from collabopt import _hivemind
-
-    if optimizer_factory is not None:
-        raise ConfigurationError("optimizer_factory", "is not used with outer_optimizer: your optimizer steps "
-                                 "locally and outer_optimizer builds the outer one", "drop optimizer_factory")
-    arguments = config.hivemind_arguments()
-    request_timeout = (arguments.get("averager_opts") or {}).get("request_timeout")
-    outer_factory = config.outer_optimizer
-
-    def build_outer(param_groups: list[dict]) -> torch.optim.Optimizer:
-        outer = outer_factory(param_groups)
-        prepare(outer)
-        return outer
-
-    arguments.update(
-        optimizer=build_outer,
-        # the outer optimizer's hyperparameters are its own: hand it the parameters only
-        params=[{"params": list(group["params"])} for group in inner.param_groups],
-        offload_optimizer=True,
-        grad_averager_factory=_hivemind.pseudo_gradient_averager_factory(request_timeout),
-        grad_compression=arguments.get("grad_compression") or _hivemind.default_pseudo_gradient_compression(),
-    )
-    return arguments
 
 
 class PartialRound(Exception):
@@ -191,7 +163,7 @@ class PendingRound:
 
 
 class RoundSwarm(Protocol):
-    """What a round needs of the swarm (``_hivemind``'s DiLoCo optimizer; unit tests use a fake)."""
+    """What a round needs of the swarm (:class:`collabopt.engine.diloco_round.DiLoCoOptimizer`; tests use a fake)."""
 
     num_peers: int
     local_epoch: int
@@ -504,4 +476,4 @@ def _valid_metadata(metadata: Any) -> bool:
 
 __all__ = ["DiLoCo", "INCOMPATIBLE", "OUTER_EXAMPLE", "PartialRound", "PendingRound", "RoundOutcome",
            "RoundSwarm", "agrees_with_group", "check_config", "check_outer_optimizer", "fingerprint",
-           "hivemind_arguments", "same_fingerprint", "should_download", "write_pseudo_gradients"]
+           "same_fingerprint", "should_download", "write_pseudo_gradients"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import platform
@@ -31,18 +30,27 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from collabopt.engine import p2p as engine_p2p
+from collabopt.engine.compat import SUPPORTED_HIVEMIND, dht_time
+from collabopt.engine.dialback import (
+    DIAL_TIMEOUT,
+    DIALBACK_PROTOCOL,
+    host_of,
+    ip_of,
+    read_message,
+    serve_dialback,
+    short_error,
+    tcp_port,
+    write_message,
+)
 from collabopt.errors import ConfigurationError
+from collabopt.version import __version__
 
 __all__ = ["DIALBACK_PROTOCOL", "Check", "DoctorOptions", "format_report", "run_checks", "serve_dialback"]
 
 logger = logging.getLogger(__name__)
 
-DIALBACK_PROTOCOL = "collabopt.dialback/1"
-TESTED_HIVEMIND = "1.1.12"
 MAX_CLOCK_OFFSET = 3.0  # hivemind's MAX_DHT_TIME_DISCREPANCY_SECONDS: a larger difference fails DHT validation
-_DIAL_TIMEOUT = 3.0  # seconds the dialing peer waits for a TCP connection back
-_MAX_TARGETS = 8  # addresses one dial-back request may ask for
-_MAX_REQUEST_BYTES = 4096
 
 PASS, FAIL, WARN, SKIP, UNKNOWN = "PASS", "FAIL", "WARN", "SKIP", "UNKNOWN"
 
@@ -143,14 +151,13 @@ def check_versions() -> Check:
     import hivemind
     import torch
 
-    from collabopt import __version__
-
     detail = (f"python {platform.python_version()}, torch {torch.__version__}, hivemind {hivemind.__version__}, "
               f"collabopt {__version__}")
-    if hivemind.__version__ != TESTED_HIVEMIND:
-        return Check("versions", FAIL, f"{detail}: collabopt is tested with hivemind {TESTED_HIVEMIND} only",
-                     f"pip install hivemind=={TESTED_HIVEMIND}")
-    return Check("versions", PASS, detail + " (the tested hivemind)")
+    if hivemind.__version__ not in SUPPORTED_HIVEMIND:
+        supported = " or ".join(SUPPORTED_HIVEMIND)
+        return Check("versions", FAIL, f"{detail}: collabopt supports hivemind {supported} only",
+                     f"pip install hivemind=={SUPPORTED_HIVEMIND[-1]}")
+    return Check("versions", PASS, detail + " (a supported hivemind)")
 
 
 def check_addresses(options: DoctorOptions) -> tuple[list[str], list[Check]]:
@@ -168,7 +175,7 @@ def check_addresses(options: DoctorOptions) -> tuple[list[str], list[Check]]:
         for maddr in maddrs or ():
             try:
                 validate_listen_maddrs([maddr], parameter)
-                if parameter == "--announce-maddrs" and _tcp_port(maddr) == 0:
+                if parameter == "--announce-maddrs" and tcp_port(maddr) == 0:
                     raise ConfigurationError(parameter, f"{maddr!r} announces port 0",
                                              "announce the fixed port this machine listens on (and forwards)")
             except ConfigurationError as e:
@@ -195,21 +202,19 @@ class _PeerResult:
 
 
 async def _network_checks(peers: list[str], options: DoctorOptions) -> list[Check]:
-    from collabopt import _hivemind
-
     try:
-        p2p = await _hivemind.create_p2p(host_maddrs=options.host_maddrs, announce_maddrs=options.announce_maddrs,
+        p2p = await engine_p2p.create_p2p(host_maddrs=options.host_maddrs, announce_maddrs=options.announce_maddrs,
                                          use_relay=options.use_relay, use_auto_relay=options.use_auto_relay)
     except Exception as e:
         return [Check("libp2p", FAIL, f"could not start this machine's libp2p daemon: {e}",
                       "check --host-maddrs (is the port free? an address of this machine?) and the hivemind install")]
     try:
-        listening = [str(m) for m in await _hivemind.visible_maddrs(p2p)]
-        ports = sorted({port for port in (_tcp_port(m) for m in listening) if port})
+        listening = [str(m) for m in await engine_p2p.visible_maddrs(p2p)]
+        ports = sorted({port for port in (tcp_port(m) for m in listening) if port})
         results = await asyncio.gather(*(_probe(p2p, maddr, ports, options) for maddr in peers))
     finally:
         with contextlib.suppress(Exception):
-            await _hivemind.shutdown_p2p(p2p)
+            await engine_p2p.shutdown_p2p(p2p)
     checks = [_peer_check(result) for result in results]
     checks.append(_incoming_check(results, listening, options))
     return checks
@@ -217,38 +222,34 @@ async def _network_checks(peers: list[str], options: DoctorOptions) -> list[Chec
 
 async def _probe(p2p: Any, maddr: str, ports: list[int], options: DoctorOptions) -> _PeerResult:
     """Connect to one initial peer, ping its DHT, and ask it to dial back."""
-    from collabopt import _hivemind
-
     result = _PeerResult(maddr)
     started = time.perf_counter()
     try:
-        await asyncio.wait_for(_hivemind.connect(p2p, maddr), options.timeout)
+        await asyncio.wait_for(engine_p2p.connect(p2p, maddr), options.timeout)
         result.connect_s = time.perf_counter() - started
-        started, sent = time.perf_counter(), _hivemind.dht_time()
-        remote_time = await asyncio.wait_for(_hivemind.dht_ping(p2p, maddr), options.timeout)
+        started, sent = time.perf_counter(), dht_time()
+        remote_time = await asyncio.wait_for(engine_p2p.dht_ping(p2p, maddr), options.timeout)
         result.ping_s = time.perf_counter() - started
-        result.clock_offset = remote_time - (sent + _hivemind.dht_time()) / 2
+        result.clock_offset = remote_time - (sent + dht_time()) / 2
     except asyncio.TimeoutError:
         result.error = f"no answer within {options.timeout:.0f} s"
         return result
     except Exception as e:
-        result.error = _short_error(e)
+        result.error = short_error(e)
         return result
     request = dict(ports=ports, announce=list(options.announce_maddrs or ()))
     try:
-        answer = await asyncio.wait_for(_ask(p2p, maddr, request), options.timeout + _DIAL_TIMEOUT)
+        answer = await asyncio.wait_for(_ask(p2p, maddr, request), options.timeout + DIAL_TIMEOUT)
         result.dialback = json.loads(answer)
     except asyncio.TimeoutError:
-        result.dialback_error = f"no dial-back answer within {options.timeout + _DIAL_TIMEOUT:.0f} s"
+        result.dialback_error = f"no dial-back answer within {options.timeout + DIAL_TIMEOUT:.0f} s"
     except Exception as e:  # most often: the peer does not serve the protocol (plain hivemind)
-        result.dialback_error = _short_error(e)
+        result.dialback_error = short_error(e)
     return result
 
 
 async def _ask(p2p: Any, maddr: str, request: dict[str, Any]) -> bytes:
-    from collabopt import _hivemind
-
-    reader, writer = await _hivemind.open_stream(p2p, maddr, DIALBACK_PROTOCOL)
+    reader, writer = await engine_p2p.open_stream(p2p, maddr, DIALBACK_PROTOCOL)
     try:
         await write_message(writer, json.dumps(request).encode())
         return await read_message(reader, 65536)
@@ -304,8 +305,8 @@ def _incoming_check(results: list[_PeerResult], listening: list[str], options: D
         return Check(name, UNKNOWN, f"{seen}; nothing to dial back{': ' + notes if notes else ''}",
                      RELAY_OR_CLIENT_FIX)
     failures = ", ".join(f"{t['address']} ({t.get('error') or 'refused'})" for _, t in refused)
-    local_ips = {ip for ip in (_ip(m) for m in listening) if ip}
-    nat = bool(local_ips) and any(_host(s) not in local_ips for s in seen_as) and not options.announce_maddrs
+    local_ips = {ip for ip in (ip_of(m) for m in listening) if ip}
+    nat = bool(local_ips) and any(host_of(s) not in local_ips for s in seen_as) and not options.announce_maddrs
     behind = "behind NAT (seen at another address than it listens on)" if nat else "behind a firewall or NAT"
     if reached:
         detail = (f"{seen}; reached at {', '.join(t['address'] for _, t in reached)} but not at {failures}: "
@@ -320,113 +321,3 @@ def _incoming_check(results: list[_PeerResult], listening: list[str], options: D
                      "name the relay: relay_peers=['<initial peer address>'] (or join with client_mode=True)")
     return Check(name, FAIL, detail + ": not reachable from outside", RELAY_OR_CLIENT_FIX)
 
-
-# ------------------------------------------------------------------ the dial-back protocol (served by every DHT)
-
-
-async def serve_dialback(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Serve one dial-back request (a hivemind binary stream handler, registered in every collabopt DHT's process).
-
-    Request: JSON ``{"ports": [tcp ports the caller listens on], "announce": [multiaddrs it announces]}``. Answer:
-    JSON ``{"observed": "ip:port", "results": [{"address", "reachable", "error", "seconds"}], "note"}``. Only the
-    host the caller's connection comes from is dialed, at most a few ports, with a short timeout.
-    """
-    try:
-        request = json.loads(await asyncio.wait_for(read_message(reader, _MAX_REQUEST_BYTES), 10))
-        answer = await dial_back(str(stream_info.addr), request)
-        await write_message(writer, json.dumps(answer).encode())
-    except Exception as e:  # (the caller then reports "cannot tell": say why here, in the serving peer's log)
-        logger.warning("collabopt: a dial-back request from %s failed: %r", getattr(stream_info, "addr", "?"), e)
-    finally:
-        writer.close()
-
-
-async def write_message(writer: asyncio.StreamWriter, data: bytes) -> None:
-    """One message: its length (4 bytes, big-endian), then the bytes."""
-    writer.write(len(data).to_bytes(4, "big") + data)
-    await writer.drain()
-
-
-async def read_message(reader: asyncio.StreamReader, limit: int) -> bytes:
-    size = int.from_bytes(await reader.readexactly(4), "big")
-    if size > limit:
-        raise ValueError(f"a message of {size} bytes (at most {limit})")
-    return await reader.readexactly(size)
-
-
-async def dial_back(observed: str, request: dict[str, Any]) -> dict[str, Any]:
-    """Try TCP connections to the caller whose connection comes from multiaddr ``observed`` (its IP only)."""
-    host = _ip(observed)
-    if host is None:
-        return dict(observed="", results=[], note=f"the connection comes through a relay ({observed})")
-    targets: list[tuple[str, int]] = []
-    notes = []
-    for port in request.get("ports", [])[:_MAX_TARGETS]:
-        if isinstance(port, int) and 0 < port < 65536:
-            targets.append((host, port))
-    for maddr in request.get("announce", [])[:_MAX_TARGETS]:
-        ip, port = _ip(str(maddr)), _tcp_port(str(maddr))
-        if ip is None or not port:
-            continue
-        if ip != host:
-            notes.append(f"announced {maddr} is not the address this peer sees ({host}); not dialed")
-            continue
-        targets.append((ip, port))
-    targets = list(dict.fromkeys(targets))[:_MAX_TARGETS]
-    results = await asyncio.gather(*(_dial(ip, port) for ip, port in targets))
-    return dict(observed=_host_port(host, _tcp_port(observed)), results=list(results), note="; ".join(notes))
-
-
-async def _dial(host: str, port: int) -> dict[str, Any]:
-    address = _host_port(host, port)
-    started = time.perf_counter()
-    try:
-        _reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), _DIAL_TIMEOUT)
-    except asyncio.TimeoutError:
-        return dict(address=address, reachable=False, error=f"no answer in {_DIAL_TIMEOUT:.0f} s", seconds=None)
-    except OSError as e:
-        return dict(address=address, reachable=False, error=e.strerror or type(e).__name__, seconds=None)
-    seconds = time.perf_counter() - started
-    writer.close()
-    with contextlib.suppress(Exception):
-        await writer.wait_closed()
-    return dict(address=address, reachable=True, error="", seconds=seconds)
-
-
-# ------------------------------------------------------------------ multiaddr bits
-
-
-def _ip(maddr: str) -> str | None:
-    """The IP of ``/ip4/<ip>/tcp/...`` (or ip6); None for anything else (relay circuits, DNS names)."""
-    parts = str(maddr).split("/")
-    if "p2p-circuit" in parts or len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
-        return None
-    try:
-        return str(ipaddress.ip_address(parts[2]))
-    except ValueError:
-        return None
-
-
-def _tcp_port(maddr: str) -> int | None:
-    parts = str(maddr).split("/")
-    if "p2p-circuit" in parts:
-        return None
-    for i, part in enumerate(parts[:-1]):
-        if part == "tcp" and parts[i + 1].isdigit():
-            return int(parts[i + 1])
-    return None
-
-
-def _host(address: str) -> str:
-    """The host of ``ip:port`` / ``[ip6]:port``."""
-    return address.rsplit(":", 1)[0].strip("[]") if address.count(":") == 1 or "]" in address else address
-
-
-def _host_port(host: str, port: int | None) -> str:
-    host = f"[{host}]" if ":" in host else host
-    return f"{host}:{port}" if port else host
-
-
-def _short_error(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0][:200]

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from collabopt._hivemind import dht_time, read_run_records, reader_validators, versions
+from collabopt.engine.compat import dht_time, versions
+from collabopt.engine.records import read_run_records, reader_validators
 from collabopt.errors import ConfigurationError
 
 __all__ = ["DILOCO_PUBLISH_INTERVAL", "PUBLISH_INTERVAL", "RECORD_TTL", "MetricsReporter", "read_swarm_progress",
@@ -50,7 +51,7 @@ class MetricsReporter:
     averaging round still shows up as alive), and collects the losses the training loop reports.
 
     Built by :class:`~collabopt.CollaborativeOptimizer` for its peer; ``copt`` gives the values of the core,
-    ``peer`` (a :class:`~collabopt._hivemind.HivemindPeer`) those of hivemind and the DHT.
+    ``peer`` (a :class:`~collabopt.engine.peer.HivemindPeer`) those of hivemind and the DHT.
     """
 
     def __init__(self, copt: Any, peer: Any, interval: float = PUBLISH_INTERVAL, ttl: float = RECORD_TTL):
@@ -108,7 +109,7 @@ class MetricsReporter:
         self._nonfinite_losses += count - finite
 
     def record(self) -> dict[str, Any]:
-        """This peer's metrics record now (see :func:`collabopt._hivemind.metrics_fields`)."""
+        """This peer's metrics record now (see :func:`collabopt.engine.records.metrics_fields`)."""
         peer, copt = self.peer, self.copt
         self._take_losses()
         if self._published % _RELAY_CHECK_EVERY == 0:

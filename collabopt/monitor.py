@@ -38,7 +38,8 @@ import time
 from collections import Counter, deque
 from typing import Any
 
-from collabopt._hivemind import dht_time, read_run_records
+from collabopt.engine.compat import dht_time
+from collabopt.engine.records import read_run_records
 
 __all__ = ["CATCH_UP_GRACE", "DIVERGENCE_FACTOR", "SwarmMonitor"]
 

@@ -2,7 +2,7 @@
 
 Where it sits: the constructor is wiring — options become a :class:`~collabopt.config.CollabConfig` (validated
 before any network starts), the DHT and ``hivemind.Optimizer`` are reached only through
-:class:`~collabopt._hivemind.HivemindPeer`, the LR scheduler becomes a
+:class:`~collabopt.engine.peer.HivemindPeer`, the LR scheduler becomes a
 :class:`~collabopt.scheduling.CollaborativeScheduler`. :meth:`CollaborativeOptimizer.step` turns one local step into
 a contribution (sample count, AMP scale, gradient buffers) and returns what happened as a
 :class:`~collabopt.interface.StepResult`. :class:`~collabopt.node.NodeOptimizer` composes this class through its
@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from collabopt import _hivemind, diloco, host_memory, lifecycle, scheduling, swarm
-from collabopt._hivemind import DiLoCoPeer, HivemindPeer, log_like_hivemind
+from collabopt import diloco, host_memory, lifecycle, scheduling, swarm
 from collabopt.batch_size import ForwardSampleCounter, resolve_samples
 from collabopt.config import (
     CollabConfig,
@@ -34,6 +33,9 @@ from collabopt.config import (
     positive_number,
     sized_next_chunk_timeout,
 )
+from collabopt.engine.diloco_round import hivemind_arguments as diloco_hivemind_arguments
+from collabopt.engine.p2p import log_like_hivemind
+from collabopt.engine.peer import DiLoCoPeer, HivemindPeer
 from collabopt.errors import ConfigurationError
 from collabopt.guard import NonFiniteGuard, all_finite
 from collabopt.interface import StepResult, SwarmOptimizerBase, check_state, pack_state
@@ -147,7 +149,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         grad_scaler: the ``torch.amp.GradScaler`` you use, needed only with ``reuse_grad_buffers=True`` when you
             call ``scaler.unscale_()`` before stepping (e.g. for gradient clipping).
         config: a ready :class:`~collabopt.config.CollabConfig` instead of ``run_id``/``target_batch_size``/options.
-        peer: for tests: an object with :class:`~collabopt._hivemind.HivemindPeer`'s interface; no DHT is started.
+        peer: for tests: an object with :class:`~collabopt.engine.peer.HivemindPeer`'s interface; no DHT is started.
         **options: every other option of :class:`~collabopt.config.CollabConfig` (``initial_peers``,
             ``batch_size``, ``reuse_grad_buffers``, ``offload_optimizer``, ``delay_*``, ``matchmaking_time``, ...)
             and any other ``hivemind.Optimizer`` argument (``grad_compression``, ``averager_opts``, ...).
@@ -185,7 +187,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         check_model(model)
         check_dht(dht, config)
         if config.outer_optimizer is not None:  # DiLoCo mode: hivemind's optimizer is the outer one
-            hivemind_arguments = diloco.hivemind_arguments(config, optimizer, optimizer_factory,
+            hivemind_arguments = diloco_hivemind_arguments(config, optimizer, optimizer_factory,
                                                            _prepare_optimizer_state)
         else:
             hivemind_arguments = dict(config.hivemind_arguments(), **_hivemind_optimizer(optimizer, config,
@@ -608,8 +610,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         state before its next round."""
         if self.diloco is not None and self.diloco.needs_sync:
             return True
-        optimizer = self.hivemind_optimizer
-        return optimizer is not None and _hivemind.out_of_sync(optimizer)
+        return self._peer is not None and self._peer.out_of_sync
 
     def get_lr(self) -> list[float]:
         """Learning rates of the optimizer that hivemind steps."""

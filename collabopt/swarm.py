@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from collabopt import _hivemind
-from collabopt._hivemind import Multiaddr
+from collabopt.engine import p2p
+from collabopt.engine.compat import Multiaddr
 from collabopt.errors import ConfigurationError, SwarmConnectionError
 
 INITIAL_PEERS_ENV = "INITIAL_PEERS"
@@ -189,7 +189,7 @@ def start_dht(options: SwarmOptions):
     if options.bootstrap_timeout is not None:
         kwargs["bootstrap_timeout"] = options.bootstrap_timeout
     try:
-        return _hivemind.start_dht(**kwargs)
+        return p2p.start_dht(**kwargs)
     except Exception as e:
         if options.initial_peers and ("bootstrap" in str(e) or "initial_peers" in str(e)):
             raise SwarmConnectionError(

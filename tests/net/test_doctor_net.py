@@ -8,7 +8,7 @@ import sys
 
 from helpers import Process, start_bootstrap
 
-from collabopt.testnet import TestNet
+from collabopt.testing.testnet import TestNet
 
 PUBLIC, NATTED = 0, 1
 

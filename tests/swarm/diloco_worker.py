@@ -41,7 +41,7 @@ def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
     # why a member's all-reduce failed (hivemind says it at debug level only): in the log when a test fails
     logging.getLogger("hivemind.averaging.allreduce").setLevel(logging.DEBUG)
-    logging.getLogger("collabopt._hivemind").setLevel(logging.DEBUG)
+    logging.getLogger("collabopt.engine").setLevel(logging.DEBUG)
     logging.getLogger("hivemind.p2p.p2p_daemon").setLevel(logging.DEBUG)
     out = cfg["out"]
     seed = cfg.get("seed", 0)
@@ -144,10 +144,9 @@ def cut_results(round_index: int, marker: str) -> None:
     process."""
     import os
 
-    from collabopt._hivemind import _diloco_classes
+    from collabopt.engine.diloco_averaging import PseudoGradientAverager, ValueAllReduceRunner
 
-    classes = _diloco_classes()
-    runner, averager = classes["runner"], classes["averager"]
+    runner, averager = ValueAllReduceRunner, PseudoGradientAverager
     accumulate, run_allreduce = runner._accumulate_parts_streaming, averager._run_allreduce_inplace_
     state = {"rounds": 0, "cut": False}
 

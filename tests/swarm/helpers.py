@@ -1,4 +1,4 @@
-"""Test conveniences for real swarms on loopback, on top of :mod:`collabopt.processes` (the process harness the
+"""Test conveniences for real swarms on loopback, on top of :mod:`collabopt.testing.processes` (the process harness the
 demo and the benchmarks use too): a bootstrap DHT, peer processes, their results, and the checks the tests share.
 
 :class:`Process` adds to the harness's process what the fault tests check: which descendants (DHT, p2pd,
@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from collabopt import processes
+from collabopt.testing import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from peer_worker import at_finish_line, make_data, make_model, progress_of, write_json
 
 from collabopt import CollaborativeOptimizer
-from collabopt._hivemind import dht_time
+from collabopt.engine.compat import dht_time
 
 
 def finished(cfg: dict, epoch: int, in_sync: bool) -> bool:

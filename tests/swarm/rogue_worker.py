@@ -43,7 +43,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from collabopt._hivemind import _find_raw, versions
+from collabopt.engine.compat import versions
+from collabopt.engine.records import _find_raw
 
 EPOCH = 1_000_000
 

@@ -1,6 +1,6 @@
 """Parameter averaging and gradient accumulation in place: where the round runs inside ``step()`` on CPU tensors,
 hivemind's state averager averages the parameters themselves instead of a copy of them
-(``collabopt._hivemind.averages_parameters_in_place``), and the local steps' gradients accumulate in the gradient
+(``collabopt.engine.state.averages_parameters_in_place``), and the local steps' gradients accumulate in the gradient
 round's buffers instead of accumulators of their own (``can_accumulate_in_place``): 1x the parameters less each (B4
 measures it). One real optimizer in this process, a lone peer, no swarm: that peers averaging in place end in sync
 is what every synchronous swarm test checks."""

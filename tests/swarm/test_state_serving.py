@@ -48,11 +48,11 @@ def snapshot_during(averager, action, delay: float) -> tuple[int, list[torch.Ten
 def test_a_download_during_a_boundary_gets_an_epoch_and_the_parameters_of_that_epoch():
     import hivemind
 
-    from collabopt._hivemind import state_averager_class
+    from collabopt.engine.state import ConsistentStateAverager
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
-    averager = state_averager_class()(
+    averager = ConsistentStateAverager(
         dht=dht, prefix="state_serving_test", optimizer=lambda params: SlowSGD(params, lr=1.0),
         params=model.parameters(), offload_optimizer=True, custom_gradients=True, start=True)
     try:

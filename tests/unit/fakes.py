@@ -1,6 +1,6 @@
 """In-process stand-ins for hivemind (in the style of torchft's mocked-manager tests).
 
-:class:`FakePeer` has the interface of :class:`collabopt._hivemind.HivemindPeer`: the core and the node run on it
+:class:`FakePeer` has the interface of :class:`collabopt.engine.peer.HivemindPeer`: the core and the node run on it
 unchanged, with no DHT and no averager process, so the paths that only swarms reached before (giving up after
 failed syncs, discarding local progress, the node's step protocol) are tested in milliseconds.
 """
@@ -33,6 +33,7 @@ class FakePeer:
         self.num_peers = 1
         self.samples_per_second = 0.0
         self.eta_next_epoch = 0.0
+        self.out_of_sync = False  # alone: never apart from its swarm
         self.dht = None
         self.calls: list[str] = []
         self.fail_next: BaseException | None = None  # raised by the next step()

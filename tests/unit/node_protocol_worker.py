@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import json
-import types
 from pathlib import Path
 
 import torch
@@ -64,9 +63,9 @@ def run(rank: int, world_size: int, workdir: str) -> None:
         node.collaborative_optimizer._peer.fail_next = ValueError("boom")
     record["rank0_error"] = outcome(lambda: node.step(batch_size=2))
     record["after_errors"] = outcome(lambda: node.step(batch_size=2))  # the node still works
-    # rank 0's core learns that its last round was partial (hivemind's flag): every rank hears it at the next step
+    # rank 0's core learns that its last round was partial: every rank hears it at the next step
     if node.collaborative_optimizer is not None:
-        node.collaborative_optimizer._peer.hivemind_optimizer = types.SimpleNamespace(collabopt_apart=True)
+        node.collaborative_optimizer._peer.out_of_sync = True
     # a NaN on one rank reaches every rank through DDP's all-reduce: the node contributes nothing
     node.zero_grad()
     loss = ddp(torch.randn(4, 3)).pow(2).mean()

@@ -10,7 +10,8 @@ from collabopt.integrations.pytorch import collaborate
 
 import collabopt.optimizer as optimizer_module
 import collabopt.swarm as swarm_module
-from collabopt import CollabConfig, CollaborativeOptimizer, ConfigurationError, _hivemind
+from collabopt import CollabConfig, CollaborativeOptimizer, ConfigurationError
+from collabopt.engine import averaging
 
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWJ7CitovXMdKJp8FY7EcxfuMcxBHcQotgYjYMNxQAiAkX"
 
@@ -133,7 +134,7 @@ def test_join_request_timeout_stays_below_matchmaking_time(options, expected):
     assert factory.keywords.get("request_timeout") == expected
     # collabopt's gradient averager whatever the matchmaking time (it tells partial rounds, keeps the accumulation
     # for a failed round); before, a matchmaking_time over 3 s (the default 5 s) got hivemind's
-    assert factory.func is _hivemind.gradient_averager_class()
+    assert factory.func is averaging.GradientAveragerThatTellsGaps
     if "averager_opts" in options:
         assert arguments["averager_opts"]["min_group_size"] == 2  # the user's other options are kept
 

@@ -9,6 +9,7 @@ import torch
 from fakes import FakePeer, backward, model_and_optimizer
 
 from collabopt import CollabConfig, CollaborativeOptimizer, ConfigurationError, StepResult, SwarmOptimizer
+from collabopt.engine import p2p
 from collabopt.optimizer import SYNC_ATTEMPTS
 
 
@@ -184,15 +185,14 @@ def test_collabopt_logs_through_hiveminds_handler_only_while_the_application_con
 
     from hivemind.utils import logging as hivemind_logging
 
-    from collabopt import _hivemind
 
     ours = logging.getLogger("collabopt")
     saved = ours.handlers[:], ours.level
     ours.handlers.clear()
     ours.setLevel(logging.NOTSET)
     try:
-        _hivemind.log_like_hivemind()
-        _hivemind.log_like_hivemind()  # a second optimizer in the process adds nothing
+        p2p.log_like_hivemind()
+        p2p.log_like_hivemind()  # a second optimizer in the process adds nothing
         (handler,) = ours.handlers
         assert logging.getLevelName(ours.level) == hivemind_logging.loglevel  # HIVEMIND_LOGLEVEL (default INFO)
         seen = []

@@ -16,6 +16,7 @@ import collabopt.optimizer as optimizer_module
 import collabopt.swarm as swarm_module
 from collabopt import CollabConfig, CollaborativeOptimizer, ConfigurationError
 from collabopt.diloco import INCOMPATIBLE, DiLoCo, PartialRound, agrees_with_group, fingerprint, report_period
+from collabopt.engine import diloco_round, progress
 from collabopt.guard import NonFiniteGuard
 
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -545,10 +546,9 @@ def gate_only(kind: str):
     """A progress tracker's gate alone (no DHT, no thread started), built as hivemind's __init__ builds it."""
     import threading
 
-    from collabopt import _hivemind
 
-    tracker_class = (_hivemind._progress_tracker_class() if kind == "synchronous"
-                     else _hivemind._diloco_classes()["tracker"])
+    tracker_class = (progress.SwarmProgressTracker if kind == "synchronous"
+                     else diloco_round.ThrottledProgressTracker)
     tracker = object.__new__(tracker_class)
     threading.Thread.__init__(tracker)
     tracker.min_refresh_period, tracker.max_refresh_period, tracker._last_round = 60.0, 600.0, None

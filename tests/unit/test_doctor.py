@@ -14,6 +14,7 @@ import pytest
 
 from collabopt import cli, doctor
 from collabopt.doctor import Check, DoctorOptions, _incoming_check, _PeerResult
+from collabopt.engine import dialback
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER = "/ip4/10.0.0.2/tcp/31337/p2p/12D3KooWCxv9C3e6qv91uDww31w8bJovEcFDUJXA8UxqW1q6Z81H"
@@ -161,7 +162,7 @@ def test_dial_back_connects_to_listening_ports_of_the_observed_host_only():
         probe.close()
         await probe.wait_closed()
         try:
-            return open_port, closed_port, await doctor.dial_back(
+            return open_port, closed_port, await dialback.dial_back(
                 "/ip4/127.0.0.1/tcp/55555",
                 dict(ports=[open_port, closed_port], announce=[f"/ip4/198.51.100.1/tcp/{open_port}"]))
         finally:
@@ -179,7 +180,7 @@ def test_dial_back_connects_to_listening_ports_of_the_observed_host_only():
 
 
 def test_dial_back_over_a_relay_dials_nothing():
-    answer = asyncio.run(doctor.dial_back("/ip4/1.2.3.4/tcp/1/p2p/QmRelay/p2p-circuit", dict(ports=[1])))
+    answer = asyncio.run(dialback.dial_back("/ip4/1.2.3.4/tcp/1/p2p/QmRelay/p2p-circuit", dict(ports=[1])))
     assert answer["results"] == [] and "relay" in answer["note"]
 
 

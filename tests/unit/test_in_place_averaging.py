@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from collabopt._hivemind import averages_parameters_in_place
+from collabopt.engine.state import averages_parameters_in_place
 
 
 def hivemind_optimizer(**overrides):

@@ -1,4 +1,4 @@
-"""The lineage check (collabopt.lineage, and its use in collabopt._hivemind): which members of a gradient round hold
+"""The lineage check (collabopt.lineage; collabopt.engine.lineage_check): which members of a gradient round hold
 the group's canonical parameters, and what a peer that holds others does. The swarm behaviour (a 2 | 2 partition
 that heals ends in sync) is tested in tests/net/test_network_faults.py."""
 
@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from collabopt import _hivemind, lineage
+from collabopt import lineage
+from collabopt.engine import averaging, lineage_check, state
 from collabopt.lineage import Verdict, canonical_peers, fingerprint, judge, same_fingerprint
 
 A, B, C = fingerprint([torch.ones(4)]), fingerprint([torch.full((4,), 2.0)]), fingerprint([torch.zeros(4) - 1])
@@ -79,7 +80,7 @@ def stand_in(epoch: int = 3, client_mode: bool = False) -> SimpleNamespace:
 def test_a_peer_of_another_lineage_plans_a_download_from_the_canonical_members(caplog):
     optimizer = stand_in()
     group = {"p1": meta(3, A), "me": meta(3, B), "p2": meta(3, A), "p3": meta(2, B)}
-    _hivemind._judge_lineage(optimizer, Control(group))
+    lineage_check.judge_lineage(optimizer, Control(group))
     assert optimizer.collabopt_resync.peers == ["p1", "p2"] and optimizer.collabopt_resync.epoch == 3
     assert optimizer.average_state_every == sys.maxsize  # no parameter averaging at this boundary
     assert optimizer.state_averager.state_sharing_priority == 2.5  # downloads prefer the others
@@ -96,7 +97,7 @@ def test_a_peer_of_another_lineage_plans_a_download_from_the_canonical_members(c
 ])
 def test_a_peer_of_the_canonical_lineage_or_without_a_verdict_goes_on(group):
     optimizer = stand_in()
-    _hivemind._judge_lineage(optimizer, Control(group))
+    lineage_check.judge_lineage(optimizer, Control(group))
     assert getattr(optimizer, "collabopt_resync", None) is None and optimizer.average_state_every == 1
 
 
@@ -118,7 +119,7 @@ def test_when_every_member_is_apart_all_adopt_the_smallest_fingerprint():
 def test_a_peer_whose_last_round_was_partial_but_holds_the_lineage_is_back_in_sync():
     optimizer = stand_in()
     optimizer.collabopt_apart = True  # (a parameter averaging merged it with the others since)
-    _hivemind._judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, A, apart=True)}))
+    lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, A, apart=True)}))
     assert optimizer.collabopt_apart is False and getattr(optimizer, "collabopt_resync", None) is None
 
 
@@ -127,28 +128,28 @@ def test_a_peer_behind_adopts_the_newest_epochs_lineage(caplog):
     smallest = "a" if A < B else "b"
     assert judge(group, "c") == Verdict([smallest], "behind")
     optimizer = stand_in()
-    _hivemind._judge_lineage(optimizer, Control({"p1": meta(4, A), "me": meta(3, B)}))
+    lineage_check.judge_lineage(optimizer, Control({"p1": meta(4, A), "me": meta(3, B)}))
     assert optimizer.collabopt_resync.peers == ["p1"]
     assert "this peer is at epoch 3, 1 peer(s) of its gradient round at epoch 4" in caplog.text
 
 
 def test_a_partial_round_leaves_the_peer_apart_until_a_round_or_a_download_says_otherwise(caplog):
     optimizer = stand_in()
-    _hivemind._judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, A, received=0.757)}))
-    assert optimizer.collabopt_apart is True and _hivemind.out_of_sync(optimizer)
+    lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, A, received=0.757)}))
+    assert optimizer.collabopt_apart is True and lineage_check.out_of_sync(optimizer)
     assert "75.7% of this peer's gradient round at epoch 3 arrived" in caplog.text
-    assert _hivemind.lineage_metadata(optimizer)["apart"] is True
-    optimizer.collabopt_resync = _hivemind.Resync(peers=["p1"], epoch=3, until=float("inf"))
+    assert lineage_check.lineage_metadata(optimizer)["apart"] is True
+    optimizer.collabopt_resync = lineage_check.Resync(peers=["p1"], epoch=3, until=float("inf"))
     optimizer.state_averager.main_parameters = [torch.full((4,), 2.0)]  # the download brought the others' state
-    _hivemind._resync_outcome(optimizer, optimizer.collabopt_resync, A)
-    assert optimizer.collabopt_apart is False and not _hivemind.out_of_sync(optimizer)
+    lineage_check.resync_outcome(optimizer, optimizer.collabopt_resync, A)
+    assert optimizer.collabopt_apart is False and not lineage_check.out_of_sync(optimizer)
 
 
 def test_a_peer_with_non_finite_parameters_adopts_the_lineage_even_of_one_peer(caplog):
     nan = [float("nan")] * 3
     assert judge({"p1": meta(3, A), "me": meta(3, nan)}, "me") == Verdict(["p1"], "nonfinite")
     optimizer = stand_in()
-    _hivemind._judge_lineage(optimizer, Control({"p1": meta(3, A), "p2": meta(3, B), "me": meta(3, nan)}))
+    lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "p2": meta(3, B), "me": meta(3, nan)}))
     assert optimizer.collabopt_resync.peers == (["p1"] if A < B else ["p2"])
     assert "this peer's parameters are not finite" in caplog.text
 
@@ -169,8 +170,8 @@ def test_collabopts_averagers_answer_under_hiveminds_handler_names():
     from hivemind.optim.grad_averager import GradientAverager
     from hivemind.optim.state_averager import TrainingStateAverager
 
-    for ours, theirs in ((_hivemind.gradient_averager_class(), GradientAverager),
-                         (_hivemind.state_averager_class(), TrainingStateAverager)):
+    for ours, theirs in ((averaging.GradientAveragerThatTellsGaps, GradientAverager),
+                         (state.ConsistentStateAverager, TrainingStateAverager)):
         for method in ("rpc_join_group", "rpc_aggregate_part", "rpc_download_state"):
             assert ours._get_handle_name("run", method) == theirs._get_handle_name("run", method)
             assert ours._get_handle_name(None, method) == theirs._get_handle_name(None, method)
@@ -178,9 +179,9 @@ def test_collabopts_averagers_answer_under_hiveminds_handler_names():
 
 def test_a_pending_resync_is_not_replaced():
     optimizer = stand_in()
-    pending = _hivemind.Resync(peers=["p9"], epoch=2, until=float("inf"))
+    pending = lineage_check.Resync(peers=["p9"], epoch=2, until=float("inf"))
     optimizer.collabopt_resync = pending
-    _hivemind._judge_lineage(optimizer, Control({"p1": meta(3, A), "p2": meta(3, A), "me": meta(3, B)}))
+    lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "p2": meta(3, A), "me": meta(3, B)}))
     assert optimizer.collabopt_resync is pending and optimizer.average_state_every == 1
 
 
@@ -208,29 +209,29 @@ def test_the_fingerprint_of_mixed_magnitudes():
 
 def test_a_failed_round_judges_nothing():
     optimizer = stand_in()
-    _hivemind._judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, B)}, error=TimeoutError()))
-    _hivemind._judge_lineage(optimizer, None)
+    lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, B)}, error=TimeoutError()))
+    lineage_check.judge_lineage(optimizer, None)
     assert getattr(optimizer, "collabopt_resync", None) is None
 
 
 def test_a_resync_ends_when_the_parameters_changed_and_retries_while_they_did_not(monkeypatch):
     optimizer = stand_in()
     before = fingerprint(optimizer.state_averager.main_parameters)
-    resync = _hivemind.Resync(peers=["p1"], epoch=3, until=float("inf"))
+    resync = lineage_check.Resync(peers=["p1"], epoch=3, until=float("inf"))
     optimizer.collabopt_resync = resync
-    _hivemind._resync_outcome(optimizer, resync, before)  # the canonical peers had not served the new epoch yet
+    lineage_check.resync_outcome(optimizer, resync, before)  # the canonical peers had not served the new epoch yet
     assert optimizer.collabopt_resync is resync and resync.next_try > 0
     assert optimizer.state_averager.state_sharing_priority == 2.5
     optimizer.state_averager.main_parameters = [torch.full((4,), 2.0)]
-    _hivemind._resync_outcome(optimizer, resync, before)
+    lineage_check.resync_outcome(optimizer, resync, before)
     assert optimizer.collabopt_resync is None
 
 
 def test_a_resync_gives_up_at_its_deadline(caplog):
     optimizer = stand_in()
-    resync = _hivemind.Resync(peers=["p1"], epoch=3, until=0.0)
+    resync = lineage_check.Resync(peers=["p1"], epoch=3, until=0.0)
     optimizer.collabopt_resync = resync
-    _hivemind._resync_outcome(optimizer, resync, fingerprint(optimizer.state_averager.main_parameters))
+    lineage_check.resync_outcome(optimizer, resync, fingerprint(optimizer.state_averager.main_parameters))
     assert optimizer.collabopt_resync is None and "goes on with its own parameters" in caplog.text
 
 
@@ -243,7 +244,7 @@ def test_downloads_try_the_preferred_peers_first():
     record = ValueWithExpiration({ids[0].to_bytes(): ValueWithExpiration(7.0, 1.0),
                                   ids[1].to_bytes(): ValueWithExpiration(6.5, 1.0),
                                   b"junk": ValueWithExpiration(7.0, 1.0)}, 2.0)
-    raised = _hivemind.raise_priority(record, {str(ids[1])})
+    raised = state.raise_priority(record, {str(ids[1])})
     assert raised.value[ids[1].to_bytes()].value > raised.value[ids[0].to_bytes()].value == 7.0
     assert raised.value[b"junk"].value == 7.0 and raised.expiration_time == 2.0
-    assert _hivemind.raise_priority(None, {str(ids[1])}) is None
+    assert state.raise_priority(None, {str(ids[1])}) is None

@@ -20,13 +20,14 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.crypto import RSAPrivateKey
 
-from collabopt import ConfigurationError, _hivemind, monitor
+from collabopt import ConfigurationError, monitor
+from collabopt.engine import records as run_records
 from collabopt.metrics import MetricsReporter
 from collabopt.status_page import StatusServer, parse_address, prometheus_text
 
 KEY = "unit_run_progress"
 KEY_ID = DHTID.generate(source=KEY).to_bytes()
-PROGRESS = _hivemind._record_models()["progress"]
+PROGRESS = run_records._record_models()["progress"]
 
 
 def owner(key: RSAPrivateKey) -> bytes:
@@ -46,7 +47,7 @@ def progress(**changes) -> dict:
 
 def judge(subkey: bytes | None, value: bytes, expiration: float = 1e10) -> str:
     subkey_bytes = MSGPackSerializer.dumps(subkey) if subkey is not None else None
-    return _hivemind._check_record(KEY_ID, subkey_bytes, value, expiration, PROGRESS)[0]
+    return run_records._check_record(KEY_ID, subkey_bytes, value, expiration, PROGRESS)[0]
 
 
 def test_each_record_is_judged_on_its_own():
@@ -69,12 +70,12 @@ def test_each_record_is_judged_on_its_own():
 
 
 def test_peers_refuse_oversized_records_under_the_run_keys():
-    validator = _hivemind.RecordSizeValidator([KEY], _hivemind.MAX_RECORD_BYTES)
-    small, big = b"v" * 100, b"v" * (_hivemind.MAX_RECORD_BYTES + 1)
+    validator = run_records.RecordSizeValidator([KEY], run_records.MAX_RECORD_BYTES)
+    small, big = b"v" * 100, b"v" * (run_records.MAX_RECORD_BYTES + 1)
     assert validator.validate(DHTRecord(KEY_ID, b"s", small, 1e10))
     assert not validator.validate(DHTRecord(KEY_ID, b"s", big, 1e10))
     assert validator.validate(DHTRecord(DHTID.generate(source="other").to_bytes(), b"s", big, 1e10))
-    other = _hivemind.RecordSizeValidator(["other"], _hivemind.MAX_RECORD_BYTES)
+    other = run_records.RecordSizeValidator(["other"], run_records.MAX_RECORD_BYTES)
     assert validator.merge_with(other) and not validator.validate(
         DHTRecord(DHTID.generate(source="other").to_bytes(), b"s", big, 1e10))
 
@@ -240,7 +241,7 @@ def test_reported_losses_are_averaged_between_records():
         assert metrics.record()["loss"] == pytest.approx(2.0)  # nothing new: the last mean stays
         metrics.report_loss(float("inf"))
         assert metrics.record()["loss"] == pytest.approx(2.0) and metrics.record()["nonfinite_losses"] == 2
-        _hivemind._record_models()["metrics"].parse_obj(metrics.record())  # what peers' validators accept
+        run_records._record_models()["metrics"].parse_obj(metrics.record())  # what peers' validators accept
         with pytest.raises(ConfigurationError, match="report_loss"):
             metrics.report_loss(torch.ones(2))
         with pytest.raises(ConfigurationError, match="report_loss"):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from hivemind.utils.performance_ema import PerformanceEMA
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from collabopt import _hivemind
+from collabopt.engine import progress
 
 
 class SlowDHT:
@@ -34,7 +34,7 @@ class SlowDHT:
 
 def tracker_without_network(dht: SlowDHT):
     """A tracker as hivemind's __init__ leaves it, minus the DHT and the threads; each parse records its records."""
-    tracker = object.__new__(_hivemind._progress_tracker_class())
+    tracker = object.__new__(progress.SwarmProgressTracker)
     threading.Thread.__init__(tracker)
     tracker.dht, tracker.training_progress_key, tracker.status_loglevel = dht, "run_progress", 10
     tracker.lock_global_progress, tracker.global_state_updated = threading.Lock(), threading.Event()

@@ -9,7 +9,9 @@ import pytest
 from hivemind.p2p.p2p_daemon import P2P
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
-from collabopt import _hivemind, swarm
+from collabopt import swarm
+from collabopt.engine import compat
+from collabopt.engine import p2p as engine_p2p
 
 RELAY = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWJ7CitovXMdKJp8FY7EcxfuMcxBHcQotgYjYMNxQAiAkX"
 
@@ -56,7 +58,7 @@ def test_relay_peers_accepts_a_list_or_a_string(relay_peers):
 def test_no_relay_peers_no_static_relays(monkeypatch):
     started = {}
     monkeypatch.setattr(hivemind, "DHT", lambda start, **kwargs: started.update(kwargs) or object())
-    monkeypatch.setattr(_hivemind, "_add_stream_handler", lambda *a: None)
+    monkeypatch.setattr(engine_p2p, "_add_stream_handler", lambda *a: None)
     swarm.start_dht(swarm.SwarmOptions(client_mode=True))
     assert "trusted_relays" not in started and "force_reachability" not in started
 
@@ -91,7 +93,7 @@ def peer_id(maddr: str) -> str:
 def test_initial_peers_are_dialed_once_the_daemon_runs(relay_answer):
     p2p = FakeP2P({peer_id(RELAY): relay_answer, peer_id(OTHER): True})
     # one answer is enough: it returns without waiting for a peer that does not answer (timeout 60 s)
-    connecting = _hivemind._connect_initial_peers(p2p, [RELAY, _hivemind.Multiaddr(OTHER)], timeout=60.0)
+    connecting = engine_p2p._connect_initial_peers(p2p, [RELAY, compat.Multiaddr(OTHER)], timeout=60.0)
     asyncio.run(asyncio.wait_for(connecting, timeout=5.0))
     assert sorted(p2p.dialed) == sorted([(peer_id(RELAY), ["/ip4/203.0.113.5/tcp/31337"]),
                                          (peer_id(OTHER), ["/ip4/203.0.113.6/tcp/31337"])])
@@ -102,5 +104,5 @@ def test_initial_peers_are_dialed_once_the_daemon_runs(relay_answer):
 def test_no_initial_peer_answering_shuts_the_daemon_and_says_bootstrap(answer):
     p2p = FakeP2P({peer_id(RELAY): answer})
     with pytest.raises(P2PDaemonError, match="failed to connect to bootstrap peers"):
-        asyncio.run(_hivemind._connect_initial_peers(p2p, [RELAY], timeout=0.2))
+        asyncio.run(engine_p2p._connect_initial_peers(p2p, [RELAY], timeout=0.2))
     assert p2p.shut_down  # swarm.start_dht turns this message into "none of the initial peers answered"

@@ -1,4 +1,4 @@
-"""Downloading the swarm's state (collabopt._hivemind.download_state) on a stand-in optimizer: the peer downloads
+"""Downloading the swarm's state (engine.sync_download.download_state) on a stand-in optimizer: the peer downloads
 again while the state it got is older than the swarm's epoch, and relabels it (hivemind's rule) only as a last
 resort. The downloads themselves run in the swarm tests (late joiners, churn restarts, cut links)."""
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from collabopt import _hivemind
+from collabopt.engine import sync_download, sync_round
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +68,12 @@ def no_waiting(monkeypatch):
     import time
     monkeypatch.setattr(time, "sleep", lambda seconds: None)
     # forget_stale_progress replaces the tracker's progress with dataclasses.replace: give it the dataclass
-    monkeypatch.setattr(_hivemind, "forget_stale_progress", lambda tracker, epoch: None)
+    monkeypatch.setattr(sync_download, "forget_stale_progress", lambda tracker, epoch: None)
 
 
 def test_a_state_one_epoch_old_is_downloaded_again_not_relabelled():
     optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[4, 5])  # the first peer to serve had not passed 4 -> 5
-    _hivemind.download_state(optimizer)
+    sync_download.download_state(optimizer)
     assert optimizer.downloads == 2
     assert optimizer.local_epoch == 5
     assert optimizer.tracker.reported == [4, 5] and optimizer.state_averager.state_sharing_priority == 5
@@ -82,7 +82,7 @@ def test_a_state_one_epoch_old_is_downloaded_again_not_relabelled():
 
 def test_a_state_as_new_as_the_swarms_is_downloaded_once():
     optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[5])
-    _hivemind.download_state(optimizer)
+    sync_download.download_state(optimizer)
     assert (optimizer.downloads, optimizer.local_epoch) == (1, 5)
 
 
@@ -91,8 +91,8 @@ def test_when_nobody_serves_the_swarms_epoch_in_time_hiveminds_relabelling_is_th
     clock = iter(range(0, 1000, 2))  # each look at the clock: 2 s later
     monkeypatch.setattr(time, "monotonic", lambda: next(clock))
     optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[4] * 100, averaging_timeout=5.0)
-    with caplog.at_level(logging.WARNING, logger="collabopt._hivemind"):
-        _hivemind.download_state(optimizer)
+    with caplog.at_level(logging.WARNING, logger="collabopt.engine.sync_download"):
+        sync_download.download_state(optimizer)
     assert 2 <= optimizer.downloads <= 4
     assert optimizer.local_epoch == 5 and optimizer.state_averager.state_sharing_priority == 5
     assert "no peer served the swarm's epoch 5" in caplog.text
@@ -105,7 +105,7 @@ def test_a_state_two_epochs_old_is_not_relabelled(monkeypatch):
     clock = iter(range(0, 1000, 2))
     monkeypatch.setattr(time, "monotonic", lambda: next(clock))
     optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[3] * 100, averaging_timeout=5.0)
-    _hivemind.download_state(optimizer)
+    sync_download.download_state(optimizer)
     assert optimizer.local_epoch == 3
 
 
@@ -124,7 +124,7 @@ def test_a_pre_scheduled_state_round_is_joined_with_nothing_not_left_waiting():
     """Its group may have formed: the others' round would wait for this peer's part until averaging_timeout."""
     optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[5])
     optimizer.scheduled_state = control = Control()
-    _hivemind.download_state(optimizer)
+    sync_download.download_state(optimizer)
     assert (control.weight, control.triggered) == (0, True)
     assert optimizer.scheduled_state is None
 
@@ -138,5 +138,5 @@ def test_a_boundary_begun_two_epochs_behind_the_swarm_downloads_instead(monkeypa
     optimizer = SimpleNamespace(local_epoch=local_epoch, tracker=SimpleNamespace(global_epoch=5), downloads=[],
                                 status_loglevel=logging.INFO, average_state_every=1)
     optimizer.load_state_from_peers = lambda: optimizer.downloads.append(True)
-    _hivemind.optimizer_class()._update_global_epoch(optimizer, "scaler")
+    sync_round.SyncOptimizer._update_global_epoch(optimizer, "scaler")
     assert (optimizer.downloads, boundaries) == (([True], []) if downloads else ([], ["scaler"]))

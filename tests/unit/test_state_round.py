@@ -1,4 +1,4 @@
-"""Pre-scheduled state rounds (collabopt._hivemind.preschedule_state_rounds): argument handling on a stand-in
+"""Pre-scheduled state rounds (collabopt.engine.sync_round.preschedule_state_rounds): argument handling on a stand-in
 optimizer; the rounds themselves run in every swarm test."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import torch
 from hivemind.optim.optimizer import PerformanceEMA
 from hivemind.utils import get_dht_time
 
-from collabopt import _hivemind
+from collabopt.engine import averaging, lineage_check, progress, state, sync_round
+from collabopt.engine import peer as engine_peer
 
 
 def stand_in(matchmaking_time: float, eta: float) -> SimpleNamespace:
@@ -26,7 +27,7 @@ def stand_in(matchmaking_time: float, eta: float) -> SimpleNamespace:
 def test_the_group_stays_open_until_the_estimated_start_plus_a_slack(matchmaking_time, slack):
     eta = get_dht_time() + matchmaking_time
     optimizer = stand_in(matchmaking_time, eta)
-    _hivemind.preschedule_state_rounds(optimizer)
+    sync_round.preschedule_state_rounds(optimizer)
     # hivemind pre-schedules only once it has timed a round: a first estimate of 0 s lets it start at once
     assert optimizer.delay_before_state_averaging.num_updates == 1
     optimizer.delay_before_state_averaging.update(task_size=1, interval=0.3)  # boundary -> state round, measured
@@ -40,7 +41,7 @@ def test_the_group_stays_open_until_the_estimated_start_plus_a_slack(matchmaking
 def test_the_scheduled_time_stays_before_the_rounds_deadline():
     """hivemind asserts scheduled_time < now + timeout: an averaging_timeout barely above matchmaking_time."""
     optimizer = stand_in(matchmaking_time=2.0, eta=get_dht_time() + 2.0)
-    _hivemind.preschedule_state_rounds(optimizer)
+    sync_round.preschedule_state_rounds(optimizer)
     optimizer.state_averager.schedule_step(timeout=2.5)
     assert optimizer.calls[0][0] < get_dht_time() + 2.5
 
@@ -58,7 +59,7 @@ def boundary(monkeypatch, **attributes) -> tuple[list[int], list[str]]:
     optimizer = SimpleNamespace(local_epoch=8, average_state_every=1, status_loglevel=10, use_gradient_averaging=True,
                                 tracker=SimpleNamespace(global_epoch=8), collabopt_preschedules_state=True,
                                 **attributes)
-    cls = _hivemind.optimizer_class()
+    cls = sync_round.SyncOptimizer
     cls._maybe_schedule_state_averaging(optimizer)
     cls._update_global_epoch(optimizer, None)
     assert optimizer.average_state_every == 1  # put back
@@ -93,19 +94,19 @@ def test_after_a_skipped_round_the_next_is_scheduled_once_the_swarm_is_past_it(m
                                 collabopt_downloaded_epoch=8, collabopt_skipped_epoch=8, matchmaking_time=2.0,
                                 collabopt_skipped_at=get_dht_time() - seconds_since,
                                 tracker=SimpleNamespace(lowest_epoch=lowest_epoch))
-    _hivemind.optimizer_class()._maybe_schedule_state_averaging(optimizer)
+    sync_round.SyncOptimizer._maybe_schedule_state_averaging(optimizer)
     assert bool(scheduled) == schedules
 
 
 def test_the_progress_is_fetched_at_least_every_half_matchmaking_time(monkeypatch):
     """hivemind spaces fetches by its ETA (up to 10 s), far too long while throughput estimates warm up."""
     made = []
-    monkeypatch.setattr(_hivemind, "_progress_tracker_class", lambda: lambda **kwargs: made.append(kwargs))
+    monkeypatch.setattr(progress, "SwarmProgressTracker", lambda **kwargs: made.append(kwargs))
     optimizer = SimpleNamespace(dht=None, run_id="r", client_mode=False, status_loglevel=10, matchmaking_time=2.0)
-    _hivemind.make_progress_tracker(optimizer, 64)
-    _hivemind.make_progress_tracker(optimizer, 64, max_refresh_period=30.0)  # the user's own setting is kept
+    progress.make_progress_tracker(optimizer, 64)
+    progress.make_progress_tracker(optimizer, 64, max_refresh_period=30.0)  # the user's own setting is kept
     optimizer.matchmaking_time = 0.5
-    _hivemind.make_progress_tracker(optimizer, 64, min_refresh_period=0.4)
+    progress.make_progress_tracker(optimizer, 64, min_refresh_period=0.4)
     assert [kwargs["max_refresh_period"] for kwargs in made] == [1.0, 30.0, 0.4]
 
 
@@ -124,7 +125,7 @@ def test_tagging_along_with_weight_0_sends_zeros_not_what_the_buffers_held(monke
     grad_averager = SimpleNamespace(get_tensors=lambda: contextlib.nullcontext(buffers))
     grads, state = SimpleNamespace(triggered=False), SimpleNamespace(triggered=False)
     optimizer = SimpleNamespace(scheduled_grads=grads, scheduled_state=state, grad_averager=grad_averager)
-    cls = _hivemind.optimizer_class()
+    cls = sync_round.SyncOptimizer
     cls._tag_along_with_zero_weight(optimizer, state)
     assert not torch.isfinite(sent[-1][0]).all()  # the state round's control: nothing zeroed
     cls._tag_along_with_zero_weight(optimizer, grads)
@@ -138,7 +139,7 @@ def test_an_averager_that_accumulates_its_own_way_is_checked_at_every_step():
         def accumulate_grads_(self, batch_size: int) -> None:  # e.g. compresses as it accumulates
             pass
 
-    peer = object.__new__(_hivemind.HivemindPeer)
+    peer = object.__new__(engine_peer.HivemindPeer)
     peer.hivemind_optimizer = SimpleNamespace(grad_averager=object.__new__(OwnAccumulation))
     assert peer.accumulators() is None
     peer.hivemind_optimizer = SimpleNamespace(grad_averager=None)  # use_local_updates
@@ -151,7 +152,7 @@ def test_a_client_schedules_its_state_round_a_matchmaking_time_later():
     eta = get_dht_time() + 2.0
     optimizer = stand_in(2.0, eta)
     optimizer.client_mode = True
-    _hivemind.preschedule_state_rounds(optimizer)
+    sync_round.preschedule_state_rounds(optimizer)
     optimizer.state_averager.schedule_step(gather=3, timeout=30.0)
     assert optimizer.calls == [(pytest.approx(eta + 1.0 + 2.0), dict(gather=3, timeout=30.0))]
 
@@ -188,7 +189,7 @@ def test_the_state_round_expects_the_gradient_group_when_it_held_the_whole_swarm
     optimizer = SimpleNamespace(local_epoch=5, delay_grad_averaging=delayed,
                                 tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=swarm)),
                                 state_averager=SimpleNamespace(group_size_hint=(1, 9)))
-    _hivemind._hint_state_group(optimizer, control)
+    lineage_check.hint_state_group(optimizer, control)
     assert optimizer.state_averager.group_size_hint == expected
 
 
@@ -197,7 +198,7 @@ def test_the_state_round_expects_the_gradient_group_when_it_held_the_whole_swarm
     ((5, 3), 2, 2), ((5, 3), 8, 3), (None, 8, 8),  # a target_group_size of the user's stays the upper bound
 ])
 def test_a_hint_sizes_only_the_state_round_of_its_epoch(hint, configured, expected):
-    cls = _hivemind.state_averager_class()
+    cls = state.ConsistentStateAverager
     sent = []
     averager = SimpleNamespace(group_size_hint=hint, local_epoch=5, _outer_pipe=SimpleNamespace(send=sent.append),
                                matchmaking_kwargs=dict(target_group_size=configured))
@@ -215,7 +216,7 @@ def test_a_sender_that_dies_mid_part_does_not_cancel_the_part_for_the_others(shi
 
     from hivemind.averaging.partition import TensorPartReducer
 
-    reducer_class = _hivemind.shielded_part_reducer_class() if shielded else TensorPartReducer
+    reducer_class = averaging.ShieldedTensorPartReducer if shielded else TensorPartReducer
 
     async def round_with_a_dying_sender() -> tuple[bool, torch.Tensor | None]:
         reducer = reducer_class([torch.Size([4])], num_senders=3)
@@ -231,10 +232,10 @@ def test_a_sender_that_dies_mid_part_does_not_cancel_the_part_for_the_others(shi
         return False, torch.stack([await first, third])
 
     cancelled, averages = asyncio.run(round_with_a_dying_sender())
-    if shielded:  # and every averager collabopt builds uses it (they fork after optimizer_class() installs it)
+    if shielded:  # and every averager collabopt builds uses it (they fork after SyncOptimizer installs it)
         from hivemind.averaging import allreduce
 
-        _hivemind.optimizer_class()
+        averaging.shield_part_reducers()
         assert allreduce.TensorPartReducer is reducer_class
         assert not cancelled and torch.equal(averages, torch.full((2, 4), 3.0))
     else:

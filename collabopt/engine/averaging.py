@@ -1,0 +1,176 @@
+"""collabopt's gradient averager and the part reducer of its all-reduces: the documented seams where collabopt
+subclasses hivemind's averaging.
+
+* :class:`ShieldedTensorPartReducer`: a sender that dies mid-round no longer cancels its part for every member.
+* :class:`GradientAveragerThatTellsGaps`: tells its optimizer which share of a round's results arrived, keeps the
+  accumulation of a failed round, and can accumulate in the round's own buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import functools
+import multiprocessing
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from hivemind.averaging import allreduce
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.optim.grad_averager import GradientAverager
+
+from collabopt.engine.compat import SameHandlers
+
+
+def gradient_averager_factory(factory: Callable[..., Any] | None,
+                              request_timeout: float | None) -> Callable[..., Any]:
+    """Without a factory of the user's: :class:`GradientAveragerThatTellsGaps`. hivemind 1.1.12 hands
+    ``averager_opts`` to its state averager only: give the gradient averager the same join-request timeout, where
+    one is set."""
+    extra = {} if request_timeout is None else dict(request_timeout=request_timeout)
+    return functools.partial(factory or GradientAveragerThatTellsGaps, **extra)
+
+
+class ShieldedTensorPartReducer(TensorPartReducer):
+    """hivemind's ``TensorPartReducer``, whose senders wait for a part's average through ``asyncio.shield``.
+
+    Every sender of a part awaits one shared future. In hivemind 1.1.12 a sender that dies mid-round (its stream
+    closes) has its handler task cancelled, and cancelling a task cancels the future it awaits: the part's future,
+    shared by all. The reducer then loses its own share without marking it failed and every member waits for it
+    until ``allreduce_timeout`` (``averaging_timeout``). Measured in the churn test: a peer SIGKILLed during a 0.2 s
+    all-reduce held its 4 survivors 30 s, their training threads too (the round holds the gradients' lock). With the
+    shield only the dead sender's task ends; its parts not sent are left out as hivemind intends
+    (``on_sender_failed``) and the round ends within the reducer timeout, usually at once."""
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        # hivemind 1.1.12's accumulate_part; only its last line differs (the shield)
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            self.accumulator.add_(tensor_part, alpha=weight)
+            self.current_part_accumulated_from += 1
+            self.denominator += weight
+            self.check_current_part_finished()
+        return await asyncio.shield(current_part_future)
+
+
+def shield_part_reducers() -> None:
+    """Make every all-reduce of this process (and of the averager processes it forks afterwards) use
+    :class:`ShieldedTensorPartReducer`; hivemind's ``AllReduceRunner`` builds its reducer from this global."""
+    allreduce.TensorPartReducer = ShieldedTensorPartReducer
+
+
+class GradientAveragerThatTellsGaps(SameHandlers, GradientAverager):
+    """hivemind's gradient averager, telling its optimizer which share of a round's results arrived.
+
+    When a reducer's part of the average does not arrive in time, hivemind 1.1.12 uses this peer's own values
+    for it (``TensorPartContainer.register_failed_reducer``) and the round still succeeds: this peer's
+    parameters then differ from every other member's ("Averaging: received 75.7% results"). The share received
+    is added to this peer's own entry of the round's gathered metadata (``"received"``, only when below 1), which
+    only this peer sees; the lineage check reads it (see ``_judge_lineage``)."""
+
+    # set by collabopt's optimizer where it awaits the round within its step (no delay_grad_averaging)
+    keeps_accumulation = False
+    # the accumulators are the round's buffers (accumulate_in_place)
+    accumulates_in_place = False
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        # whether an all-reduce may write into the buffers now: set as a round is triggered, cleared (under the
+        # buffers' lock) when the epoch's accumulation is reset. Shared with the averager process (forked below)
+        self._round_open = multiprocessing.Value(ctypes.c_bool, False, lock=False)
+        self._scaled = False  # the accumulation was scaled into the round's input this epoch
+        super().__init__(*args, **kwargs)
+
+    def accumulate_in_place(self) -> None:
+        """Accumulate the local steps' gradients in the round's shared-memory buffers instead of accumulators
+        of their own (1x the parameters less; see :data:`ACCUMULATE_IN_PLACE`). Needs ``keeps_accumulation``."""
+        assert self.keeps_accumulation and not self.reuse_grad_buffers
+        with self.get_tensors() as buffers:
+            for buffer in buffers:
+                buffer.zero_()
+            self._local_accumulators = tuple(buffers)
+        self.accumulates_in_place = True
+
+    def step(self, weight: float | None = None, reset_accumulators: bool = True, control: Any = None,
+             timeout: float | None = None, wait: bool = True, **kwargs: Any) -> Any:
+        """hivemind 1.1.12 zeroes the accumulators as it hands them to the round. When the round then fails
+        (no group, a timeout), its optimizer logs "Proceeding with local gradients" and reloads the zeroed
+        accumulators: the epoch's optimizer step got zero gradients and the peer's samples of that epoch were
+        lost. With ``keeps_accumulation`` they stay until the epoch ends (hivemind's optimizer resets them
+        there), so that a failed round steps with this peer's own accumulated gradients."""
+        if self.accumulates_in_place:
+            self._round_open.value = True
+        return super().step(weight, reset_accumulators and not self.keeps_accumulation, control, timeout, wait,
+                            **kwargs)
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self) -> None:
+        if not self.accumulates_in_place:
+            return super().load_accumulators_into_averager_()
+        with self.get_tensors() as buffers:
+            if not self._scaled:  # once an epoch: a failed round's fallback loads again what the buffers hold
+                scale = 1.0 / self.local_times_accumulated if self.local_times_accumulated else 0.0
+                for buffer in buffers:
+                    buffer.mul_(scale)
+                self._scaled = True
+
+    @torch.no_grad()
+    def reset_accumulated_grads_(self) -> None:
+        if not self.accumulates_in_place:
+            return super().reset_accumulated_grads_()
+        with self.get_tensors():  # an all-reduce still writing the buffers holds this lock: it finishes first
+            super().reset_accumulated_grads_()
+            self._scaled = False
+            self._round_open.value = False
+
+    async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any, group_id: Any = None,
+                                      **kwargs: Any) -> Any:
+        # (in the averager process, holding the buffers' lock) a round whose epoch this peer has ended must not
+        # write into the next epoch's accumulation
+        if self.accumulates_in_place and not self._round_open.value:
+            raise AllreduceException("collabopt: this peer ended the round's epoch, its buffers accumulate anew")
+        return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+
+    async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        runner = self._running_groups.get(group_info.group_id)  # (set by _run_allreduce_inplace_)
+        done = runner is not None and runner.done() and not runner.cancelled()
+        container = getattr(runner.result(), "tensor_part_container", None) if done else None
+        mine = gathered.get(self.peer_id) if isinstance(gathered, dict) else None
+        if container is not None and container.failed_size and isinstance(mine, dict):
+            gathered[self.peer_id] = dict(mine, received=1.0 - container.failed_size / container.total_size)
+        return gathered
+
+
+# Gradient accumulation in place. hivemind's gradient averager accumulates the local steps' gradients in
+# accumulators of its own (1x the parameters), copies them into the round's shared-memory buffers (1x) at the
+# boundary, and the optimizer steps with what the round leaves there. Where the round is awaited within step() and
+# the optimizer steps there too (no delay_grad_averaging or delay_optimizer_step), on CPU gradients without
+# reuse_grad_buffers, the accumulation happens in those buffers: scaled in place as the round begins, averaged in
+# place, zeroed as the epoch ends. A failed round's fallback steps with what they hold: this peer's accumulation, or
+# where the all-reduce failed midway, whole tensors of the group's average beside it (as in a partial round).
+ACCUMULATE_IN_PLACE = True
+
+
+def can_accumulate_in_place(optimizer: Any, averager: Any) -> bool:
+    """Whether ``averager`` (the gradient averager of ``optimizer``, a ``hivemind.Optimizer`` being built) can
+    accumulate in the round's buffers (see above)."""
+    # (keeps_accumulation: no delay_grad_averaging)
+    if not ACCUMULATE_IN_PLACE or not averager.keeps_accumulation or averager.reuse_grad_buffers:
+        return False
+    if optimizer.delay_optimizer_step:
+        return False
+    return all(acc.device.type == "cpu" and param.device.type == "cpu"
+               for acc, param in zip(averager._grad_accumulators(), averager.parameters, strict=True))

@@ -1,0 +1,130 @@
+"""The dial-back check: a peer asks another to open TCP connections back to it, to learn whether it is reachable.
+
+Every collabopt DHT that is not a client serves it (:func:`collabopt.engine.p2p.start_dht`); ``collabopt doctor``
+asks it. Only the host the caller's connection comes from is dialed, at most a few ports, with a short timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DIALBACK_PROTOCOL = "collabopt.dialback/1"
+DIAL_TIMEOUT = 3.0  # seconds the dialing peer waits for a TCP connection back
+_MAX_TARGETS = 8  # addresses one dial-back request may ask for
+_MAX_REQUEST_BYTES = 4096
+
+
+async def serve_dialback(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Serve one dial-back request (a hivemind binary stream handler, registered in every collabopt DHT's process).
+
+    Request: JSON ``{"ports": [tcp ports the caller listens on], "announce": [multiaddrs it announces]}``. Answer:
+    JSON ``{"observed": "ip:port", "results": [{"address", "reachable", "error", "seconds"}], "note"}``. Only the
+    host the caller's connection comes from is dialed, at most a few ports, with a short timeout.
+    """
+    try:
+        request = json.loads(await asyncio.wait_for(read_message(reader, _MAX_REQUEST_BYTES), 10))
+        answer = await dial_back(str(stream_info.addr), request)
+        await write_message(writer, json.dumps(answer).encode())
+    except Exception as e:  # (the caller then reports "cannot tell": say why here, in the serving peer's log)
+        logger.warning("collabopt: a dial-back request from %s failed: %r", getattr(stream_info, "addr", "?"), e)
+    finally:
+        writer.close()
+
+
+async def write_message(writer: asyncio.StreamWriter, data: bytes) -> None:
+    """One message: its length (4 bytes, big-endian), then the bytes."""
+    writer.write(len(data).to_bytes(4, "big") + data)
+    await writer.drain()
+
+
+async def read_message(reader: asyncio.StreamReader, limit: int) -> bytes:
+    size = int.from_bytes(await reader.readexactly(4), "big")
+    if size > limit:
+        raise ValueError(f"a message of {size} bytes (at most {limit})")
+    return await reader.readexactly(size)
+
+
+async def dial_back(observed: str, request: dict[str, Any]) -> dict[str, Any]:
+    """Try TCP connections to the caller whose connection comes from multiaddr ``observed`` (its IP only)."""
+    host = ip_of(observed)
+    if host is None:
+        return dict(observed="", results=[], note=f"the connection comes through a relay ({observed})")
+    targets: list[tuple[str, int]] = []
+    notes = []
+    for port in request.get("ports", [])[:_MAX_TARGETS]:
+        if isinstance(port, int) and 0 < port < 65536:
+            targets.append((host, port))
+    for maddr in request.get("announce", [])[:_MAX_TARGETS]:
+        ip, port = ip_of(str(maddr)), tcp_port(str(maddr))
+        if ip is None or not port:
+            continue
+        if ip != host:
+            notes.append(f"announced {maddr} is not the address this peer sees ({host}); not dialed")
+            continue
+        targets.append((ip, port))
+    targets = list(dict.fromkeys(targets))[:_MAX_TARGETS]
+    results = await asyncio.gather(*(_dial(ip, port) for ip, port in targets))
+    return dict(observed=host_port(host, tcp_port(observed)), results=list(results), note="; ".join(notes))
+
+
+async def _dial(host: str, port: int) -> dict[str, Any]:
+    address = host_port(host, port)
+    started = time.perf_counter()
+    try:
+        _reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), DIAL_TIMEOUT)
+    except asyncio.TimeoutError:
+        return dict(address=address, reachable=False, error=f"no answer in {DIAL_TIMEOUT:.0f} s", seconds=None)
+    except OSError as e:
+        return dict(address=address, reachable=False, error=e.strerror or type(e).__name__, seconds=None)
+    seconds = time.perf_counter() - started
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+    return dict(address=address, reachable=True, error="", seconds=seconds)
+
+
+# ------------------------------------------------------------------ addresses
+
+
+def ip_of(maddr: str) -> str | None:
+    """The IP of ``/ip4/<ip>/tcp/...`` (or ip6); None for anything else (relay circuits, DNS names)."""
+    parts = str(maddr).split("/")
+    if "p2p-circuit" in parts or len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+        return None
+    try:
+        return str(ipaddress.ip_address(parts[2]))
+    except ValueError:
+        return None
+
+
+def tcp_port(maddr: str) -> int | None:
+    parts = str(maddr).split("/")
+    if "p2p-circuit" in parts:
+        return None
+    for i, part in enumerate(parts[:-1]):
+        if part == "tcp" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def host_of(address: str) -> str:
+    """The host of ``ip:port`` / ``[ip6]:port``."""
+    return address.rsplit(":", 1)[0].strip("[]") if address.count(":") == 1 or "]" in address else address
+
+
+def host_port(host: str, port: int | None) -> str:
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{port}" if port else host
+
+
+def short_error(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0][:200]

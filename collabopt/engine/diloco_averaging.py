@@ -1,0 +1,181 @@
+"""The all-reduce of DiLoCo's pseudo-gradients: every member of a group receives the same averaged values, and a
+result with parts missing is never applied as if whole."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.compression import Float16Compression, deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import amap_in_executor
+
+from collabopt.diloco import PartialRound
+
+logger = logging.getLogger(__name__)
+
+
+def default_pseudo_gradient_compression() -> Any:
+    """How pseudo-gradients travel unless ``grad_compression=`` says otherwise: fp16 (OpenDiLoCo found it lossless)."""
+    return Float16Compression()
+
+
+def pseudo_gradient_averager_factory(request_timeout: float | None) -> Callable[..., Any]:
+    """``grad_averager_factory`` of a DiLoCo peer: the pseudo-gradient averager (with ``request_timeout``, see
+    :func:`gradient_averager_factory`)."""
+    averager = PseudoGradientAverager
+    return functools.partial(averager, request_timeout=request_timeout) if request_timeout is not None else averager
+
+
+PARTIAL_RESULTS = "collabopt_partial_results"  # what a DiLoCo round returns instead of its group's metadata when
+
+
+def raise_if_partial(gathered: Any) -> Any:
+    if isinstance(gathered, dict) and PARTIAL_RESULTS in gathered:
+        raise PartialRound("part of the round's average did not arrive")
+    return gathered
+
+
+class PartialResults(AllreduceException):
+    """The all-reduce ended with part (less than half) of the average missing here: most of this peer's
+    pseudo-gradient demonstrably reached its reducers (see :class:`collabopt.diloco.PartialRound`)."""
+
+
+class ValueAllReduceRunner(AllReduceRunner):
+    """hivemind's butterfly all-reduce, except that each reducer sends back the average itself, compressed
+    once, instead of ``average - what that sender sent`` compressed per sender, and uses that same compressed
+    value for its own part. hivemind's way leaves every peer a different compression error (with fp16, ~1e-3
+    of the pseudo-gradient): here every peer of the group receives the same values. A result with parts missing
+    (a reducer failed) raises instead of mixing in local values."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.tensor_part_container.return_deltas = False  # a failed reducer's part: the local one (then we raise)
+        own = self.ordered_peer_ids.index(self.peer_id)
+        self._own_part_infos = [info for _, info in self.tensor_part_container._input_parts_by_peer[own]]
+
+    async def run(self) -> Any:
+        async for value in super().run():
+            yield value
+        failed, total = self.tensor_part_container.failed_size, self.tensor_part_container.total_size
+        if failed and 2 * failed < total:
+            # a reducer returns a part's average only once it holds every member's part: most of this peer's
+            # pseudo-gradient reached the group (and where the rest went is unknown)
+            raise PartialResults(f"{failed} of {total} values were not averaged")
+        if failed:  # most of its pseudo-gradient may not have left (its link failed): a failed round
+            raise AllreduceException(f"{failed} of {total} values were not averaged")
+
+    async def _communicate_with_peer(self, peer_id: Any) -> None:
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        compression = self.tensor_part_container.compression
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part,
+                                                                      weight=self.weight)
+            as_sent = deserialize_torch_tensor(compression.compress(averaged, self._own_part_infos[part_index]))
+            self.tensor_part_container.register_processed_part(peer_index, part_index, as_sent)
+
+    async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
+        # hivemind 1.1.12's method, replying with the average instead of the difference
+        part_index = sent = 0
+        try:
+            loop = asyncio.get_event_loop()
+            async for tensor_part, weight, part_compression in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight)
+                    part_index += 1
+                except BannedException:
+                    break  # the sender was banned: it no longer needs results
+                serialized = await loop.run_in_executor(
+                    None, lambda part=averaged_part, kind=part_compression: serialize_torch_tensor(part, kind))
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                sent += 1
+        finally:
+            if sent != self.tensor_part_reducer.num_parts:
+                logger.debug(f"{self}: results to sender {sender_index}: {sent} of "
+                             f"{self.tensor_part_reducer.num_parts} parts sent ({part_index} accumulated)",
+                             stack_info=True)
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class PseudoGradientAverager(GradientAverager):
+    """hivemind's gradient averager as the carrier of pseudo-gradients: it only counts samples (the round writes
+    the pseudo-gradients into its tensors) and averages with :class:`ValueAllReduceRunner`, applying a result
+    only once all of it arrived. A round whose average came in part is not retried when most of it came (the
+    others may have applied it with this peer's pseudo-gradient: :class:`collabopt.diloco.PartialRound`); a
+    retried round resends the pseudo-gradients, not a partial result."""
+
+    def __init__(self, parameters: Any, *, dht: Any, prefix: str, client_mode: bool | None = None,
+                 **kwargs: Any):
+        for ignored in ("reuse_grad_buffers", "accumulate_grads_on", "warn", "averaged_grads"):
+            kwargs.pop(ignored, None)
+        parameters = tuple(parameters)
+        buffers = tuple(torch.zeros(p.shape, dtype=torch.float32).share_memory_() for p in parameters)
+        kwargs.setdefault("allow_state_sharing", False)  # nothing to serve: the state averager serves the state
+        self._partial_groups: set[bytes] = set()  # (averager process) all-reduces whose average came in part
+        super().__init__(parameters, dht=dht, prefix=prefix, reuse_grad_buffers=True, client_mode=client_mode,
+                         warn=False, averaged_grads=buffers, **kwargs)
+        self.reuse_grad_buffers = False
+
+    def _grads_from_parameters(self) -> Any:  # shapes only: never allocate .grad on the model's parameters
+        return (p.detach() for p in self.parameters)
+
+    def accumulate_grads_(self, batch_size: int) -> None:
+        self.local_samples_accumulated += batch_size
+        self.local_times_accumulated += 1
+
+    def load_accumulators_into_averager_(self) -> None:
+        pass  # the round has written the pseudo-gradients already
+
+    def reset_accumulated_grads_(self) -> None:
+        self.local_samples_accumulated = self.local_times_accumulated = 0
+        self._accumulators_used_in_step = False
+
+    async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any, group_id: bytes | None = None,
+                                      **kwargs: Any) -> None:
+        # hivemind 1.1.12's method with ValueAllReduceRunner, writing the results once all arrived
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = ValueAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
+                                      tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids,
+                                      **kwargs)
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered"
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+            return
+        try:
+            results = [value async for value in runner]
+        except PartialResults as e:
+            # not an error hivemind may retry: this peer's pseudo-gradient may have reached the group, and a
+            # retry would send it into another round (_aggregate_with_group tells the round instead)
+            logger.warning(f"{self}: {e}; this peer's pseudo-gradient may have reached its group")
+            self._partial_groups.add(group_id)
+            return
+        for tensor, value in zip(tensors, results, strict=True):
+            tensor.copy_(value)
+        self.last_updated = get_dht_time()
+        self._state_updated.set()
+
+    async def _aggregate_with_group(self, group_info: Any, *args: Any, **kwargs: Any) -> Any:
+        gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
+        if group_info.group_id in self._partial_groups:
+            self._partial_groups.discard(group_info.group_id)
+            return {PARTIAL_RESULTS: True}
+        return gathered

@@ -1,0 +1,279 @@
+"""DiLoCo mode's round on hivemind: its optimizer is the outer one, and a round
+(:meth:`collabopt.diloco.DiLoCo.run_round`) replaces the synchronous mode's global epoch."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from hivemind.utils import get_dht_time
+
+from collabopt import diloco as diloco_module
+from collabopt.engine.diloco_averaging import (
+    default_pseudo_gradient_compression,
+    pseudo_gradient_averager_factory,
+    raise_if_partial,
+)
+from collabopt.engine.progress import SwarmProgressTracker
+from collabopt.engine.sync_round import SyncOptimizer
+from collabopt.errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+
+def hivemind_arguments(config: Any, inner: torch.optim.Optimizer, optimizer_factory: Any,
+                       prepare: Callable[[torch.optim.Optimizer], None]) -> dict[str, Any]:
+    """``hivemind.Optimizer`` arguments of a DiLoCo peer: hivemind's optimizer is the outer one, built by
+    ``config.outer_optimizer`` on host copies of the parameters (the anchor), and ``prepare``d (its statistics
+    created without moving a parameter); the pseudo-gradient averager replaces the gradient averager."""
+    if optimizer_factory is not None:
+        raise ConfigurationError("optimizer_factory", "is not used with outer_optimizer: your optimizer steps "
+                                 "locally and outer_optimizer builds the outer one", "drop optimizer_factory")
+    arguments = config.hivemind_arguments()
+    request_timeout = (arguments.get("averager_opts") or {}).get("request_timeout")
+    outer_factory = config.outer_optimizer
+
+    def build_outer(param_groups: list[dict]) -> torch.optim.Optimizer:
+        outer = outer_factory(param_groups)
+        prepare(outer)
+        return outer
+
+    arguments.update(
+        optimizer=build_outer,
+        # the outer optimizer's hyperparameters are its own: hand it the parameters only
+        params=[{"params": list(group["params"])} for group in inner.param_groups],
+        offload_optimizer=True,
+        grad_averager_factory=pseudo_gradient_averager_factory(request_timeout),
+        grad_compression=arguments.get("grad_compression") or default_pseudo_gradient_compression(),
+    )
+    return arguments
+
+
+class ThrottledProgressTracker(SwarmProgressTracker):
+    """A DiLoCo peer's tracker: it stores its progress record at most once per
+    :func:`collabopt.diloco.report_period` (a tenth of the last round: rounds are hundreds of steps long; one
+    store per ``min_refresh_period`` cost B6's peers 64 kB/s instead of 23, ~10% of their round's all-reduce)."""
+
+    _epoch_began: float | None = None  # when this peer's current epoch (round) began, DHT time
+    _last_round: float | None = None  # how long its last whole round took, seconds
+
+    def report_period(self) -> float:
+        return diloco_module.report_period(self._last_round, self.min_refresh_period, self.max_refresh_period)
+
+    def report_local_progress(self, local_epoch: int, samples_accumulated: int,
+                              update_global_samples: bool = True) -> None:
+        previous = self.local_progress
+        if local_epoch != previous.epoch:
+            now = get_dht_time()
+            if self._epoch_began is not None and local_epoch == previous.epoch + 1:
+                self._last_round = now - self._epoch_began
+            self._epoch_began = now
+        super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+
+
+class DiLoCoOptimizer(SyncOptimizer):
+    """hivemind's optimizer with DiLoCo rounds: its (offloaded) optimizer is the outer one, whose parameters are
+    the anchor; a round (:meth:`collabopt.diloco.DiLoCo.run_round`) replaces the global epoch. Also the
+    :class:`collabopt.diloco.RoundSwarm` the round runs on."""
+
+    def __init__(self, *, diloco: Any, **kwargs: Any):
+        self.diloco = diloco
+        self._in_flight: Any = None  # overlap: the StepControl of the round whose all-reduce is running
+        self._sharing_paused = False  # overlap: state sharing is off while a round is in flight
+        super().__init__(**kwargs)
+        self.anchors = tuple(p for group in self.state_averager.optimizer.param_groups for p in group["params"])
+        self.parameters = tuple(self.state_averager.main_parameters)
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> Any:
+        return ThrottledProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                                        client_mode=self.client_mode, status_loglevel=self.status_loglevel,
+                                        start=True, **kwargs)
+
+    # ---- RoundSwarm
+
+    @property
+    def num_peers(self) -> int:
+        return self.tracker.global_progress.num_peers
+
+    def buffers(self) -> Any:
+        return self.grad_averager.get_tensors()
+
+    def average(self, weight: float) -> dict[Any, Any]:
+        control, self.scheduled_grads = self.scheduled_grads, None
+        if control is not None and (control.triggered or control.done()):
+            control = None
+        if control is None:
+            control = self.grad_averager.step(weight=weight, reset_accumulators=False, wait=False,
+                                              timeout=self.averaging_timeout,
+                                              gather=self.diloco.round_metadata(self))
+        else:
+            self.grad_averager.step(control=control, weight=weight, reset_accumulators=False, wait=False)
+        try:
+            gathered = control.result(self.averaging_timeout)
+        finally:
+            if not control.done():
+                control.cancel()
+        self.grad_averager.notify_used_averaged_gradients()
+        return raise_if_partial(gathered)
+
+    def skip_averaging(self) -> None:
+        control, self.scheduled_grads = self.scheduled_grads, None
+        if control is not None and not control.done():
+            control.cancel()
+
+    def outer_step(self, increment_epoch: bool = True) -> None:
+        # the outer optimizer steps on the anchor (its .grad are the averaged buffers, see hivemind's
+        # _make_gradient_averager with offload_optimizer), then the anchor is copied into the model
+        self.state_averager.step(increment_epoch=increment_epoch, optimizer_step=True)
+
+    # ---- hivemind.Optimizer, DiLoCo's way
+
+    def _should_load_state_from_peers(self) -> bool:
+        # the anchor of a peer one epoch behind is stale: catch up at once (hivemind tolerates one epoch), unless
+        # (overlap_rounds) the others started the round it trained toward: their epoch moved when they did
+        return diloco_module.should_download(self.diloco, self.local_epoch, self.tracker.global_epoch)
+
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        """As hivemind's, with this peer's round metadata (epoch, anchor fingerprint) for its group."""
+        soon = self.tracker.estimated_next_update_time - get_dht_time() <= self.matchmaking_time
+        if self.num_peers <= 1 or not soon or self._should_load_state_from_peers():
+            return  # (a peer that must download first would bring a stale anchor to the others' round)
+        self.land(wait=False)
+        if self._in_flight is not None:
+            return  # the anchor (whose fingerprint the group gathers) moves when it lands: schedule after
+        if self.scheduled_grads is None or self.scheduled_grads.triggered or self.scheduled_grads.done():
+            self.scheduled_grads = self.grad_averager.schedule_step(
+                timeout=self.averaging_timeout, gather=self.diloco.round_metadata(self))
+
+    def _update_global_epoch(self, grad_scaler: Any) -> None:
+        self.land(wait=True)  # one round in flight at most
+        if self._should_load_state_from_peers():
+            # its round could not be applied (its anchor is stale: the swarm is past its epoch, read after
+            # this step began, or its group's anchor differed): the next step downloads, then rounds go on
+            if not self.diloco.needs_sync:
+                logger.log(self.status_loglevel, f"collabopt: the swarm is at epoch {self.tracker.global_epoch}, "
+                           f"this peer at {self.local_epoch}: no round; it downloads the swarm's state first")
+            return
+        if self.diloco.overlap and self.num_peers > 1:
+            with self.tracker.pause_updates():
+                self._start_overlapped_round()
+                self._share_state()
+                self.grad_averager.reset_accumulated_grads_()
+            return
+        with self.tracker.pause_updates():
+            outcome = self.diloco.run_round(self)
+            if outcome.applied:
+                self.tracker.update_epoch(new_epoch=self.local_epoch)
+            else:  # keep the pseudo-gradient: count samples toward the next round from zero
+                self.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
+                self.tracker.global_progress.samples_accumulated = 0
+                self.tracker.global_progress.eta_next_epoch = float("inf")
+            self._share_state()
+            self.grad_averager.reset_accumulated_grads_()
+            logger.log(self.status_loglevel, f"DiLoCo round at epoch {self.local_epoch}: {outcome}")
+        if not outcome.applied:
+            self._fetch_progress_now()
+
+    def _share_state(self) -> None:
+        """Serve this peer's state with its epoch as priority; a peer whose anchor disagreed with its group's
+        serves it with a lower priority (downloads prefer the group's)."""
+        if not self.client_mode:
+            self.state_averager.state_sharing_priority = self.local_epoch - (0.5 if self.diloco.needs_sync
+                                                                             else 0.0)
+
+    def load_state_from_peers(self, **kwargs: Any) -> None:
+        """Download the swarm's anchor, outer optimizer state and epoch, keeping this peer's progress since its
+        own anchor (parameters = downloaded anchor + progress)."""
+        self.land(wait=True)
+        control, self.scheduled_grads = self.scheduled_grads, None
+        if control is not None and not control.done():
+            with self.grad_averager.get_tensors() as buffers:
+                for buffer in buffers:
+                    buffer.zero_()
+            self._tag_along_with_zero_weight(control)
+        self.state_averager.step(wait_for_delayed_updates=True)
+        with self.tracker.pause_updates():
+            progress, since = self.diloco.progress_to_keep(self)
+            epoch, anchor = self.local_epoch, diloco_module.fingerprint(self.anchors)
+            downloaded = True
+            try:
+                self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+            except Exception as e:  # nobody could serve it now: the next step tries again
+                logger.warning("collabopt: downloading the swarm's state failed: %r", e)
+                downloaded = False
+            moved = self.local_epoch != epoch or diloco_module.fingerprint(self.anchors) != anchor
+            self.diloco.restore_after_download(self, progress, since, downloaded, moved)
+            self.diloco.needs_sync = False
+            if moved:
+                self.diloco.resyncs += 1
+            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+            self._share_state()
+            self.grad_averager.reset_accumulated_grads_()
+
+    @torch.no_grad()
+    def reanchor(self, source: Any = None) -> None:
+        with self.state_averager.lock_averaged_tensors:  # the anchor is the state this peer serves
+            for anchor, value in zip(self.anchors, source or self.parameters, strict=True):
+                anchor.copy_(value.detach().to(device=anchor.device, dtype=anchor.dtype))
+
+    # ---- overlap (overlap_rounds=True): the round's all-reduce runs while inner steps go on
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        self.land(wait=False)
+        return super().step(*args, **kwargs)
+
+    def land(self, wait: bool, apply: bool = True) -> None:
+        """Apply the result of the round in flight if it arrived (or, with ``wait``, once it arrives); with
+        ``apply=False`` wait for it and drop it."""
+        control = self._in_flight
+        if control is None or (not wait and not control.done()):
+            return
+        self._in_flight = None
+        try:
+            result = raise_if_partial(control.result(self.averaging_timeout))
+            self.grad_averager.notify_used_averaged_gradients()
+        except Exception as e:
+            result = e
+            if not control.done():
+                control.cancel()
+        if self._sharing_paused:  # this peer's epoch and anchor agree again: serve them
+            self._sharing_paused = False
+            self.state_averager.allow_state_sharing = True
+        if not apply:
+            self.diloco.pending = None
+            return
+        outcome = self.diloco.land_round(self, result)
+        self._share_state()
+        if not outcome.applied:
+            self._fetch_progress_now()
+        logger.log(self.status_loglevel, f"DiLoCo round landed at epoch {self.local_epoch}: {outcome}")
+
+    def _start_overlapped_round(self) -> None:
+        """Start the all-reduce of this round in the background and move to the next epoch at once."""
+        weight = self.diloco.start_round(self)
+        control, self.scheduled_grads = self.scheduled_grads, None
+        if control is not None and not (control.triggered or control.done()):
+            self.grad_averager.step(control=control, weight=weight, reset_accumulators=False, wait=False)
+        else:
+            control = self.grad_averager.step(weight=weight, reset_accumulators=False, wait=False,
+                                              timeout=self.averaging_timeout, gather=self.diloco.pending.metadata)
+        self._in_flight = control
+        self.state_averager.step(increment_epoch=True)
+        self.tracker.update_epoch(new_epoch=self.local_epoch)
+        if self.state_averager.allow_state_sharing:
+            # until it lands, this peer's epoch is the next one but its anchor the last one: a peer that
+            # downloaded them would hold an anchor the swarm no longer has at that epoch
+            self._sharing_paused = True
+            self.state_averager.allow_state_sharing = False
+
+    def _fetch_progress_now(self) -> None:
+        """Did the others apply the round this peer could not? (then it is behind and downloads; hivemind would
+        look up to 10 s later)"""
+        self.tracker.global_progress.next_fetch_time = get_dht_time()
+        self.tracker.global_state_updated.set()
+
+    def shutdown(self) -> None:
+        self.land(wait=True)  # the others' round needs this peer's part
+        super().shutdown()

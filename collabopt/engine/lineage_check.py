@@ -1,0 +1,179 @@
+"""The lineage check of the synchronous mode: after a gradient round, a member whose parameters are not its group's
+canonical ones (:func:`collabopt.lineage.judge`) skips that boundary's parameter averaging and re-synchronizes.
+
+Why it exists and what it caught is in ``docs/decisions.md`` (the lineage check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from typing import Any
+
+from collabopt import lineage
+
+logger = logging.getLogger(__name__)
+
+
+# The lineage check. A gradient round gives all its members the same averaged gradients, so it keeps in sync only
+# peers that already held the same parameters. Peers that trained apart (the two sides of a healed partition) or
+# came out of different parameter-averaging groups hold two lineages, and rounds of all of them kept both: with
+# state-round pre-scheduling off, the 2 | 2 partition test ended 0.005-0.04 apart in 4 of 5 runs (each side's state
+# round gathered whoever reached the boundary first, in groups of 2 and 3). So every member tells its gradient
+# round its epoch and a fingerprint of its parameters (hivemind's ``gather``); after the round, a peer whose
+# fingerprint is not the round's canonical one (lineage.judge) skips that boundary's parameter averaging (it would
+# mix the lineages), serves its state below the others and, at its next step, downloads the state of a member that
+# holds the canonical one. The same check catches two other ways of drifting apart without parameter averaging
+# (average_state_every > 1), both seen in a fresh-clone suite's run of the lineage test on 2 loaded cores: a partial
+# round (a member's part of the average arrived late, the others used their own values for it and ended 0.0066
+# apart: each says "apart" at its next round and adopts the lineage of a member whose round was whole), and a member
+# one epoch behind (it missed a round and counted the next one as its own: it adopts the newest epoch's lineage).
+# Off where the optimizer step or averaging runs in the background (delay_*: parameters at scheduling time are not
+# the epoch's) and in DiLoCo mode (which checks its anchors the same way).
+CHECK_LINEAGE = True
+RESYNC_RETRY = 1.0  # seconds between downloads while the canonical peers have not served the new state yet
+
+
+@dataclasses.dataclass
+class Resync:
+    """A pending re-synchronization: download the state of one of ``peers`` (base58 peer ids) until ``until``."""
+
+    peers: list[str]
+    epoch: int
+    until: float
+    next_try: float = 0.0
+
+
+def check_lineage(optimizer: Any) -> None:
+    """Make ``optimizer`` (a ``hivemind.Optimizer`` of :func:`optimizer_class`) take part in the lineage check
+    (see above), where its mode allows it."""
+    if not (CHECK_LINEAGE and optimizer.use_gradient_averaging and not optimizer.auxiliary
+            and not optimizer.delay_optimizer_step and not optimizer.delay_grad_averaging
+            and not optimizer.delay_state_averaging):
+        return
+    optimizer.collabopt_checks_lineage = True
+    averager = optimizer.grad_averager
+    schedule_step = averager.schedule_step  # GradientAverager.step() begins an unscheduled round through it too
+
+    def schedule_step_telling_lineage(scheduled_time: float | None = None, **kwargs: Any) -> Any:
+        if kwargs.get("gather") is None:  # the parameters stay as they are until this epoch's optimizer step
+            kwargs["gather"] = lineage_metadata(optimizer)
+        return schedule_step(scheduled_time, **kwargs)
+
+    averager.schedule_step = schedule_step_telling_lineage
+
+
+def lineage_metadata(optimizer: Any) -> dict[str, Any]:
+    return {"epoch": int(optimizer.local_epoch), "serves": not optimizer.client_mode,
+            "apart": bool(getattr(optimizer, "collabopt_apart", False)),
+            "lineage": lineage.fingerprint(optimizer.state_averager.main_parameters)}
+
+
+def out_of_sync(optimizer: Any) -> bool:
+    """Whether ``optimizer`` knows its parameters differ from its swarm's: its last gradient round was partial, or
+    a round found it on another lineage and its re-synchronization is pending."""
+    apart = bool(getattr(optimizer, "collabopt_apart", False))
+    return apart or getattr(optimizer, "collabopt_resync", None) is not None
+
+
+def hint_state_group(optimizer: Any, control: Any) -> None:
+    """After a boundary's gradient round (``control``): if every peer this one counts in the swarm was in it, tell
+    the state averager to expect that many peers in the parameter averaging that follows (see
+    ``ConsistentStateAverager._size_next_group``); otherwise (a failed round, groups split under load) no hint.
+
+    A hint too small would be harmful: a peer that finds the group full waits for another until
+    ``averaging_timeout``. One too large costs what no hint costs (the group waits out its matchmaking time)."""
+    hint = None  # (a delayed gradient round ends after the state round's matchmaking began: no hint)
+    group = None if optimizer.delay_grad_averaging else finished_group(control)
+    if isinstance(group, dict) and len(group) >= max(2, optimizer.tracker.global_progress.num_peers):
+        hint = (optimizer.local_epoch, len(group))
+    optimizer.state_averager.group_size_hint = hint
+
+
+def finished_group(control: Any) -> Any:
+    """What a gradient round (a StepControl) gathered from its group, or None if it did not finish successfully."""
+    if control is None or not control.done() or control.cancelled() or control.exception() is not None:
+        return None
+    return control.result()
+
+
+def judge_lineage(optimizer: Any, control: Any) -> None:
+    """After a gradient round (``control``): if this peer's parameters are not its group's canonical lineage (see
+    :func:`collabopt.lineage.judge`), turn this boundary's parameter averaging off and plan a download from a peer
+    that holds it. Then note whether this round was partial (see :func:`gradient_averager_class`)."""
+    group = finished_group(control)
+    me = optimizer.dht.peer_id
+    mine = group.get(me) if isinstance(group, dict) else None
+    if not isinstance(mine, dict) or not isinstance(mine.get("epoch"), int):
+        return
+    verdict = lineage.judge(group, me) if getattr(optimizer, "collabopt_resync", None) is None else None
+    if verdict is not None and verdict.reason == "holds":
+        optimizer.collabopt_apart = False
+    elif verdict is not None:
+        logging.getLogger(__name__).warning("collabopt: %s: it downloads their state after this step",
+                                            _verdict_text(verdict, group, mine["epoch"]))
+        optimizer.collabopt_resync = Resync(peers=[str(peer) for peer in verdict.peers], epoch=mine["epoch"],
+                                            until=time.monotonic() + optimizer.averaging_timeout)
+        optimizer.average_state_every = sys.maxsize  # no parameter averaging at this boundary (_update_global_epoch
+        join_state_round_with_nothing(optimizer)    # restores it): it would mix the lineages
+        serve_below_the_others(optimizer)
+    received = mine.get("received", 1.0)
+    if isinstance(received, float) and received < 1.0:  # (a pending download clears it when it brings a state)
+        optimizer.collabopt_apart = True
+        serve_below_the_others(optimizer)  # others' downloads should not fetch parameters only this peer holds
+        logging.getLogger(__name__).warning(
+            "collabopt: %.1f%% of this peer's gradient round at epoch %d arrived (hivemind used its own gradients for "
+            "the rest): its parameters now differ from its group's; its next gradient round re-synchronizes it",
+            100 * received, mine["epoch"])
+
+
+def _verdict_text(verdict: lineage.Verdict, group: dict, epoch: int) -> str:
+    newest = group[verdict.peers[0]]["epoch"]
+    if verdict.reason == "behind":
+        return (f"this peer is at epoch {epoch}, {len(verdict.peers)} peer(s) of its gradient round at epoch "
+                f"{newest} (it missed a round)")
+    if verdict.reason == "apart":
+        return (f"this peer's last gradient round was partial, so its parameters are its own; {len(verdict.peers)} "
+                f"peer(s) of its gradient round at epoch {epoch} hold the group's")
+    if verdict.reason == "nonfinite":
+        return (f"this peer's parameters are not finite; {len(verdict.peers)} peer(s) of its gradient round at epoch "
+                f"{epoch} hold the group's")
+    peers_at_epoch = sum(1 for m in group.values() if isinstance(m, dict) and m.get("epoch") == epoch)
+    return (f"this peer's parameters differ from those of {len(verdict.peers)} of the {peers_at_epoch} peers of its "
+            f"gradient round at epoch {epoch} (they trained apart, e.g. across a network partition)")
+
+
+def serve_below_the_others(optimizer: Any) -> None:
+    """Others' downloads prefer peers of higher priority: serve this peer's state (of the other lineage) below
+    theirs at the same epoch."""
+    if not optimizer.client_mode:
+        optimizer.state_averager.state_sharing_priority = optimizer.local_epoch - 0.5
+
+
+def join_state_round_with_nothing(optimizer: Any) -> None:
+    state_round, optimizer.scheduled_state = optimizer.scheduled_state, None
+    if state_round is not None and not state_round.triggered and not state_round.done():
+        # a pre-scheduled state round may have a group already: take part with nothing (the others' round would
+        # wait for this peer's part until it timed out), without waiting for it (it may start seconds from now)
+        state_round.weight = 0
+        state_round.allow_allreduce()
+
+
+def resync_outcome(optimizer: Any, resync: Resync, before: list[float]) -> None:
+    """After a download for ``resync``: done if the parameters changed (they came from another lineage), else try
+    again at a later step (the canonical peers had not served the boundary's state yet), until ``resync.until``."""
+    logger = logging.getLogger(__name__)
+    if not lineage.same_fingerprint(before, lineage.fingerprint(optimizer.state_averager.main_parameters)):
+        logger.log(optimizer.status_loglevel, "collabopt: re-synchronized with its gradient round's parameters "
+                   "(epoch %d)", optimizer.local_epoch)
+        optimizer.collabopt_resync = None
+        optimizer.collabopt_apart = False
+    elif time.monotonic() >= resync.until:
+        logger.warning("collabopt: no peer of the other lineage served its state within %.0f s; this peer goes on "
+                       "with its own parameters (the next gradient round checks again)", optimizer.averaging_timeout)
+        optimizer.collabopt_resync = None
+    else:
+        resync.next_try = time.monotonic() + RESYNC_RETRY
+        serve_below_the_others(optimizer)

@@ -1,0 +1,174 @@
+"""Starting hivemind's DHT and libp2p daemons the way collabopt's peers, ``collabopt dht`` and ``doctor`` need.
+
+Every DHT that is not a client also serves the dial-back check of :mod:`collabopt.engine.dialback`, so that
+``collabopt doctor`` on another machine can learn whether that machine is reachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import hivemind
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.proto import dht_pb2
+from hivemind.utils import logging as hivemind_logging
+
+from collabopt.engine.compat import Multiaddr
+from collabopt.engine.dialback import DIALBACK_PROTOCOL, serve_dialback
+from collabopt.lifeline import children_follow_parent
+
+logger = logging.getLogger(__name__)
+
+
+class _HivemindHandlerUnlessConfigured(logging.Handler):
+    """Hands a record to hivemind's own handler while the application has configured no logging (the root logger
+    has no handler); otherwise the record propagates to the application's handlers only."""
+
+    def __init__(self, target: logging.Handler):
+        super().__init__()
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            self.target.handle(record)
+
+
+def log_like_hivemind() -> None:
+    """collabopt's log lines in hivemind's format and at ``HIVEMIND_LOGLEVEL`` while the application configured no
+    logging: otherwise collabopt's status lines (INFO with ``verbose=True``, like hivemind's) were dropped and its
+    warnings printed without a time, between hivemind's timed lines. A level set on the ``collabopt`` logger is kept."""
+    hivemind_logging.get_logger("hivemind")  # hivemind creates its handler on first use
+    target = getattr(hivemind_logging, "_default_handler", None)
+    ours = logging.getLogger("collabopt")
+    if target is None or any(isinstance(h, _HivemindHandlerUnlessConfigured) for h in ours.handlers):
+        return
+    ours.addHandler(_HivemindHandlerUnlessConfigured(target))
+    if ours.level == logging.NOTSET:
+        ours.setLevel(hivemind_logging.loglevel)
+
+
+def start_dht(**kwargs: Any) -> Any:
+    """Start a ``hivemind.DHT``; unless it is a client, it also serves collabopt's dial-back check."""
+    relays_only = _static_relays() if kwargs.get("trusted_relays") else contextlib.nullcontext()
+    with children_follow_parent(), relays_only:  # the DHT process and its p2pd end with this process, even on SIGKILL
+        dht = hivemind.DHT(start=True, **kwargs)
+    if not kwargs.get("client_mode"):
+        try:
+            dht.run_coroutine(functools.partial(_add_stream_handler, DIALBACK_PROTOCOL, serve_dialback))
+        except Exception as e:  # a convenience for others' diagnosis: never a reason not to start
+            logger.debug("collabopt: could not serve the dial-back check: %r", e)
+    return dht
+
+
+@contextlib.contextmanager
+def _static_relays() -> Iterator[None]:
+    """While a DHT starts (its process forks inside), p2pd daemons given ``trusted_relays`` use those relays only.
+
+    hivemind 1.1.12 passes ``-trustedRelays`` but leaves p2pd's ``-relayDiscovery`` on (``use_relay_discovery`` is
+    ignored), so p2pd feeds the named relays to libp2p's autorelay as mere candidates among those its DHT finds;
+    autorelay then reserves no relay slot before it has 4 candidates or 3 minutes have passed (go-libp2p 0.32
+    autorelay defaults), and every connection through the relay fails with NO_RESERVATION until then. With
+    ``-relayDiscovery=0`` p2pd configures static relays: a reservation within seconds.
+
+    Such a daemon connects to its static relays as soon as it starts, and p2pd's own bootstrap counts only the
+    initial peers it was not yet connected to: when the relay is an initial peer (the usual case: the first peer
+    relays) and its connection came first, p2pd exited with "failed to connect to bootstrap peers" (seen in a CI
+    run). So these daemons start without p2pd's bootstrap and connect to the initial peers once started (within
+    ``startup_timeout``, as p2pd's bootstrap was). They lose what else p2pd's bootstrap does: its reconnection to the
+    bootstrap peers every 15 minutes when it has fewer than 4 connections (the relay, usually the initial peer,
+    stays connected through autorelay).
+    """
+    original_args, original_create = P2P.__dict__["_make_process_args"], P2P.__dict__["create"]
+
+    def make_process_args(*args: Any, **kwargs: Any) -> list[str]:
+        if kwargs.get("trustedRelays"):
+            kwargs.setdefault("relayDiscovery", False)
+            kwargs.pop("bootstrapPeers", None)
+            kwargs["b"] = False
+        return original_args.__func__(*args, **kwargs)
+
+    async def create(cls: type, **kwargs: Any) -> Any:
+        p2p = await original_create.__func__(cls, **kwargs)
+        if kwargs.get("trusted_relays") and kwargs.get("initial_peers"):
+            await _connect_initial_peers(p2p, kwargs["initial_peers"], timeout=kwargs.get("startup_timeout", 15.0))
+        return p2p
+
+    P2P._make_process_args, P2P.create = staticmethod(make_process_args), classmethod(create)
+    try:
+        yield
+    finally:
+        P2P._make_process_args, P2P.create = original_args, original_create
+
+
+async def _connect_initial_peers(p2p: Any, initial_peers: Sequence[Any], timeout: float) -> None:
+    """Connect a started ``p2p`` to ``initial_peers`` (full multiaddrs): return once one answers (the others go on
+    connecting); shut ``p2p`` down and raise as p2pd's bootstrap does if none answers within ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline, errors = loop.time() + timeout, []
+    pending = {asyncio.ensure_future(connect(p2p, str(maddr))) for maddr in initial_peers}
+    for task in pending:  # whatever the outcome, nobody waits for it after an early return
+        task.add_done_callback(lambda task: task.cancelled() or task.exception())
+    while pending:
+        done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()),
+                                           return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            errors.append(f"{len(pending)} gave no answer in {timeout} s")
+            break
+        for task in done:
+            if task.exception() is None:
+                return
+            errors.append(task.exception())
+    for task in pending:
+        task.cancel()
+    await p2p.shutdown()
+    raise P2PDaemonError(f"failed to connect to bootstrap peers: {errors}")
+
+
+async def _add_stream_handler(name: str, handler: Callable[..., Any], _dht: Any, node: Any) -> None:
+    await node.p2p.add_binary_stream_handler(name, handler)
+
+
+# ---- libp2p for `collabopt doctor`: a daemon of its own, no DHT
+
+
+async def create_p2p(**kwargs: Any) -> Any:
+    """Start a libp2p daemon (``hivemind.P2P``) that listens like a peer would, without a DHT."""
+    return await P2P.create(**kwargs)
+
+
+async def visible_maddrs(p2p: Any) -> list[Any]:
+    return await p2p.get_visible_maddrs()
+
+
+async def shutdown_p2p(p2p: Any) -> None:
+    await p2p.shutdown()
+
+
+def _peer_id(maddr: str) -> Any:
+    return PeerID.from_base58(Multiaddr(maddr)["p2p"])
+
+
+async def connect(p2p: Any, maddr: str) -> None:
+    """Open a libp2p connection to the peer at full multiaddr ``maddr`` (raises when it fails)."""
+    peer_id = _peer_id(maddr)
+    await p2p._client.connect(peer_id, [Multiaddr(maddr).decapsulate(Multiaddr(f"/p2p/{peer_id}"))])
+
+
+async def dht_ping(p2p: Any, maddr: str, timeout: float = 10.0) -> float:
+    """Ping the DHT of the peer at ``maddr`` without joining it (no sender info: it adds nobody to its routing
+    table); return the peer's DHT time."""
+    response = await asyncio.wait_for(p2p.call_protobuf_handler(
+        _peer_id(maddr), "DHTProtocol.rpc_ping", dht_pb2.PingRequest(), dht_pb2.PingResponse), timeout)
+    return float(response.dht_time)
+
+
+async def open_stream(p2p: Any, maddr: str, protocol: str) -> tuple[Any, Any]:
+    """A binary stream to ``protocol`` of the peer at ``maddr``: its (reader, writer)."""
+    _info, reader, writer = await p2p.call_binary_stream_handler(_peer_id(maddr), protocol)
+    return reader, writer

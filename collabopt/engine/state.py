@@ -1,0 +1,224 @@
+"""Serving this peer's state to peers that download it, and downloading the swarm's.
+
+:class:`ConsistentStateAverager` is hivemind's state averager serving states whose epoch and tensors belong together,
+sizing the parameter-averaging group from the gradient round, and downloading from preferred peers first.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import multiprocessing
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.p2p import PeerID
+from hivemind.utils import ValueWithExpiration
+
+from collabopt.engine.compat import SameHandlers
+
+# Parameter averaging in place. hivemind's state averager keeps its own copy of the parameters in shared memory (1x
+# the parameters), copies the parameters into it before each averaging round and the result back after it. Where
+# the round runs inside step() (no delay_state_averaging) on float32 CPU parameters, nothing reads or writes them
+# during the round but the round itself, so collabopt lets the averager average the parameters themselves
+# (hivemind's reuse_tensors, which it uses for offloaded parameters): B4 measured 6x -> 5x the parameters beyond
+# them in the default mode and 5x -> 4x with reuse_grad_buffers (plain Adam: 3x). A round applies its parts to the
+# parameters as they arrive, as it applied them to the copy that was copied back whole or partial.
+AVERAGE_PARAMETERS_IN_PLACE = True
+
+
+def averages_parameters_in_place(optimizer: Any, arguments: dict[str, Any]) -> bool:
+    """Whether the state averager of ``optimizer`` (a ``hivemind.Optimizer`` being built; ``arguments`` those of
+    its ``_make_state_averager``) can average the parameters themselves instead of a copy (see above): not offloaded
+    (hivemind reuses the offloaded copy already), averaged inside step(), nothing averaged but float32 CPU
+    parameters."""
+    if not AVERAGE_PARAMETERS_IN_PLACE or optimizer.offload_optimizer or optimizer.delay_state_averaging:
+        return False
+    if any(arguments.get(key) for key in ("delta_rule_averaging", "average_opt_statistics", "extra_tensors")):
+        return False
+    inner, params = arguments.get("optimizer"), arguments.get("params")
+    if params is None and isinstance(inner, torch.optim.Optimizer):
+        params = inner.param_groups
+    if params is None:
+        return False
+    if not isinstance(params, (list, tuple)):
+        params = arguments["params"] = tuple(params)  # (an iterator: hivemind reads it after us)
+    tensors: list[torch.Tensor] = []
+    for item in params:
+        group = item.get("params") if isinstance(item, dict) else [item]
+        if not isinstance(group, (list, tuple)):
+            return False
+        tensors.extend(group)
+    return bool(tensors) and all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32
+                                 for t in tensors)
+
+
+class _EventThatCalls(threading.Event):
+    """A ``threading.Event`` that calls ``before_set`` each time it is set."""
+
+    def __init__(self, before_set: Callable[[], None]):
+        super().__init__()
+        self._before_set = before_set
+
+    def set(self) -> None:
+        self._before_set()
+        super().set()
+
+
+PREFERRED_SOURCES_BYTES = 4096
+PREFERRED_BOOST = 1e9  # added to the priority of a preferred source (priorities are epochs)
+
+
+def raise_priority(found: Any, preferred: set[str]) -> Any:
+    """``found`` (the DHT's ``{subkey: priority}`` record of the peers that serve their state) with the priority
+    of the ``preferred`` peers raised above every other's."""
+    if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
+        return found
+    raised = {}
+    for subkey, info in found.value.items():
+        with contextlib.suppress(Exception):  # a malformed subkey stays as it is (hivemind skips it)
+            if (isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))
+                    and str(PeerID(subkey)) in preferred):
+                info = ValueWithExpiration(float(info.value) + PREFERRED_BOOST, info.expiration_time)
+        raised[subkey] = info
+    return ValueWithExpiration(raised, found.expiration_time)
+
+
+SERVE_WAIT = 30.0  # seconds a download waits for a boundary's averaging to be applied (hivemind's default timeout)
+
+
+class ConsistentStateAverager(SameHandlers, TrainingStateAverager):
+    """hivemind's state averager, serving states whose epoch and tensors belong together.
+
+    hivemind 1.1.12 serves a download from the live tensors (on CPU, ``.cpu()`` is no copy; they are read while
+    they stream out) with the epoch read apart from them, and it counts the next epoch before that epoch's
+    optimizer step has run (``step`` increments, then the step runs in its executor). A download at that moment
+    got epoch e+1 with epoch e's parameters, or parameters torn between the two. Here a state is served as a
+    copy taken while no optimizer step runs, labelled with the epoch whose update its parameters hold. And while
+    a boundary's foreground parameter averaging runs (after the optimizer step, before its result is applied),
+    a download waits for it, for up to :data:`SERVE_WAIT` seconds: served then, it got epoch e+1 with parameters
+    the averaging had not yet moved (the churn soak: a restarted peer 0.004 from the swarm; once in a
+    fresh-clone suite's churn test, 0.0048), and it skips that boundary's averaging after a download."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._label_lock = threading.Lock()
+        self._epoch = 0
+        self._steps_owed = 0  # epochs counted whose optimizer step has not run yet
+        self._step_with_increment = False  # the epoch step() counts next comes with an optimizer step
+        self._owes: collections.deque[bool] = collections.deque()  # per submitted _do: does it pay one?
+        self._paying = False  # the _do running now pays one when its optimizer step runs
+        self._no_boundary = threading.Event()  # cleared while a boundary's foreground averaging is unfinished
+        self._no_boundary.set()
+        # peers whose state a download tries first (base58, comma-separated), shared with the averager process
+        self._preferred_sources = multiprocessing.Array(ctypes.c_char, PREFERRED_SOURCES_BYTES)
+        super().__init__(*args, **kwargs)
+        # _do sets this event right after the optimizer step, still holding lock_optimizer: the step is paid there
+        self.finished_optimizer_step = _EventThatCalls(self._pay)
+
+    @property
+    def local_epoch(self) -> int:
+        return self._epoch
+
+    @local_epoch.setter
+    def local_epoch(self, value: int) -> None:
+        with self._label_lock:  # hivemind's step() counts the epoch (+1) before that epoch's optimizer step runs
+            if self._step_with_increment and value == self._epoch + 1:
+                self._steps_owed += 1
+                self._step_with_increment = False
+            self._epoch = value
+
+    # (epoch, peers): the peers of this epoch's gradient round, who go on to its parameter averaging now
+    group_size_hint: tuple[int, int] | None = None
+
+    def step(self, *args: Any, increment_epoch: bool = False, optimizer_step: bool = False,
+             zero_grad: bool = False, averaging_round: bool = False, **kwargs: Any) -> Any:
+        if averaging_round and kwargs.get("averaging_control") is None:
+            self._size_next_group()
+        self._step_with_increment = increment_epoch and optimizer_step
+        if optimizer_step or zero_grad or averaging_round:  # hivemind submits one _do for this call
+            self._owes.append(increment_epoch and optimizer_step)
+        boundary = (increment_epoch and averaging_round and not kwargs.get("delay_averaging")
+                    and not kwargs.get("delay_optimizer_step"))  # step() returns once the result is applied
+        if boundary:
+            self._no_boundary.clear()
+        try:
+            return super().step(*args, increment_epoch=increment_epoch, optimizer_step=optimizer_step,
+                                zero_grad=zero_grad, averaging_round=averaging_round, **kwargs)
+        finally:
+            self._step_with_increment = False
+            self._no_boundary.set()
+
+    def _size_next_group(self) -> None:
+        """The parameter averaging at a boundary starts its matchmaking there. hivemind's group leader waits out
+        the whole ``matchmaking_time`` for more peers unless the group reaches ``target_group_size`` (unset: one
+        ``matchmaking_time`` of idle at every epoch, measured in B5 and in every swarm test's epochs). The peers
+        of this epoch's gradient round reach the boundary together (its all-reduce just ended): a group of that
+        many assembles as soon as they are in. Without a hint (its gradient round failed, a delayed one), the
+        leader waits as before. A peer the hint does not count finds the group full: its round fails, as one that
+        reaches the boundary after the group closed does. A ``target_group_size`` of the user's (in
+        ``averager_opts``, to split a large swarm into groups) stays the upper bound."""
+        hint, self.group_size_hint = self.group_size_hint, None
+        size = hint[1] if hint is not None and hint[0] == self.local_epoch else None
+        configured = self.matchmaking_kwargs.get("target_group_size")
+        if configured is not None:
+            size = configured if size is None else min(size, configured)
+        self._outer_pipe.send(("_set_target_group_size", [size], {}))  # before the step's own message
+
+    async def _set_target_group_size(self, size: int | None) -> None:
+        self._matchmaking.target_group_size = size  # (runs in the averager's process)
+
+    def _do(self, *args: Any, **kwargs: Any) -> Any:
+        self._paying = self._owes.popleft() if self._owes else False
+        try:
+            return super()._do(*args, **kwargs)
+        finally:
+            self._pay()  # the step did not run (an aborted trigger): it is owed no more
+
+    def _pay(self) -> None:
+        if self._paying:
+            self._paying = False
+            with self._label_lock:
+                self._steps_owed -= 1
+
+    def _apply_averaging_results_(self) -> None:
+        with self.lock_optimizer:  # the copy of a round's result into the parameters is not served half done
+            super()._apply_averaging_results_()
+
+    def prefer_sources(self, peers: Sequence[str]) -> None:
+        """Make the next downloads try ``peers`` (base58 peer ids) before any other, as many as fit."""
+        chosen: list[str] = []
+        for peer in peers:
+            if len(",".join([*chosen, peer])) < PREFERRED_SOURCES_BYTES:
+                chosen.append(peer)
+        self._preferred_sources.value = ",".join(chosen).encode()
+
+    async def _load_state_from_peers(self, future: Any, timeout: float | None = None) -> None:
+        # (runs in the averager's process) hivemind tries the peers the DHT lists, highest priority first
+        # (self.dht.get is called before its first await): from now on, the record of the peers that serve
+        # their state is read with the preferred peers' priority raised, whichever download reads it
+        if not getattr(self, "_reads_preferring", False):
+            dht_get = self.dht.get
+
+            def get_preferring(key: Any, *args: Any, **kwargs: Any) -> Any:
+                found = dht_get(key, *args, **kwargs)
+                preferred = {peer for peer in self._preferred_sources.value.decode().split(",") if peer}
+                if preferred and isinstance(key, str) and key.endswith(".all_averagers"):
+                    found = raise_priority(found, preferred)
+                return found
+
+            self.dht.get, self._reads_preferring = get_preferring, True
+        return await super()._load_state_from_peers(future, timeout)
+
+    def get_current_state(self) -> Any:
+        self._no_boundary.wait(SERVE_WAIT)  # (runs in hivemind's thread that serves downloads)
+        with self.lock_optimizer:  # no optimizer step runs meanwhile
+            with self._label_lock:
+                epoch = self._epoch - self._steps_owed
+            metadata, tensors, infos = super().get_current_state()
+            # copies, taken now: on CPU, hivemind's tensors are the live ones (GPU ones were copied by .cpu())
+            tensors = [t.detach().clone() if t.device.type == "cpu" else t.detach().cpu() for t in tensors]
+        return dict(metadata, epoch=epoch), tensors, infos

@@ -1,0 +1,99 @@
+"""Downloading the swarm's state in the synchronous mode, without relabelling an older state as the swarm's epoch,
+and from the peers of the group's lineage first when the lineage check asks for it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from hivemind.utils import get_dht_time
+
+from collabopt import lineage
+from collabopt.engine.lineage_check import join_state_round_with_nothing, resync_outcome
+from collabopt.engine.progress import forget_stale_progress
+
+logger = logging.getLogger(__name__)
+
+
+def download_state(optimizer: Any, **kwargs: Any) -> None:
+    """``hivemind.Optimizer.load_state_from_peers`` without its relabelling, for :func:`optimizer_class`.
+
+    hivemind 1.1.12, when the state it downloaded is one epoch older than the swarm's newest epoch (the peer that
+    served it had not reached the boundary that others had passed), sets the local epoch to the swarm's: the peer
+    then counts epoch e+1 with epoch e's parameters, joins the others' rounds and stays one update apart from them
+    for good (a restarted peer of the churn test, 0.012 apart before its first step). Here the peer downloads again
+    once its progress view is fresh, until its state is as new as the swarm's, for up to ``averaging_timeout``
+    (the boundary the others are passing ends within it); only then does it fall back on hivemind's relabelling.
+    A re-synchronization of the lineage check downloads from the peers of the group's lineage first."""
+    resync = getattr(optimizer, "collabopt_resync", None)
+    apart = getattr(optimizer, "collabopt_apart", False)
+    before = lineage.fingerprint(optimizer.state_averager.main_parameters) if resync is not None or apart else []
+    if resync is not None:  # (the lineage check) a download from a peer of the group's lineage
+        optimizer.state_averager.prefer_sources(resync.peers)
+    try:
+        _download_until_current(optimizer, **kwargs)
+    finally:
+        if resync is not None:
+            optimizer.state_averager.prefer_sources([])
+    if resync is not None:
+        resync_outcome(optimizer, resync, before)
+    elif apart and not lineage.same_fingerprint(before, lineage.fingerprint(optimizer.state_averager.main_parameters)):
+        optimizer.collabopt_apart = False  # (after a partial round) it holds a served state now
+
+
+def _download_until_current(optimizer: Any, **kwargs: Any) -> None:
+    deadline = time.monotonic() + optimizer.averaging_timeout
+    while True:
+        _download_state_once(optimizer, **kwargs)
+        swarm_epoch = optimizer.tracker.global_epoch
+        if optimizer.local_epoch >= swarm_epoch or time.monotonic() >= deadline:
+            break
+        logging.getLogger(__name__).log(
+            optimizer.status_loglevel, "collabopt: the state downloaded is epoch %d's, the swarm's is %d: downloading "
+            "again", optimizer.local_epoch, swarm_epoch)
+        with optimizer.tracker.pause_updates():  # fetch the swarm's progress now, then look again
+            optimizer.tracker.global_progress.next_fetch_time = get_dht_time()
+        optimizer.tracker.global_state_updated.set()
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    if optimizer.local_epoch == optimizer.tracker.global_epoch - 1:  # hivemind's rule, as a last resort
+        logging.getLogger(__name__).warning(
+            "collabopt: no peer served the swarm's epoch %d within %.0f s; continuing from epoch %d's state as epoch "
+            "%d", optimizer.tracker.global_epoch, optimizer.averaging_timeout, optimizer.local_epoch,
+            optimizer.tracker.global_epoch)
+        optimizer.state_averager.local_epoch = optimizer.tracker.global_epoch
+        after_download(optimizer)
+    forget_stale_progress(optimizer.tracker, optimizer.local_epoch)
+
+
+def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
+    """hivemind 1.1.12's ``Optimizer.load_state_from_peers`` minus its one-epoch relabelling."""
+    logger = logging.getLogger(__name__)
+    if optimizer.scheduled_grads is not None and not optimizer.scheduled_grads.done():
+        optimizer._tag_along_with_zero_weight(optimizer.scheduled_grads)  # as hivemind: the round may have started
+        optimizer.scheduled_grads = None
+    join_state_round_with_nothing(optimizer)
+    optimizer.state_averager.step(wait_for_delayed_updates=True)
+    with optimizer.tracker.pause_updates():
+        while True:
+            try:
+                optimizer.state_averager.load_state_from_peers(timeout=optimizer.load_state_timeout, **kwargs)
+                if optimizer.grad_averager is not None:
+                    optimizer.grad_averager.load_state_from_peers(timeout=optimizer.load_state_timeout, **kwargs)
+                break
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:
+                logger.exception(f"Failed to load state from peers: {e}, retrying ...")
+        after_download(optimizer)
+
+
+def after_download(optimizer: Any) -> None:
+    optimizer.collabopt_downloaded_epoch = optimizer.local_epoch
+    optimizer.tracker.report_local_progress(local_epoch=optimizer.local_epoch, samples_accumulated=0)
+    if not optimizer.client_mode:
+        optimizer.state_averager.state_sharing_priority = optimizer.local_epoch
+    if optimizer.use_gradient_averaging:
+        optimizer.grad_averager.reset_accumulated_grads_()
+        if not optimizer.client_mode:
+            optimizer.grad_averager.state_sharing_priority = optimizer.local_epoch
