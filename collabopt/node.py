@@ -241,7 +241,7 @@ class NodeOptimizer(SwarmOptimizerBase):
             try:  # the node counts samples itself: the core gets each step's total
                 self._copt = core_factory(optimizer, scheduler=wrapper or scheduler, config=config, **core_objects)
                 if self._copt.diloco is not None:  # every rank takes the inner steps: refuse NaN/inf before they do
-                    self._copt._check_each_step()
+                    self._copt.check_gradients_each_step()
                 self.scheduler = self._copt.scheduler
             except BaseException as e:  # tell the other ranks, then raise here
                 error = e

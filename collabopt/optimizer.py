@@ -31,13 +31,12 @@ from collabopt.config import (
     make_config,
     positive_int,
     positive_number,
-    sized_next_chunk_timeout,
 )
-from collabopt.engine.diloco_round import hivemind_arguments as diloco_hivemind_arguments
 from collabopt.engine.p2p import log_like_hivemind
 from collabopt.engine.peer import DiLoCoPeer, HivemindPeer
 from collabopt.errors import ConfigurationError
 from collabopt.guard import NonFiniteGuard, all_finite
+from collabopt.hivemind_arguments import peer_arguments
 from collabopt.interface import StepResult, SwarmOptimizerBase, check_state, pack_state
 from collabopt.lifecycle import SigtermHandler, preserved_sigint
 from collabopt.metrics import DILOCO_PUBLISH_INTERVAL, PUBLISH_INTERVAL, MetricsReporter
@@ -46,50 +45,6 @@ from collabopt.scheduling import CollaborativeScheduler, install_step_guard, is_
 logger = logging.getLogger(__name__)
 
 SYNC_ATTEMPTS = 3  # steps refused for being behind the swarm before a peer continues from its own parameters
-
-
-def _prepare_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create optimizer statistics without changing any parameter.
-
-    hivemind needs every peer to hold statistics of the same structure and creates them by stepping the optimizer
-    once with zero gradients, which applies weight decay once. Doing it with ``lr=0`` first leaves parameters
-    untouched.
-    """
-    if optimizer.state:
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    old_grads = [p.grad for p in params]
-    saved_lrs = [group["lr"] for group in optimizer.param_groups]
-    try:
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        for group in optimizer.param_groups:
-            group["lr"] = 0.0 if not isinstance(group["lr"], torch.Tensor) else torch.zeros_like(group["lr"])
-        optimizer.step()
-    finally:
-        for group, lr in zip(optimizer.param_groups, saved_lrs, strict=True):
-            group["lr"] = lr
-        for p, grad in zip(params, old_grads, strict=True):
-            p.grad = grad
-
-
-def _hivemind_optimizer(optimizer: torch.optim.Optimizer, config: CollabConfig,
-                        optimizer_factory: Callable[[list[dict]], torch.optim.Optimizer] | None) -> dict[str, Any]:
-    """``optimizer`` / ``params`` arguments of ``hivemind.Optimizer``: the user's instance, or a factory when hivemind
-    builds its own copy (offloaded or delayed steps)."""
-    if not config.needs_optimizer_factory:
-        if optimizer_factory is not None:
-            warnings.warn("optimizer_factory is only used with offload_optimizer/delay_*; ignored", stacklevel=3)
-        _prepare_optimizer_state(optimizer)
-        return dict(optimizer=optimizer)
-    build = optimizer_factory or scheduling.optimizer_factory(optimizer)
-
-    def make_optimizer(param_groups: list[dict]) -> torch.optim.Optimizer:
-        new_optimizer = build(param_groups)
-        _prepare_optimizer_state(new_optimizer)
-        return new_optimizer
-
-    return dict(optimizer=make_optimizer, params=[dict(group) for group in optimizer.param_groups])
 
 
 @torch.no_grad()
@@ -186,21 +141,33 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         check_callable("optimizer_factory", optimizer_factory, "pass callable(param_groups) -> optimizer")
         check_model(model)
         check_dht(dht, config)
-        if config.outer_optimizer is not None:  # DiLoCo mode: hivemind's optimizer is the outer one
-            hivemind_arguments = diloco_hivemind_arguments(config, optimizer, optimizer_factory,
-                                                           _prepare_optimizer_state)
-        else:
-            hivemind_arguments = dict(config.hivemind_arguments(), **_hivemind_optimizer(optimizer, config,
-                                                                                          optimizer_factory))
-        timeouts_given = {"sender_timeout", "reducer_timeout"} & set(hivemind_arguments.get("averager_opts") or {})
-        if hivemind_arguments.get("next_chunk_timeout") is None and not timeouts_given:
-            # every parameter of the groups is averaged, frozen ones too (hivemind averages their zero gradients)
-            hivemind_arguments["next_chunk_timeout"] = sized_next_chunk_timeout(
-                sum(p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"]),
-                config.matchmaking_time, config.averaging_timeout)
-        swarm_options = config.swarm_options() if dht is None and peer is None else None
+        arguments = peer_arguments(config, optimizer, optimizer_factory)
+        self._owns_dht = dht is None and peer is None
+        self._remember(config, optimizer, model, dht, grad_scaler, scheduler)
 
-        # ---- configuration accepted: remember it ----
+        # ---- start the network ----
+        self._closed = False
+        try:
+            self._peer = peer if peer is not None else self._start_peer(arguments)
+            if isinstance(self._peer, HivemindPeer):  # publishes this peer's metrics record (collabopt.metrics)
+                self._reporter = MetricsReporter(
+                    self, self._peer, interval=PUBLISH_INTERVAL if self.diloco is None else DILOCO_PUBLISH_INTERVAL)
+            self._wire_guard()
+            if config.handle_signals:
+                self._sigterm.install()
+                lifecycle.keep_lost_interrupts()
+            if config.print_join_message and self._owns_dht:
+                swarm.print_join_message(self.dht, config.run_id, self.dht.client_mode)
+            self._bind_scheduler(optimizer, scheduler, scheduler_fn, scheduler_wrapper)
+            if config.load_state_on_start and not config.auxiliary:
+                self.catch_up()
+        except BaseException:
+            self.close()
+            raise
+
+    def _remember(self, config: CollabConfig, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
+                  dht: Any, grad_scaler: Any, scheduler: Any) -> None:
+        """The accepted configuration and this peer's counters, before anything starts."""
         self.config = config
         self.run_id, self.target_batch_size = config.run_id, config.target_batch_size
         self.user_optimizer = optimizer
@@ -224,51 +191,38 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         self.diloco = (diloco.DiLoCo(optimizer, self._guard, overlap=config.overlap_rounds)
                        if config.outer_optimizer is not None else None)
         self._checked_version = -1  # parameters' version sum when the guard last checked them
-        self._owns_dht = swarm_options is not None
         self._counter = ForwardSampleCounter(model) if model is not None else None
         self._reporter: MetricsReporter | None = None
         self.dht = dht
 
-        # ---- start the network ----
-        self._closed = False
-        try:
-            if peer is None:
-                log_like_hivemind()
-                host_memory.keep_freed_memory_for(p for group in optimizer.param_groups for p in group["params"])
-                with preserved_sigint():
-                    if swarm_options is not None:
-                        self.dht = swarm.start_dht(swarm_options)
-                    peer = (HivemindPeer(self.dht, hivemind_arguments) if self.diloco is None
-                            else DiLoCoPeer(self.dht, hivemind_arguments, self.diloco))
-            self._peer = peer
-            if isinstance(peer, HivemindPeer):  # publishes this peer's metrics record (collabopt.metrics)
-                self._reporter = MetricsReporter(
-                    self, peer, interval=PUBLISH_INTERVAL if self.diloco is None else DILOCO_PUBLISH_INTERVAL)
-            if self._guard is not None:
-                if self.diloco is None and not config.use_local_updates:  # averaged gradients reach the optimizer:
-                    # it refuses non-finite ones (with a snapshot to undo a non-finite averaging result, where it is
-                    # synchronous). use_local_updates steps on the local gradients step() has just checked: a second
-                    # pass over them would cost as much again at every step. DiLoCo's inner steps are not wrapped:
-                    # its parameters are checked (_check_diloco_parameters)
-                    self._guard.wrap_optimizer(peer.optimizer, keep_snapshot=not config.updates_in_background)
-                if self.diloco is not None:
-                    self._guard_checks = "parameters"
-                elif config.auxiliary or peer.accumulators() is None:
-                    self._guard_checks = "each step"
-                else:
-                    self._guard_checks = "accumulation"
-                    peer.set_before_averaging(self._check_accumulation_at_boundary)
-            if config.handle_signals:
-                self._sigterm.install()
-                lifecycle.keep_lost_interrupts()
-            if config.print_join_message and self._owns_dht:
-                swarm.print_join_message(self.dht, config.run_id, self.dht.client_mode)
-            self._bind_scheduler(optimizer, scheduler, scheduler_fn, scheduler_wrapper)
-            if config.load_state_on_start and not config.auxiliary:
-                self.catch_up()
-        except BaseException:
-            self.close()
-            raise
+    def _start_peer(self, arguments: dict[str, Any]) -> HivemindPeer:
+        """Start the DHT (unless the caller owns one) and this process's peer."""
+        log_like_hivemind()
+        host_memory.keep_freed_memory_for(p for group in self.user_optimizer.param_groups for p in group["params"])
+        with preserved_sigint():
+            if self._owns_dht:
+                self.dht = swarm.start_dht(self.config.swarm_options())
+            return (HivemindPeer(self.dht, arguments) if self.diloco is None
+                    else DiLoCoPeer(self.dht, arguments, self.diloco))
+
+    def _wire_guard(self) -> None:
+        """What the non-finite guard checks in this mode (see :mod:`collabopt.guard`)."""
+        if self._guard is None:
+            return
+        peer, config = self._peer, self.config
+        if self.diloco is None and not config.use_local_updates:  # averaged gradients reach the optimizer: it
+            # refuses non-finite ones (with a snapshot to undo a non-finite averaging result, where it is synchronous).
+            # use_local_updates steps on the local gradients step() has just checked: a second pass over them would
+            # cost as much again at every step. DiLoCo's inner steps are not wrapped: its parameters are checked
+            # (_check_diloco_parameters)
+            self._guard.wrap_optimizer(peer.optimizer, keep_snapshot=not config.updates_in_background)
+        if self.diloco is not None:
+            self._guard_checks = "parameters"
+        elif config.auxiliary or peer.accumulators() is None:
+            self._guard_checks = "each step"
+        else:
+            self._guard_checks = "accumulation"
+            peer.set_before_averaging(self._check_accumulation_at_boundary)
 
     def _bind_scheduler(self, optimizer: torch.optim.Optimizer, scheduler: Any, scheduler_fn: Any,
                         wrapper: CollaborativeScheduler | None) -> None:
@@ -397,7 +351,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
             self._checked_version = version
         self._guard.release()
 
-    def _check_each_step(self) -> None:
+    def check_gradients_each_step(self) -> None:
         """Check every step's gradients (DiLoCo: instead of the parameters on the guard's schedule). A node's ranks
         take the same inner steps: a non-finite step must be refused before any rank takes it (rank 0 alone would
         restart from the last round, the other ranks' inner optimizers kept its non-finite statistics)."""

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,43 +11,14 @@ from hivemind.utils import get_dht_time
 
 from collabopt import diloco as diloco_module
 from collabopt.engine.diloco_averaging import (
-    default_pseudo_gradient_compression,
-    pseudo_gradient_averager_factory,
     raise_if_partial,
 )
 from collabopt.engine.progress import SwarmProgressTracker
 from collabopt.engine.sync_round import SyncOptimizer
-from collabopt.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
 
-def hivemind_arguments(config: Any, inner: torch.optim.Optimizer, optimizer_factory: Any,
-                       prepare: Callable[[torch.optim.Optimizer], None]) -> dict[str, Any]:
-    """``hivemind.Optimizer`` arguments of a DiLoCo peer: hivemind's optimizer is the outer one, built by
-    ``config.outer_optimizer`` on host copies of the parameters (the anchor), and ``prepare``d (its statistics
-    created without moving a parameter); the pseudo-gradient averager replaces the gradient averager."""
-    if optimizer_factory is not None:
-        raise ConfigurationError("optimizer_factory", "is not used with outer_optimizer: your optimizer steps "
-                                 "locally and outer_optimizer builds the outer one", "drop optimizer_factory")
-    arguments = config.hivemind_arguments()
-    request_timeout = (arguments.get("averager_opts") or {}).get("request_timeout")
-    outer_factory = config.outer_optimizer
-
-    def build_outer(param_groups: list[dict]) -> torch.optim.Optimizer:
-        outer = outer_factory(param_groups)
-        prepare(outer)
-        return outer
-
-    arguments.update(
-        optimizer=build_outer,
-        # the outer optimizer's hyperparameters are its own: hand it the parameters only
-        params=[{"params": list(group["params"])} for group in inner.param_groups],
-        offload_optimizer=True,
-        grad_averager_factory=pseudo_gradient_averager_factory(request_timeout),
-        grad_compression=arguments.get("grad_compression") or default_pseudo_gradient_compression(),
-    )
-    return arguments
 
 
 class ThrottledProgressTracker(SwarmProgressTracker):

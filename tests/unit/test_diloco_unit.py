@@ -389,7 +389,7 @@ def diloco_core() -> tuple[torch.nn.Module, CollaborativeOptimizer, FakeDiLoCoPe
 
 def test_a_nodes_core_refuses_a_non_finite_step_before_any_rank_takes_it():
     model, copt, peer = diloco_core()
-    copt._check_each_step()  # (NodeOptimizer's rank 0: every rank takes the inner steps)
+    copt.check_gradients_each_step()  # (NodeOptimizer's rank 0: every rank takes the inner steps)
     model(torch.randn(8, 4)).pow(2).mean().backward()
     model.weight.grad[0, 0] = float("nan")
     before = [p.detach().clone() for p in model.parameters()]
