@@ -35,13 +35,9 @@ def gradient_averager_factory(factory: Callable[..., Any] | None,
 class ShieldedTensorPartReducer(TensorPartReducer):
     """hivemind's ``TensorPartReducer``, whose senders wait for a part's average through ``asyncio.shield``.
 
-    Every sender of a part awaits one shared future. In hivemind 1.1.12 a sender that dies mid-round (its stream
-    closes) has its handler task cancelled, and cancelling a task cancels the future it awaits: the part's future,
-    shared by all. The reducer then loses its own share without marking it failed and every member waits for it
-    until ``allreduce_timeout`` (``averaging_timeout``). Measured in the churn test: a peer SIGKILLed during a 0.2 s
-    all-reduce held its 4 survivors 30 s, their training threads too (the round holds the gradients' lock). With the
-    shield only the dead sender's task ends; its parts not sent are left out as hivemind intends
-    (``on_sender_failed``) and the round ends within the reducer timeout, usually at once."""
+    In hivemind 1.1.12 a sender that dies mid-round cancels the part's future shared by all senders, and every member
+    waits until ``allreduce_timeout``; shielded, only the dead sender's task ends and the round ends at once. See
+    docs/decisions.md, "Shielded part reducer"."""
 
     async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
                               weight: float = 1.0) -> torch.Tensor:
@@ -75,11 +71,11 @@ def shield_part_reducers() -> None:
 class GradientAveragerThatTellsGaps(SameHandlers, GradientAverager):
     """hivemind's gradient averager, telling its optimizer which share of a round's results arrived.
 
-    When a reducer's part of the average does not arrive in time, hivemind 1.1.12 uses this peer's own values
-    for it (``TensorPartContainer.register_failed_reducer``) and the round still succeeds: this peer's
-    parameters then differ from every other member's ("Averaging: received 75.7% results"). The share received
-    is added to this peer's own entry of the round's gathered metadata (``"received"``, only when below 1), which
-    only this peer sees; the lineage check reads it (see ``_judge_lineage``)."""
+    When a reducer's part does not arrive in time, hivemind 1.1.12 uses this peer's own values for it and the round
+    still succeeds, with parameters that differ from the group's. The share received goes into this peer's own entry
+    of the round's gathered metadata (``"received"``, only when below 1), which the lineage check reads
+    (:func:`collabopt.engine.lineage_check.judge_lineage`). See docs/decisions.md, "Partial gradient rounds
+    reported"."""
 
     # set by collabopt's optimizer where it awaits the round within its step (no delay_grad_averaging)
     keeps_accumulation = False
@@ -105,11 +101,9 @@ class GradientAveragerThatTellsGaps(SameHandlers, GradientAverager):
 
     def step(self, weight: float | None = None, reset_accumulators: bool = True, control: Any = None,
              timeout: float | None = None, wait: bool = True, **kwargs: Any) -> Any:
-        """hivemind 1.1.12 zeroes the accumulators as it hands them to the round. When the round then fails
-        (no group, a timeout), its optimizer logs "Proceeding with local gradients" and reloads the zeroed
-        accumulators: the epoch's optimizer step got zero gradients and the peer's samples of that epoch were
-        lost. With ``keeps_accumulation`` they stay until the epoch ends (hivemind's optimizer resets them
-        there), so that a failed round steps with this peer's own accumulated gradients."""
+        """hivemind's step; with ``keeps_accumulation`` the accumulators are not zeroed as they go to the round but
+        stay until the epoch ends, so that a failed round steps with this peer's own gradients (hivemind 1.1.12
+        stepped with zeros). See docs/decisions.md, "A failed gradient round steps with this peer's gradients"."""
         if self.accumulates_in_place:
             self._round_open.value = True
         return super().step(weight, reset_accumulators and not self.keeps_accumulation, control, timeout, wait,
@@ -154,13 +148,9 @@ class GradientAveragerThatTellsGaps(SameHandlers, GradientAverager):
         return gathered
 
 
-# Gradient accumulation in place. hivemind's gradient averager accumulates the local steps' gradients in
-# accumulators of its own (1x the parameters), copies them into the round's shared-memory buffers (1x) at the
-# boundary, and the optimizer steps with what the round leaves there. Where the round is awaited within step() and
-# the optimizer steps there too (no delay_grad_averaging or delay_optimizer_step), on CPU gradients without
-# reuse_grad_buffers, the accumulation happens in those buffers: scaled in place as the round begins, averaged in
-# place, zeroed as the epoch ends. A failed round's fallback steps with what they hold: this peer's accumulation, or
-# where the all-reduce failed midway, whole tensors of the group's average beside it (as in a partial round).
+# Gradient accumulation in place: where the round is awaited within step() and the optimizer steps there too, on CPU
+# gradients without reuse_grad_buffers, the local steps accumulate in the round's shared-memory buffers instead of
+# accumulators of their own (1x the parameters less). See docs/decisions.md, "Gradient accumulation in place".
 ACCUMULATE_IN_PLACE = True
 
 

@@ -68,7 +68,7 @@ class SameHandlers:
     """A mixin for subclasses of a hivemind averager: serve and call its RPCs under the names of hivemind's class.
     hivemind names a servicer's handlers after its class (``ServicerBase._get_handle_name``): a subclass would
     answer only peers running the same subclass (no round, no state download with plain hivemind or an older
-    collabopt)."""
+    collabopt). See docs/decisions.md, "Handlers under hivemind's names"."""
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:

@@ -1,7 +1,7 @@
 """The lineage check of the synchronous mode: after a gradient round, a member whose parameters are not its group's
 canonical ones (:func:`collabopt.lineage.judge`) skips that boundary's parameter averaging and re-synchronizes.
 
-Why it exists and what it caught is in ``docs/decisions.md`` (the lineage check).
+Why it exists and what it caught: docs/decisions.md, "The lineage check".
 """
 
 from __future__ import annotations
@@ -17,21 +17,10 @@ from collabopt import lineage
 logger = logging.getLogger(__name__)
 
 
-# The lineage check. A gradient round gives all its members the same averaged gradients, so it keeps in sync only
-# peers that already held the same parameters. Peers that trained apart (the two sides of a healed partition) or
-# came out of different parameter-averaging groups hold two lineages, and rounds of all of them kept both: with
-# state-round pre-scheduling off, the 2 | 2 partition test ended 0.005-0.04 apart in 4 of 5 runs (each side's state
-# round gathered whoever reached the boundary first, in groups of 2 and 3). So every member tells its gradient
-# round its epoch and a fingerprint of its parameters (hivemind's ``gather``); after the round, a peer whose
-# fingerprint is not the round's canonical one (lineage.judge) skips that boundary's parameter averaging (it would
-# mix the lineages), serves its state below the others and, at its next step, downloads the state of a member that
-# holds the canonical one. The same check catches two other ways of drifting apart without parameter averaging
-# (average_state_every > 1), both seen in a fresh-clone suite's run of the lineage test on 2 loaded cores: a partial
-# round (a member's part of the average arrived late, the others used their own values for it and ended 0.0066
-# apart: each says "apart" at its next round and adopts the lineage of a member whose round was whole), and a member
-# one epoch behind (it missed a round and counted the next one as its own: it adopts the newest epoch's lineage).
-# Off where the optimizer step or averaging runs in the background (delay_*: parameters at scheduling time are not
-# the epoch's) and in DiLoCo mode (which checks its anchors the same way).
+# The lineage check: a gradient round keeps in sync only peers that already held the same parameters, so every member
+# tells it its epoch and parameters' fingerprint, and a peer off the round's canonical lineage skips that boundary's
+# parameter averaging and downloads the canonical state. Off with delay_* (parameters at scheduling time are not the
+# epoch's) and in DiLoCo mode (which checks its anchors). See docs/decisions.md, "The lineage check".
 CHECK_LINEAGE = True
 RESYNC_RETRY = 1.0  # seconds between downloads while the canonical peers have not served the new state yet
 
@@ -47,7 +36,7 @@ class Resync:
 
 
 def check_lineage(optimizer: Any) -> None:
-    """Make ``optimizer`` (a ``hivemind.Optimizer`` of :func:`optimizer_class`) take part in the lineage check
+    """Make ``optimizer`` (a :class:`~collabopt.engine.sync_round.SyncOptimizer`) take part in the lineage check
     (see above), where its mode allows it."""
     if not (CHECK_LINEAGE and optimizer.use_gradient_averaging and not optimizer.auxiliary
             and not optimizer.delay_optimizer_step and not optimizer.delay_grad_averaging
@@ -81,10 +70,9 @@ def out_of_sync(optimizer: Any) -> bool:
 def hint_state_group(optimizer: Any, control: Any) -> None:
     """After a boundary's gradient round (``control``): if every peer this one counts in the swarm was in it, tell
     the state averager to expect that many peers in the parameter averaging that follows (see
-    ``ConsistentStateAverager._size_next_group``); otherwise (a failed round, groups split under load) no hint.
-
-    A hint too small would be harmful: a peer that finds the group full waits for another until
-    ``averaging_timeout``. One too large costs what no hint costs (the group waits out its matchmaking time)."""
+    ``ConsistentStateAverager._size_next_group``); otherwise (a failed round, groups split under load) no hint,
+    since one too small makes a peer that finds the group full wait until ``averaging_timeout``. See
+    docs/decisions.md, "Group size hint"."""
     hint = None  # (a delayed gradient round ends after the state round's matchmaking began: no hint)
     group = None if optimizer.delay_grad_averaging else finished_group(control)
     if isinstance(group, dict) and len(group) >= max(2, optimizer.tracker.global_progress.num_peers):

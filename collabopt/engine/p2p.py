@@ -70,19 +70,9 @@ def start_dht(**kwargs: Any) -> Any:
 def _static_relays() -> Iterator[None]:
     """While a DHT starts (its process forks inside), p2pd daemons given ``trusted_relays`` use those relays only.
 
-    hivemind 1.1.12 passes ``-trustedRelays`` but leaves p2pd's ``-relayDiscovery`` on (``use_relay_discovery`` is
-    ignored), so p2pd feeds the named relays to libp2p's autorelay as mere candidates among those its DHT finds;
-    autorelay then reserves no relay slot before it has 4 candidates or 3 minutes have passed (go-libp2p 0.32
-    autorelay defaults), and every connection through the relay fails with NO_RESERVATION until then. With
-    ``-relayDiscovery=0`` p2pd configures static relays: a reservation within seconds.
-
-    Such a daemon connects to its static relays as soon as it starts, and p2pd's own bootstrap counts only the
-    initial peers it was not yet connected to: when the relay is an initial peer (the usual case: the first peer
-    relays) and its connection came first, p2pd exited with "failed to connect to bootstrap peers" (seen in a CI
-    run). So these daemons start without p2pd's bootstrap and connect to the initial peers once started (within
-    ``startup_timeout``, as p2pd's bootstrap was). They lose what else p2pd's bootstrap does: its reconnection to the
-    bootstrap peers every 15 minutes when it has fewer than 4 connections (the relay, usually the initial peer,
-    stays connected through autorelay).
+    They run with ``-relayDiscovery=0`` (static relays: a relay reservation within seconds, where hivemind's
+    relay discovery waits for autorelay's candidates) and without p2pd's bootstrap, which can exit when the relay is
+    an initial peer; they connect to the initial peers once started. See docs/decisions.md, "Static relays".
     """
     original_args, original_create = P2P.__dict__["_make_process_args"], P2P.__dict__["create"]
 

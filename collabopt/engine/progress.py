@@ -25,10 +25,9 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 def forget_stale_progress(tracker: Any, local_epoch: int) -> None:
     """After a state download, drop the tracker's view of an epoch this peer has left, and fetch the swarm's now.
 
-    hivemind 1.1.12 keeps the view fetched before the download: a peer that caught up from epoch 10 to 12 still held
-    epoch 11's progress (ETA passed), so ``ready_to_update_epoch`` was true and it began the boundary of epoch 12 at
-    once, with no samples, before the others had any; its state round then found no group (the others had
-    pre-scheduled theirs) and it ended the run apart (the 2 | 2 partition test)."""
+    hivemind 1.1.12 keeps the view fetched before the download, whose passed ETA makes the peer begin the next
+    boundary at once, with no samples. See docs/decisions.md, "A fresh view of the swarm at a new epoch and after a
+    download"."""
     with tracker.pause_updates():
         if tracker.global_progress.epoch > local_epoch:
             return  # news: the swarm moved on during the download (hivemind downloads again)
@@ -56,11 +55,9 @@ def make_progress_tracker(optimizer: Any, target_batch_size: int, **kwargs: Any)
     """``hivemind.Optimizer._make_progress_tracker``, building a :class:`SwarmProgressTracker` (a
     subclass of ``hivemind.Optimizer`` gets it with ``_make_progress_tracker = make_progress_tracker``).
 
-    It fetches the swarm's progress at least every half ``matchmaking_time`` (hivemind: every 10 s at most). Between
-    fetches a peer counts only its own samples, and hivemind spaces fetches by its ETA, which is far too long while
-    its throughput estimates warm up (the demo's first fetches: ETA 34-96 s for epochs of 4 s): each peer began the
-    first boundary when its own samples reached the target, seconds apart, the slowest missed the first round and
-    counted one epoch behind the others from then on."""
+    It fetches the swarm's progress at least every half ``matchmaking_time`` (hivemind: every 10 s at most): hivemind
+    spaces fetches by its ETA, far too long while its estimates warm up, and peers then began the first boundary
+    seconds apart. See docs/decisions.md, "Progress fetched every half matchmaking_time"."""
     kwargs.setdefault("max_refresh_period", max(kwargs.get("min_refresh_period", 0.5), optimizer.matchmaking_time / 2))
     return SwarmProgressTracker(dht=optimizer.dht, prefix=optimizer.run_id, target_batch_size=target_batch_size,
                                      client_mode=optimizer.client_mode, status_loglevel=optimizer.status_loglevel,
@@ -80,35 +77,18 @@ class _GatedEvent(threading.Event):
 
 
 class SwarmProgressTracker(ProgressTracker):
-    """hivemind's tracker, with these changes.
+    """hivemind's tracker, with these changes (each in docs/decisions.md under its name).
 
-    * **Throttled reports.** hivemind stores this peer's progress record in the DHT at every step: a signed record
-      to 5 replicas, ~25 kB sent across the swarm each (measured: 390 kB/s sent per peer of 4 at 20 steps/s on the
-      WAN bed, with no round at all; a 10 Mbit/s uplink is 1,250 kB/s). Others fetch the records at most every
-      ``min_refresh_period`` and extrapolate each by its samples per second, so this one stores the record at
-      most once per :meth:`report_period` (``min_refresh_period``), at once when the epoch changes or the count
-      drops, and a count held back goes out when its period ends.
-    * **A clean exit.** hivemind 1.1.12's tracker stops its event loop while its last progress report (a DHT
-      store it has just cancelled) is still pending, and asyncio prints "Task was destroyed but it is pending!"
-      when that task is garbage-collected: at nearly every peer's exit. This one lets the loop finish those
-      tasks, then closes it, before it reports the shutdown complete (and so before hivemind stores the peer's
-      goodbye record).
-    * **Fetches outside the lock.** hivemind holds ``lock_global_progress`` (:meth:`pause_updates`) while its DHT
-      get of the records is in flight, and a peer's step takes that lock at every epoch boundary: when a peer
-      holding a replica of the records cannot be reached (a cut link), each get waits out the DHT's timeout
-      (3 s) and so did every other peer's training thread at its boundary (profiled in the cut-link test:
-      every peer's training thread waited there on the lock, up to 3.6 s). This one fetches without the lock
-      and takes it only to apply the records. Records fetched while a :meth:`pause_updates` section ran are
-      dropped and fetched again, as hivemind's lock kept them out: such a section changes the epoch, downloads
-      a state or (DiLoCo, a round not applied) resets the count toward the next round, and records from
-      before it would restore the old count (the next step would start another round at once), its ETA and
-      ``fetched_global_progress_this_epoch``.
-    * **No extrapolation of idle peers.** hivemind extrapolates each record's count by its samples per second
-      until the record expires, also for a peer that stopped stepping; this one for at most
-      :meth:`extrapolation_limit` seconds (:meth:`_parse_swarm_progress_data`).
-
-    The gate is the reporter's event itself: hivemind's reporter thread waits on it, so setting it and clearing
-    it a moment later (as collabopt once did) still woke the reporter, which stored anyway."""
+    * **Throttled progress reports.** This peer's record is stored at most once per :meth:`report_period`, at once
+      when the epoch changes or the count drops (hivemind stores it at every step, though others fetch it less
+      often). The gate is the reporter's event itself, which hivemind's reporter thread waits on.
+    * **A clean exit of the progress tracker.** The event loop finishes its pending tasks before it closes and the
+      shutdown is reported complete (hivemind's stopped with a cancelled store pending: an asyncio warning at exit).
+    * **Fetches outside the lock.** The DHT get runs without ``lock_global_progress``, which a peer's step takes at
+      every boundary (an unreachable replica held every training thread for the DHT's timeout). Records fetched
+      while a :meth:`pause_updates` section ran are dropped and fetched again.
+    * **No extrapolation of idle peers.** A record's count is extrapolated for at most :meth:`extrapolation_limit`
+      seconds (:meth:`_parse_swarm_progress_data`)."""
 
     _pauses = 0  # pause_updates() sections ended so far: a fetch that straddles one is dropped
 
@@ -124,8 +104,8 @@ class SwarmProgressTracker(ProgressTracker):
 
     def _get_local_progress(self, local_epoch: int, samples_accumulated: int) -> Any:
         """hivemind's record of this peer's progress, built at every step: without pydantic's validation of
-        values that have the record's types already (a third of hivemind's per-step work in a DiLoCo peer's
-        profile; the peers that fetch the record validate it)."""
+        values that have the record's types already (the peers that fetch the record validate it). See
+        docs/decisions.md, "Progress records built without validation"."""
         rate, now = self.performance_ema.samples_per_second, get_dht_time()
         if not (type(local_epoch) is int and type(samples_accumulated) is int and min(local_epoch,
                 samples_accumulated) >= 0 and type(rate) is float and rate >= 0 and type(now) is float
@@ -180,11 +160,9 @@ class SwarmProgressTracker(ProgressTracker):
 
     def update_epoch(self, new_epoch: int | None = None) -> int:
         """hivemind's, but where the swarm's view already was at the new epoch (a peer entered it first), its ETA
-        is dropped and the swarm's progress fetched now. hivemind kept that ETA: extrapolated, at the last fetch
-        before this peer's boundary, from every peer's rate, it could have passed while this peer was busy in its
-        boundary, and the peer then began the epoch's global step at its next step (a suite run: 0.07 s after
-        entering the epoch, while another peer downloaded; its rounds found no group and waited out
-        ``averaging_timeout``). :func:`forget_stale_progress` does the same after a download."""
+        is dropped and the swarm's progress fetched now: hivemind's could pass while this peer was busy in its
+        boundary, and the peer then began the epoch's global step at once. See docs/decisions.md, "A fresh view of
+        the swarm at a new epoch and after a download"."""
         joins = new_epoch is not None and new_epoch <= self.global_progress.epoch
         epoch = super().update_epoch(new_epoch)
         if joins:
@@ -206,7 +184,8 @@ class SwarmProgressTracker(ProgressTracker):
                 self._pauses += 1  # (still under lock_global_progress)
 
     async def _progress_fetcher(self) -> None:
-        """hivemind 1.1.12's fetcher, with the DHT get moved out of ``lock_global_progress`` (see above)."""
+        """hivemind 1.1.12's fetcher, with the DHT get moved out of ``lock_global_progress``. See docs/decisions.md,
+        "Fetches outside the lock"."""
         loop = asyncio.get_event_loop()
         shutdown = asyncio.create_task(asyncio.wait_for(loop.run_in_executor(None, self.shutdown_triggered.wait),
                                                         None))
@@ -243,14 +222,9 @@ class SwarmProgressTracker(ProgressTracker):
         """hivemind's, but a peer's samples are extrapolated for at most :meth:`extrapolation_limit` seconds past
         its record's time.
 
-        hivemind adds ``samples_per_second * (now - record time)`` to each record's count, without limit, until
-        the record expires. A peer that stopped stepping (blocked in a state download, paused, at a finish line,
-        or killed) still counted as training: 2 s of an idle peer's rate filled a 512-sample epoch, and a peer
-        that had just entered it began the global step at its next step with none of its own (a suite run of the
-        unguarded-NaN test: its rounds found no group and waited out ``averaging_timeout``). A peer that steps
-        stores its record at least once per report period (collabopt) or at every step (hivemind), so within the
-        limit its count is extrapolated as before; a peer whose steps take longer than the limit has its samples
-        counted when its step reports them."""
+        hivemind extrapolates without limit until the record expires, so a peer that stopped stepping still counted
+        as training; a peer that steps stores its record within the limit. See docs/decisions.md, "No
+        extrapolation of idle peers"."""
         if isinstance(metadata, dict):
             oldest = get_dht_time() - self.extrapolation_limit()
             metadata = {key: _record_not_older_than(record, oldest) for key, record in metadata.items()}

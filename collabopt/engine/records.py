@@ -112,9 +112,8 @@ class RecordSizeValidator(RecordValidatorBase):
 
 async def _find_raw(keys: list[str], k_nearest: int, _dht: Any, node: Any) -> dict[str, Any]:
     """Runs in the DHT process: every record stored under ``keys`` as the nearest DHT nodes (and this one) hold
-    it, unchecked. hivemind's own get() drops a node's whole dictionary when one record in it fails validation and
-    merges the rest by expiration time, so one forged record would hide (or shadow) real ones: reading raw,
-    :func:`read_run_records` judges every record on its own."""
+    it, unchecked, so that :func:`read_run_records` judges every record on its own (hivemind's get() drops a node's
+    whole dictionary for one bad record). See docs/decisions.md, "Run records read raw, each checked on its own"."""
     serializer = node.protocol.serializer
     output: dict[str, Any] = {key: dict(records=[], bad_responses=0, sources=0) for key in keys}
     key_ids = {DHTID.generate(source=key): key for key in keys}

@@ -21,13 +21,9 @@ from hivemind.utils import ValueWithExpiration
 
 from collabopt.engine.compat import SameHandlers
 
-# Parameter averaging in place. hivemind's state averager keeps its own copy of the parameters in shared memory (1x
-# the parameters), copies the parameters into it before each averaging round and the result back after it. Where
-# the round runs inside step() (no delay_state_averaging) on float32 CPU parameters, nothing reads or writes them
-# during the round but the round itself, so collabopt lets the averager average the parameters themselves
-# (hivemind's reuse_tensors, which it uses for offloaded parameters): B4 measured 6x -> 5x the parameters beyond
-# them in the default mode and 5x -> 4x with reuse_grad_buffers (plain Adam: 3x). A round applies its parts to the
-# parameters as they arrive, as it applied them to the copy that was copied back whole or partial.
+# Parameter averaging in place: where the round runs inside step() on float32 CPU parameters, nothing else touches
+# them during the round, so the averager averages the parameters themselves (hivemind's reuse_tensors) instead of a
+# copy (1x the parameters less). See docs/decisions.md, "Parameter averaging in place".
 AVERAGE_PARAMETERS_IN_PLACE = True
 
 
@@ -94,15 +90,10 @@ SERVE_WAIT = 30.0  # seconds a download waits for a boundary's averaging to be a
 class ConsistentStateAverager(SameHandlers, TrainingStateAverager):
     """hivemind's state averager, serving states whose epoch and tensors belong together.
 
-    hivemind 1.1.12 serves a download from the live tensors (on CPU, ``.cpu()`` is no copy; they are read while
-    they stream out) with the epoch read apart from them, and it counts the next epoch before that epoch's
-    optimizer step has run (``step`` increments, then the step runs in its executor). A download at that moment
-    got epoch e+1 with epoch e's parameters, or parameters torn between the two. Here a state is served as a
-    copy taken while no optimizer step runs, labelled with the epoch whose update its parameters hold. And while
-    a boundary's foreground parameter averaging runs (after the optimizer step, before its result is applied),
-    a download waits for it, for up to :data:`SERVE_WAIT` seconds: served then, it got epoch e+1 with parameters
-    the averaging had not yet moved (the churn soak: a restarted peer 0.004 from the swarm; once in a
-    fresh-clone suite's churn test, 0.0048), and it skips that boundary's averaging after a download."""
+    A state is served as a copy taken while no optimizer step runs, labelled with the epoch whose update its
+    parameters hold, and not while a boundary's foreground parameter averaging is unapplied (a download waits up to
+    :data:`SERVE_WAIT` seconds): hivemind 1.1.12 served live tensors with an epoch read apart from them. See
+    docs/decisions.md, "Consistent state serving"."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         self._label_lock = threading.Lock()
@@ -153,14 +144,10 @@ class ConsistentStateAverager(SameHandlers, TrainingStateAverager):
             self._no_boundary.set()
 
     def _size_next_group(self) -> None:
-        """The parameter averaging at a boundary starts its matchmaking there. hivemind's group leader waits out
-        the whole ``matchmaking_time`` for more peers unless the group reaches ``target_group_size`` (unset: one
-        ``matchmaking_time`` of idle at every epoch, measured in B5 and in every swarm test's epochs). The peers
-        of this epoch's gradient round reach the boundary together (its all-reduce just ended): a group of that
-        many assembles as soon as they are in. Without a hint (its gradient round failed, a delayed one), the
-        leader waits as before. A peer the hint does not count finds the group full: its round fails, as one that
-        reaches the boundary after the group closed does. A ``target_group_size`` of the user's (in
-        ``averager_opts``, to split a large swarm into groups) stays the upper bound."""
+        """Set the next parameter averaging's ``target_group_size`` to :attr:`group_size_hint` (for this epoch),
+        bounded by the user's: the peers of the epoch's gradient round reach the boundary together, so the group
+        assembles as soon as they are in instead of idling a whole ``matchmaking_time``. See docs/decisions.md,
+        "Group size hint"."""
         hint, self.group_size_hint = self.group_size_hint, None
         size = hint[1] if hint is not None and hint[0] == self.local_epoch else None
         configured = self.matchmaking_kwargs.get("target_group_size")

@@ -17,15 +17,13 @@ logger = logging.getLogger(__name__)
 
 
 def download_state(optimizer: Any, **kwargs: Any) -> None:
-    """``hivemind.Optimizer.load_state_from_peers`` without its relabelling, for :func:`optimizer_class`.
+    """``hivemind.Optimizer.load_state_from_peers`` without its relabelling, for
+    :class:`~collabopt.engine.sync_round.SyncOptimizer`.
 
-    hivemind 1.1.12, when the state it downloaded is one epoch older than the swarm's newest epoch (the peer that
-    served it had not reached the boundary that others had passed), sets the local epoch to the swarm's: the peer
-    then counts epoch e+1 with epoch e's parameters, joins the others' rounds and stays one update apart from them
-    for good (a restarted peer of the churn test, 0.012 apart before its first step). Here the peer downloads again
-    once its progress view is fresh, until its state is as new as the swarm's, for up to ``averaging_timeout``
-    (the boundary the others are passing ends within it); only then does it fall back on hivemind's relabelling.
-    A re-synchronization of the lineage check downloads from the peers of the group's lineage first."""
+    A state one epoch older than the swarm's is downloaded again, for up to ``averaging_timeout``, before falling
+    back on hivemind 1.1.12's relabelling (which left the peer one update apart for good). A re-synchronization of
+    the lineage check downloads from the peers of the group's lineage first. See docs/decisions.md, "Downloads
+    without relabelling"."""
     resync = getattr(optimizer, "collabopt_resync", None)
     apart = getattr(optimizer, "collabopt_apart", False)
     before = lineage.fingerprint(optimizer.state_averager.main_parameters) if resync is not None or apart else []

@@ -59,9 +59,9 @@ class SyncOptimizer(hivemind.Optimizer):
 
     def _update_global_epoch(self: Any, grad_scaler: Any) -> None:
         if self.local_epoch < self.tracker.global_epoch - 1:
-            # step() checked the sync on one view of the swarm, a newer one (its fetcher runs in the background)
-            # made it "ready": that is the swarm 2+ epochs ahead (a peer back from a cut link). Its gradients and
-            # parameters are stale: download instead of joining the swarm's rounds with them
+            # the swarm is 2+ epochs ahead (a peer back from a cut link): its gradients and parameters are stale,
+            # download instead of joining the swarm's rounds with them. See docs/decisions.md, "A peer two or more
+            # epochs behind downloads"
             logging.getLogger(__name__).log(
                 self.status_loglevel, "collabopt: the swarm is at epoch %d, this peer at %d: downloading its state",
                 self.tracker.global_epoch, self.local_epoch)
@@ -72,11 +72,9 @@ class SyncOptimizer(hivemind.Optimizer):
             before_averaging()  # the non-finite guard's last look at the accumulation (CollaborativeOptimizer)
         skips = _skips_state_round(self)
         if skips:
-            # this peer reaches the boundary of an epoch whose state it downloaded: the others' state groups may be
-            # closed, and a round started now met their next epoch's and left it counting one epoch behind them for
-            # good (the churn test: a restarted peer downloaded epoch 8 as the others reached its boundary, and its
-            # epoch 11 was the others' 12). Its parameters and statistics are the swarm's and it receives the others'
-            # averaged gradients, so it skips this epoch's parameter averaging; the next one includes it
+            # the boundary of an epoch whose state this peer downloaded: the others' state groups may be closed (a
+            # round now would meet their next epoch's), and its parameters are the swarm's, so it skips this epoch's
+            # parameter averaging. See docs/decisions.md, "The state round skipped after a download (pre-scheduling)"
             logging.getLogger(__name__).log(
                 self.status_loglevel, "collabopt: no parameter averaging at the end of epoch %d (its state was "
                 "downloaded)", self.local_epoch)
@@ -120,10 +118,8 @@ class SyncOptimizer(hivemind.Optimizer):
         if _skips_state_round(self):  # (a round scheduled and then cancelled can leave the averager stuck)
             return
         if getattr(self, "collabopt_skipped_epoch", None) == self.local_epoch - 1 and not _swarm_moved_on(self):
-            # without the round it skipped, this peer ended that boundary before the others: a state round it
-            # scheduled now would join the group of theirs still in progress (groups are matched by time, not
-            # epoch) and hold it open without averaging (the demo: they waited 4 s for its part, "received 66.7% of
-            # input tensors", and ended 0.0077 apart)
+            # without the round it skipped, this peer ended that boundary before the others: a state round scheduled
+            # now would join their group still in progress (groups are matched by time, not epoch) and hold it open
             return
         hivemind.Optimizer._maybe_schedule_state_averaging(self)
 
@@ -133,11 +129,9 @@ class SyncOptimizer(hivemind.Optimizer):
 
 def _average_gradients_in_background(optimizer: Any, control: Any) -> None:
     """hivemind 1.1.12's ``_average_gradients_and_load_into_optimizer`` for ``delay_grad_averaging``, but a failed
-    round steps with the gradients this peer handed to it. hivemind's fallback reloaded the accumulators, which by then
-    hold the next epoch's first gradients: the delayed step applied those, and the next epoch's round included them
-    again, while this epoch's were lost. The round's buffers (the offloaded optimizer's gradients) still hold this
-    peer's contribution, or, where the round failed midway, whole tensors of the group's average beside it (as in a
-    partial round)."""
+    round steps with the gradients this peer handed to it, which the round's buffers still hold (hivemind's fallback
+    reloaded the accumulators, by then the next epoch's). See docs/decisions.md, "A failed gradient round steps with
+    this peer's gradients"."""
     try:
         group_info = control.result(optimizer.averaging_timeout)
         hivemind_logger.log(optimizer.status_loglevel, f"Averaged gradients with {len(group_info)} peers")
@@ -151,17 +145,16 @@ def _average_gradients_in_background(optimizer: Any, control: Any) -> None:
 
 def _skips_state_round(optimizer: Any) -> bool:
     """Whether ``optimizer`` (pre-scheduling its state rounds, averaging gradients) ends its current epoch without
-    one: the epoch's state came from a download (see ``_update_global_epoch`` in :func:`optimizer_class`)."""
+    one: the epoch's state came from a download (see :meth:`SyncOptimizer._update_global_epoch`)."""
     return (getattr(optimizer, "collabopt_preschedules_state", False) and optimizer.use_gradient_averaging
             and getattr(optimizer, "collabopt_downloaded_epoch", None) == optimizer.local_epoch)
 
 
 def _swarm_moved_on(optimizer: Any) -> bool:
     """Whether the others have ended the boundary ``optimizer`` left without its state round: the progress records
-    of every peer, fetched since, show its epoch, or a ``matchmaking_time`` has passed since (their groups for that
-    round closed at most half a ``matchmaking_time`` after it began; a killed peer's record of its old epoch stays
-    for a minute: the churn test's restarted peers never scheduled, missed the others' groups and counted one epoch
-    behind)."""
+    of every peer, fetched since, show its epoch, or a ``matchmaking_time`` has passed since (their groups closed
+    by then; a killed peer's old record stays for a minute). See docs/decisions.md, "The state round skipped after a
+    download (pre-scheduling)"."""
     tracker = optimizer.tracker
     if dht_time() >= getattr(optimizer, "collabopt_skipped_at", 0.0) + optimizer.matchmaking_time:
         return True
@@ -169,35 +162,11 @@ def _swarm_moved_on(optimizer: Any) -> bool:
             and tracker.lowest_epoch[0] >= optimizer.local_epoch)
 
 
-# Pre-scheduling the parameter-averaging ("state") round. hivemind 1.1.12 pre-schedules it only once it has timed a
-# pre-scheduled one (_maybe_schedule_state_averaging waits for delay_before_state_averaging.num_updates > 0) and times
-# only those, so it never does: every state round begins its matchmaking at the boundary, one matchmaking_time of
-# idle per epoch (benchmark B5: 19-30% of an epoch of 4x matchmaking_time). And when it does pre-schedule, it computes
-# when the round should start but does not pass that time on, so the round's group closes about when the first peers
-# reach the boundary: a peer that reaches it a moment later (one progress refresh, a slower step, a state download
-# just done) found no group, waited alone until averaging_timeout, missed the next gradient round and stepped alone
-# (the demo's peers once ended 0.019 apart). preschedule_state_rounds pre-schedules from the first epoch, closing at
-# hivemind's own estimate of the round's start plus a slack: half the matchmaking_time, at most STATE_ROUND_SLACK
-# seconds (peers reach the boundary up to a progress refresh, 0.5 s, and a local step apart). Every peer waits for the
-# slack at each boundary: B5 (quick runs, matchmaking_time 1 s, epochs of 4 s) measured idle 14% of the epoch with a
-# 1 s slack, 8.5% with 0.5 s, 6.2% with none, 19-30% without pre-scheduling; full runs (matchmaking_time 5 s, epochs
-# of 4x it, 3 and 4 peers) 5.3-5.5% with a 1 s slack, where peers arrived at the boundary 0.07 s apart. A 0.5 s
-# slack passed the fault tests (7 of 7) but not a fresh-clone suite: with epochs shorter than matchmaking_time
-# (tests/swarm/test_swarm_training.py) peers paired off across epochs and ended 0.02 apart; with 1 s, 4 of 4 passed.
-# It was off for a while: with it, a peer back from a cut link (2 epochs behind) joined the others' state rounds
-# without downloading and kept counting 2 epochs behind (2 of 5 cut-link runs). optimizer_class() now makes a peer
-# that begins a boundary 2+ epochs behind download first, and downloads no longer relabel an older state; with both,
-# the cut-link test passed 5 of 7 runs (the other two failed on over-strict checks of the test, relaxed since) and the
-# 2 | 2 partition ended bit-identical in 5 of 5 (3 of 3 in session 9). A peer skips the state round of its first
-# boundary after a download (see _update_global_epoch in optimizer_class) and schedules its next one once the others
-# have left that boundary (_swarm_moved_on). The demo's 3 peers once ended 0.0074 apart with it on (3 of 10 runs in
-# session 9): the cause was the first epoch, not pre-scheduling (hivemind read the swarm's progress 10 s apart while
-# its ETA warmed up; make_progress_tracker fixes it: 16 of 16 demo runs bit-identical since).
-# OFF by default: the churn test (5 peers, a kill every 10-12 s, epochs about one matchmaking_time long) failed 2 of 4
-# runs with it on in session 9 (restarted peers that downloaded as the others passed a boundary counted one epoch
-# behind and their skipped state round left them apart), 0 of 2 with it off.
-# With it off, the round started at the boundary no longer idles a matchmaking_time either: its group assembles as
-# soon as the peers of the epoch's gradient round are in (ConsistentStateAverager._size_next_group).
+# Pre-scheduling the parameter-averaging ("state") round: when on, the round is scheduled from the first epoch, its
+# group open until hivemind's estimate of its start plus a slack (half the matchmaking_time, at most
+# STATE_ROUND_SLACK seconds), as hivemind 1.1.12 never pre-schedules it. OFF: restarted peers in the churn test ended
+# apart with it on, and with it off the group size hint (ConsistentStateAverager._size_next_group) removes the idle
+# matchmaking_time it saved. See docs/decisions.md, "Pre-scheduling the parameter-averaging round (off)".
 PRESCHEDULE_STATE_ROUND = False
 STATE_ROUND_SLACK = 1.0
 
@@ -206,13 +175,11 @@ def preschedule_state_rounds(optimizer: Any) -> None:
     """Make ``optimizer`` (a ``hivemind.Optimizer``) pre-schedule its state rounds from the first epoch, each group
     open until the round's estimated start plus a slack (see the comment above).
 
-    A client-mode peer never leads a group, and a leader takes a peer only if the peer's round ends no earlier
-    than its own (hivemind's matchmaking: BAD_EXPIRATION_TIME otherwise). Each peer schedules from its own estimate,
-    so a client whose estimate came out earliest found no group at all (the NAT test: a client's state round
-    failed, the other two averaged without it). A client's round is scheduled a ``matchmaking_time`` later: it
-    waits for whichever leader takes it, and costs nobody any time."""
+    A client-mode peer's round is scheduled a ``matchmaking_time`` later: it never leads a group, and a leader takes
+    a peer only if the peer's round ends no earlier than its own. See docs/decisions.md, "Pre-scheduling the
+    parameter-averaging round (off)"."""
     averager, tracker = optimizer.state_averager, optimizer.tracker
-    optimizer.collabopt_preschedules_state = True  # optimizer_class()._update_global_epoch relies on it
+    optimizer.collabopt_preschedules_state = True  # SyncOptimizer._update_global_epoch relies on it
     slack = min(STATE_ROUND_SLACK, 0.5 * optimizer.matchmaking_time)
     if optimizer.client_mode:
         slack += optimizer.matchmaking_time
