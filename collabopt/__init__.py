@@ -6,7 +6,7 @@ A framework-agnostic wrapper around hivemind. See :class:`CollaborativeOptimizer
 from collabopt.batch_size import ForwardSampleCounter, infer_batch_size
 from collabopt.config import CollabConfig
 from collabopt.errors import CollaborativeError, ConfigurationError, SwarmConnectionError
-from collabopt.interface import StepResult, SwarmOptimizer
+from collabopt.interface import RoundOutcome, StepResult, SwarmOptimizer
 from collabopt.lifecycle import Terminated
 from collabopt.node import NodeOptimizer, collaborative_optimizer
 from collabopt.optimizer import CollaborativeOptimizer, wait_for_peers
@@ -22,6 +22,7 @@ __all__ = [
     "ConfigurationError",
     "ForwardSampleCounter",
     "NodeOptimizer",
+    "RoundOutcome",
     "StepResult",
     "SwarmConnectionError",
     "SwarmOptimizer",

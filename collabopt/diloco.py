@@ -58,6 +58,7 @@ become the anchor.)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ import torch
 
 from collabopt.errors import ConfigurationError
 from collabopt.guard import NonFiniteGuard, all_finite
+from collabopt.interface import RoundOutcome
 from collabopt.lineage import canonical_peers, fingerprint, same_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -131,25 +133,6 @@ class PartialRound(Exception):
     """A round's all-reduce ended with part of the average missing on this peer (a reducer's results did not all
     arrive). Its pseudo-gradient may have reached the group all the same, and the others may have applied the round
     with it: see :meth:`DiLoCo.run_round`."""
-
-
-@dataclass(frozen=True)
-class RoundOutcome:
-    """What one round did on this peer.
-
-    Attributes:
-        applied: the outer step was taken (this peer moved to the next epoch).
-        reason: ``"averaged"``, ``"alone"``, or why the round was not applied.
-        group_size: peers that averaged together (1 when alone or when averaging failed).
-        weight: samples this peer's pseudo-gradient counted for (0: refused as non-finite).
-        num_peers: the swarm's size as this peer counted it.
-    """
-
-    applied: bool
-    reason: str
-    group_size: int = 1
-    weight: float = 0.0
-    num_peers: int = 1
 
 
 @dataclass
@@ -238,12 +221,12 @@ class DiLoCo:
     def run_round(self, swarm: RoundSwarm) -> RoundOutcome:
         """Average the pseudo-gradients with the swarm and take the outer step, or keep the local progress for the
         next round (see the module docstring). Returns what happened; ``swarm.outer_step()`` moved the epoch."""
-        num_peers = max(1, int(swarm.num_peers))
+        num_peers, epoch = max(1, int(swarm.num_peers)), int(swarm.local_epoch)
         weight = self._contribute(swarm)
         if num_peers == 1:
             swarm.skip_averaging()
             if weight == 0:
-                return self._finish(RoundOutcome(False, "nothing to apply", weight=weight))
+                return self._finish(RoundOutcome(False, "nothing to apply", weight=weight), epoch)
             outcome = RoundOutcome(True, "alone", 1, weight, 1)
         else:
             metadata = self.round_metadata(swarm)
@@ -252,20 +235,20 @@ class DiLoCo:
             except Exception as e:
                 if isinstance(e, PartialRound) and weight > 0:
                     self._may_have_delivered([p.detach().clone() for p in swarm.parameters], weight)
-                return self._finish(RoundOutcome(False, f"averaging failed: {e!r}", weight=weight,
-                                                 num_peers=num_peers))
+                return self._finish(RoundOutcome(False, "averaging failed", weight=weight,
+                                                 num_peers=num_peers, detail=repr(e)), epoch)
             outcome = self._judge(swarm, gathered, metadata, weight, num_peers)
             if not outcome.applied:
                 if self.needs_sync:
                     # the group's peers that hold the canonical anchor apply this peer's pseudo-gradient: it reached
                     # the swarm, so only the progress made from now on is kept for the download that follows
                     self.reanchor(swarm)
-                return self._finish(outcome)
+                return self._finish(outcome, epoch)
         swarm.outer_step()
         self.pending_samples = 0
         self.rounds_applied += 1
         self.swarm_writes += 1
-        return self._finish(outcome)
+        return self._finish(outcome, epoch)
 
     # ---- overlap: the all-reduce runs while inner steps go on, its result is applied when it arrives
 
@@ -288,8 +271,8 @@ class DiLoCo:
         pending, self.pending = self.pending, None
         assert pending is not None, "no round in flight"
         if isinstance(result, BaseException):
-            outcome = RoundOutcome(False, f"averaging failed: {result!r}", weight=pending.weight,
-                                   num_peers=pending.num_peers)
+            outcome = RoundOutcome(False, "averaging failed", weight=pending.weight,
+                                   num_peers=pending.num_peers, detail=repr(result))
         else:
             outcome = self._judge(swarm, result, pending.metadata, pending.weight, pending.num_peers)
         if not outcome.applied:
@@ -302,14 +285,14 @@ class DiLoCo:
                 self.needs_sync = pending.num_peers > 1
                 if isinstance(result, PartialRound) and pending.weight > 0:
                     self._may_have_delivered(pending.base, pending.weight)
-            return self._finish(outcome)
+            return self._finish(outcome, int(pending.metadata.get("epoch", -1)))
         progress = progress_from(swarm.parameters, pending.base)
         swarm.outer_step(increment_epoch=False)
         for p, d in zip(swarm.parameters, progress, strict=True):
             p.add_(d)
         self.rounds_applied += 1
         self.swarm_writes += 1
-        return self._finish(outcome)
+        return self._finish(outcome, int(pending.metadata.get("epoch", -1)))
 
     # ---- parts of a round
 
@@ -330,11 +313,12 @@ class DiLoCo:
         """Whether an averaged round may be applied: a majority group, one anchor, a finite average."""
         group_size = len(gathered)
         if 2 * group_size <= num_peers:
-            return RoundOutcome(False, f"no quorum: {group_size} of {num_peers} peers", group_size, weight,
-                                num_peers)
+            return RoundOutcome(False, "no quorum", group_size, weight, num_peers,
+                                detail=f"{group_size} of {num_peers} peers averaged")
         if not agrees_with_group(metadata, list(gathered.values())):
             self.needs_sync = True
-            return RoundOutcome(False, "this peer's anchor differs from its group's", group_size, weight, num_peers)
+            return RoundOutcome(False, "anchor differs", group_size, weight, num_peers,
+                                detail="this peer's anchor differs from its group's")
         with swarm.buffers() as buffers:
             average_finite = all_finite(buffers)
         if not average_finite:
@@ -376,11 +360,12 @@ class DiLoCo:
         if downloaded:
             self.delivered = None
 
-    def _finish(self, outcome: RoundOutcome) -> RoundOutcome:
+    def _finish(self, outcome: RoundOutcome, epoch: int) -> RoundOutcome:
+        outcome = dataclasses.replace(outcome, epoch=epoch, resync=self.needs_sync)
         if not outcome.applied:
             self.rounds_failed += 1
             logger.warning("collabopt: DiLoCo round not applied (%s); keeping this peer's progress for the next "
-                           "round", outcome.reason)
+                           "round", outcome.detail or outcome.reason)
         self.last_round = outcome
         return outcome
 

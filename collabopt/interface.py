@@ -18,6 +18,61 @@ from collabopt.errors import ConfigurationError
 STATE_FORMAT = "collabopt/1"
 
 
+# why a round ended as it did: the same words in every mode, in the step's result, the node's status, the peer's
+# metrics record and the status page (their index is what a node's ranks exchange)
+ROUND_REASONS = (
+    "averaged",  # applied: the group's average
+    "alone",  # applied: this peer's own update (no other peer in the swarm)
+    "no group",  # applied: the gradient round failed (no group, a timeout): this peer stepped with its own gradients
+    "partial",  # applied, re-synchronizes: part of the average arrived (hivemind used this peer's values for the rest)
+    "apart",  # applied, re-synchronizes: its parameters were not its group's (another lineage, or a partial round)
+    "behind",  # re-synchronizes: the swarm was ahead of this peer (it downloads the swarm's state)
+    "non-finite average",  # not applied: the group's average held NaN/inf (the non-finite guard refused it)
+    "no quorum",  # not applied (DiLoCo): fewer than half of the swarm's peers averaged
+    "anchor differs",  # not applied (DiLoCo): this peer's anchor was not its group's
+    "averaging failed",  # not applied (DiLoCo): the all-reduce failed, or part of its average did not arrive
+    "nothing to apply",  # not applied (DiLoCo): no progress since the last round
+)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What one round (a global epoch's boundary, or a DiLoCo round) did on this peer: the one verdict its mode
+    reached, in words every mode shares (:data:`ROUND_REASONS`).
+
+    Attributes:
+        applied: the round's update was taken (this peer moved to the next epoch).
+        reason: one of :data:`ROUND_REASONS`.
+        group_size: peers that averaged together (1 when alone or when averaging failed).
+        weight: samples this peer's contribution counted for (0: refused as non-finite).
+        num_peers: the swarm's size as this peer counted it.
+        resync: this peer knows its parameters are not the swarm's: it downloads the swarm's state (or takes its
+            group's at its next round) before it contributes again.
+        epoch: the epoch the round ended (-1: unknown).
+        detail: what else this peer knows of it (an error), for its log only.
+    """
+
+    applied: bool
+    reason: str
+    group_size: int = 1
+    weight: float = 0.0
+    num_peers: int = 1
+    resync: bool = False
+    epoch: int = -1
+    detail: str = ""
+
+    def summary(self) -> str:
+        """A short line (at most 64 characters): what a peer's metrics record and the status page show."""
+        verdict = "applied" if self.applied else "not applied"
+        if self.resync:
+            verdict += ", re-syncs"
+        group = f" ({self.group_size} of {self.num_peers})" if self.group_size > 1 else ""
+        return f"{verdict}: {self.reason}{group}"[:64]
+
+    def __str__(self) -> str:
+        return f"epoch {self.epoch}: {self.summary()}" + (f" [{self.detail}]" if self.detail else "")
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one ``step()`` did.
@@ -33,6 +88,7 @@ class StepResult:
         grad_factor: the factor this step multiplied ``param.grad`` by in place (1.0, except with
             ``reuse_grad_buffers`` and AMP after ``scaler.unscale_()``: back to the loss scale's units).
         loss: what the closure returned, if one was given.
+        round: the outcome of the round this step ended (:class:`RoundOutcome`), or None if it ended none.
     """
 
     samples: int = 0
@@ -41,6 +97,7 @@ class StepResult:
     grads_reset: bool = False
     grad_factor: float = 1.0
     loss: Any = None
+    round: RoundOutcome | None = None
 
 
 SNAPSHOT_FIELDS = ("local_epoch", "global_epoch", "num_peers", "samples_accumulated", "target_batch_size",
@@ -74,6 +131,7 @@ class SwarmOptimizer(Protocol):
     eta_next_epoch: float
     nonfinite_steps: int
     out_of_sync: bool
+    last_round: RoundOutcome | None
 
     def step(self, closure: Callable[[], Any] | None = None, *, batch: Any = None,
              batch_size: int | None = None) -> StepResult: ...

@@ -68,7 +68,6 @@ import logging
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,8 +86,10 @@ from collabopt.config import (
     positive_number,
 )
 from collabopt.errors import ConfigurationError
-from collabopt.interface import StepResult, SwarmOptimizerBase, check_state, pack_state
-from collabopt.optimizer import CollaborativeOptimizer, scale_grads, zero_grads
+from collabopt.grads import scale_grads, zero_grads
+from collabopt.interface import RoundOutcome, StepResult, SwarmOptimizerBase, check_state, pack_state
+from collabopt.node_status import SWARM_VALUES, NodeStatus
+from collabopt.optimizer import CollaborativeOptimizer
 from collabopt.scheduling import (
     CollaborativeScheduler,
     check_scheduler,
@@ -116,54 +117,6 @@ def collaborative_optimizer(
     if is_node_job():
         return NodeOptimizer(optimizer, model=model, **kwargs)
     return CollaborativeOptimizer(optimizer, model=model, **kwargs)
-
-
-# swarm values rank 0 sends to every rank (the other ranks show them as their own)
-SWARM_VALUES = {"local_epoch": 0, "global_epoch": 0, "num_peers": 1, "samples_accumulated": 0,
-                "samples_per_second": 0.0, "eta_next_epoch": 0.0, "samples_reported": 0, "samples_skipped": 0,
-                "nonfinite_steps": 0, "out_of_sync": False}
-_RESULT_FIELDS = [f for f in dataclasses.fields(StepResult) if f.name != "loss"]
-_CAST = {"bool": bool, "int": int, "float": float}
-
-
-@dataclass
-class NodeStatus:
-    """What rank 0 tells every rank after each collective call: flags, the step's :class:`StepResult` and the
-    swarm's values. It travels as one float64 tensor (one broadcast)."""
-
-    error: bool = False
-    params_changed: bool = False
-    hyperparameters_follow: bool = False
-    result: StepResult = dataclasses.field(default_factory=StepResult)
-    swarm: dict[str, float] = dataclasses.field(default_factory=lambda: dict(SWARM_VALUES))
-
-    def to_tensor(self) -> torch.Tensor:
-        values = [self.error, self.params_changed, self.hyperparameters_follow]
-        values += [getattr(self.result, f.name) for f in _RESULT_FIELDS]
-        values += [self.swarm[name] for name in SWARM_VALUES]
-        return torch.tensor([float(v) for v in values], dtype=torch.float64)
-
-    @classmethod
-    def from_tensor(cls, tensor: torch.Tensor) -> NodeStatus:
-        values = tensor.tolist()
-        flags, values = [bool(v) for v in values[:3]], values[3:]
-        result = StepResult(**{f.name: _CAST[f.type](v) for f, v in zip(_RESULT_FIELDS, values, strict=False)})
-        swarm = dict(zip(SWARM_VALUES, values[len(_RESULT_FIELDS):], strict=True))
-        return cls(*flags, result=result, swarm=swarm)
-
-    @classmethod
-    def read(cls, copt: CollaborativeOptimizer, **flags: Any) -> NodeStatus:
-        """The status of rank 0's core now."""
-        status = cls(**flags)
-        for name in SWARM_VALUES:
-            try:  # informational values: a failure to read one must not break the node
-                status.swarm[name] = float(getattr(copt, name))
-            except Exception as e:
-                logger.debug("collabopt: cannot read a swarm metric: %r", e)
-        return status
-
-
-
 
 
 class NodeOptimizer(SwarmOptimizerBase):
@@ -504,6 +457,14 @@ class NodeOptimizer(SwarmOptimizerBase):
         if name in SWARM_VALUES:
             return type(SWARM_VALUES[name])(self._live(name))
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def last_round(self) -> RoundOutcome | None:
+        """The outcome of the node's last round (see :attr:`CollaborativeOptimizer.last_round`): rank 0's own,
+        elsewhere what rank 0 sent with the last collective call (without its ``detail``)."""
+        if self._copt is not None and not self._copt.closed:
+            return self._copt.last_round
+        return self._status.last_round
 
     def get_lr(self) -> list[float]:
         """Learning rates of the optimizer hivemind steps (the same on every rank)."""

@@ -35,9 +35,10 @@ from collabopt.config import (
 from collabopt.engine.p2p import log_like_hivemind
 from collabopt.engine.peer import DiLoCoPeer, HivemindPeer
 from collabopt.errors import ConfigurationError
+from collabopt.grads import scale_grads, zero_grads
 from collabopt.guard import NonFiniteGuard, all_finite
 from collabopt.hivemind_arguments import peer_arguments
-from collabopt.interface import StepResult, SwarmOptimizerBase, check_state, pack_state
+from collabopt.interface import RoundOutcome, StepResult, SwarmOptimizerBase, check_state, pack_state
 from collabopt.lifecycle import SigtermHandler, preserved_sigint
 from collabopt.metrics import DILOCO_PUBLISH_INTERVAL, PUBLISH_INTERVAL, MetricsReporter
 from collabopt.scheduling import CollaborativeScheduler, install_step_guard, is_scheduler, remove_step_guard
@@ -45,26 +46,6 @@ from collabopt.scheduling import CollaborativeScheduler, install_step_guard, is_
 logger = logging.getLogger(__name__)
 
 SYNC_ATTEMPTS = 3  # steps refused for being behind the swarm before a peer continues from its own parameters
-
-
-@torch.no_grad()
-def zero_grads(params: list[torch.Tensor], set_to_none: bool) -> None:
-    """Clear the gradients of ``params`` (drop them, or fill them with zeros)."""
-    for p in params:
-        if set_to_none:
-            p.grad = None
-        elif p.grad is not None:
-            p.grad.zero_()
-
-
-@torch.no_grad()
-def scale_grads(params: list[torch.Tensor], factor: float) -> None:
-    """Multiply the gradients of ``params`` by ``factor`` in place."""
-    if factor == 1.0:
-        return
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(factor)
 
 
 class CollaborativeOptimizer(SwarmOptimizerBase):
@@ -137,7 +118,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
             scheduler_wrapper, scheduler = scheduler, scheduler.scheduler
         else:
             scheduler_wrapper = None
-        _check_scheduler_arguments(scheduler, scheduler_fn, optimizer)
+        scheduling.check_scheduler_arguments(scheduler, scheduler_fn, optimizer)
         check_callable("optimizer_factory", optimizer_factory, "pass callable(param_groups) -> optimizer")
         check_model(model)
         check_dht(dht, config)
@@ -191,6 +172,9 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         self.diloco = (diloco.DiLoCo(optimizer, self._guard, overlap=config.overlap_rounds)
                        if config.outer_optimizer is not None else None)
         self._checked_version = -1  # parameters' version sum when the guard last checked them
+        self._seen_round: RoundOutcome | None = None  # the peer's last round outcome, as this core last saw it
+        self._last_round: RoundOutcome | None = None  # ... with the guard's verdict
+        self._refusals_seen = (0, 0)  # the guard's refused updates and restored parameters at the last outcome
         self._counter = ForwardSampleCounter(model) if model is not None else None
         self._reporter: MetricsReporter | None = None
         self.dht = dht
@@ -332,7 +316,27 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         epoch_changed = self._peer.local_epoch != epoch_before
         self._check_received_parameters(epoch_changed)
         self._advance_schedule()
-        return dataclasses.replace(result, epoch_changed=True) if epoch_changed else result
+        outcome = self._round_ended()
+        if epoch_changed or outcome is not None:
+            result = dataclasses.replace(result, epoch_changed=result.epoch_changed or epoch_changed, round=outcome)
+        return result
+
+    def _guard_refusals(self) -> tuple[int, int]:
+        guard = self._guard
+        return (guard.refused_updates, guard.restored_parameters) if guard is not None else (0, 0)
+
+    def _round_ended(self) -> RoundOutcome | None:
+        """The outcome of the round the peer ended since the last step, if any: the peer's verdict, or the guard's
+        where it refused the average (gradients refused: no update; parameters restored: this peer's own update)."""
+        outcome, refusals = self._peer.last_round, self._guard_refusals()
+        if outcome is None or outcome is self._seen_round:
+            return None
+        self._seen_round = outcome
+        if self.diloco is None and refusals != self._refusals_seen:  # (DiLoCo's round judges its average itself)
+            outcome = dataclasses.replace(outcome, applied=outcome.applied and refusals[0] == self._refusals_seen[0],
+                                          reason="non-finite average")
+        self._refusals_seen, self._last_round = refusals, outcome
+        return outcome
 
     def _check_received_parameters(self, epoch_changed: bool) -> None:
         """Parameters that averaging made non-finite are never kept. Checked after a global step, and in the
@@ -555,6 +559,13 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         return guard.refused_steps + guard.refused_updates + guard.restored_parameters if guard is not None else 0
 
     @property
+    def last_round(self) -> RoundOutcome | None:
+        """The outcome of this peer's last round (a global epoch's boundary, or a DiLoCo round): applied, or not
+        and why, and whether this peer re-synchronizes (:class:`~collabopt.interface.RoundOutcome`); None before its
+        first. Each step's :class:`~collabopt.interface.StepResult` carries the one it ended, if any."""
+        return self._last_round
+
+    @property
     def out_of_sync(self) -> bool:
         """Whether this peer knows its parameters differ from its swarm's: its last gradient round was partial (a
         peer's share of the average arrived late; hivemind used this peer's own gradients for it), or a round found
@@ -631,19 +642,6 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
 
     def _describe(self) -> str:
         return f"run_id={self.run_id!r}, "
-
-
-def _check_scheduler_arguments(scheduler: Any, scheduler_fn: Any, optimizer: torch.optim.Optimizer) -> None:
-    if scheduler is not None and scheduler_fn is not None:
-        raise ConfigurationError("scheduler", "both scheduler and scheduler_fn were given", "pass only one of them")
-    if scheduler is not None:
-        scheduling.check_scheduler(scheduler, optimizer)
-    if scheduler_fn is not None and (not callable(scheduler_fn) or is_scheduler(scheduler_fn)):
-        raise ConfigurationError(
-            "scheduler_fn", f"expected a callable(optimizer) -> scheduler, got {type(scheduler_fn).__name__}",
-            "pass e.g. functools.partial(torch.optim.lr_scheduler.ExponentialLR, gamma=0.99), "
-            "or the instance as scheduler=",
-        )
 
 
 def wait_for_peers(copt: Any, num_peers: int, timeout: float = 60.0) -> bool:

@@ -112,6 +112,21 @@ def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def check_scheduler_arguments(scheduler: Any, scheduler_fn: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Raise a :class:`ConfigurationError` unless at most one of ``scheduler`` (bound to ``optimizer``) and
+    ``scheduler_fn`` (a callable, not a scheduler) is given."""
+    if scheduler is not None and scheduler_fn is not None:
+        raise ConfigurationError("scheduler", "both scheduler and scheduler_fn were given", "pass only one of them")
+    if scheduler is not None:
+        check_scheduler(scheduler, optimizer)
+    if scheduler_fn is not None and (not callable(scheduler_fn) or is_scheduler(scheduler_fn)):
+        raise ConfigurationError(
+            "scheduler_fn", f"expected a callable(optimizer) -> scheduler, got {type(scheduler_fn).__name__}",
+            "pass e.g. functools.partial(torch.optim.lr_scheduler.ExponentialLR, gamma=0.99), "
+            "or the instance as scheduler=",
+        )
+
+
 class CollaborativeScheduler:
     """The user's LR scheduler, advanced once per global epoch: the one scheduler wrapper of collabopt.
 

@@ -87,21 +87,26 @@ def finished_group(control: Any) -> Any:
     return control.result()
 
 
-def judge_lineage(optimizer: Any, control: Any) -> None:
+def judge_lineage(optimizer: Any, control: Any) -> tuple[str, str] | None:
     """After a gradient round (``control``): if this peer's parameters are not its group's canonical lineage (see
     :func:`collabopt.lineage.judge`), turn this boundary's parameter averaging off and plan a download from a peer
-    that holds it. Then note whether this round was partial (see :func:`gradient_averager_class`)."""
+    that holds it. Then note whether this round was partial (see :class:`GradientAveragerThatTellsGaps`).
+
+    Returns the round's reason (one of :data:`collabopt.interface.ROUND_REASONS`: ``"averaged"``, ``"apart"``,
+    ``"behind"`` or ``"partial"``) and what the log says of it; None where the round gathered nothing to judge."""
     group = finished_group(control)
     me = optimizer.dht.peer_id
     mine = group.get(me) if isinstance(group, dict) else None
     if not isinstance(mine, dict) or not isinstance(mine.get("epoch"), int):
-        return
+        return None
+    outcome = ("averaged", "")
     verdict = lineage.judge(group, me) if getattr(optimizer, "collabopt_resync", None) is None else None
     if verdict is not None and verdict.reason == "holds":
         optimizer.collabopt_apart = False
     elif verdict is not None:
-        logging.getLogger(__name__).warning("collabopt: %s: it downloads their state after this step",
-                                            _verdict_text(verdict, group, mine["epoch"]))
+        text = _verdict_text(verdict, group, mine["epoch"])
+        logging.getLogger(__name__).warning("collabopt: %s: it downloads their state after this step", text)
+        outcome = ("behind" if verdict.reason == "behind" else "apart", text)
         optimizer.collabopt_resync = Resync(peers=[str(peer) for peer in verdict.peers], epoch=mine["epoch"],
                                             until=time.monotonic() + optimizer.averaging_timeout)
         optimizer.average_state_every = sys.maxsize  # no parameter averaging at this boundary (_update_global_epoch
@@ -115,6 +120,9 @@ def judge_lineage(optimizer: Any, control: Any) -> None:
             "collabopt: %.1f%% of this peer's gradient round at epoch %d arrived (hivemind used its own gradients for "
             "the rest): its parameters now differ from its group's; its next gradient round re-synchronizes it",
             100 * received, mine["epoch"])
+        if outcome[0] == "averaged":
+            outcome = ("partial", f"{100 * received:.1f}% of the average arrived")
+    return outcome
 
 
 def _verdict_text(verdict: lineage.Verdict, group: dict, epoch: int) -> str:

@@ -20,6 +20,7 @@ from collabopt.engine.diloco_round import DiLoCoOptimizer
 from collabopt.engine.lineage_check import check_lineage, out_of_sync
 from collabopt.engine.records import MAX_RECORD_BYTES, RecordSizeValidator, metrics_validators
 from collabopt.engine.sync_round import PRESCHEDULE_STATE_ROUND, SyncOptimizer, preschedule_state_rounds
+from collabopt.interface import RoundOutcome
 from collabopt.lifeline import children_follow_parent
 
 
@@ -205,6 +206,11 @@ class HivemindPeer:
         tracker.global_state_updated.set()  # wakes the fetcher, which then finds its next fetch due
 
     @property
+    def last_round(self) -> RoundOutcome | None:
+        """The outcome of this peer's last round (None before its first)."""
+        return self.hivemind_optimizer.last_round
+
+    @property
     def out_of_sync(self) -> bool:
         """Whether this peer knows its parameters differ from its swarm's (see :func:`lineage_check.out_of_sync`)."""
         return out_of_sync(self.hivemind_optimizer)
@@ -233,6 +239,10 @@ class DiLoCoPeer(HivemindPeer):
     def accumulators(self) -> None:
         """None: the inner optimizer applies every step's gradients at once."""
         return None
+
+    @property
+    def last_round(self) -> RoundOutcome | None:
+        return self.diloco.last_round
 
     def restart_from_last_round(self) -> None:
         """The parameters turned non-finite: restart from the last round's (see :mod:`collabopt.diloco`)."""

@@ -16,6 +16,7 @@ from hivemind.optim.optimizer import logger as hivemind_logger
 from collabopt.engine.averaging import GradientAveragerThatTellsGaps, can_accumulate_in_place, shield_part_reducers
 from collabopt.engine.compat import dht_time
 from collabopt.engine.lineage_check import (
+    finished_group,
     hint_state_group,
     judge_lineage,
     out_of_sync,
@@ -24,6 +25,7 @@ from collabopt.engine.lineage_check import (
 from collabopt.engine.progress import make_progress_tracker
 from collabopt.engine.state import ConsistentStateAverager, averages_parameters_in_place
 from collabopt.engine.sync_download import download_state
+from collabopt.interface import RoundOutcome
 
 
 class SyncOptimizer(hivemind.Optimizer):
@@ -31,6 +33,9 @@ class SyncOptimizer(hivemind.Optimizer):
     state averager that serves consistent states (:class:`ConsistentStateAverager`) and a state download that does not
     relabel an older state as the swarm's epoch (:func:`download_state`); its averagers survive a member killed
     mid-round (:func:`shield_part_reducers`)."""
+
+    last_round: RoundOutcome | None = None  # the outcome of this peer's last boundary
+    boundary_epoch = 0  # the epoch of the boundary in progress (or the last one)
 
     def __init__(self, **kwargs: Any):
         shield_part_reducers()  # before its averagers start (they fork)
@@ -58,6 +63,7 @@ class SyncOptimizer(hivemind.Optimizer):
         return averager
 
     def _update_global_epoch(self: Any, grad_scaler: Any) -> None:
+        self.boundary_epoch = self.local_epoch
         if self.local_epoch < self.tracker.global_epoch - 1:
             # the swarm is 2+ epochs ahead (a peer back from a cut link): its gradients and parameters are stale,
             # download instead of joining the swarm's rounds with them. See docs/decisions.md, "A peer two or more
@@ -65,6 +71,8 @@ class SyncOptimizer(hivemind.Optimizer):
             logging.getLogger(__name__).log(
                 self.status_loglevel, "collabopt: the swarm is at epoch %d, this peer at %d: downloading its state",
                 self.tracker.global_epoch, self.local_epoch)
+            self.last_round = RoundOutcome(False, "behind", num_peers=self.tracker.global_progress.num_peers,
+                                           resync=True, epoch=self.local_epoch)
             self.load_state_from_peers()
             return
         before_averaging = getattr(self, "collabopt_before_averaging", None)
@@ -89,6 +97,10 @@ class SyncOptimizer(hivemind.Optimizer):
             self.collabopt_skipped_epoch, self.collabopt_skipped_at = self.local_epoch - 1, dht_time()
         if out_of_sync(self):
             serve_below_the_others(self)  # hivemind just declared this peer's state at its new epoch
+        if not self.use_gradient_averaging:  # (use_local_updates: only parameters are averaged; hivemind keeps how)
+            num_peers = self.tracker.global_progress.num_peers
+            self.last_round = RoundOutcome(True, "averaged" if num_peers > 1 else "alone", num_peers=num_peers,
+                                           epoch=self.boundary_epoch)
 
     def _average_gradients_and_load_into_optimizer(self: Any, maybe_step_control: Any) -> None:
         if self.delay_grad_averaging and maybe_step_control is not None:
@@ -96,8 +108,9 @@ class SyncOptimizer(hivemind.Optimizer):
         else:
             hivemind.Optimizer._average_gradients_and_load_into_optimizer(self, maybe_step_control)
         hint_state_group(self, maybe_step_control)
-        if getattr(self, "collabopt_checks_lineage", False):
-            judge_lineage(self, maybe_step_control)
+        verdict = judge_lineage(self, maybe_step_control) if getattr(self, "collabopt_checks_lineage", False) else None
+        self.last_round = round_outcome(self.boundary_epoch, self.tracker.global_progress.num_peers,
+                                        finished_group(maybe_step_control), verdict)
 
     def _should_load_state_from_peers(self: Any) -> bool:
         resync = getattr(self, "collabopt_resync", None)
@@ -125,6 +138,18 @@ class SyncOptimizer(hivemind.Optimizer):
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         download_state(self, **kwargs)
+
+
+def round_outcome(epoch: int, num_peers: int, group: Any, verdict: tuple[str, str] | None) -> RoundOutcome:
+    """The one verdict of a synchronous boundary, from what its gradient round gathered (``group``, None if the
+    round failed) and what the lineage check concluded (``verdict``: reason and detail, see
+    :func:`~collabopt.engine.lineage_check.judge_lineage`). The epoch's update is applied in every case; a peer
+    whose parameters are not its group's re-synchronizes."""
+    if not isinstance(group, dict) or len(group) < 2:
+        return RoundOutcome(True, "alone" if num_peers <= 1 else "no group", num_peers=num_peers, epoch=epoch)
+    reason, detail = verdict or ("averaged", "")
+    return RoundOutcome(True, reason, len(group), num_peers=num_peers, resync=reason != "averaged", epoch=epoch,
+                        detail=detail)
 
 
 def _average_gradients_in_background(optimizer: Any, control: Any) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from collabopt import CollaborativeOptimizer
+from collabopt import CollaborativeOptimizer, RoundOutcome
 
 
 class FakePeer:
@@ -34,6 +34,7 @@ class FakePeer:
         self.samples_per_second = 0.0
         self.eta_next_epoch = 0.0
         self.out_of_sync = False  # alone: never apart from its swarm
+        self.last_round: RoundOutcome | None = None
         self.dht = None
         self.calls: list[str] = []
         self.fail_next: BaseException | None = None  # raised by the next step()
@@ -91,6 +92,8 @@ class FakePeer:
                 if self.poison == "parameters":  # state averaging with a peer whose parameters are NaN
                     for p in self.parameters:
                         p.fill_(float("nan"))
+            self.last_round = RoundOutcome(True, "alone", weight=float(self.accumulated_samples),
+                                           epoch=self.local_epoch)
             self.local_epoch += 1
             self._reset()
         return True

@@ -8,7 +8,7 @@ import pytest
 import torch
 from fakes import FakePeer, backward, model_and_optimizer
 
-from collabopt import CollaborativeOptimizer, StepResult, guard
+from collabopt import CollaborativeOptimizer, RoundOutcome, StepResult, guard
 from collabopt.guard import all_finite
 
 
@@ -53,7 +53,8 @@ def test_a_nan_accumulation_is_dropped_at_the_boundary_before_it_is_averaged(reu
         result = copt.step()
         if not reuse:
             copt.zero_grad()
-    assert result == StepResult(skipped=16, epoch_changed=True, grads_reset=reuse)
+    assert result == StepResult(skipped=16, epoch_changed=True, grads_reset=reuse,
+                                round=RoundOutcome(True, "alone", weight=0.0, epoch=0))  # (it contributed nothing)
     assert copt.samples_skipped == 16 and copt.samples_reported == 0 and copt.nonfinite_steps == 1
     assert copt.local_epoch == 1  # the epoch goes on: this peer takes part with nothing
     for old, p in zip(before, model.parameters(), strict=True):

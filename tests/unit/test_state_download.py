@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from collabopt import RoundOutcome
 from collabopt.engine import sync_download, sync_round
 
 
@@ -135,8 +136,11 @@ def test_a_boundary_begun_two_epochs_behind_the_swarm_downloads_instead(monkeypa
     import hivemind
     boundaries = []
     monkeypatch.setattr(hivemind.Optimizer, "_update_global_epoch", lambda self, scaler: boundaries.append(scaler))
-    optimizer = SimpleNamespace(local_epoch=local_epoch, tracker=SimpleNamespace(global_epoch=5), downloads=[],
-                                status_loglevel=logging.INFO, average_state_every=1)
+    tracker = SimpleNamespace(global_epoch=5, global_progress=SimpleNamespace(num_peers=3))
+    optimizer = SimpleNamespace(local_epoch=local_epoch, tracker=tracker, downloads=[], use_gradient_averaging=True,
+                                status_loglevel=logging.INFO, average_state_every=1, last_round=None)
     optimizer.load_state_from_peers = lambda: optimizer.downloads.append(True)
     sync_round.SyncOptimizer._update_global_epoch(optimizer, "scaler")
     assert (optimizer.downloads, boundaries) == (([True], []) if downloads else ([], ["scaler"]))
+    if downloads:  # the boundary's outcome: not applied, re-synchronized
+        assert optimizer.last_round == RoundOutcome(False, "behind", num_peers=3, resync=True, epoch=local_epoch)
