@@ -148,6 +148,7 @@ def report_text(report: dict) -> str:
         lines.append(
             f"  {peer['peer_id'][:16]}  epoch {peer['epoch']}  samples {peer['samples_accumulated']}  "
             f"{peer['samples_per_second']:.1f}/s{'  (client)' if peer['client_mode'] else ''}"
+            + (f"  last round {peer['last_round']}" if peer.get("last_round") else "")
         )
     if not report["peers"]:
         lines.append("  no peer of this run has published its progress yet (is --run-id the run_id the peers use?)")

@@ -131,6 +131,7 @@ class MetricsReporter:
             losses_reported=self._losses_reported,
             nonfinite_losses=self._nonfinite_losses,
             relayed=bool(self._relayed),
+            last_round=_round_text(copt.last_round),
         )
 
     def _run(self) -> None:
@@ -154,9 +155,15 @@ class MetricsReporter:
             logger.debug("collabopt: could not withdraw the metrics record: %r", e)
 
 
+def _round_text(outcome: Any) -> str | None:
+    """What a peer's record says of its last round: ``"epoch 12: applied: averaged (3 of 3)"``."""
+    return None if outcome is None else f"epoch {outcome.epoch}: {outcome.summary()}"[:64]
+
+
 def read_swarm_progress(dht: Any, run_id: str, timeout: float = 10.0) -> dict[str, Any]:
     """Summarize the progress records of ``run_id``: peers, global epoch, samples, throughput, and how many records
-    under the run's keys were rejected (bad signature, malformed, oversized) and left out.
+    under the run's keys were rejected (bad signature, malformed, oversized) and left out. Each peer's entry also
+    holds its ``last_round`` (from its metrics record; None without one).
 
     Works with any running DHT (a peer's, or a client's like ``collabopt monitor``'s)::
 
@@ -164,7 +171,8 @@ def read_swarm_progress(dht: Any, run_id: str, timeout: float = 10.0) -> dict[st
         print(read_swarm_progress(dht, "my_run")["global_epoch"])
     """
     records = read_run_records(dht, run_id, timeout)
-    peers = [record for record, _expiration in records.progress.values() if record is not None]
+    peers = [dict(record, last_round=(records.metrics.get(owner, (None, 0.0))[0] or {}).get("last_round"))
+             for owner, (record, _expiration) in records.progress.items() if record is not None]
     global_epoch = max((p["epoch"] for p in peers if not p["client_mode"]), default=0)
     return dict(
         run_id=run_id,

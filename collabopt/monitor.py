@@ -146,6 +146,7 @@ class SwarmMonitor:
             loss=metrics["loss"] if metrics else None,
             nonfinite_losses=int(metrics["nonfinite_losses"]) if metrics else None,
             target_batch_size=int(metrics["target_batch_size"]) if metrics else None,
+            last_round=metrics["last_round"] if metrics else None,
             last_seen=last_seen,
             updated=float(source.get("time", row["seen"])),
             expires_at=row.get("expires"),

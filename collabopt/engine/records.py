@@ -61,6 +61,7 @@ def _record_models() -> dict[str, Any]:
         target_batch_size=(conint(strict=True, ge=1), ...),
         loss=(StrictFloat | None, None),
         losses_reported=count, nonfinite_losses=count,
+        last_round=(constr(strict=True, max_length=64) | None, None),  # RoundOutcome.summary() of its last round
         client_mode=(StrictBool, ...), relayed=(StrictBool, ...), auxiliary=(StrictBool, ...),
         collabopt_version=name, hivemind_version=name, torch_version=name, python_version=name,
     )

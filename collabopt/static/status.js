@@ -109,6 +109,7 @@ function render(state) {
     } else share.textContent = "–";
     row.appendChild(share);
     row.appendChild(el("td", { class: "num" }, fmt(p.loss, 4)));
+    row.appendChild(el("td", { class: "round" }, p.last_round || "–"));
     row.appendChild(el("td", { class: "num" }, `${duration(p.last_seen)} ago`));
     const sync = el("td"); sync.appendChild(badge(p.sync)); row.appendChild(sync);
     const net = el("td"); net.appendChild(badge(p.reachability)); row.appendChild(net);

@@ -20,7 +20,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.crypto import RSAPrivateKey
 
-from collabopt import ConfigurationError, monitor
+from collabopt import ConfigurationError, RoundOutcome, monitor
 from collabopt.engine import records as run_records
 from collabopt.metrics import MetricsReporter
 from collabopt.status_page import StatusServer, parse_address, prometheus_text
@@ -87,7 +87,7 @@ def metrics_record(peer_id: str, **changes) -> dict:
     record = dict(peer_id=peer_id, time=time.time(), interval=1.0, epoch=5, global_epoch=5, samples_per_second=10.0,
                   samples_reported=100, samples_skipped=0, nonfinite_steps=0, target_batch_size=64, loss=1.5,
                   losses_reported=10, nonfinite_losses=0, client_mode=False, relayed=False, auxiliary=False,
-                  collabopt_version="0", hivemind_version="1", torch_version="2", python_version="3")
+                  collabopt_version="0", hivemind_version="1", torch_version="2", python_version="3", last_round=None)
     record.update(changes)
     return record
 
@@ -119,7 +119,7 @@ def by_id(state: dict) -> dict:
 def test_state_rows_sync_and_counts(records):
     now = time.time()
     records.metrics = {
-        b"a": (metrics_record("A", samples_reported=300), now + 30),
+        b"a": (metrics_record("A", samples_reported=300, last_round="epoch 4: applied: averaged (3 of 3)"), now + 30),
         b"b": (metrics_record("B", epoch=3, samples_reported=100, client_mode=True), now + 30),
         b"c": (metrics_record("C", time=now - 60), now + 30),  # stopped publishing a minute ago
         b"d": (None, now + 30),  # left
@@ -137,6 +137,7 @@ def test_state_rows_sync_and_counts(records):
     assert (rows["A"]["reachability"], rows["B"]["reachability"], rows["R"]["reachability"]) == (
         "reachable", "client", "relayed")
     assert rows["A"]["share"] == pytest.approx(300 / 600) and rows["A"]["samples_accumulated"] == 20
+    assert (rows["A"]["last_round"], rows["B"]["last_round"]) == ("epoch 4: applied: averaged (3 of 3)", None)
     assert state["samples_per_second"] == 30.0 and state["loss"] == 1.5
     assert state["eta_seconds"] == pytest.approx((64 - 20) / 30.0)
     assert state["rejected"]["by_kind"] == {"metrics/unsigned": 1, "progress/bad_signature": 1}
@@ -221,7 +222,8 @@ class FakePeer:
 
 def reporter() -> tuple[MetricsReporter, FakePeer]:
     copt = SimpleNamespace(config=SimpleNamespace(auxiliary=False), samples_reported=64, samples_skipped=0,
-                           nonfinite_steps=0, target_batch_size=128)
+                           nonfinite_steps=0, target_batch_size=128,
+                           last_round=RoundOutcome(False, "anchor differs", 2, 8.0, 3, resync=True, epoch=11))
     peer = FakePeer()
     return MetricsReporter(copt, peer, interval=3600), peer
 
@@ -242,6 +244,7 @@ def test_reported_losses_are_averaged_between_records():
         metrics.report_loss(float("inf"))
         assert metrics.record()["loss"] == pytest.approx(2.0) and metrics.record()["nonfinite_losses"] == 2
         run_records._record_models()["metrics"].parse_obj(metrics.record())  # what peers' validators accept
+        assert record["last_round"] == "epoch 11: not applied, re-syncs: anchor differs (2 of 3)"
         with pytest.raises(ConfigurationError, match="report_loss"):
             metrics.report_loss(torch.ones(2))
         with pytest.raises(ConfigurationError, match="report_loss"):
