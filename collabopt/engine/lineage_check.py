@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from collabopt import lineage
@@ -35,6 +36,21 @@ class Resync:
     next_try: float = 0.0
 
 
+@dataclasses.dataclass
+class SyncState:
+    """collabopt's state of a synchronous peer's rounds (``SyncOptimizer.sync_state``), kept in one object of its own
+    rather than in attributes set on hivemind's optimizer."""
+
+    checks_lineage: bool = False  # this peer takes part in the lineage check (:func:`check_lineage`)
+    apart: bool = False  # its last gradient round was partial: its parameters are its own
+    resync: Resync | None = None  # a re-synchronization it owes (the lineage check found it on another lineage)
+    downloaded_epoch: int | None = None  # the epoch of the state it downloaded last
+    preschedules_state: bool = False  # it pre-schedules its state rounds (sync_round.preschedule_state_rounds)
+    skipped_epoch: int | None = None  # the epoch whose state round it skipped after a download, and when
+    skipped_at: float = 0.0
+    before_averaging: Callable[[], None] | None = None  # the core's last look at the accumulation at a boundary
+
+
 def check_lineage(optimizer: Any) -> None:
     """Make ``optimizer`` (a :class:`~collabopt.engine.sync_round.SyncOptimizer`) take part in the lineage check
     (see above), where its mode allows it."""
@@ -42,7 +58,7 @@ def check_lineage(optimizer: Any) -> None:
             and not optimizer.delay_optimizer_step and not optimizer.delay_grad_averaging
             and not optimizer.delay_state_averaging):
         return
-    optimizer.collabopt_checks_lineage = True
+    optimizer.sync_state.checks_lineage = True
     averager = optimizer.grad_averager
     schedule_step = averager.schedule_step  # GradientAverager.step() begins an unscheduled round through it too
 
@@ -56,15 +72,15 @@ def check_lineage(optimizer: Any) -> None:
 
 def lineage_metadata(optimizer: Any) -> dict[str, Any]:
     return {"epoch": int(optimizer.local_epoch), "serves": not optimizer.client_mode,
-            "apart": bool(getattr(optimizer, "collabopt_apart", False)),
+            "apart": bool(optimizer.sync_state.apart),
             "lineage": lineage.fingerprint(optimizer.state_averager.main_parameters)}
 
 
 def out_of_sync(optimizer: Any) -> bool:
     """Whether ``optimizer`` knows its parameters differ from its swarm's: its last gradient round was partial, or
     a round found it on another lineage and its re-synchronization is pending."""
-    apart = bool(getattr(optimizer, "collabopt_apart", False))
-    return apart or getattr(optimizer, "collabopt_resync", None) is not None
+    apart = bool(optimizer.sync_state.apart)
+    return apart or optimizer.sync_state.resync is not None
 
 
 def hint_state_group(optimizer: Any, control: Any) -> None:
@@ -100,21 +116,21 @@ def judge_lineage(optimizer: Any, control: Any) -> tuple[str, str] | None:
     if not isinstance(mine, dict) or not isinstance(mine.get("epoch"), int):
         return None
     outcome = ("averaged", "")
-    verdict = lineage.judge(group, me) if getattr(optimizer, "collabopt_resync", None) is None else None
+    verdict = lineage.judge(group, me) if optimizer.sync_state.resync is None else None
     if verdict is not None and verdict.reason == "holds":
-        optimizer.collabopt_apart = False
+        optimizer.sync_state.apart = False
     elif verdict is not None:
         text = _verdict_text(verdict, group, mine["epoch"])
         logging.getLogger(__name__).warning("collabopt: %s: it downloads their state after this step", text)
         outcome = ("behind" if verdict.reason == "behind" else "apart", text)
-        optimizer.collabopt_resync = Resync(peers=[str(peer) for peer in verdict.peers], epoch=mine["epoch"],
+        optimizer.sync_state.resync = Resync(peers=[str(peer) for peer in verdict.peers], epoch=mine["epoch"],
                                             until=time.monotonic() + optimizer.averaging_timeout)
         optimizer.average_state_every = sys.maxsize  # no parameter averaging at this boundary (_update_global_epoch
         join_state_round_with_nothing(optimizer)    # restores it): it would mix the lineages
         serve_below_the_others(optimizer)
     received = mine.get("received", 1.0)
     if isinstance(received, float) and received < 1.0:  # (a pending download clears it when it brings a state)
-        optimizer.collabopt_apart = True
+        optimizer.sync_state.apart = True
         serve_below_the_others(optimizer)  # others' downloads should not fetch parameters only this peer holds
         logging.getLogger(__name__).warning(
             "collabopt: %.1f%% of this peer's gradient round at epoch %d arrived (hivemind used its own gradients for "
@@ -164,12 +180,12 @@ def resync_outcome(optimizer: Any, resync: Resync, before: list[float]) -> None:
     if not lineage.same_fingerprint(before, lineage.fingerprint(optimizer.state_averager.main_parameters)):
         logger.log(optimizer.status_loglevel, "collabopt: re-synchronized with its gradient round's parameters "
                    "(epoch %d)", optimizer.local_epoch)
-        optimizer.collabopt_resync = None
-        optimizer.collabopt_apart = False
+        optimizer.sync_state.resync = None
+        optimizer.sync_state.apart = False
     elif time.monotonic() >= resync.until:
         logger.warning("collabopt: no peer of the other lineage served its state within %.0f s; this peer goes on "
                        "with its own parameters (the next gradient round checks again)", optimizer.averaging_timeout)
-        optimizer.collabopt_resync = None
+        optimizer.sync_state.resync = None
     else:
         resync.next_try = time.monotonic() + RESYNC_RETRY
         serve_below_the_others(optimizer)

@@ -91,7 +91,7 @@ class HivemindPeer:
     def set_before_averaging(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback()`` at each global epoch's boundary, before hivemind averages the accumulated gradients
         (it may drop them: :meth:`drop_accumulated`; hivemind then takes part with weight 0)."""
-        self.hivemind_optimizer.collabopt_before_averaging = callback
+        self.hivemind_optimizer.sync_state.before_averaging = callback
 
     def drop_accumulated(self) -> None:
         """Forget the gradients and samples accumulated toward the next global epoch."""

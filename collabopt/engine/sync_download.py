@@ -24,8 +24,8 @@ def download_state(optimizer: Any, **kwargs: Any) -> None:
     back on hivemind 1.1.12's relabelling (which left the peer one update apart for good). A re-synchronization of
     the lineage check downloads from the peers of the group's lineage first. See docs/decisions.md, "Downloads
     without relabelling"."""
-    resync = getattr(optimizer, "collabopt_resync", None)
-    apart = getattr(optimizer, "collabopt_apart", False)
+    resync = optimizer.sync_state.resync
+    apart = optimizer.sync_state.apart
     before = lineage.fingerprint(optimizer.state_averager.main_parameters) if resync is not None or apart else []
     if resync is not None:  # (the lineage check) a download from a peer of the group's lineage
         optimizer.state_averager.prefer_sources(resync.peers)
@@ -37,7 +37,7 @@ def download_state(optimizer: Any, **kwargs: Any) -> None:
     if resync is not None:
         resync_outcome(optimizer, resync, before)
     elif apart and not lineage.same_fingerprint(before, lineage.fingerprint(optimizer.state_averager.main_parameters)):
-        optimizer.collabopt_apart = False  # (after a partial round) it holds a served state now
+        optimizer.sync_state.apart = False  # (after a partial round) it holds a served state now
 
 
 def _download_until_current(optimizer: Any, **kwargs: Any) -> None:
@@ -87,7 +87,7 @@ def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
 
 
 def after_download(optimizer: Any) -> None:
-    optimizer.collabopt_downloaded_epoch = optimizer.local_epoch
+    optimizer.sync_state.downloaded_epoch = optimizer.local_epoch
     optimizer.tracker.report_local_progress(local_epoch=optimizer.local_epoch, samples_accumulated=0)
     if not optimizer.client_mode:
         optimizer.state_averager.state_sharing_priority = optimizer.local_epoch

@@ -16,6 +16,7 @@ from hivemind.optim.optimizer import logger as hivemind_logger
 from collabopt.engine.averaging import GradientAveragerThatTellsGaps, can_accumulate_in_place, shield_part_reducers
 from collabopt.engine.compat import dht_time
 from collabopt.engine.lineage_check import (
+    SyncState,
     finished_group,
     hint_state_group,
     judge_lineage,
@@ -38,6 +39,7 @@ class SyncOptimizer(hivemind.Optimizer):
     boundary_epoch = 0  # the epoch of the boundary in progress (or the last one)
 
     def __init__(self, **kwargs: Any):
+        self.sync_state = SyncState()
         shield_part_reducers()  # before its averagers start (they fork)
         super().__init__(**kwargs)
 
@@ -75,7 +77,7 @@ class SyncOptimizer(hivemind.Optimizer):
                                            resync=True, epoch=self.local_epoch)
             self.load_state_from_peers()
             return
-        before_averaging = getattr(self, "collabopt_before_averaging", None)
+        before_averaging = self.sync_state.before_averaging
         if before_averaging is not None and self.use_gradient_averaging:
             before_averaging()  # the non-finite guard's last look at the accumulation (CollaborativeOptimizer)
         skips = _skips_state_round(self)
@@ -94,7 +96,7 @@ class SyncOptimizer(hivemind.Optimizer):
         finally:
             self.average_state_every = every
         if skips:
-            self.collabopt_skipped_epoch, self.collabopt_skipped_at = self.local_epoch - 1, dht_time()
+            self.sync_state.skipped_epoch, self.sync_state.skipped_at = self.local_epoch - 1, dht_time()
         if out_of_sync(self):
             serve_below_the_others(self)  # hivemind just declared this peer's state at its new epoch
         if not self.use_gradient_averaging:  # (use_local_updates: only parameters are averaged; hivemind keeps how)
@@ -108,12 +110,12 @@ class SyncOptimizer(hivemind.Optimizer):
         else:
             hivemind.Optimizer._average_gradients_and_load_into_optimizer(self, maybe_step_control)
         hint_state_group(self, maybe_step_control)
-        verdict = judge_lineage(self, maybe_step_control) if getattr(self, "collabopt_checks_lineage", False) else None
+        verdict = judge_lineage(self, maybe_step_control) if self.sync_state.checks_lineage else None
         self.last_round = round_outcome(self.boundary_epoch, self.tracker.global_progress.num_peers,
                                         finished_group(maybe_step_control), verdict)
 
     def _should_load_state_from_peers(self: Any) -> bool:
-        resync = getattr(self, "collabopt_resync", None)
+        resync = self.sync_state.resync
         if resync is not None and time.monotonic() >= resync.next_try:
             return True  # step() downloads, then starts over (this step's gradients came from the other lineage)
         return hivemind.Optimizer._should_load_state_from_peers(self)
@@ -130,7 +132,7 @@ class SyncOptimizer(hivemind.Optimizer):
     def _maybe_schedule_state_averaging(self: Any) -> None:
         if _skips_state_round(self):  # (a round scheduled and then cancelled can leave the averager stuck)
             return
-        if getattr(self, "collabopt_skipped_epoch", None) == self.local_epoch - 1 and not _swarm_moved_on(self):
+        if self.sync_state.skipped_epoch == self.local_epoch - 1 and not _swarm_moved_on(self):
             # without the round it skipped, this peer ended that boundary before the others: a state round scheduled
             # now would join their group still in progress (groups are matched by time, not epoch) and hold it open
             return
@@ -171,8 +173,8 @@ def _average_gradients_in_background(optimizer: Any, control: Any) -> None:
 def _skips_state_round(optimizer: Any) -> bool:
     """Whether ``optimizer`` (pre-scheduling its state rounds, averaging gradients) ends its current epoch without
     one: the epoch's state came from a download (see :meth:`SyncOptimizer._update_global_epoch`)."""
-    return (getattr(optimizer, "collabopt_preschedules_state", False) and optimizer.use_gradient_averaging
-            and getattr(optimizer, "collabopt_downloaded_epoch", None) == optimizer.local_epoch)
+    return (optimizer.sync_state.preschedules_state and optimizer.use_gradient_averaging
+            and optimizer.sync_state.downloaded_epoch == optimizer.local_epoch)
 
 
 def _swarm_moved_on(optimizer: Any) -> bool:
@@ -181,7 +183,7 @@ def _swarm_moved_on(optimizer: Any) -> bool:
     by then; a killed peer's old record stays for a minute). See docs/decisions.md, "The state round skipped after a
     download (pre-scheduling)"."""
     tracker = optimizer.tracker
-    if dht_time() >= getattr(optimizer, "collabopt_skipped_at", 0.0) + optimizer.matchmaking_time:
+    if dht_time() >= optimizer.sync_state.skipped_at + optimizer.matchmaking_time:
         return True
     return (getattr(tracker, "lowest_epoch", None) is not None and tracker.lowest_epoch[1] >= optimizer.local_epoch
             and tracker.lowest_epoch[0] >= optimizer.local_epoch)
@@ -204,7 +206,7 @@ def preschedule_state_rounds(optimizer: Any) -> None:
     a peer only if the peer's round ends no earlier than its own. See docs/decisions.md, "Pre-scheduling the
     parameter-averaging round (off)"."""
     averager, tracker = optimizer.state_averager, optimizer.tracker
-    optimizer.collabopt_preschedules_state = True  # SyncOptimizer._update_global_epoch relies on it
+    optimizer.sync_state.preschedules_state = True  # SyncOptimizer._update_global_epoch relies on it
     slack = min(STATE_ROUND_SLACK, 0.5 * optimizer.matchmaking_time)
     if optimizer.client_mode:
         slack += optimizer.matchmaking_time

@@ -180,7 +180,8 @@ def main(config_path: str) -> None:
     arm_stall = stall_reducer(cfg["stall_reducer"]["seconds"]) if cfg.get("stall_reducer") else None
     # samples_dropped: fed in steps that contributed nothing and skipped nothing (hivemind dropped the step to
     # download the swarm's state first)
-    result = {"samples_fed": 0, "samples_dropped": 0, "lrs": {}, "losses": [], "epochs_seen": [], "epoch_times": []}
+    result = {"samples_fed": 0, "samples_dropped": 0, "lrs": {}, "losses": [], "epochs_seen": [], "epoch_times": [],
+              "rounds": []}  # each round's outcome (copt.last_round)
     sizes = batch_size_sequence(cfg.get("batch_sizes", [16]), rng)
     with CollaborativeOptimizer(
         optimizer,
@@ -232,6 +233,10 @@ def main(config_path: str) -> None:
                 if outcome.samples == 0 and outcome.skipped == 0:
                     result["samples_dropped"] += step_samples
             copt.zero_grad()
+            last_round = copt.last_round
+            if last_round is not None and (not result["rounds"] or result["rounds"][-1]["at"] != id(last_round)):
+                result["rounds"].append(dict(at=id(last_round), epoch=last_round.epoch, applied=last_round.applied,
+                                             reason=last_round.reason, resync=last_round.resync))
             if copt.local_epoch != before:
                 result["epochs_seen"].append(copt.local_epoch)
                 result["epoch_times"].append(time.time())

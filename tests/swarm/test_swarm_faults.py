@@ -102,7 +102,12 @@ def test_a_peer_of_another_lineage_adopts_the_majoritys_parameters(tmp_path, boo
     params = {name: read_params(tmp_path, name) for name in configs}
     assert max_param_diff(params["a"], params["b"]) <= SWARM_ROUNDING
     assert max_param_diff(params["a"], params["c"]) <= SWARM_ROUNDING
-    assert all(read_result(tmp_path, name)["final_epoch"] >= 4 for name in configs)
+    results = {name: read_result(tmp_path, name) for name in configs}
+    assert all(result["final_epoch"] >= 4 for result in results.values())
+    # the boundary's one outcome says so: c's first round applied the group's gradients and re-synchronizes
+    first = {name: results[name]["rounds"][0] for name in configs}
+    assert (first["c"]["epoch"], first["c"]["reason"], first["c"]["resync"]) == (0, "apart", True), first
+    assert all(first[name]["reason"] in ("averaged", "no group") for name in "ab"), first
 
 
 def test_peers_of_a_partial_round_adopt_the_parameters_of_the_peer_whose_round_was_whole(tmp_path, bootstrap):
@@ -137,7 +142,12 @@ def test_peers_of_a_partial_round_adopt_the_parameters_of_the_peer_whose_round_w
     params = {name: read_params(tmp_path, name) for name in configs}
     assert max_param_diff(params["a"], params["b"]) <= SWARM_ROUNDING
     assert max_param_diff(params["a"], params["c"]) <= SWARM_ROUNDING
-    assert all(read_result(tmp_path, name)["final_epoch"] >= 6 for name in configs)
+    results = {name: read_result(tmp_path, name) for name in configs}
+    assert all(result["final_epoch"] >= 6 for result in results.values())
+    # each partial round is the outcome of its boundary: applied, and the peer re-synchronizes
+    for name in "ab":
+        assert any(r["reason"] == "partial" and r["applied"] and r["resync"] for r in results[name]["rounds"]), (
+            results[name]["rounds"])
 
 
 def test_a_plain_hivemind_peer_downloads_a_collabopt_peers_state(tmp_path, bootstrap):

@@ -14,6 +14,7 @@ import torch
 
 from collabopt import lineage
 from collabopt.engine import averaging, lineage_check, state
+from collabopt.engine.lineage_check import SyncState
 from collabopt.lineage import Verdict, canonical_peers, fingerprint, judge, same_fingerprint
 
 A, B, C = fingerprint([torch.ones(4)]), fingerprint([torch.full((4,), 2.0)]), fingerprint([torch.zeros(4) - 1])
@@ -73,7 +74,7 @@ class Control:
 def stand_in(epoch: int = 3, client_mode: bool = False) -> SimpleNamespace:
     return SimpleNamespace(
         dht=SimpleNamespace(peer_id="me"), local_epoch=epoch, averaging_timeout=10.0, average_state_every=1,
-        scheduled_state=None, client_mode=client_mode, status_loglevel=logging.INFO,
+        scheduled_state=None, client_mode=client_mode, status_loglevel=logging.INFO, sync_state=SyncState(),
         state_averager=SimpleNamespace(state_sharing_priority=float(epoch), main_parameters=[torch.ones(4)]))
 
 
@@ -81,7 +82,7 @@ def test_a_peer_of_another_lineage_plans_a_download_from_the_canonical_members(c
     optimizer = stand_in()
     group = {"p1": meta(3, A), "me": meta(3, B), "p2": meta(3, A), "p3": meta(2, B)}
     lineage_check.judge_lineage(optimizer, Control(group))
-    assert optimizer.collabopt_resync.peers == ["p1", "p2"] and optimizer.collabopt_resync.epoch == 3
+    assert optimizer.sync_state.resync.peers == ["p1", "p2"] and optimizer.sync_state.resync.epoch == 3
     assert optimizer.average_state_every == sys.maxsize  # no parameter averaging at this boundary
     assert optimizer.state_averager.state_sharing_priority == 2.5  # downloads prefer the others
     assert "differ from those of 2 of the 3 peers of its gradient round at epoch 3" in caplog.text
@@ -98,7 +99,7 @@ def test_a_peer_of_another_lineage_plans_a_download_from_the_canonical_members(c
 def test_a_peer_of_the_canonical_lineage_or_without_a_verdict_goes_on(group):
     optimizer = stand_in()
     lineage_check.judge_lineage(optimizer, Control(group))
-    assert getattr(optimizer, "collabopt_resync", None) is None and optimizer.average_state_every == 1
+    assert optimizer.sync_state.resync is None and optimizer.average_state_every == 1
 
 
 def test_a_peer_apart_adopts_the_lineage_of_a_whole_member_even_alone():
@@ -118,9 +119,9 @@ def test_when_every_member_is_apart_all_adopt_the_smallest_fingerprint():
 
 def test_a_peer_whose_last_round_was_partial_but_holds_the_lineage_is_back_in_sync():
     optimizer = stand_in()
-    optimizer.collabopt_apart = True  # (a parameter averaging merged it with the others since)
+    optimizer.sync_state.apart = True  # (a parameter averaging merged it with the others since)
     lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, A, apart=True)}))
-    assert optimizer.collabopt_apart is False and getattr(optimizer, "collabopt_resync", None) is None
+    assert optimizer.sync_state.apart is False and optimizer.sync_state.resync is None
 
 
 def test_a_peer_behind_adopts_the_newest_epochs_lineage(caplog):
@@ -129,20 +130,20 @@ def test_a_peer_behind_adopts_the_newest_epochs_lineage(caplog):
     assert judge(group, "c") == Verdict([smallest], "behind")
     optimizer = stand_in()
     lineage_check.judge_lineage(optimizer, Control({"p1": meta(4, A), "me": meta(3, B)}))
-    assert optimizer.collabopt_resync.peers == ["p1"]
+    assert optimizer.sync_state.resync.peers == ["p1"]
     assert "this peer is at epoch 3, 1 peer(s) of its gradient round at epoch 4" in caplog.text
 
 
 def test_a_partial_round_leaves_the_peer_apart_until_a_round_or_a_download_says_otherwise(caplog):
     optimizer = stand_in()
     lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, A, received=0.757)}))
-    assert optimizer.collabopt_apart is True and lineage_check.out_of_sync(optimizer)
+    assert optimizer.sync_state.apart is True and lineage_check.out_of_sync(optimizer)
     assert "75.7% of this peer's gradient round at epoch 3 arrived" in caplog.text
     assert lineage_check.lineage_metadata(optimizer)["apart"] is True
-    optimizer.collabopt_resync = lineage_check.Resync(peers=["p1"], epoch=3, until=float("inf"))
+    optimizer.sync_state.resync = lineage_check.Resync(peers=["p1"], epoch=3, until=float("inf"))
     optimizer.state_averager.main_parameters = [torch.full((4,), 2.0)]  # the download brought the others' state
-    lineage_check.resync_outcome(optimizer, optimizer.collabopt_resync, A)
-    assert optimizer.collabopt_apart is False and not lineage_check.out_of_sync(optimizer)
+    lineage_check.resync_outcome(optimizer, optimizer.sync_state.resync, A)
+    assert optimizer.sync_state.apart is False and not lineage_check.out_of_sync(optimizer)
 
 
 def test_a_peer_with_non_finite_parameters_adopts_the_lineage_even_of_one_peer(caplog):
@@ -150,7 +151,7 @@ def test_a_peer_with_non_finite_parameters_adopts_the_lineage_even_of_one_peer(c
     assert judge({"p1": meta(3, A), "me": meta(3, nan)}, "me") == Verdict(["p1"], "nonfinite")
     optimizer = stand_in()
     lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "p2": meta(3, B), "me": meta(3, nan)}))
-    assert optimizer.collabopt_resync.peers == (["p1"] if A < B else ["p2"])
+    assert optimizer.sync_state.resync.peers == (["p1"] if A < B else ["p2"])
     assert "this peer's parameters are not finite" in caplog.text
 
 
@@ -180,9 +181,9 @@ def test_collabopts_averagers_answer_under_hiveminds_handler_names():
 def test_a_pending_resync_is_not_replaced():
     optimizer = stand_in()
     pending = lineage_check.Resync(peers=["p9"], epoch=2, until=float("inf"))
-    optimizer.collabopt_resync = pending
+    optimizer.sync_state.resync = pending
     lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "p2": meta(3, A), "me": meta(3, B)}))
-    assert optimizer.collabopt_resync is pending and optimizer.average_state_every == 1
+    assert optimizer.sync_state.resync is pending and optimizer.average_state_every == 1
 
 
 @pytest.mark.parametrize("tensor", [torch.full((3 * lineage.FINGERPRINT_CHUNK + 7,), 0.3333),  # LayerNorm-like
@@ -211,28 +212,28 @@ def test_a_failed_round_judges_nothing():
     optimizer = stand_in()
     lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, B)}, error=TimeoutError()))
     lineage_check.judge_lineage(optimizer, None)
-    assert getattr(optimizer, "collabopt_resync", None) is None
+    assert optimizer.sync_state.resync is None
 
 
 def test_a_resync_ends_when_the_parameters_changed_and_retries_while_they_did_not(monkeypatch):
     optimizer = stand_in()
     before = fingerprint(optimizer.state_averager.main_parameters)
     resync = lineage_check.Resync(peers=["p1"], epoch=3, until=float("inf"))
-    optimizer.collabopt_resync = resync
+    optimizer.sync_state.resync = resync
     lineage_check.resync_outcome(optimizer, resync, before)  # the canonical peers had not served the new epoch yet
-    assert optimizer.collabopt_resync is resync and resync.next_try > 0
+    assert optimizer.sync_state.resync is resync and resync.next_try > 0
     assert optimizer.state_averager.state_sharing_priority == 2.5
     optimizer.state_averager.main_parameters = [torch.full((4,), 2.0)]
     lineage_check.resync_outcome(optimizer, resync, before)
-    assert optimizer.collabopt_resync is None
+    assert optimizer.sync_state.resync is None
 
 
 def test_a_resync_gives_up_at_its_deadline(caplog):
     optimizer = stand_in()
     resync = lineage_check.Resync(peers=["p1"], epoch=3, until=0.0)
-    optimizer.collabopt_resync = resync
+    optimizer.sync_state.resync = resync
     lineage_check.resync_outcome(optimizer, resync, fingerprint(optimizer.state_averager.main_parameters))
-    assert optimizer.collabopt_resync is None and "goes on with its own parameters" in caplog.text
+    assert optimizer.sync_state.resync is None and "goes on with its own parameters" in caplog.text
 
 
 def test_downloads_try_the_preferred_peers_first():

@@ -14,6 +14,7 @@ import pytest
 
 from collabopt import RoundOutcome
 from collabopt.engine import sync_download, sync_round
+from collabopt.engine.lineage_check import SyncState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class StandIn:
         self.scheduled_grads, self.scheduled_state = None, None
         self.grad_averager, self.use_gradient_averaging = None, False
         self.client_mode, self.status_loglevel = False, logging.INFO
+        self.sync_state = SyncState()
 
     def _serve(self, timeout: float) -> None:
         self.downloads += 1
@@ -138,7 +140,8 @@ def test_a_boundary_begun_two_epochs_behind_the_swarm_downloads_instead(monkeypa
     monkeypatch.setattr(hivemind.Optimizer, "_update_global_epoch", lambda self, scaler: boundaries.append(scaler))
     tracker = SimpleNamespace(global_epoch=5, global_progress=SimpleNamespace(num_peers=3))
     optimizer = SimpleNamespace(local_epoch=local_epoch, tracker=tracker, downloads=[], use_gradient_averaging=True,
-                                status_loglevel=logging.INFO, average_state_every=1, last_round=None)
+                                status_loglevel=logging.INFO, average_state_every=1, last_round=None,
+                                sync_state=SyncState())
     optimizer.load_state_from_peers = lambda: optimizer.downloads.append(True)
     sync_round.SyncOptimizer._update_global_epoch(optimizer, "scaler")
     assert (optimizer.downloads, boundaries) == (([True], []) if downloads else ([], ["scaler"]))

@@ -20,7 +20,7 @@ def stand_in(matchmaking_time: float, eta: float) -> SimpleNamespace:
                                schedule_step=lambda scheduled_time=None, **kw: calls.append((scheduled_time, kw)))
     return SimpleNamespace(state_averager=averager, tracker=SimpleNamespace(estimated_next_update_time=eta),
                            delay_before_state_averaging=PerformanceEMA(alpha=1.0), matchmaking_time=matchmaking_time,
-                           client_mode=False, calls=calls)
+                           client_mode=False, calls=calls, sync_state=lineage_check.SyncState())
 
 
 @pytest.mark.parametrize(("matchmaking_time", "slack"), [(1.0, 0.5), (2.0, 1.0), (5.0, 1.0)])
@@ -57,8 +57,8 @@ def boundary(monkeypatch, **attributes) -> tuple[list[int], list[str]]:
     monkeypatch.setattr(hivemind.Optimizer, "_maybe_schedule_state_averaging",
                         lambda self: scheduled.append("state"))
     optimizer = SimpleNamespace(local_epoch=8, average_state_every=1, status_loglevel=10, use_gradient_averaging=True,
-                                tracker=SimpleNamespace(global_epoch=8), collabopt_preschedules_state=True,
-                                **attributes)
+                                tracker=SimpleNamespace(global_epoch=8, global_progress=SimpleNamespace(num_peers=3)),
+                                sync_state=lineage_check.SyncState(preschedules_state=True, **attributes))
     cls = sync_round.SyncOptimizer
     cls._maybe_schedule_state_averaging(optimizer)
     cls._update_global_epoch(optimizer, None)
@@ -73,7 +73,7 @@ def test_a_boundary_with_its_state_round_pre_scheduled_averages_parameters(monke
 def test_the_first_boundary_after_a_download_skips_parameter_averaging(monkeypatch):
     """A peer that downloaded epoch 8 as the others reached its boundary: no state round is scheduled for it, and
     hivemind's boundary sees no averaging epoch (next_epoch % average_state_every != 0)."""
-    seen, scheduled = boundary(monkeypatch, collabopt_downloaded_epoch=8)
+    seen, scheduled = boundary(monkeypatch, downloaded_epoch=8)
     assert scheduled == [] and seen[0] > 10**9
 
 
@@ -90,9 +90,9 @@ def test_after_a_skipped_round_the_next_is_scheduled_once_the_swarm_is_past_it(m
 
     scheduled = []
     monkeypatch.setattr(hivemind.Optimizer, "_maybe_schedule_state_averaging", lambda self: scheduled.append(1))
-    optimizer = SimpleNamespace(local_epoch=9, collabopt_preschedules_state=True, use_gradient_averaging=True,
-                                collabopt_downloaded_epoch=8, collabopt_skipped_epoch=8, matchmaking_time=2.0,
-                                collabopt_skipped_at=get_dht_time() - seconds_since,
+    state = lineage_check.SyncState(preschedules_state=True, downloaded_epoch=8, skipped_epoch=8,
+                                    skipped_at=get_dht_time() - seconds_since)
+    optimizer = SimpleNamespace(local_epoch=9, use_gradient_averaging=True, matchmaking_time=2.0, sync_state=state,
                                 tracker=SimpleNamespace(lowest_epoch=lowest_epoch))
     sync_round.SyncOptimizer._maybe_schedule_state_averaging(optimizer)
     assert bool(scheduled) == schedules
