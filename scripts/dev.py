@@ -5,10 +5,17 @@
     python3 scripts/dev.py test      # the whole test suite
     python3 scripts/dev.py bench     # the benchmarks (writes benchmarks/results/)
     python3 scripts/dev.py docs      # serve the documentation site on http://127.0.0.1:8000 (mkdocs serve)
+    python3 scripts/dev.py gpu-check   # the prepared GPU check (benchmarks/gpu_check.py); CPU smoke without CUDA
+    python3 scripts/dev.py gpu-wheels  # the wheels the lent GPU machine lacks, into wheels/gpu/ (git-ignored)
 
 Only Python >= 3.10 is needed. torch is installed pinned (TORCH_SPEC, default torch==2.13.0) when the
 environment has none; set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu to get the CPU-only build
 on a machine where pip would otherwise pull a large CUDA build.
+
+gpu-check and gpu-wheels never create or install anything: they run with .venv's Python when there is a .venv, else
+with the Python running this script. The lent GPU machine has no network and no .venv (it is git-ignored and not
+carried), so there gpu-check runs with its system python3 once the carried wheels and collabopt are installed;
+benchmarks/gpu_wheels.py gives the exact device command.
 """
 
 from __future__ import annotations
@@ -51,11 +58,20 @@ def ensure_env(extra: str) -> None:
         stamp.touch()
 
 
+GPU_COMMANDS = {"gpu-check": "benchmarks.gpu_check", "gpu-wheels": "benchmarks.gpu_wheels"}
+
+
 def main() -> int:
     command = sys.argv[1] if len(sys.argv) > 1 else "demo"
     rest = sys.argv[2:]
+    if command in GPU_COMMANDS:  # no environment set-up: see the module docstring
+        python = str(PYTHON) if PYTHON.exists() else sys.executable
+        cmd = [python, "-m", GPU_COMMANDS[command], *rest]
+        print("+", " ".join(cmd), flush=True)
+        return subprocess.run(cmd, cwd=ROOT).returncode
     if command not in EXTRAS:
-        sys.exit(f"usage: python3 scripts/dev.py {{demo|test|bench|docs}} [args...]  (got {command!r})")
+        commands = "|".join([*EXTRAS, *GPU_COMMANDS])
+        sys.exit(f"usage: python3 scripts/dev.py {{{commands}}} [args...]  (got {command!r})")
     ensure_env(EXTRAS[command])
     if command == "demo":
         cmd = [str(PYTHON), "-m", "collabopt", "demo", *rest]
