@@ -41,6 +41,7 @@ from collabopt.hivemind_arguments import peer_arguments
 from collabopt.interface import RoundOutcome, StepResult, SwarmOptimizerBase, check_state, pack_state
 from collabopt.lifecycle import SigtermHandler, preserved_sigint
 from collabopt.metrics import DILOCO_PUBLISH_INTERVAL, PUBLISH_INTERVAL, MetricsReporter
+from collabopt.rounds import RoundWatch
 from collabopt.scheduling import CollaborativeScheduler, install_step_guard, is_scheduler, remove_step_guard
 
 logger = logging.getLogger(__name__)
@@ -172,9 +173,8 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         self.diloco = (diloco.DiLoCo(optimizer, self._guard, overlap=config.overlap_rounds)
                        if config.outer_optimizer is not None else None)
         self._checked_version = -1  # parameters' version sum when the guard last checked them
-        self._seen_round: RoundOutcome | None = None  # the peer's last round outcome, as this core last saw it
-        self._last_round: RoundOutcome | None = None  # ... with the guard's verdict
-        self._refusals_seen = (0, 0)  # the guard's refused updates and restored parameters at the last outcome
+        self._rounds = RoundWatch(self._guard, config.matchmaking_time, config.target_batch_size,
+                                  judges_average=self.diloco is None)
         self._counter = ForwardSampleCounter(model) if model is not None else None
         self._reporter: MetricsReporter | None = None
         self.dht = dht
@@ -316,27 +316,10 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         epoch_changed = self._peer.local_epoch != epoch_before
         self._check_received_parameters(epoch_changed)
         self._advance_schedule()
-        outcome = self._round_ended()
+        outcome = self._rounds.ended(self._peer.last_round, self._peer.samples_per_second)
         if epoch_changed or outcome is not None:
             result = dataclasses.replace(result, epoch_changed=result.epoch_changed or epoch_changed, round=outcome)
         return result
-
-    def _guard_refusals(self) -> tuple[int, int]:
-        guard = self._guard
-        return (guard.refused_updates, guard.restored_parameters) if guard is not None else (0, 0)
-
-    def _round_ended(self) -> RoundOutcome | None:
-        """The outcome of the round the peer ended since the last step, if any: the peer's verdict, or the guard's
-        where it refused the average (gradients refused: no update; parameters restored: this peer's own update)."""
-        outcome, refusals = self._peer.last_round, self._guard_refusals()
-        if outcome is None or outcome is self._seen_round:
-            return None
-        self._seen_round = outcome
-        if self.diloco is None and refusals != self._refusals_seen:  # (DiLoCo's round judges its average itself)
-            outcome = dataclasses.replace(outcome, applied=outcome.applied and refusals[0] == self._refusals_seen[0],
-                                          reason="non-finite average")
-        self._refusals_seen, self._last_round = refusals, outcome
-        return outcome
 
     def _check_received_parameters(self, epoch_changed: bool) -> None:
         """Parameters that averaging made non-finite are never kept. Checked after a global step, and in the
@@ -563,7 +546,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         """The outcome of this peer's last round (a global epoch's boundary, or a DiLoCo round): applied, or not
         and why, and whether this peer re-synchronizes (:class:`~collabopt.interface.RoundOutcome`); None before its
         first. Each step's :class:`~collabopt.interface.StepResult` carries the one it ended, if any."""
-        return self._last_round
+        return self._rounds.last
 
     @property
     def out_of_sync(self) -> bool:
