@@ -44,6 +44,7 @@ import torch
 
 try:
     from accelerate.optimizer import AcceleratedOptimizer
+    from tqdm.auto import tqdm
     from transformers import Trainer, TrainerCallback
     from transformers.trainer_callback import ProgressCallback
 except ImportError as error:  # pragma: no cover - exercised only without the extra
@@ -121,10 +122,9 @@ class _SwarmProgressCallback(ProgressCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        super().on_train_begin(args, state, control, **kwargs)
-        if self.training_bar is not None:
-            self.training_bar.reset(total=self.trainer.target_epochs)
-            self.training_bar.set_description("global epochs")
+        if state.is_world_process_zero:
+            self.training_bar = tqdm(total=self.trainer.target_epochs, desc="global epochs", dynamic_ncols=True)
+        self.current_step = 0
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         copt = self.trainer.collaborative_optimizer

@@ -25,6 +25,7 @@ PUBLIC_MODULES = (
     "collabopt.integrations.pytorch",
     "collabopt.integrations.accelerate",
     "collabopt.integrations.lightning",
+    "collabopt.integrations.transformers",
 )
 
 _ROLE = re.compile(r":(?:py:)?(?:class|meth|func|mod|attr|data|exc|obj|const):`([^`]+)`")

@@ -5,6 +5,7 @@ train together on loopback, each a ``transformers.Trainer`` in its own OS proces
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -28,12 +29,15 @@ WORKER = Path(__file__).resolve().parent / "transformers_worker.py"
 LR, WARMUP = 1e-2, 1
 
 
-def start(tmp_path: Path, name: str, cfg: dict, initial_peers: str | None) -> Process:
+def start(tmp_path: Path, name: str, cfg: dict, initial_peers: str | None, processes: int = 1) -> Process:
+    """A worker process, or with ``processes`` > 1 a ``torchrun`` job of that many (one peer)."""
     cfg = dict(cfg, out=str(tmp_path / name), output_dir=str(tmp_path / f"{name}_output"))
     config_path = tmp_path / f"{name}.config.json"
     config_path.write_text(json.dumps(cfg))
     env = child_env(HF_HUB_OFFLINE="1", **({"INITIAL_PEERS": initial_peers} if initial_peers else {}))
-    return Process([sys.executable, str(WORKER), str(config_path)], tmp_path / f"{name}.log", env=env)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    args = [sys.executable, *(launcher if processes > 1 else []), str(WORKER), str(config_path)]
+    return Process(args, tmp_path / f"{name}.log", env=env)
 
 
 def reference_lrs(epochs: int, count: int) -> list[float]:
@@ -90,6 +94,7 @@ def test_two_trainers_train_in_sync_and_one_resumes_from_its_checkpoint(tmp_path
         assert r["target_epochs"] == epochs and r["final_epoch"] >= epochs, (name, r["final_epoch"])
         assert r["closed"] and r["optimizer_restored"] == "AcceleratedOptimizer"
         assert r["samples_reported"] == samples_between(100, cfg["bs"], cfg["ga"], 0, r["global_step"]), name
+        assert r["samples_fed"] == r["samples_reported"]
         assert r["eval_loss_after"] < r["eval_loss_before"] - 0.3, (name, r["eval_loss_before"], r["eval_loss_after"])
         check_lrs(r, epochs)
         assert max(entry["swarm/peers"] for entry in r["logs"]) == 2, r["logs"]
@@ -133,27 +138,52 @@ def test_two_trainers_train_in_sync_and_one_resumes_from_its_checkpoint(tmp_path
     assert r["samples_reported"] - saved["samples_reported"] == samples_between(100, 12, 1, step, r["global_step"])
 
 
-def test_trainer_in_diloco_mode(tmp_path, bootstrap):
-    """outer_optimizer= makes the Trainer's optimizer the inner one: several inner steps per round, the peers hold
-    the same parameters right after every round, the rounds follow the schedule, the held-out loss falls."""
+def test_trainer_in_diloco_mode_with_a_torchrun_node(tmp_path, bootstrap):
+    """DiLoCo (outer_optimizer=) with a plain peer A and a peer B of 2 torchrun processes: the swarm counts 2 peers,
+    the node's ranks are bit-identical, every peer holds the same parameters right after every round, several inner
+    steps per round, the node counts the samples of both ranks, the rounds follow the schedule, the loss falls."""
     run_id, rounds = unique_run_id("hf_diloco"), 3
-    common = dict(run_id=run_id, target_batch_size=192, max_steps=rounds, lr=LR, warmup=WARMUP, n=100,
-                  wait_peers=2,
+    common = dict(run_id=run_id, target_batch_size=192, max_steps=rounds, lr=LR, warmup=WARMUP, n=100, wait_peers=2,
                   outer=dict(lr=0.7, momentum=0.9, nesterov=True))
-    configs = {"a": dict(common, bs=8, ga=1, data_seed=1, finish_with=finish_line(tmp_path, "b")),
-               "b": dict(common, bs=12, ga=1, data_seed=2, finish_with=finish_line(tmp_path, "a"))}
-    procs = {name: start(tmp_path, name, cfg, bootstrap) for name, cfg in configs.items()}
-    finish(procs, timeout=150)
-    results = {name: read_result(tmp_path, name) for name in procs}
-    params = {name: torch.load(tmp_path / f"{name}.epochs.pt") for name in procs}
+    configs = {"a": dict(common, bs=8, data_seed=1, finish_with=finish_line(tmp_path, "b")),
+               "b": dict(common, bs=6, data_seed=2, finish_with=finish_line(tmp_path, "a"))}
+    procs = {"a": start(tmp_path, "a", configs["a"], bootstrap), "b": start(tmp_path, "b", configs["b"], bootstrap, 2)}
+    finish(procs, timeout=180)
+    results = {name: read_result(tmp_path, name) for name in ("a", "b", "b.rank1")}
+    params = {name: torch.load(tmp_path / f"{name}.epochs.pt") for name in results}
+    assert results["a"]["type"] == "CollaborativeOptimizer"
+    assert results["b"]["type"] == results["b.rank1"]["type"] == "NodeOptimizer"
     for name, r in results.items():
         assert r["start"]["diloco"] and r["final_epoch"] >= rounds, (name, r["final_epoch"])
         assert r["local_steps_at"]["1"] >= 3, r["local_steps_at"]  # inner steps before the first round
-        assert r["samples_reported"] == samples_between(100, configs[name]["bs"], 1, 0, r["global_step"]), name
         assert r["eval_loss_after"] < r["eval_loss_before"] - 0.3, (name, r["eval_loss_before"], r["eval_loss_after"])
+        assert max(entry["swarm/peers"] for entry in r["logs"]) == 2, r["logs"]  # the node is one peer
         check_lrs(r, rounds)
+    assert results["a"]["samples_reported"] == samples_between(100, 8, 1, 0, results["a"]["global_step"])
+    # the node: the samples of both ranks are counted (each trains on its share of every pass)
+    fed = results["b"]["samples_fed"] + results["b.rank1"]["samples_fed"]
+    assert results["b"]["samples_reported"] == results["b.rank1"]["samples_reported"] == fed
+    assert results["b"]["global_step"] == results["b.rank1"]["global_step"]
+    assert sorted(params["b"]) == sorted(params["b.rank1"])
+    for epoch in params["b"]:
+        assert max_param_diff(params["b"][epoch], params["b.rank1"][epoch]) == 0.0, epoch
     common_rounds = sorted(set(params["a"]) & set(params["b"]))
     assert len(common_rounds) >= rounds - 1, (sorted(params["a"]), sorted(params["b"]))
     for epoch in common_rounds:
         diff = max_param_diff(params["a"][epoch], params["b"][epoch])
         assert diff <= SWARM_ROUNDING, (epoch, diff, why(tmp_path, "a", "b"))
+
+
+def test_example_script_trains(tmp_path):
+    """examples/transformers_train.py as documented (a new swarm, one peer): it prints how others join once, the
+    progress bar counts global epochs, the held-out loss falls, and it exits cleanly."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "transformers_train.py"
+    proc = Process([sys.executable, str(example), "--max-steps", "3", "--output-dir", str(tmp_path / "out")],
+                   tmp_path / "example.log", env=child_env(HF_HUB_OFFLINE="1"))
+    finish({"example": proc}, timeout=120)
+    log = (tmp_path / "example.log").read_text(errors="replace")
+    assert log.count("other peers can join with") == 1 and "CollaborativeTrainer(..., initial_peers=" in log
+    assert "global epochs: 100%" in log and "3/3" in log, log[-3000:]
+    before, after = map(float, re.search(r"held-out loss: ([0-9.]+) -> ([0-9.]+)", log).groups())
+    assert after < before - 0.2, log[-3000:]
+    assert (tmp_path / "out" / "final" / "config.json").exists()

@@ -3,7 +3,8 @@
 Usage: ``python tests/swarm/transformers_worker.py config.json``. Trains a tiny GPT-2 (built from a config, random
 weights) on made-up token sequences that follow a rule (next token = previous + step, mod the vocabulary), so the
 loss can fall. Writes ``<out>.json`` (what the test checks), ``<out>.epochs.pt`` (the parameters right after each
-global epoch) and ``<out>.progress`` (its epoch, for the other peers' finish line).
+global epoch) and ``<out>.progress`` (its epoch, for the other peers' finish line). Under ``torchrun`` rank R > 0
+writes ``<out>.rankR.json`` / ``.epochs.pt`` / ``.pt``.
 
 Config keys: run_id, target_batch_size, max_steps (global epochs), bs (per_device_train_batch_size), ga
 (gradient_accumulation_steps), n (samples), data_seed, lr, warmup, schedule (lr_scheduler_type), save_steps,
@@ -22,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from collabopt.integrations.transformers import CollaborativeTrainer  # noqa: E402
-from peer_worker import at_finish_line, progress_of, write_json  # noqa: E402
+from peer_worker import at_finish_line, progress_of, rank0_decides, write_json  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
 
 VOCAB, LENGTH = 32, 12
@@ -78,10 +79,12 @@ class Recorder(TrainerCallback):
             self.result["local_steps_at"][str(epoch)] = state.global_step
             self.epoch_params[epoch] = snapshot(self.trainer.model)
         progress = progress_of(copt)
-        write_json(self.cfg["out"] + ".progress", progress)
-        # peers that reached the last epoch keep training until every peer did (see peer_worker.at_finish_line)
-        if control.should_training_stop and not at_finish_line(self.cfg, copt.local_epoch, self.trainer.target_epochs,
-                                                               progress["in_sync"]):
+        if self.trainer.is_world_process_zero():
+            write_json(self.cfg["out"] + ".progress", progress)
+        # peers that reached the last epoch keep training until every peer did (see peer_worker.at_finish_line);
+        # the ranks of a node stop at the same step (every rank sees the same local_epoch, so all get here alike)
+        if control.should_training_stop and not rank0_decides(
+                at_finish_line(self.cfg, copt.local_epoch, self.trainer.target_epochs, progress["in_sync"])):
             control.should_training_stop = False
 
 
@@ -103,23 +106,32 @@ def main(config_path: str) -> None:
         run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         matchmaking_time=2.0, averaging_timeout=15.0, verbose=True, **outer,
     )
-    result: dict = {"lrs": {}, "sched_lrs": {}, "local_steps_at": {}}
+    rank = int(os.environ.get("RANK", "0"))
+    out = cfg["out"] if rank == 0 else f"{cfg['out']}.rank{rank}"
+    result: dict = {"lrs": {}, "sched_lrs": {}, "local_steps_at": {}, "rank": rank}
     recorder = Recorder(trainer, cfg, result)
     trainer.add_callback(recorder)  # after CollaborativeTrainer's own callback
 
     result["eval_loss_before"] = trainer.evaluate()["eval_loss"]
+    fed = [0]  # samples of this process's training forward calls, counted here on their own
+
+    def count(module, args, kwargs):
+        if module.training and torch.is_grad_enabled():
+            fed[0] += kwargs["input_ids"].shape[0]
+
+    model.register_forward_pre_hook(count, with_kwargs=True)
     output = trainer.train(resume_from_checkpoint=cfg.get("resume"))
     copt = trainer.collaborative_optimizer
     result.update(
-        final_epoch=copt.local_epoch, target_epochs=trainer.target_epochs,
+        final_epoch=copt.local_epoch, samples_fed=fed[0], target_epochs=trainer.target_epochs,
         samples_reported=copt.samples_reported, closed=copt.closed, global_step=output.global_step,
         eval_loss_after=trainer.evaluate()["eval_loss"],
         logs=[entry for entry in trainer.state.log_history if "loss" in entry],
-        optimizer_restored=type(trainer.optimizer).__name__,
+        optimizer_restored=type(trainer.optimizer).__name__, type=type(copt).__name__,
     )
-    torch.save(recorder.epoch_params, cfg["out"] + ".epochs.pt")
-    torch.save(snapshot(trainer.model), cfg["out"] + ".pt")
-    write_json(cfg["out"] + ".json", result)
+    torch.save(recorder.epoch_params, out + ".epochs.pt")
+    torch.save(snapshot(trainer.model), out + ".pt")
+    write_json(out + ".json", result)
 
 
 if __name__ == "__main__":

@@ -140,3 +140,26 @@ def test_logs_carry_the_swarm_state_while_training(tmp_path):
     trainer.log_swarm_metrics = False
     trainer.log({"loss": 0.25})
     assert "swarm/peers" not in trainer.state.log_history[-1]
+
+
+def test_the_readme_diff_turns_the_example_into_a_plain_trainer_script():
+    """The README's diff is the whole change: undone, examples/transformers_train.py is a plain Trainer script."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("<!-- section: transformers -->"):readme.index("<!-- section: lightning -->")]
+    diff = re.search(r"```diff\n(.*?)```", section, re.S).group(1).splitlines()
+    removed = [line[1:] for line in diff if line.startswith("-")]
+    added = [line[1:] for line in diff if line.startswith("+")]
+    assert len(removed) == 2 and len(added) == 3
+    example = (root / "examples" / "transformers_train.py").read_text()
+    changes = [(added[0] + "\n", removed[0] + "\n"), (added[1] + "\n" + added[2] + "\n", removed[1] + "\n")]
+    plain = example
+    for new, old in changes:
+        assert plain.count(new) == 1, new
+        plain = plain.replace(new, old)
+    assert not re.search(r"^\s*(from|import) collabopt", plain, re.M)
+    assert "run_id=" not in plain and "target_batch_size=" not in plain and "CollaborativeTrainer" not in plain
+    assert "from transformers import Trainer\n" in plain
