@@ -1,7 +1,7 @@
 """Network faults on real peer processes in network namespaces: a cut link, a 2|2 partition, a slow link.
 
-Each peer runs in its own namespace (collabopt.testing.testnet), the bootstrap peer in another; faults are applied to the
-links from the test while the peers train.
+Each peer runs in its own namespace (collabopt.testing.testnet), the bootstrap peer in another; faults are applied to
+the links from the test while the peers train.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def test_a_partition_heals_into_one_swarm(tmp_path, make_net):
     The sides come back as two lineages of parameters. Averaging gradients together does not merge them, and
     parameter averaging merges them only in a round of all four: with state-round pre-scheduling off, each state
     round began its matchmaking at the boundary, groups of 2 and 3 formed from whoever was there, and 4 of 5 runs
-    ended 0.005-0.04 apart. The lineage check (collabopt/engine/lineage_check.py) makes the peers of the lineage that loses a
-    gradient round's vote download the other's state."""
+    ended 0.005-0.04 apart. The lineage check (collabopt/engine/lineage_check.py) makes the peers of the lineage that
+    loses a gradient round's vote download the other's state."""
     net = make_net(4)
     seen = {}
 

@@ -3,7 +3,8 @@
 hivemind 1.1.12 zeroes the accumulators as it hands them to a round; when the round then fails ("could not find a
 group", a timeout) it logs "Proceeding with local gradients" but reloads the zeroed accumulators, and the epoch's
 optimizer step gets zero gradients: the epoch's samples are lost (SGD does not move; Adam moves by its momentum
-only). collabopt keeps the accumulators until the epoch ends (``keeps_accumulation`` in ``collabopt/engine/averaging.py``).
+only). collabopt keeps the accumulators until the epoch ends (``keeps_accumulation`` in
+``collabopt/engine/averaging.py``).
 
 One real optimizer in this process, a lone peer whose tracker is made to count a second peer at the boundary: its
 rounds run and really find no group."""
