@@ -60,7 +60,8 @@ def run_swarms(workdir: Path, smoke: bool, cases: list[str], timeout: float) -> 
     workdir.mkdir(parents=True, exist_ok=True)
     env = child_env()
     bootstrap, initial_peers = processes.start_bootstrap(workdir, env=env, cwd=ROOT)
-    peers = []
+    peers: list[tuple[processes.Process, dict[str, Any]]] = []
+    codes: list[int | None] = []
     run_prefix = f"gpucheck_{uuid.uuid4().hex[:8]}"  # a new run id per case and run: stale DHT records confuse peers
     try:
         for index in range(settings["peers"]):
@@ -83,6 +84,9 @@ def run_swarms(workdir: Path, smoke: bool, cases: list[str], timeout: float) -> 
         if codes[index] != 0:
             print(f"peer {index} exited with {codes[index]}; log: {proc.log_path}\n{proc.tail(2000)}", flush=True)
     rows = [check_case(workdir, case, results, settings) for case in cases]
+    if not all(row["ok"] for row in rows):  # the working folder stays behind on a lent machine: show the logs' ends
+        for proc, _ in peers:
+            print(f"--- the end of {proc.log_path}:\n{proc.tail(3000)}", flush=True)
     return dict(settings=settings, rows=rows, ok=all(row["ok"] for row in rows), peers=results)
 
 

@@ -174,7 +174,7 @@ def run(workdir: Path, smoke: bool) -> dict[str, Any]:
                 ask(name)
                 os.killpg(procs[name].pid, signal.SIGSTOP)
             except (RuntimeError, ValueError) as error:
-                errors[name] = f"{error}: {(workdir / f'{name}.log').read_text(errors='replace')[-300:]}"
+                errors[name] = f"{error}: {(workdir / f'{name}.log').read_text(errors='replace')[-1500:]}"
         live = [name for name in names if name not in errors]
         deadline = time.monotonic() + settings["seconds"]
         for r in range(settings["rounds"]):
