@@ -36,6 +36,7 @@ Refused with a :class:`~collabopt.ConfigurationError` before any network starts:
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from typing import Any
@@ -290,8 +291,6 @@ class CollaborativeTrainer(Trainer):
 
 def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Trainer arguments and collabopt options; anything else is refused by name."""
-    import inspect
-
     trainer_names = set(inspect.signature(Trainer.__init__).parameters) - {"self"}
     collab_names = set(option_names()) | {"optimizer_factory"}
     trainer_kwargs, collab_kwargs = {}, {}

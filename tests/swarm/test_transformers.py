@@ -100,6 +100,9 @@ def test_two_trainers_train_in_sync_and_one_resumes_from_its_checkpoint(tmp_path
         assert max(entry["swarm/peers"] for entry in r["logs"]) == 2, r["logs"]
         assert max(entry["swarm/epoch"] for entry in r["logs"]) >= epochs - 1
         assert r["logs"][-1]["swarm/samples_per_s"] > 0
+    # reaching max_steps global epochs, B saved a last checkpoint, as a plain Trainer does at max_steps
+    reached = min(step for epoch, step in results["b"]["local_steps_at"].items() if int(epoch) >= epochs)
+    assert (tmp_path / "b_output" / f"checkpoint-{reached}" / "optimizer.pt").exists()
     # several local steps per global epoch, and a peer's steps differ from the other's (other batch sizes)
     assert results["a"]["global_step"] >= 2 * epochs and results["b"]["global_step"] >= 2 * epochs
     common_epochs = sorted(set(params["a"]) & set(params["b"]))

@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from collabopt.integrations.transformers import (  # noqa: E402
     LOCAL_STEP_LIMIT,
     CollaborativeTrainer,
+    _SwarmCallback,
     _SwarmProgressCallback,
     swarm_epochs,
 )
@@ -163,3 +164,16 @@ def test_the_readme_diff_turns_the_example_into_a_plain_trainer_script():
     assert not re.search(r"^\s*(from|import) collabopt", plain, re.M)
     assert "run_id=" not in plain and "target_batch_size=" not in plain and "CollaborativeTrainer" not in plain
     assert "from transformers import Trainer\n" in plain
+
+
+def test_evaluation_metrics_reach_a_plateau_schedule(tmp_path):
+    """The Trainer steps only a bare ReduceLROnPlateau with the metric; the swarm's wrapper gets it reported."""
+    trainer = make(tmp_path, args=dict(metric_for_best_model="loss"))
+    reported: list[float] = []
+    callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, _SwarmCallback))
+    plateau = SimpleNamespace(is_plateau=True)
+    trainer._copt = SimpleNamespace(closed=False, scheduler=plateau, report_metric=reported.append)
+    callback.on_evaluate(trainer.args, trainer.state, trainer.control, metrics={"eval_loss": 0.5, "epoch": 1.0})
+    plateau.is_plateau = False
+    callback.on_evaluate(trainer.args, trainer.state, trainer.control, metrics={"eval_loss": 0.4})
+    assert reported == [0.5]
