@@ -8,8 +8,9 @@ processes too), and each round's time is divided by the plain loop's of the same
 events around the round's steps (the CPU's wall clock after a synchronize on the CPU smoke version).
 
 fp16 variants use ``torch.amp.GradScaler`` (plain torch: one ``scaler.step`` per epoch, as a user accumulating
-gradients does; collabopt: ``scaler.step(copt)`` every step, as its guide says) and raw hivemind its own
-``hivemind.GradScaler`` (CUDA only: none on the smoke version). bf16 variants use no scaler.
+gradients does; collabopt and raw hivemind: ``scaler.step(opt)`` every step, which unscales each step's gradients
+before they are accumulated: hivemind's own ``hivemind.GradScaler`` is meant for ``reuse_grad_buffers=True`` only,
+its docstring says). bf16 variants use no scaler.
 Run alone: ``python -m benchmarks.gpu_step config.json [VARIANT]``.
 """
 
@@ -52,7 +53,7 @@ class Variant:
         self.local_steps = 0
         opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
         self.scaler: Any = None
-        if dtype_name == "fp16" and self.impl != "hivemind":
+        if dtype_name == "fp16":
             self.scaler = torch.amp.GradScaler(self.device)
         batch = cfg["model"]["batch"]
         common = dict(run_id=f"gpu_b2_{uuid.uuid4().hex[:8]}", target_batch_size=batch * self.k,
@@ -70,8 +71,6 @@ class Variant:
 
             self.dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
             self.opt = hivemind.Optimizer(dht=self.dht, optimizer=opt, batch_size_per_step=batch, **common, **options)
-            if dtype_name == "fp16" and cfg["cuda"]:
-                self.scaler = hivemind.GradScaler()
 
     def train(self) -> tuple[float, float]:
         """One epoch of local steps; (milliseconds by CUDA events or the CPU clock, wall seconds)."""
