@@ -73,7 +73,8 @@ def main() -> None:
     after = trainer.evaluate()["eval_loss"]
     if trainer.is_world_process_zero():
         print(f"held-out loss: {before:.3f} -> {after:.3f} (perplexity {math.exp(after):.1f} per byte)")
-        trainer.save_model(os.path.join(args.output_dir, "final"))
+    trainer.save_model(os.path.join(args.output_dir, "final"))  # written once, by the main process
+    trainer.accelerator.end_training()  # torchrun: leave the process group (Trainer.end() in transformers 5)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,7 @@ def test_two_trainers_train_in_sync_and_one_resumes_from_its_checkpoint(tmp_path
         assert r["samples_reported"] == samples_between(100, cfg["bs"], cfg["ga"], 0, r["global_step"]), name
         assert r["samples_fed"] == r["samples_reported"]
         assert r["eval_loss_after"] < r["eval_loss_before"] - 0.3, (name, r["eval_loss_before"], r["eval_loss_after"])
+        assert r["predict"]["test_loss"] == pytest.approx(r["eval_loss_after"], rel=1e-6)  # predict() unchanged
         check_lrs(r, epochs)
         assert max(entry["swarm/peers"] for entry in r["logs"]) == 2, r["logs"]
         assert max(entry["swarm/epoch"] for entry in r["logs"]) >= epochs - 1

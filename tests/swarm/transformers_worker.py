@@ -125,13 +125,16 @@ def main(config_path: str) -> None:
     result.update(
         final_epoch=copt.local_epoch, samples_fed=fed[0], target_epochs=trainer.target_epochs,
         samples_reported=copt.samples_reported, closed=copt.closed, global_step=output.global_step,
-        eval_loss_after=trainer.evaluate()["eval_loss"],
+        eval_loss_after=trainer.evaluate()["eval_loss"], predict=trainer.predict(make_data(64, 999)).metrics,
         logs=[entry for entry in trainer.state.log_history if "loss" in entry],
         optimizer_restored=type(trainer.optimizer).__name__, type=type(copt).__name__,
     )
     torch.save(recorder.epoch_params, out + ".epochs.pt")
     torch.save(snapshot(trainer.model), out + ".pt")
     write_json(out + ".json", result)
+    # torchrun: leave the process group together (Trainer.end() in transformers 5). Left to interpreter exit, a rank
+    # of this job once aborted ("terminate called without an active exception") after writing its results.
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
