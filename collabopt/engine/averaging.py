@@ -62,13 +62,21 @@ class ShieldedTensorPartReducer(TensorPartReducer):
         return await asyncio.shield(current_part_future)
 
 
-def shield_part_reducers() -> None:
-    """Make every all-reduce of this process (and of the averager processes it forks afterwards) use
-    :class:`ShieldedTensorPartReducer`; hivemind's ``AllReduceRunner`` builds its reducer from this global."""
-    allreduce.TensorPartReducer = ShieldedTensorPartReducer
+class ShieldedReducers:
+    """A mixin for collabopt's averagers: every all-reduce of the averager builds its part reducers as
+    :class:`ShieldedTensorPartReducer`.
+
+    This is the one seam where collabopt replaces a hivemind class: hivemind's ``AllReduceRunner`` takes its reducer
+    class from its module, and offers no argument to choose another. hivemind runs each averager in a process of its
+    own, so the module's class is replaced there, in the averager's process, as it starts: the training process,
+    and any averager not of collabopt's (a ``grad_averager_factory`` of the user's), keep hivemind's."""
+
+    def run(self) -> None:
+        allreduce.TensorPartReducer = ShieldedTensorPartReducer  # (this averager's own process)
+        super().run()
 
 
-class GradientAveragerThatTellsGaps(SameHandlers, GradientAverager):
+class GradientAveragerThatTellsGaps(SameHandlers, ShieldedReducers, GradientAverager):
     """hivemind's gradient averager, telling its optimizer which share of a round's results arrived.
 
     When a reducer's part does not arrive in time, hivemind 1.1.12 uses this peer's own values for it and the round

@@ -19,6 +19,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
 
 from collabopt.diloco import PartialRound
+from collabopt.engine.averaging import ShieldedReducers
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class ValueAllReduceRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
-class PseudoGradientAverager(GradientAverager):
+class PseudoGradientAverager(ShieldedReducers, GradientAverager):
     """hivemind's gradient averager as the carrier of pseudo-gradients: it only counts samples (the round writes
     the pseudo-gradients into its tensors) and averages with :class:`ValueAllReduceRunner`, applying a result
     only once all of it arrived. A round whose average came in part is not retried when most of it came (the

@@ -19,6 +19,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import PeerID
 from hivemind.utils import ValueWithExpiration
 
+from collabopt.engine.averaging import ShieldedReducers
 from collabopt.engine.compat import SameHandlers
 
 # Parameter averaging in place: where the round runs inside step() on float32 CPU parameters, nothing else touches
@@ -87,7 +88,7 @@ def raise_priority(found: Any, preferred: set[str]) -> Any:
 SERVE_WAIT = 30.0  # seconds a download waits for a boundary's averaging to be applied (hivemind's default timeout)
 
 
-class ConsistentStateAverager(SameHandlers, TrainingStateAverager):
+class ConsistentStateAverager(SameHandlers, ShieldedReducers, TrainingStateAverager):
     """hivemind's state averager, serving states whose epoch and tensors belong together.
 
     A state is served as a copy taken while no optimizer step runs, labelled with the epoch whose update its

@@ -13,7 +13,7 @@ import hivemind
 import torch
 from hivemind.optim.optimizer import logger as hivemind_logger
 
-from collabopt.engine.averaging import GradientAveragerThatTellsGaps, can_accumulate_in_place, shield_part_reducers
+from collabopt.engine.averaging import GradientAveragerThatTellsGaps, can_accumulate_in_place
 from collabopt.engine.compat import dht_time
 from collabopt.engine.lineage_check import (
     SyncState,
@@ -33,14 +33,13 @@ class SyncOptimizer(hivemind.Optimizer):
     """``hivemind.Optimizer`` with a progress tracker that shuts down cleanly (see :func:`make_progress_tracker`), a
     state averager that serves consistent states (:class:`ConsistentStateAverager`) and a state download that does not
     relabel an older state as the swarm's epoch (:func:`download_state`); its averagers survive a member killed
-    mid-round (:func:`shield_part_reducers`)."""
+    mid-round (:class:`~collabopt.engine.averaging.ShieldedReducers`)."""
 
     last_round: RoundOutcome | None = None  # the outcome of this peer's last boundary
     boundary_epoch = 0  # the epoch of the boundary in progress (or the last one)
 
     def __init__(self, **kwargs: Any):
         self.sync_state = SyncState()
-        shield_part_reducers()  # before its averagers start (they fork)
         super().__init__(**kwargs)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> Any:

@@ -232,11 +232,34 @@ def test_a_sender_that_dies_mid_part_does_not_cancel_the_part_for_the_others(shi
         return False, torch.stack([await first, third])
 
     cancelled, averages = asyncio.run(round_with_a_dying_sender())
-    if shielded:  # and every averager collabopt builds uses it (they fork after SyncOptimizer installs it)
-        from hivemind.averaging import allreduce
-
-        averaging.shield_part_reducers()
-        assert allreduce.TensorPartReducer is reducer_class
+    if shielded:
         assert not cancelled and torch.equal(averages, torch.full((2, 4), 3.0))
     else:
         assert cancelled  # the defect the shield removes (if this fails, hivemind fixed it)
+
+
+def test_only_collabopts_averagers_build_shielded_reducers_and_only_in_their_own_process(monkeypatch):
+    """The seam (averaging.ShieldedReducers): an averager's process replaces hivemind's reducer class as it starts
+    (run() runs in the forked averager process); the training process and other averagers keep hivemind's."""
+    from hivemind.averaging import allreduce
+    from hivemind.averaging.partition import TensorPartReducer
+    from hivemind.optim.grad_averager import GradientAverager
+
+    from collabopt.engine.diloco_averaging import PseudoGradientAverager
+
+    assert allreduce.TensorPartReducer is TensorPartReducer  # importing collabopt replaces nothing
+    for ours in (averaging.GradientAveragerThatTellsGaps, state.ConsistentStateAverager, PseudoGradientAverager):
+        assert issubclass(ours, averaging.ShieldedReducers), ours
+    assert not issubclass(GradientAverager, averaging.ShieldedReducers)
+    seen = []
+    monkeypatch.setattr(allreduce, "TensorPartReducer", TensorPartReducer)  # restored after the test
+
+    class Process:
+        def run(self) -> None:
+            seen.append(allreduce.TensorPartReducer)
+
+    class Averager(averaging.ShieldedReducers, Process):
+        pass
+
+    Averager().run()  # what an averager's process does first
+    assert seen == [averaging.ShieldedTensorPartReducer]
