@@ -25,30 +25,12 @@ Passing ``outer_optimizer=`` to :class:`~collabopt.CollaborativeOptimizer` (or t
   starts it too instead of downloading (:func:`should_download`). ``flush()`` waits for the round in flight
   and applies it; ``load_state_dict()`` waits for it and drops it (the loaded parameters become the anchor).
 
-Faults (:meth:`DiLoCo.run_round`). A round is applied only if it is sound: the averaging finished with every part of
-the result, the group holds more than half of the peers this peer counts (two groups can never both apply a round:
-no split brain), the group's peers held the same anchor at the same epoch, and the average is finite. Otherwise this
-peer **keeps its pseudo-gradient for the next round**: its parameters stay as they are (no local progress is lost),
-its anchor and epoch stay, and the next round averages all the progress since the anchor (weighted by all those
-samples). If the rest of the swarm applied the round meanwhile, this peer is now behind: it **re-synchronizes by
-state download, keeping its local progress** (parameters = downloaded anchor + own progress since its old anchor),
-and contributes that progress in the next round. A peer whose anchor disagreed with the group's re-synchronizes the
-same way. A round whose all-reduce ended with less than half of the average missing on this peer
-(:class:`PartialRound`: a reducer's results did not all arrive) is the exception: a reducer returns a part's average
-only once it holds every member's part, so most of this peer's pseudo-gradient reached the group, which may have
-applied it (with more missing, e.g. its link failed, the round failed as any other). The peer does not send it again
-(hivemind would retry the all-reduce with it); it downloads the swarm's state before its next round and keeps only
-the progress made since that round's pseudo-gradient was taken if the swarm's anchor moved, all of it otherwise.
-Non-finite values are refused at both ends, like non-finite gradients: a non-finite local pseudo-gradient is not
-contributed (this peer restarts from its anchor and joins the round with weight 0, so it still ends equal to the
-others), a non-finite average is not applied. Between rounds the parameters are checked at most once per second (and
-0.5% of the time, :mod:`collabopt.guard`) and at every round, not at every inner step: a pass over the gradients at
-every step cost a lone B6 peer (5M parameters) 0.9 of its 1.4 ms of overhead per step. A peer whose parameters
-turned non-finite restarts from the last round's parameters (:meth:`DiLoCo.restart_from_last_round`): a NaN step
-costs its progress since the last round, as a NaN accumulation costs the synchronous mode its epoch's. (A node's
-ranks take the same inner steps: there every step's gradients are checked, and a non-finite step is refused on every
-rank. ``state_dict()`` checks the parameters first; ``load_state_dict()`` refuses non-finite ones, which would
-become the anchor.)
+Faults (:meth:`DiLoCo.run_round`). A round is applied only if it is sound: every part of the average arrived, the
+group holds more than half of the peers this peer counts (no split brain), its peers held the same anchor at the same
+epoch, and the average is finite. Otherwise this peer keeps its pseudo-gradient for the next round, and if the swarm
+applied the round meanwhile it re-synchronizes by state download, keeping its local progress. Non-finite values are
+refused at both ends; a peer whose parameters turned non-finite restarts from the last round's. The reasons and the
+measurements are in docs/decisions.md ("DiLoCo: faults").
 
     >>> import functools, torch
     >>> outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -127,6 +109,11 @@ def check_config(config: Any) -> None:
                                      f"drop {name}")
 
 
+
+
+# what a peer keeps of a round it does not apply, where not all of its progress (see DiLoCo.run_round)
+_KEPT = {"anchor differs": "its pseudo-gradient went into its group's round: it downloads the swarm's state and keeps "
+                           "the progress made since"}
 
 
 class PartialRound(Exception):
@@ -364,8 +351,8 @@ class DiLoCo:
         outcome = dataclasses.replace(outcome, epoch=epoch, resync=self.needs_sync)
         if not outcome.applied:
             self.rounds_failed += 1
-            logger.warning("collabopt: DiLoCo round not applied (%s); keeping this peer's progress for the next "
-                           "round", outcome.detail or outcome.reason)
+            logger.warning("collabopt: DiLoCo round not applied (%s); %s", outcome.detail or outcome.reason, _KEPT.get(
+                outcome.reason, "keeping this peer's progress for the next round"))
         self.last_round = outcome
         return outcome
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -29,8 +30,21 @@ class ThrottledProgressTracker(SwarmProgressTracker):
     _epoch_began: float | None = None  # when this peer's current epoch (round) began, DHT time
     _last_round: float | None = None  # how long its last whole round took, seconds
 
+    def __init__(self, *args: Any, max_fetch_period: float = float("inf"), **kwargs: Any):
+        self.max_fetch_period = max_fetch_period  # (set before hivemind's __init__ starts the fetcher)
+        super().__init__(*args, **kwargs)
+
     def report_period(self) -> float:
         return diloco_module.report_period(self._last_round, self.min_refresh_period, self.max_refresh_period)
+
+    def _parse_swarm_progress_data(self, metadata: Any) -> Any:
+        """It fetches the swarm's progress at least every ``max_fetch_period``, as the synchronous mode's tracker does
+        (``max_refresh_period`` stays hivemind's here: it also caps the report period). hivemind's period while the
+        throughput estimates warm up left peers counting only their own samples. See docs/decisions.md, "DiLoCo:
+        no round alone on an old view"."""
+        progress = super()._parse_swarm_progress_data(metadata)
+        progress.next_fetch_time = min(progress.next_fetch_time, get_dht_time() + self.max_fetch_period)
+        return progress
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int,
                               update_global_samples: bool = True) -> None:
@@ -57,6 +71,7 @@ class DiLoCoOptimizer(SyncOptimizer):
         self.parameters = tuple(self.state_averager.main_parameters)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> Any:
+        kwargs.setdefault("max_fetch_period", max(kwargs.get("min_refresh_period", 0.5), self.matchmaking_time / 2))
         return ThrottledProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
                                         client_mode=self.client_mode, status_loglevel=self.status_loglevel,
                                         start=True, **kwargs)
@@ -119,6 +134,8 @@ class DiLoCoOptimizer(SyncOptimizer):
 
     def _update_global_epoch(self, grad_scaler: Any) -> None:
         self.land(wait=True)  # one round in flight at most
+        if self.num_peers <= 1:  # a round alone forks the anchor: never decided on an old view of the swarm
+            self._refresh_swarm_view(timeout=self.matchmaking_time)
         if self._should_load_state_from_peers():
             # its round could not be applied (its anchor is stale: the swarm is past its epoch, read after
             # this step began, or its group's anchor differed): the next step downloads, then rounds go on
@@ -237,6 +254,17 @@ class DiLoCoOptimizer(SyncOptimizer):
             # downloaded them would hold an anchor the swarm no longer has at that epoch
             self._sharing_paused = True
             self.state_averager.allow_state_sharing = False
+
+    def _refresh_swarm_view(self, timeout: float) -> None:
+        """Fetch the swarm's progress now and wait (at most ``timeout`` seconds) until the tracker holds it."""
+        tracker = self.tracker
+        with tracker.pause_updates():  # (a fetch in flight now is dropped and made again: see the tracker)
+            tracker.global_progress.next_fetch_time = get_dht_time()
+            view = tracker.global_progress
+        tracker.global_state_updated.set()
+        deadline = time.monotonic() + timeout
+        while tracker.global_progress is view and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def _fetch_progress_now(self) -> None:
         """Did the others apply the round this peer could not? (then it is behind and downloads; hivemind would

@@ -108,6 +108,33 @@ def test_three_peers_with_different_batch_sizes_are_equal_after_every_round(tmp_
         assert results[name]["metrics_interval"] == DILOCO_PUBLISH_INTERVAL  # (DHT traffic: see collabopt.metrics)
 
 
+def test_three_peers_started_together_apply_every_round_together(tmp_path, bootstrap):
+    """Three peers started at once, none waiting for the others (issue 32's start: batch sizes 8/16/24, 900 samples a
+    round). Each peer's first views of the swarm are seconds old (hivemind fetches by an ETA still warming up): peers
+    that started together each took rounds alone, forking the anchor, then refused their group's rounds ("anchor
+    differs") and downloaded, 0 of 12 runs clean (docs/decisions.md, "DiLoCo: no round alone on an old view of the
+    swarm"). Now every peer applies every round in a group of 3, and nobody downloads."""
+    names = {"a": [8], "b": [16], "c": [24]}
+    configs = peers(unique_run_id("diloco_start"), names, epochs=4)
+    for name in configs:
+        configs[name].update(wait_peers=0, target_batch_size=900,
+                             finish_with=finish_line(tmp_path, *(n for n in names if n != name)))
+    results, params = run_swarm(tmp_path, bootstrap, configs)
+
+    cut = {name: results_cut(tmp_path, name) for name in names}
+    assert sum(cut.values()) <= 1, cut  # (see results_cut: a member that lost results downloads, as it should)
+    whole = [name for name in names if not cut[name]]
+    why = ({n: results[n]["rounds"] for n in names}, {n: log_tail(tmp_path, n) for n in names})
+    for name in whole:
+        rounds = rounds_by_epoch(results[name])
+        assert all(rounds.get(epoch, {}).get("group_size") == 3 for epoch in range(1, 5)), (name, why)
+        assert results[name]["resyncs"] == 0 and "Downloading parameters" not in (tmp_path / f"{name}.log").read_text(
+            errors="replace"), (name, why)
+    for epoch in range(1, 5):
+        for x, y in itertools.combinations(whole, 2):
+            assert diff(params[x]["after"][epoch], params[y]["after"][epoch]) <= EQUAL, (epoch, x, y)
+
+
 def reference_rounds(start: dict, before: dict[str, dict], weights: dict[str, dict], epochs: list[int],
                      outer: dict) -> dict[int, dict]:
     """The DiLoCo rounds in plain torch: average of (anchor - parameters) weighted by samples, then the outer

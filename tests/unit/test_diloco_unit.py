@@ -645,3 +645,35 @@ def test_samples_skipped_counts_the_inner_steps_a_restart_undid():
     assert copt.samples_skipped == 8
     copt.diloco = None  # the synchronous mode
     assert copt.samples_skipped == 3
+
+
+def test_a_diloco_peers_view_of_the_swarm_is_never_older_than_half_a_matchmaking_time(monkeypatch):
+    """(docs/decisions.md, "DiLoCo: no round alone on an old view of the swarm") The tracker fetches at least every
+    max_fetch_period, whatever hivemind's ETA-based period says; a peer about to take a round alone fetches anew
+    and waits for that view."""
+    import threading
+    from types import SimpleNamespace
+
+    from hivemind.utils import get_dht_time
+
+    from collabopt.engine.diloco_round import DiLoCoOptimizer, ThrottledProgressTracker
+    from collabopt.engine.progress import SwarmProgressTracker
+
+    monkeypatch.setattr(SwarmProgressTracker, "_parse_swarm_progress_data",
+                        lambda self, metadata: SimpleNamespace(next_fetch_time=get_dht_time() + 10.0))
+    tracker = object.__new__(ThrottledProgressTracker)
+    tracker.max_fetch_period = 1.0
+    assert tracker._parse_swarm_progress_data({}).next_fetch_time <= get_dht_time() + 1.0
+
+    class Fetcher:  # the tracker's fetcher: a new view once asked (global_state_updated)
+        def __init__(self):
+            self.global_progress = SimpleNamespace(next_fetch_time=get_dht_time() + 10.0, num_peers=1)
+            self.global_state_updated = SimpleNamespace(set=lambda: threading.Timer(0.05, self._fetch).start())
+            self.pause_updates = contextlib.nullcontext
+
+        def _fetch(self):
+            self.global_progress = SimpleNamespace(next_fetch_time=get_dht_time() + 0.5, num_peers=3)
+
+    optimizer = SimpleNamespace(tracker=Fetcher())
+    DiLoCoOptimizer._refresh_swarm_view(optimizer, timeout=5.0)
+    assert optimizer.tracker.global_progress.num_peers == 3  # it waited for the fresh view
