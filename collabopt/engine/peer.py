@@ -232,9 +232,13 @@ class DiLoCoPeer(HivemindPeer):
         return DiLoCoOptimizer(dht=dht, diloco=self.diloco, **arguments)
 
     def step(self, samples: int | None) -> bool:
-        if samples is not None:
-            self.diloco.inner_step(samples)
-        return super().step(samples)
+        """A step that ended a round reported its samples before the round, also where the round then failed and
+        reset the count toward the next one to zero (the count alone cannot tell that step from a dropped one)."""
+        if samples is None:
+            return super().step(samples)
+        self.diloco.inner_step(samples)
+        round_before = self.diloco.last_round
+        return super().step(samples) or self.diloco.last_round is not round_before
 
     def accumulators(self) -> None:
         """None: the inner optimizer applies every step's gradients at once."""

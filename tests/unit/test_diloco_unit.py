@@ -14,7 +14,7 @@ from fakes import FakePeer
 import collabopt.guard as guard_module
 import collabopt.optimizer as optimizer_module
 import collabopt.swarm as swarm_module
-from collabopt import CollabConfig, CollaborativeOptimizer, ConfigurationError
+from collabopt import CollabConfig, CollaborativeOptimizer, ConfigurationError, RoundOutcome
 from collabopt.diloco import INCOMPATIBLE, DiLoCo, PartialRound, agrees_with_group, fingerprint, report_period
 from collabopt.engine import diloco_round, progress
 from collabopt.guard import NonFiniteGuard
@@ -677,3 +677,25 @@ def test_a_diloco_peers_view_of_the_swarm_is_never_older_than_half_a_matchmaking
     optimizer = SimpleNamespace(tracker=Fetcher())
     DiLoCoOptimizer._refresh_swarm_view(optimizer, timeout=5.0)
     assert optimizer.tracker.global_progress.num_peers == 3  # it waited for the fresh view
+
+
+def test_a_step_that_ends_a_failed_round_still_counts_its_samples():
+    """(a fresh-clone suite's Trainer DiLoCo test: 572 of 580 samples reported) The step that starts a round reports
+    its samples first; a round that fails resets the count toward the next round to zero, so the count before and
+    after the step are both 0 and the step looked dropped. Its samples are in the peer's weight: they count."""
+    from types import SimpleNamespace
+
+    from collabopt.engine.peer import DiLoCoPeer
+
+    diloco = SimpleNamespace(last_round=None, pending_samples=0)
+    diloco.inner_step = lambda samples: setattr(diloco, "pending_samples", diloco.pending_samples + samples)
+    tracker = SimpleNamespace(local_progress=SimpleNamespace(samples_accumulated=0))
+
+    def step(batch_size: int | None = None) -> None:  # hivemind's step: report, then the round, which fails
+        diloco.last_round = RoundOutcome(False, "averaging failed", weight=float(batch_size), num_peers=2)
+
+    peer = object.__new__(DiLoCoPeer)
+    peer.diloco, peer.hivemind_optimizer = diloco, SimpleNamespace(step=step, tracker=tracker, local_epoch=3)
+    assert peer.step(8) is True and diloco.pending_samples == 8
+    peer.hivemind_optimizer.step = lambda batch_size=None: None  # dropped (to download first): nothing changed
+    assert peer.step(8) is False
