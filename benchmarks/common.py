@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import select
+import signal
 import statistics
 import subprocess
 import sys
@@ -136,3 +138,33 @@ def seconds_per_step(params: int, width: int, in_dim: int, batch: int, steps: in
         return median(times[steps // 4:])
     finally:
         torch.set_num_threads(threads)
+
+
+def ask_paused(proc: subprocess.Popen, command: str | None, where: str, timeout: float | None = None) -> dict[str, Any]:
+    """Send ``command`` to a benchmark variant's process (its own session, stopped with SIGSTOP between rounds) and
+    read its one-line JSON answer; after a ``round`` it is stopped again, so that the background work of the idle
+    variants' swarms (DHT, tracker, averagers) does not run beside another's round. ``where`` tells the error where
+    the variant's output is."""
+    if command is not None:
+        os.killpg(proc.pid, signal.SIGCONT)
+        proc.stdin.write(command + "\n")
+        proc.stdin.flush()
+    if timeout is not None and not select.select([proc.stdout], [], [], timeout)[0]:
+        raise RuntimeError(f"no answer in {timeout:.0f} s ({where})")
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"exited with {proc.wait()} ({where})")
+    if command == "round":
+        os.killpg(proc.pid, signal.SIGSTOP)
+    return json.loads(line)
+
+
+def stop_paused(procs: Sequence[subprocess.Popen]) -> None:
+    """End benchmark variants' processes: resumed, their input closed (they finish), killed if they do not."""
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGCONT)
+            proc.stdin.close()
+            proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import ROOT, child_env, median, num_params, spread, write_json
+from benchmarks.common import ROOT, ask_paused, child_env, median, num_params, spread, stop_paused, write_json
 from benchmarks.gpu_models import GPT_100M, GPT_TINY, lm_batches, lm_loss, make_gpt
 
 IMPLS = {"plain torch": ("torch", {}), "collabopt": ("collabopt", {}),
@@ -145,20 +144,7 @@ def run(workdir: Path, smoke: bool) -> dict[str, Any]:
     errors: dict[str, str] = {}
 
     def ask(name: str, command: str | None = None, timeout: float = 120.0) -> dict[str, Any]:
-        """Send ``command``, read the answer line; the variant is stopped (SIGSTOP) between rounds."""
-        proc = procs[name]
-        if command is not None:
-            os.killpg(proc.pid, signal.SIGCONT)
-            proc.stdin.write(command + "\n")
-            proc.stdin.flush()
-        if not select.select([proc.stdout], [], [], timeout)[0]:
-            raise RuntimeError(f"no answer in {timeout:.0f} s (log: {workdir / name}.log)")
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"exited with {proc.wait()} (log: {workdir / name}.log)")
-        if command == "round":
-            os.killpg(proc.pid, signal.SIGSTOP)
-        return json.loads(line)
+        return ask_paused(procs[name], command, f"log: {workdir / name}.log", timeout)
 
     totals: dict[str, dict[str, Any]] = {}
     try:
@@ -187,13 +173,7 @@ def run(workdir: Path, smoke: bool) -> dict[str, Any]:
                     live.remove(name)
         totals = {name: ask(name, "close") for name in live}
     finally:
-        for proc in procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGCONT)
-                proc.stdin.close()
-                proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_paused(list(procs.values()))
     rows = []
     for name in names:
         dtype = name.rsplit(" ", 1)[1]

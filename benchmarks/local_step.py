@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import make_mlp, median, num_params, spread, write_json
+from benchmarks.common import ask_paused, make_mlp, median, num_params, spread, stop_paused, write_json
 
 VARIANTS = {
     # name: (implementation, options)
@@ -208,19 +208,7 @@ def main(config_path: str) -> None:
              for name in names}
 
     def ask(name: str, command: str | None = None) -> dict[str, Any]:
-        """Send ``command``, read the answer; the variant's processes are stopped (SIGSTOP) between rounds, so the
-        background work of the idle variants' swarms (DHT, tracker, averagers) does not run beside a round."""
-        proc = procs[name]
-        if command is not None:
-            os.killpg(proc.pid, signal.SIGCONT)
-            proc.stdin.write(command + "\n")
-            proc.stdin.flush()
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"B2 variant {name!r} exited with {proc.wait()} (its output is in this log)")
-        if command == "round":
-            os.killpg(proc.pid, signal.SIGSTOP)
-        return json.loads(line)
+        return ask_paused(procs[name], command, f"B2 variant {name!r}: its output is in this log")
 
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
@@ -236,13 +224,7 @@ def main(config_path: str) -> None:
                 cpu[name].append(answer["cpu"])
         totals = {name: ask(name, "close") for name in names}
     finally:
-        for proc in procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGCONT)
-                proc.stdin.close()
-                proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                proc.kill()
+        stop_paused(list(procs.values()))
     base, base_cpu = times["plain torch"], cpu["plain torch"]
     rows = []
     for name in names:
