@@ -316,7 +316,7 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         epoch_changed = self._peer.local_epoch != epoch_before
         self._check_received_parameters(epoch_changed)
         self._advance_schedule()
-        outcome = self._rounds.ended(self._peer.last_round, self._peer.samples_per_second)
+        outcome = self._rounds.ended(self._peer.last_round, lambda: self._peer.samples_per_second)
         if epoch_changed or outcome is not None:
             result = dataclasses.replace(result, epoch_changed=result.epoch_changed or epoch_changed, round=outcome)
         return result

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 from collabopt.interface import RoundOutcome
@@ -33,18 +34,18 @@ class RoundWatch:
         guard = self.guard
         return (guard.refused_updates, guard.restored_parameters) if guard is not None else (0, 0)
 
-    def ended(self, outcome: RoundOutcome | None, samples_per_second: float) -> RoundOutcome | None:
+    def ended(self, outcome: RoundOutcome | None, samples_per_second: Callable[[], float]) -> RoundOutcome | None:
         """The round ``outcome`` (the peer's last) if it is new, amended where the guard refused the average since
-        the last one (gradients refused: no update; parameters restored: this peer's own update); else None."""
-        refusals = self._guard_refusals()
+        the last one (gradients refused: no update; parameters restored: this peer's own update); else None. Called
+        at every step: the swarm's ``samples_per_second`` is read only when a round ended."""
         if outcome is None or outcome is self._seen:
             return None
-        self._seen = outcome
+        self._seen, refusals = outcome, self._guard_refusals()
         if self.judges_average and refusals != self._refusals:
             outcome = dataclasses.replace(outcome, applied=outcome.applied and refusals[0] == self._refusals[0],
                                           reason="non-finite average")
         self._refusals, self.last = refusals, outcome
-        self._pace(samples_per_second)
+        self._pace(samples_per_second())
         return outcome
 
     def _pace(self, samples_per_second: float) -> None:
