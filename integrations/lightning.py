@@ -31,70 +31,32 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from collabopt.integrations._lightning_compat import (
+    DDPStrategy,
+    LightningModule,
+    LightningOptimizer,
+    Strategy,
+    Trainer,
+    TrainerFn,
+    is_overridden,
+    rank_zero_warn,
+)
+from collabopt.integrations._lightning_metrics import SwarmMetricsCallback, swarm_metrics_of
+from collabopt.integrations._lightning_options import strategy_options
 
 from collabopt.batch_size import infer_batch_size
-from collabopt.config import CollabConfig, option_names
 from collabopt.errors import ConfigurationError
 from collabopt.interface import is_collaborative_state
 from collabopt.node import collaborative_optimizer
 from collabopt.scheduling import CollaborativeScheduler, is_scheduler
-from collabopt.swarm import parse_initial_peers, print_join_message
-
-try:  # the unified ``lightning`` package first, then the standalone ``pytorch_lightning``
-    from lightning.pytorch import LightningModule, Trainer
-    from lightning.pytorch.callbacks import Callback
-    from lightning.pytorch.core.optimizer import LightningOptimizer
-    from lightning.pytorch.strategies import DDPStrategy, Strategy
-    from lightning.pytorch.trainer.states import TrainerFn
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-except ImportError:  # pragma: no cover - exercised only where only pytorch_lightning is installed
-    try:
-        from pytorch_lightning import LightningModule, Trainer  # type: ignore[no-redef]
-        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
-        from pytorch_lightning.core.optimizer import LightningOptimizer  # type: ignore[no-redef]
-        from pytorch_lightning.strategies import DDPStrategy, Strategy  # type: ignore[no-redef]
-        from pytorch_lightning.trainer.states import TrainerFn  # type: ignore[no-redef]
-        from pytorch_lightning.utilities.model_helpers import is_overridden  # type: ignore[no-redef]
-        from pytorch_lightning.utilities.rank_zero import rank_zero_warn  # type: ignore[no-redef]
-    except ImportError as error:
-        raise ImportError(
-            "collabopt.integrations.lightning needs Lightning: pip install 'collabopt[lightning]' "
-            "(or pip install lightning)"
-        ) from error
+from collabopt.swarm import print_join_message
 
 INITIAL_PEERS_ENV = ("INITIAL_PEERS", "PL_INITIAL_PEERS")
 """Environment variables read for the initial peers when ``initial_peers`` is not given, the first one set wins."""
-# strategy arguments that are not CollaborativeOptimizer / hivemind.Optimizer arguments
-# lightning-hivemind's arguments that go to the config unchanged
-_CONFIG_ARGUMENTS = ("delay_state_averaging", "delay_grad_averaging", "reuse_grad_buffers", "matchmaking_time",
-                     "averaging_timeout", "verbose", "host_maddrs", "initial_peers", "use_ipfs", "wait_timeout",
-                     "bootstrap_timeout", "use_relay", "use_auto_relay", "identity_path")
-_MANAGED_HERE = {"optimizer", "scheduler", "model", "batch_size", "grad_scaler", "initial_peers_env", "dht"}
-
-
-def _accepted_option_names() -> set[str]:
-    """Options the strategy takes in ``**optimizer_kwargs``: the config's, less those it sets itself."""
-    return (set(option_names()) | {"optimizer_factory"}) - _MANAGED_HERE - {"target_batch_size", "run_id"}
 
 
 def _no_zero_grad(*args: Any, **kwargs: Any) -> None:
     """Stands in for ``LightningModule.optimizer_zero_grad`` with ``reuse_grad_buffers=True``."""
-
-
-class _SwarmMetricsCallback(Callback):
-    """Logs the swarm's state after every training batch (progress bar and loggers)."""
-
-    def __init__(self, strategy: CollaborativeStrategy):
-        self.strategy = strategy
-
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
-        if not trainer.is_global_zero:
-            return
-        metrics = self.strategy.swarm_metrics()
-        if metrics:
-            pl_module.log_dict(metrics, prog_bar=True, logger=bool(trainer.loggers), on_step=True, on_epoch=False,
-                               batch_size=1, rank_zero_only=True)
 
 
 class CollaborativeStrategy(DDPStrategy):
@@ -152,47 +114,18 @@ class CollaborativeStrategy(DDPStrategy):
     ):
         arguments = dict(locals())
         super().__init__(start_method="popen")
-        if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
-                                       or batch_size <= 0):
-            raise ConfigurationError("batch_size", f"must be a positive integer, got {batch_size!r}",
-                                     "pass e.g. batch_size=32, or leave it out to measure every batch")
-        accepted = _accepted_option_names()
-        for name in optimizer_kwargs:
-            if name not in accepted:
-                raise ConfigurationError(
-                    name, "is not an argument of CollaborativeStrategy, CollaborativeOptimizer or hivemind.Optimizer",
-                    f"check the spelling; accepted extra options: {', '.join(sorted(accepted))}",
-                )
-        if scheduler_fn is not None and not callable(scheduler_fn) and not is_scheduler(scheduler_fn):
-            raise ConfigurationError("scheduler_fn", f"expected a callable(optimizer) -> scheduler, got "
-                                     f"{type(scheduler_fn).__name__}", "return the scheduler from configure_optimizers")
-        # fail now (not when fit starts) on malformed addresses
-        parse_initial_peers(initial_peers, env_vars=INITIAL_PEERS_ENV)
-
+        self._options = strategy_options(arguments, INITIAL_PEERS_ENV)  # checks every argument now
         self.target_batch_size = target_batch_size
         self.run_id = run_id
         self.batch_size = batch_size
         self.reuse_grad_buffers = reuse_grad_buffers
         self.log_swarm_metrics = log_swarm_metrics
         self._scheduler_fn = scheduler_fn
-        options = {name: arguments[name] for name in _CONFIG_ARGUMENTS}
-        options.update(
-            delay_optimizer_step=delay_grad_averaging if delay_optimizer_step is None else delay_optimizer_step,
-            offload_optimizer=bool(offload_optimizer),
-            initial_peers_env=INITIAL_PEERS_ENV,
-        )
-        if averager_opts is not None:
-            options["averager_opts"] = averager_opts
-        options.update(optimizer_kwargs)
-        # every option is checked now, not when fit starts
-        CollabConfig.from_options(run_id=run_id, target_batch_size=target_batch_size,
-                                  **{name: value for name, value in options.items() if name in option_names()})
-        self._options = options
         self._copt: Any = None  # the CollaborativeOptimizer (or node wrapper) of the last fit
         self._fit_plan: dict[str, Any] | None = None  # set between setup() and on_train_start()
         self._pending_samples = 0  # samples trained on since the last optimizer step
         self._saved_zero_grad: Any = None
-        self._metrics_callback: _SwarmMetricsCallback | None = None
+        self._metrics_callback: SwarmMetricsCallback | None = None
         self._original_scheduler_config: tuple[Any, Any] | None = None
         self._original_optimizers: list[torch.optim.Optimizer] | None = None
 
@@ -292,7 +225,7 @@ class CollaborativeStrategy(DDPStrategy):
         if self.reuse_grad_buffers:
             self._disable_zero_grad(module)
         if self.log_swarm_metrics and self._metrics_callback is None:
-            self._metrics_callback = _SwarmMetricsCallback(self)
+            self._metrics_callback = SwarmMetricsCallback(self.swarm_metrics)
             module.trainer.callbacks.append(self._metrics_callback)
 
     def _make_optimizer(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
@@ -443,14 +376,7 @@ class CollaborativeStrategy(DDPStrategy):
 
     def swarm_metrics(self) -> dict[str, float]:
         """``swarm/peers``, ``swarm/epoch``, ``swarm/samples_per_s`` while fitting (empty otherwise)."""
-        copt = self._copt
-        if copt is None or copt.closed:
-            return {}
-        return {
-            "swarm/peers": float(max(1, copt.num_peers)),  # this peer trains even before its record is seen
-            "swarm/epoch": float(copt.local_epoch),
-            "swarm/samples_per_s": float(copt.samples_per_second),
-        }
+        return swarm_metrics_of(self._copt)
 
 
 HivemindStrategy = CollaborativeStrategy

@@ -2,7 +2,8 @@
 
 Strict mode turns every mkdocs / mkdocstrings warning into a failure: a link to a missing page or anchor, a
 cross-reference that resolves to nothing, a docstring griffe cannot parse. Public names are those of
-``collabopt.__all__`` and of the ``__all__`` of every module in ``integrations/``.
+``collabopt.__all__`` and of the ``__all__`` of every public module in ``integrations/`` (a module whose name
+starts with ``_`` is a private part of an adapter).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 EXTENSION = ROOT / "docs" / "_ext" / "griffe_collabopt.py"
-PUBLIC_MODULES = ["collabopt"] + [f"collabopt.integrations.{path.stem}"
-                                  for path in sorted((ROOT / "integrations").glob("*.py")) if path.stem != "__init__"]
+ADAPTERS = sorted(path.stem for path in (ROOT / "integrations").glob("*.py") if not path.stem.startswith("_"))
+PUBLIC_MODULES = ["collabopt"] + [f"collabopt.integrations.{name}" for name in ADAPTERS]
 
 try:
     import griffe
