@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from collabopt import diloco
+from collabopt import diloco_options
 from collabopt.engine import compat
 from collabopt.engine.averaging import gradient_averager_factory
 from collabopt.errors import ConfigurationError
@@ -118,10 +118,10 @@ class CollabConfig(DhtOptions):
         self._check_modes()
         self._check_hivemind_options()
         if self.outer_optimizer is not None:
-            diloco.check_config(self)
+            diloco_options.check_config(self)
         elif self.overlap_rounds:
             raise ConfigurationError("overlap_rounds", "applies to DiLoCo mode only",
-                                     f"pass outer_optimizer= as well (e.g. {diloco.OUTER_EXAMPLE}), or drop it")
+                                     f"pass outer_optimizer= as well (e.g. {diloco_options.OUTER_EXAMPLE}), or drop it")
         # DHT options: parsed now (bad addresses fail here), normalized in place
         if self.initial_peers is not None:  # the environment variable is read when a DHT is started
             object.__setattr__(self, "initial_peers", parse_initial_peers(self.initial_peers, env_vars=()))

@@ -48,68 +48,19 @@ from typing import Any, Protocol
 
 import torch
 
-from collabopt.errors import ConfigurationError
+from collabopt.diloco_metadata import agrees_with_group, anchor_metadata
+from collabopt.diloco_options import (  # re-exported: their import path before the split
+    INCOMPATIBLE,
+    INCOMPATIBLE_HIVEMIND,
+    OUTER_EXAMPLE,
+    check_config,
+    check_outer_optimizer,
+)
 from collabopt.guard import NonFiniteGuard, all_finite
 from collabopt.interface import RoundOutcome
-from collabopt.lineage import canonical_peers, fingerprint, same_fingerprint
+from collabopt.lineage import fingerprint, same_fingerprint
 
 logger = logging.getLogger(__name__)
-
-OUTER_EXAMPLE = "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)"
-# options of CollabConfig that cannot be combined with outer_optimizer, and why
-INCOMPATIBLE = {
-    "reuse_grad_buffers": "gradients are applied by your optimizer at every step, not accumulated",
-    "offload_optimizer": "collabopt keeps the outer optimizer in host memory already",
-    "delay_optimizer_step": "the outer step is part of the round",
-    "delay_grad_averaging": "the outer step is part of the round",
-    "delay_state_averaging": "DiLoCo averages pseudo-gradients, not parameters",
-    "use_local_updates": "DiLoCo takes local steps already (and adds the outer step)",
-    "auxiliary": "auxiliary peers do not train, so they have no pseudo-gradient",
-}
-# hivemind.Optimizer options that have no meaning in DiLoCo mode
-INCOMPATIBLE_HIVEMIND = {
-    "grad_averager_factory": "collabopt averages pseudo-gradients with its own averager",
-    "average_opt_statistics": "the inner optimizer's statistics stay local (as in DiLoCo)",
-}
-
-
-def check_outer_optimizer(outer_optimizer: Any) -> None:
-    """Raise a :class:`ConfigurationError` unless ``outer_optimizer`` builds a torch optimizer from parameters."""
-    if isinstance(outer_optimizer, torch.optim.Optimizer) or not callable(outer_optimizer):
-        raise ConfigurationError(
-            "outer_optimizer",
-            f"must be a callable(params) -> torch.optim.Optimizer, got {type(outer_optimizer).__name__}",
-            f"pass e.g. outer_optimizer={OUTER_EXAMPLE}",
-        )
-    probe = torch.nn.Parameter(torch.zeros(1))
-    try:
-        built = outer_optimizer([{"params": [probe]}])
-    except Exception as e:
-        raise ConfigurationError(
-            "outer_optimizer", f"calling it on a list of parameter groups failed ({type(e).__name__}: {e})",
-            f"pass e.g. outer_optimizer={OUTER_EXAMPLE}",
-        ) from None
-    if not isinstance(built, torch.optim.Optimizer):
-        raise ConfigurationError(
-            "outer_optimizer", f"returned {type(built).__name__}, not a torch.optim.Optimizer",
-            f"pass e.g. outer_optimizer={OUTER_EXAMPLE}",
-        )
-
-
-def check_config(config: Any) -> None:
-    """The checks of a :class:`~collabopt.config.CollabConfig` with ``outer_optimizer`` set."""
-    check_outer_optimizer(config.outer_optimizer)
-    for name, why in INCOMPATIBLE.items():
-        if getattr(config, name):
-            raise ConfigurationError(name, f"cannot be combined with outer_optimizer (DiLoCo mode): {why}",
-                                     f"drop {name}, or drop outer_optimizer for the synchronous mode")
-    for name, why in INCOMPATIBLE_HIVEMIND.items():
-        if config.hivemind_options.get(name):
-            raise ConfigurationError(name, f"cannot be combined with outer_optimizer (DiLoCo mode): {why}",
-                                     f"drop {name}")
-
-
-
 
 # what a peer keeps of a round it does not apply, where not all of its progress (see DiLoCo.run_round)
 _KEPT = {"anchor differs": "its pseudo-gradient went into its group's round: it downloads the swarm's state and keeps "
@@ -201,7 +152,7 @@ class DiLoCo:
 
     def round_metadata(self, swarm: RoundSwarm) -> dict[str, Any]:
         """What this peer tells its group when matchmaking: its epoch and its anchor's fingerprint."""
-        return {"epoch": int(swarm.local_epoch), "anchor": fingerprint(swarm.anchors)}
+        return anchor_metadata(swarm.local_epoch, swarm.anchors)
 
     # ------------------------------------------------------------------ the round
 
@@ -428,24 +379,6 @@ def write_pseudo_gradients(anchors: Sequence[torch.Tensor], parameters: Sequence
     return all_finite(out)
 
 
-def agrees_with_group(mine: dict[str, Any], group: list[Any]) -> bool:
-    """Whether this peer's anchor is the group's canonical one: the newest epoch, then the anchor most peers of
-    that epoch hold (ties: the smallest fingerprint). Malformed metadata of other peers is ignored."""
-    entries = [m for m in group if _valid_metadata(m)]
-    if not entries:
-        return True
-    top = max(m["epoch"] for m in entries)
-    canonical = canonical_peers(dict(enumerate(entries)), top, key="anchor")
-    return (mine["epoch"] == top and bool(canonical)
-            and same_fingerprint(mine["anchor"], min(list(entries[i]["anchor"]) for i in canonical)))
-
-
-def _valid_metadata(metadata: Any) -> bool:
-    return (isinstance(metadata, dict) and isinstance(metadata.get("epoch"), int)
-            and isinstance(metadata.get("anchor"), (list, tuple)) and len(metadata["anchor"]) == 3
-            and all(isinstance(x, float) for x in metadata["anchor"]))
-
-
-__all__ = ["DiLoCo", "INCOMPATIBLE", "OUTER_EXAMPLE", "PartialRound", "PendingRound", "RoundOutcome",
-           "RoundSwarm", "agrees_with_group", "check_config", "check_outer_optimizer", "fingerprint",
+__all__ = ["DiLoCo", "INCOMPATIBLE", "INCOMPATIBLE_HIVEMIND", "OUTER_EXAMPLE", "PartialRound", "PendingRound",
+           "RoundOutcome", "RoundSwarm", "agrees_with_group", "check_config", "check_outer_optimizer", "fingerprint",
            "same_fingerprint", "should_download", "write_pseudo_gradients"]

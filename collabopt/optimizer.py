@@ -6,14 +6,16 @@ before any network starts), the DHT and ``hivemind.Optimizer`` are reached only 
 :class:`~collabopt.scheduling.CollaborativeScheduler`. :meth:`CollaborativeOptimizer.step` turns one local step into
 a contribution (sample count, AMP scale, gradient buffers) and returns what happened as a
 :class:`~collabopt.interface.StepResult`. :class:`~collabopt.node.NodeOptimizer` composes this class through its
-public API; the adapters in ``collabopt.integrations`` build one of the two.
+public API; the adapters in ``collabopt.integrations`` build one of the two. The class's other concerns live in
+their own modules, one base class each: :mod:`collabopt.peer_views` (read-only properties),
+:mod:`collabopt.nonfinite` (NaN/inf handling), :mod:`collabopt.checkpoint` (``state_dict``) and
+:mod:`collabopt.catch_up` (waiting for peers, downloading the swarm's state).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +24,9 @@ import torch
 
 from collabopt import diloco, host_memory, lifecycle, scheduling, swarm
 from collabopt.batch_size import ForwardSampleCounter, resolve_samples
+from collabopt.catch_up import SYNC_ATTEMPTS as SYNC_ATTEMPTS  # re-exported: its import path before the split
+from collabopt.catch_up import CatchUp
+from collabopt.checkpoint import Checkpointing
 from collabopt.config import (
     CollabConfig,
     check_callable,
@@ -29,27 +34,25 @@ from collabopt.config import (
     check_model,
     check_optimizer,
     make_config,
-    positive_int,
-    positive_number,
 )
 from collabopt.engine.p2p import log_like_hivemind
 from collabopt.engine.peer import DiLoCoPeer, HivemindPeer
 from collabopt.errors import ConfigurationError
 from collabopt.grads import scale_grads, zero_grads
-from collabopt.guard import NonFiniteGuard, all_finite
+from collabopt.guard import NonFiniteGuard
 from collabopt.hivemind_arguments import peer_arguments
-from collabopt.interface import RoundOutcome, StepResult, SwarmOptimizerBase, check_state, pack_state
+from collabopt.interface import StepResult, SwarmOptimizerBase
 from collabopt.lifecycle import SigtermHandler, preserved_sigint
 from collabopt.metrics import DILOCO_PUBLISH_INTERVAL, PUBLISH_INTERVAL, MetricsReporter
+from collabopt.nonfinite import NonFiniteHandling
+from collabopt.peer_views import PeerViews
 from collabopt.rounds import RoundWatch
 from collabopt.scheduling import CollaborativeScheduler, install_step_guard, is_scheduler, remove_step_guard
 
 logger = logging.getLogger(__name__)
 
-SYNC_ATTEMPTS = 3  # steps refused for being behind the swarm before a peer continues from its own parameters
 
-
-class CollaborativeOptimizer(SwarmOptimizerBase):
+class CollaborativeOptimizer(PeerViews, NonFiniteHandling, Checkpointing, CatchUp, SwarmOptimizerBase):
     """Train as one peer of a hivemind swarm with any torch optimizer.
 
     Starts or joins a swarm (``initial_peers=``, the ``INITIAL_PEERS`` environment variable, or a ``dht=`` you
@@ -189,25 +192,6 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
             return (HivemindPeer(self.dht, arguments) if self.diloco is None
                     else DiLoCoPeer(self.dht, arguments, self.diloco))
 
-    def _wire_guard(self) -> None:
-        """What the non-finite guard checks in this mode (see :mod:`collabopt.guard`)."""
-        if self._guard is None:
-            return
-        peer, config = self._peer, self.config
-        if self.diloco is None and not config.use_local_updates:  # averaged gradients reach the optimizer: it
-            # refuses non-finite ones (with a snapshot to undo a non-finite averaging result, where it is synchronous).
-            # use_local_updates steps on the local gradients step() has just checked: a second pass over them would
-            # cost as much again at every step. DiLoCo's inner steps are not wrapped: its parameters are checked
-            # (_check_diloco_parameters)
-            self._guard.wrap_optimizer(peer.optimizer, keep_snapshot=not config.updates_in_background)
-        if self.diloco is not None:
-            self._guard_checks = "parameters"
-        elif config.auxiliary or peer.accumulators() is None:
-            self._guard_checks = "each step"
-        else:
-            self._guard_checks = "accumulation"
-            peer.set_before_averaging(self._check_accumulation_at_boundary)
-
     def _bind_scheduler(self, optimizer: torch.optim.Optimizer, scheduler: Any, scheduler_fn: Any,
                         wrapper: CollaborativeScheduler | None) -> None:
         """The scheduler drives the optimizer hivemind really steps (a copy of the user's when offloading)."""
@@ -296,22 +280,6 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
                             grads_reset=grads_reset, grad_factor=grad_factor, loss=loss)
         return self._after_step(result, epoch_before)
 
-    def _check_accumulation_at_boundary(self) -> None:
-        """Called by the peer at a global epoch's boundary, before the accumulated gradients are averaged (they
-        include the samples of the step in progress)."""
-        if not self._guard.accumulation_finite(self._peer.accumulators()):
-            self._dropped_at_boundary = self._drop_accumulation(counted=self._stepping_samples)
-
-    def _drop_accumulation(self, counted: int = 0) -> int:
-        """Forget the gradients accumulated toward the next global epoch and their samples (the swarm's count loses
-        them at this peer's next progress report); ``counted`` of them are not in ``samples_reported`` yet. Returns
-        how many samples they were."""
-        lost = self._peer.accumulated_samples
-        self._peer.drop_accumulated()
-        self.samples_reported -= lost - counted
-        self._samples_skipped += lost
-        return lost
-
     def _after_step(self, result: StepResult, epoch_before: int) -> StepResult:
         epoch_changed = self._peer.local_epoch != epoch_before
         self._check_received_parameters(epoch_changed)
@@ -321,87 +289,12 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
             result = dataclasses.replace(result, epoch_changed=result.epoch_changed or epoch_changed, round=outcome)
         return result
 
-    def _check_received_parameters(self, epoch_changed: bool) -> None:
-        """Parameters that averaging made non-finite are never kept. Checked after a global step, and in the
-        background modes after any step that changed the parameters (hivemind applies results at a later step)."""
-        if self._guard is None:
-            return
-        if self.diloco is not None:
-            self._check_diloco_parameters(epoch_changed)
-            return
-        if epoch_changed or self.config.updates_in_background:
-            main = self._peer.parameters
-            version = sum(p._version for p in main)  # every in-place write bumps a tensor's version counter
-            if epoch_changed or version != self._checked_version:
-                self._restore_finite_parameters(main)
-                version = sum(p._version for p in main)
-            self._checked_version = version
-        self._guard.release()
-
-    def check_gradients_each_step(self) -> None:
-        """Check every step's gradients (DiLoCo: instead of the parameters on the guard's schedule). A node's ranks
-        take the same inner steps: a non-finite step must be refused before any rank takes it (rank 0 alone would
-        restart from the last round, the other ranks' inner optimizers kept its non-finite statistics)."""
-        if self._guard is not None:
-            self._guard_checks = "each step"
-
-    def _check_diloco_parameters(self, epoch_changed: bool) -> None:
-        """DiLoCo: inner steps apply every step's gradients at once, and a round applies only finite averages. The
-        parameters are checked on the guard's schedule (see :mod:`collabopt.guard`) and after a round; if they are
-        not finite, this peer restarts from the last round's parameters (:meth:`DiLoCo.restart_from_last_round`)."""
-        if self._guard_checks != "parameters":
-            return  # (a node's: each step's gradients are checked)
-        if (epoch_changed or self._guard.check_due()) and not self._guard.parameters_finite(self._peer.parameters):
-            self._peer.restart_from_last_round()
-
-    def _restore_finite_parameters(self, main: list[torch.Tensor]) -> None:
-        optimizer_params = [p for group in self._peer.optimizer.param_groups for p in group["params"]]
-        others = [main] if any(a is not b for a, b in zip(main, optimizer_params, strict=True)) else []
-        if not self._guard.restore_parameters(optimizer_params, *others):
-            logger.warning("collabopt: parameters became non-finite at epoch %d and no finite copy of them is kept; "
-                           "downloading the swarm's state", self._peer.local_epoch)
-            self._peer.load_state_from_peers()
-
     def _advance_schedule(self) -> None:
         if self.scheduler is not None:
             self.scheduler.advance_to(self._peer.local_epoch)
 
     def _scale_grads(self, factor: float) -> None:
         scale_grads(self._peer.parameters, factor)
-
-    def _discard_local_progress(self, samples: int, loss: Any) -> StepResult:
-        """A step's gradients are not finite (an AMP overflow, or NaN/inf caught by the guard): contribute
-        nothing. With ``reuse_grad_buffers``, ``param.grad`` also held the earlier steps of this epoch: they are
-        dropped too."""
-        skipped = samples
-        if self.config.reuse_grad_buffers:
-            lost = self._peer.accumulated_samples
-            skipped += lost
-            self.samples_reported -= lost
-            self._peer.drop_accumulated()
-            self._grad_units = None
-        else:
-            self.zero_grad()
-        self._samples_skipped += skipped
-        return StepResult(skipped=skipped, grads_reset=self.config.reuse_grad_buffers, loss=loss)
-
-    def _give_up_sync_if_nobody_serves(self) -> None:
-        """hivemind drops a step and downloads state when the swarm is ahead. When the peers that are ahead have
-        left (their progress records outlive them), nobody can serve that state and hivemind would retry at every
-        step forever. After :data:`SYNC_ATTEMPTS` such steps, continue from this peer's own parameters at the
-        swarm's epoch.
-        """
-        self._failed_syncs += 1
-        if self._failed_syncs < SYNC_ATTEMPTS:
-            return
-        self._failed_syncs = 0
-        epoch = self._peer.global_epoch
-        warnings.warn(
-            f"collabopt: the swarm is at epoch {epoch} but no peer could send its state ({SYNC_ATTEMPTS} attempts); "
-            "continuing from this peer's own parameters at that epoch",
-            stacklevel=3,
-        )
-        self._peer.jump_to_epoch(epoch)
 
     def _known_scale(self) -> float:
         if self.grad_scaler is not None:
@@ -451,147 +344,6 @@ class CollaborativeOptimizer(SwarmOptimizerBase):
         epoch_before = self._peer.local_epoch
         self._peer.finish_background_work()
         self._check_received_parameters(self._peer.local_epoch != epoch_before)
-        self._advance_schedule()
-
-    def catch_up(self) -> None:
-        """Download the swarm's state now if the swarm is ahead of this peer (done on start unless
-        ``load_state_on_start=False``)."""
-        self._check_open()
-        if self._peer.num_peers > 0 and self._peer.global_epoch > self._peer.local_epoch:
-            logger.info("collabopt: swarm is at epoch %d, downloading its state", self._peer.global_epoch)
-            self._peer.load_state_from_peers()
-        self._advance_schedule()
-
-    def load_state_from_peers(self) -> None:
-        """Download the newest parameters, optimizer state and epoch from the swarm now."""
-        self._check_open()
-        self._peer.load_state_from_peers()
-        self._advance_schedule()
-
-    def wait_for_peers(self, num_peers: int, timeout: float = 60.0) -> bool:
-        """Block until the swarm counts ``num_peers`` peers, this one included; return whether it did within
-        ``timeout`` seconds. Peers count once they train or while they wait here, so every peer of a small swarm
-        can call it before its first step (a demo, a test, a run that should not start alone)::
-
-            if not copt.wait_for_peers(2, timeout=120):
-                print("training alone for now")
-
-        On return, this peer's own view of the swarm includes the others, so its first global step is taken
-        together with them rather than alone.
-        """
-        self._check_open()
-        positive_int("num_peers", num_peers, "2")
-        positive_number("timeout", timeout, "60.0", allow_zero=True)
-        deadline = time.monotonic() + timeout
-        while True:
-            self._peer.announce()  # hivemind itself would publish this peer only after its first samples
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-            if self._peer.num_peers >= num_peers:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-
-    # ------------------------------------------------------------------ visibility
-
-    @property
-    def hivemind_optimizer(self) -> Any:
-        """The underlying ``hivemind.Optimizer`` (for options collabopt does not wrap)."""
-        return getattr(self._peer, "hivemind_optimizer", None)
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer that hivemind really steps (a copy of yours when offloading)."""
-        return self._peer.optimizer
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """Param groups over the model's parameters (used by ``torch.amp.GradScaler``)."""
-        return self._peer.param_groups
-
-    def _read(self, name: str, default: Any) -> Any:
-        """A swarm value as this peer sees it; ``default`` once closed (or before the peer exists)."""
-        return getattr(self._peer, name) if self._peer is not None else default
-
-    local_epoch = property(lambda self: self._read("local_epoch", 0),
-                           doc="Number of global optimizer steps this peer has taken part in (or caught up with).")
-    global_epoch = property(lambda self: self._read("global_epoch", 0),
-                            doc="The newest epoch any peer of the swarm has reached (as this peer last saw it).")
-    num_peers = property(lambda self: max(1, self._read("num_peers", 1)),
-                         doc="Peers training in this run, this one included (hivemind's count, refreshed every few "
-                             "seconds; at least 1: hivemind counts a peer only after its first step).")
-    samples_accumulated = property(lambda self: self._read("samples_accumulated", 0),
-                                   doc="Samples the swarm has accumulated toward target_batch_size in this epoch.")
-    samples_per_second = property(lambda self: self._read("samples_per_second", 0.0),
-                                  doc="Throughput of the whole swarm (this peer's rate times the number of peers).")
-    eta_next_epoch = property(lambda self: self._read("eta_next_epoch", 0.0),
-                              doc="Estimated seconds until the next global epoch.")
-
-    @property
-    def samples_skipped(self) -> int:
-        """Samples this peer trained on that contribute nothing: steps the non-finite guard (or an AMP overflow)
-        dropped, which also leave ``samples_reported``; in DiLoCo mode also the inner steps undone by a restart from
-        the last round's parameters (those stay in ``samples_reported``: the swarm counted them toward its round)."""
-        return self._samples_skipped + (self.diloco.samples_discarded if self.diloco is not None else 0)
-
-    @property
-    def nonfinite_steps(self) -> int:
-        """Accumulations (or, with ``use_local_updates``, local steps) the non-finite guard dropped (their samples
-        are in ``samples_skipped``; in DiLoCo mode: restarts from the last round's parameters, see
-        :mod:`collabopt.diloco`) plus global steps or rounds whose non-finite averaging result was refused."""
-        guard = self._guard
-        return guard.refused_steps + guard.refused_updates + guard.restored_parameters if guard is not None else 0
-
-    @property
-    def last_round(self) -> RoundOutcome | None:
-        """The outcome of this peer's last round (a global epoch's boundary, or a DiLoCo round): applied, or not
-        and why, and whether this peer re-synchronizes (:class:`~collabopt.interface.RoundOutcome`); None before its
-        first. Each step's :class:`~collabopt.interface.StepResult` carries the one it ended, if any."""
-        return self._rounds.last
-
-    @property
-    def out_of_sync(self) -> bool:
-        """Whether this peer knows its parameters differ from its swarm's: its last gradient round was partial (a
-        peer's share of the average arrived late; hivemind used this peer's own gradients for it), or a round found
-        it on another lineage or an epoch behind. Its next gradient round or step re-synchronizes it. False proves
-        nothing: only rounds compare parameters. Save the checkpoint of a run from a peer where this is False. In
-        DiLoCo mode: its last round found its anchor apart from its group's, or was partial; it downloads the swarm's
-        state before its next round."""
-        if self.diloco is not None and self.diloco.needs_sync:
-            return True
-        return self._peer is not None and self._peer.out_of_sync
-
-    def get_lr(self) -> list[float]:
-        """Learning rates of the optimizer that hivemind steps."""
-        return [float(group["lr"]) for group in self.optimizer.param_groups]
-
-    # ------------------------------------------------------------------ state
-
-    def state_dict(self) -> dict[str, Any]:
-        """Optimizer statistics, scheduler state and local epoch (save the model's parameters separately)."""
-        self._check_open()
-        self._check_diloco_parameters(epoch_changed=True)  # (DiLoCo: now, not on the guard's schedule)
-        scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
-        return pack_state(self.optimizer.state_dict(), scheduler, self.local_epoch, self.samples_reported)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved. Load the model's parameters before calling this."""
-        self._check_open()
-        state = check_state(state)
-        if self.diloco is not None and self._guard is not None and not all_finite(self._peer.parameters):
-            raise ValueError("collabopt: the model's parameters are not finite (NaN/inf): in DiLoCo mode loaded "
-                             "parameters become the anchor this peer serves to the swarm; load a finite checkpoint")
-        # DiLoCo: a round in flight is not applied onto the loaded parameters (they become the anchor)
-        self._peer.finish_background_work(apply=self.diloco is None)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.config.offload_optimizer:  # the offloaded copy must hold the (restored) model parameters
-            with torch.no_grad():
-                opt_params = [p for group in self.optimizer.param_groups for p in group["params"]]
-                for main, offloaded in zip(self._peer.parameters, opt_params, strict=True):
-                    offloaded.copy_(main)
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.samples_reported = int(state.get("samples_reported", 0))
-        self._peer.restore_epoch(int(state["local_epoch"]))
         self._advance_schedule()
 
     # ------------------------------------------------------------------ lifecycle

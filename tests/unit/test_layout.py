@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MAX_LINES = 400
 # modules still over MAX_LINES (issue 32 splits them): each may only shrink; drop it from here once it fits
-STILL_OVER = {"collabopt.optimizer": 636, "collabopt.diloco": 451}
+STILL_OVER: dict[str, int] = {}
 # the engine's layers, lowest first: a module imports only modules of its own layer or below
 ENGINE_LAYERS = [
     {"compat", "dialback"},
