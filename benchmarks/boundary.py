@@ -3,20 +3,20 @@ matchmaking, the gradient all-reduce, the optimizer step or parameter averaging.
 
 N peers on loopback "compute" by sleeping (a stand-in for GPU work that leaves the shared CPUs to hivemind) and
 report fixed gradients; the target batch size makes a global epoch last about ``epoch_factor x matchmaking_time``.
-Each peer records every ``step()`` call (start and duration) and hivemind's status lines with their wall times
-(``verbose=True``: "Pre-scheduling gradient averaging round", "Beginning optimizer step", "Averaged gradients",
-"Averaged parameters", "Transitioning to epoch", and its progress tracker's fetches).
+Each peer records every ``step()`` call (start and duration) and its loop's status lines with their wall times
+(``verbose=True``; collabopt's or, for raw hivemind peers, hivemind's: see ``_STATUS``), and its progress tracker's
+fetches.
 
 Figures per case, over the measured window (from the first epoch >= ``warmup_epochs`` to the end):
 
 - **idle / epoch**: the time spent inside ``step()`` beyond a plain local step (the median of the steps that
   change no epoch), summed over the window and divided by the global epochs in it; **idle share** = idle / window;
-- the boundary step split, from the status lines: **matchmaking lead** (from "Pre-scheduling gradient averaging"
-  to "Beginning optimizer step": how long before this peer reached the boundary its group search began; a group
-  forms ``matchmaking_time`` after the search began, so a lead below it is waited for), **wait for gradients**
-  ("Beginning optimizer step" to "Averaged gradients"), **step + state** ("Averaged gradients" to "Transitioning
-  to epoch": optimizer step, foreground parameter averaging), and the **arrival skew** (the spread of the peers'
-  "Beginning optimizer step" times in one epoch: early peers wait in the all-reduce for the last one).
+- the boundary step split, from the status lines: **matchmaking lead** (from the gradient round scheduled to the
+  boundary begun: how long before this peer reached the boundary its group search began; a group forms
+  ``matchmaking_time`` after the search began, so a lead below it is waited for), **wait for gradients** (boundary
+  begun to gradients in), **step + state** (gradients in to the next epoch begun: optimizer step, foreground
+  parameter averaging), and the **arrival skew** (the spread of the peers' boundary times in one epoch: early peers
+  wait in the all-reduce for the last one).
 """
 
 from __future__ import annotations
@@ -36,7 +36,24 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "delay_state_averaging": {"delay_state_averaging": True},
     "overlap": OVERLAP,
 }
-_EPOCH = re.compile(r"(?:Beginning optimizer step #|Transitioning to epoch )(\d+)")
+# the status lines of a boundary, as hivemind's optimizer (impl=hivemind) or collabopt's loop (engine/sync_round.py)
+# logs them with verbose=True: the round scheduled, the boundary begun, the gradients in, the next epoch begun
+_STATUS = {
+    "scheduled": re.compile(r"Pre-scheduling gradient|collabopt: gradient round scheduled"),
+    "begin": re.compile(r"Beginning optimizer step #(\d+)|collabopt: epoch (\d+) ends"),
+    "grads": re.compile(r"Averaged gradients|Averaging gradients failed|Skipped averaging|collabopt: gradients "
+                        r"averaged|collabopt: the gradient round failed|collabopt: no gradient round"),
+    "next": re.compile(r"Transitioning to epoch|collabopt: now at epoch"),
+}
+
+
+def _kind(message: str) -> str | None:
+    return next((kind for kind, pattern in _STATUS.items() if pattern.match(message)), None)
+
+
+def _begun_epoch(message: str) -> int:
+    match = _STATUS["begin"].match(message)
+    return int(match.group(1) or match.group(2))
 
 
 def _events(record: dict[str, Any], start: float, end: float) -> list[tuple[float, str]]:
@@ -50,16 +67,17 @@ def boundary_split(record: dict[str, Any], start: float, end: float) -> dict[str
     prescheduled = None
     begin = grads = None
     for t, message in events:
-        if message.startswith("Pre-scheduling gradient"):
+        kind = _kind(message)
+        if kind == "scheduled":
             prescheduled = t
-        elif message.startswith("Beginning optimizer step"):
+        elif kind == "begin":
             begin, grads = t, None
             if prescheduled is not None and start <= t <= end:
                 out["lead"].append(t - prescheduled)
             prescheduled = None
-        elif message.startswith(("Averaged gradients", "Averaging gradients failed", "Skipped averaging")):
+        elif kind == "grads":
             grads = t
-        elif message.startswith("Transitioning to epoch") and begin is not None:
+        elif kind == "next" and begin is not None:
             if start <= begin <= end:
                 out["boundary"].append(t - begin)
                 if grads is not None:
@@ -70,12 +88,12 @@ def boundary_split(record: dict[str, Any], start: float, end: float) -> dict[str
 
 
 def arrival_skew(records: list[dict[str, Any]], start: float, end: float) -> list[float]:
-    """Per epoch reached by every peer: the spread of the peers' "Beginning optimizer step #E" times."""
+    """Per epoch reached by every peer: the spread of the peers' times of beginning its boundary."""
     begins: dict[int, list[float]] = {}
     for record in records:
         for t, message in _events(record, start, end):
-            if message.startswith("Beginning optimizer step"):
-                begins.setdefault(int(_EPOCH.match(message).group(1)), []).append(t)
+            if _kind(message) == "begin":
+                begins.setdefault(_begun_epoch(message), []).append(t)
     return [max(ts) - min(ts) for ts in begins.values() if len(ts) == len(records)]
 
 

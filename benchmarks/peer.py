@@ -68,11 +68,14 @@ STATUS_PREFIXES = (
     "Averaging gradients failed", "Skipped averaging", "Proceeding with local gradients", "Tagging along",
     "Averaged parameters", "Finished averaging round", "Received parameters", "Transitioning to epoch",
     "Peer is out of sync", "Not using pre-scheduled",
+    # collabopt's loop (collabopt/engine/sync_round.py)
+    "collabopt: gradient round scheduled", "collabopt: epoch", "collabopt: gradients averaged",
+    "collabopt: the gradient round failed", "collabopt: no gradient round", "collabopt: now at epoch",
 )
 
 
 class StatusRecorder(logging.Handler):
-    """Keeps (wall time, message) of hivemind's status lines (see :data:`STATUS_PREFIXES`) and of its progress
+    """Keeps (wall time, message) of the loop's status lines (see :data:`STATUS_PREFIXES`) and of its progress
     tracker's fetches ("... accumulated N samples for epoch #E from P peers. ETA ...")."""
 
     def __init__(self) -> None:
@@ -86,11 +89,13 @@ class StatusRecorder(logging.Handler):
 
 
 def record_status() -> StatusRecorder:
-    """Capture hivemind's INFO status lines in this process (the optimizer must be built with verbose=True)."""
+    """Capture the INFO status lines of hivemind's optimizer or collabopt's loop in this process (the peer must be
+    built with verbose=True)."""
     recorder = StatusRecorder()
-    hivemind_logger = logging.getLogger("hivemind")
-    hivemind_logger.setLevel(logging.INFO)
-    hivemind_logger.addHandler(recorder)
+    for name in ("hivemind", "collabopt.engine"):
+        status_logger = logging.getLogger(name)
+        status_logger.setLevel(logging.INFO)
+        status_logger.addHandler(recorder)
     return recorder
 
 
@@ -127,6 +132,8 @@ def apply_experiments(hm: Any, names: list[str]) -> None:
     """
     for name in names:
         if name == "prescheduled_state":
+            if not hasattr(hm, "delay_before_state_averaging"):
+                raise ValueError("prescheduled_state applies to raw hivemind.Optimizer peers (impl=hivemind) only")
             hm.delay_before_state_averaging.update(task_size=1, interval=0.0)
         else:
             raise ValueError(f"unknown experiment {name!r}")
@@ -187,7 +194,7 @@ def main(config_path: str) -> None:
             initial_peers=cfg["initial_peers"], host_maddrs=[f"/ip4/{host}/tcp/0"], print_join_message=False,
             **common,
         )
-        hm = opt.hivemind_optimizer
+        hm = opt.loop
     else:
         import hivemind
 

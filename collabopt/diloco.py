@@ -63,8 +63,8 @@ from collabopt.lineage import fingerprint, same_fingerprint
 logger = logging.getLogger(__name__)
 
 # what a peer keeps of a round it does not apply, where not all of its progress (see DiLoCo.run_round)
-_KEPT = {"anchor differs": "its pseudo-gradient went into its group's round: it downloads the swarm's state and keeps "
-                           "the progress made since"}
+_KEPT = {"anchor differs": "it took part with weight 0 (its pseudo-gradient is not in the round): it downloads the "
+                           "swarm's state and keeps all its progress for its next round"}
 
 
 class PartialRound(Exception):
@@ -84,8 +84,9 @@ class PendingRound:
 
 
 class RoundSwarm(Protocol):
-    """What a round needs of the swarm (:class:`collabopt.engine.diloco_round.DiLoCoOptimizer`; tests use a fake)."""
+    """What a round needs of the swarm (:class:`collabopt.engine.diloco_round.DiLoCoLoop`; tests use a fake)."""
 
+    peer_id: Any  # this peer's id, as the group's gathered metadata names it
     num_peers: int
     local_epoch: int
     anchors: Sequence[torch.Tensor]  # the outer optimizer's parameters: the parameters after the last round
@@ -176,11 +177,7 @@ class DiLoCo:
                 return self._finish(RoundOutcome(False, "averaging failed", weight=weight,
                                                  num_peers=num_peers, detail=repr(e)), epoch)
             outcome = self._judge(swarm, gathered, metadata, weight, num_peers)
-            if not outcome.applied:
-                if self.needs_sync:
-                    # the group's peers that hold the canonical anchor apply this peer's pseudo-gradient: it reached
-                    # the swarm, so only the progress made from now on is kept for the download that follows
-                    self.reanchor(swarm)
+            if not outcome.applied:  # (its progress, pseudo-gradient included, stays for its next round)
                 return self._finish(outcome, epoch)
         swarm.outer_step()
         self.pending_samples = 0
@@ -214,15 +211,12 @@ class DiLoCo:
         else:
             outcome = self._judge(swarm, result, pending.metadata, pending.weight, pending.num_peers)
         if not outcome.applied:
-            if self.needs_sync:  # its pseudo-gradient reached the swarm: keep only the progress made since
-                swarm.reanchor(pending.base)
-            else:
-                self.pending_samples += int(pending.weight)
-                # the epoch moved on when the round started, so it cannot tell whether the others applied the
-                # round: download the state of the best peer (keeping this peer's progress)
-                self.needs_sync = pending.num_peers > 1
-                if isinstance(result, PartialRound) and pending.weight > 0:
-                    self._may_have_delivered(pending.base, pending.weight)
+            self.pending_samples += int(pending.weight)
+            # the epoch moved on when the round started, so it cannot tell whether the others applied the round:
+            # download the state of the best peer (keeping this peer's progress, pseudo-gradient included)
+            self.needs_sync = self.needs_sync or pending.num_peers > 1
+            if isinstance(result, PartialRound) and pending.weight > 0:
+                self._may_have_delivered(pending.base, pending.weight)
             return self._finish(outcome, int(pending.metadata.get("epoch", -1)))
         progress = progress_from(swarm.parameters, pending.base)
         swarm.outer_step(increment_epoch=False)
@@ -248,8 +242,16 @@ class DiLoCo:
 
     def _judge(self, swarm: RoundSwarm, gathered: dict[Any, Any], metadata: dict[str, Any], weight: float,
                num_peers: int) -> RoundOutcome:
-        """Whether an averaged round may be applied: a majority group, one anchor, a finite average."""
+        """Whether an averaged round may be applied: a majority group, one anchor, a finite average. The anchor is
+        judged on what the group gathered from this peer (``metadata`` where that is missing), as its averager judged
+        it before the all-reduce: a peer whose anchor is not the group's takes part with weight 0
+        (:mod:`collabopt.engine.diloco_averaging`), so that a round holds only the pseudo-gradients of the members
+        that apply it."""
         group_size = len(gathered)
+        me = getattr(swarm, "peer_id", None)
+        sent = [m for peer, m in gathered.items() if me is not None and peer == me]
+        if sent and isinstance(sent[0], dict) and "anchor" in sent[0]:
+            metadata = sent[0]
         if 2 * group_size <= num_peers:
             return RoundOutcome(False, "no quorum", group_size, weight, num_peers,
                                 detail=f"{group_size} of {num_peers} peers averaged")

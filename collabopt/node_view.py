@@ -48,8 +48,8 @@ class NodeView(SwarmOptimizerBase):
         return self._copt.dht if self._copt is not None else None
 
     @property
-    def hivemind_optimizer(self) -> Any:
-        return self._copt.hivemind_optimizer if self._copt is not None else None
+    def loop(self) -> Any:
+        return self._copt.loop if self._copt is not None else None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

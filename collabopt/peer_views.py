@@ -29,9 +29,10 @@ class PeerViews:
     _rounds: RoundWatch
 
     @property
-    def hivemind_optimizer(self) -> Any:
-        """The underlying ``hivemind.Optimizer`` (for options collabopt does not wrap)."""
-        return getattr(self._peer, "hivemind_optimizer", None)
+    def loop(self) -> Any:
+        """The peer's loop (:class:`~collabopt.engine.loop.PeerLoop`): its progress tracker and averagers, for
+        what collabopt does not wrap."""
+        return getattr(self._peer, "loop", None)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

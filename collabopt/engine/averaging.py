@@ -2,6 +2,8 @@
 subclasses hivemind's averaging.
 
 * :class:`ShieldedTensorPartReducer`: a sender that dies mid-round no longer cancels its part for every member.
+* :class:`GroupKeyManagerThatDoesNotWait`: matchmaking no longer waits for DHT stores (a peer that stopped answering
+  held each of them up for two DHT timeouts).
 * :class:`GradientAveragerThatTellsGaps`: tells its optimizer which share of a round's results arrived, keeps the
   accumulation of a failed round, and can accumulate in the round's own buffers.
 """
@@ -16,7 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from hivemind.averaging import allreduce
+from hivemind.averaging import allreduce, matchmaking
+from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.optim.grad_averager import GradientAverager
 
@@ -62,17 +65,43 @@ class ShieldedTensorPartReducer(TensorPartReducer):
         return await asyncio.shield(current_part_future)
 
 
+class GroupKeyManagerThatDoesNotWait(GroupKeyManager):
+    """hivemind's group key manager, whose declarations (a peer looking for a group, or no longer) are stored in the
+    DHT in the background: matchmaking goes on at once.
+
+    In hivemind 1.1.12 matchmaking awaits each DHT store: a DHT node that stopped answering (a cut link) holds each
+    one up for two DHT ``wait_timeout`` (its lookup, then its store: 6 s by default) until the DHT blacklists it, and
+    again when the blacklist expires (5 s, then 10 s...). The withdrawal after a group is assembled is awaited before
+    the all-reduce starts, and the declaration paces the next round's matchmaking: both rounds of an epoch waited for
+    the lost peer. Nothing reads a store's result (a declaration is advisory; a withdrawal expires after the
+    declaration it replaces, so the order in which they land does not matter). See docs/decisions.md, "Matchmaking
+    does not wait for the DHT"."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._stores: set[asyncio.Task] = set()  # (asyncio keeps weak references to tasks)
+
+    async def declare_averager(self, *args: Any, **kwargs: Any) -> bool:
+        task = asyncio.create_task(super().declare_averager(*args, **kwargs))
+        self._stores.add(task)
+        task.add_done_callback(self._stores.discard)
+        return True
+
+
 class ShieldedReducers:
     """A mixin for collabopt's averagers: every all-reduce of the averager builds its part reducers as
-    :class:`ShieldedTensorPartReducer`.
+    :class:`ShieldedTensorPartReducer`, and its matchmaking stores its declarations with
+    :class:`GroupKeyManagerThatDoesNotWait`.
 
-    This is the one seam where collabopt replaces a hivemind class: hivemind's ``AllReduceRunner`` takes its reducer
-    class from its module, and offers no argument to choose another. hivemind runs each averager in a process of its
-    own, so the module's class is replaced there, in the averager's process, as it starts: the training process,
-    and any averager not of collabopt's (a ``grad_averager_factory`` of the user's), keep hivemind's."""
+    This is the one seam where collabopt replaces hivemind classes: hivemind's ``AllReduceRunner`` and
+    ``Matchmaking`` take them from their modules, and offer no argument to choose others. hivemind runs each averager
+    in a process of its own, so the modules' classes are replaced there, in the averager's process, as it starts: the
+    training process, and any averager not of collabopt's (a ``grad_averager_factory`` of the user's), keep
+    hivemind's."""
 
     def run(self) -> None:
         allreduce.TensorPartReducer = ShieldedTensorPartReducer  # (this averager's own process)
+        matchmaking.GroupKeyManager = GroupKeyManagerThatDoesNotWait  # (read as Matchmaking starts, in run())
         super().run()
 
 

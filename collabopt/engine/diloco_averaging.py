@@ -19,6 +19,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
 
 from collabopt.diloco import PartialRound
+from collabopt.diloco_metadata import agrees_with_group
 from collabopt.engine.averaging import ShieldedReducers
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,17 @@ def pseudo_gradient_averager_factory(request_timeout: float | None) -> Callable[
 
 
 PARTIAL_RESULTS = "collabopt_partial_results"  # what a DiLoCo round returns instead of its group's metadata when
+
+
+def _member_agrees(group_info: Any, peer_id: Any, serializer: Any) -> bool:
+    """(averager process) Whether this member's round metadata, as its group gathered it, holds the group's canonical
+    anchor (:func:`collabopt.diloco_metadata.agrees_with_group`); True where it cannot tell."""
+    try:  # each member's (bandwidth, mode, its metadata serialized), as hivemind's matchmaking gathered them
+        gathered = [serializer.loads(serializer.loads(data)[2]) for data in group_info.gathered]
+        mine = gathered[list(group_info.peer_ids).index(peer_id)]
+        return agrees_with_group(mine, gathered)
+    except Exception:  # (malformed metadata: DiLoCo's judgement after the round decides)
+        return True
 
 
 def raise_if_partial(gathered: Any) -> Any:
@@ -152,6 +164,14 @@ class PseudoGradientAverager(ShieldedReducers, GradientAverager):
                                       **kwargs: Any) -> None:
         # hivemind 1.1.12's method with ValueAllReduceRunner, writing the results once all arrived
         group_id = group_info.group_id if group_id is None else group_id
+        if kwargs.get("weight") and not _member_agrees(group_info, self.peer_id, self.serializer):
+            # this peer will not apply the round (its anchor is not the group's: DiLoCo decides the same from the
+            # same gathered metadata): it takes part with nothing, so that the round holds only the pseudo-gradients
+            # of the members that apply it, and it keeps its progress for the round after its download
+            logger.info(f"{self}: this peer's anchor is not its group's: it joins the round with weight 0")
+            kwargs["weight"] = 0.0
+            for tensor in tensors:
+                tensor.zero_()
         runner = ValueAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
                                       tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids,
                                       **kwargs)

@@ -1,5 +1,5 @@
-"""DiLoCo mode's round on hivemind: its optimizer is the outer one, and a round
-(:meth:`collabopt.diloco.DiLoCo.run_round`) replaces the synchronous mode's global epoch."""
+"""DiLoCo mode's round: the loop's optimizer is the outer one, and a round (:meth:`collabopt.diloco.DiLoCo.run_round`)
+ends the global epoch."""
 
 from __future__ import annotations
 
@@ -11,15 +11,11 @@ import torch
 from hivemind.utils import get_dht_time
 
 from collabopt import diloco as diloco_module
-from collabopt.engine.diloco_averaging import (
-    raise_if_partial,
-)
+from collabopt.engine.diloco_averaging import raise_if_partial
+from collabopt.engine.loop import PeerLoop
 from collabopt.engine.progress import SwarmProgressTracker
-from collabopt.engine.sync_round import SyncOptimizer
 
 logger = logging.getLogger(__name__)
-
-
 
 
 class ThrottledProgressTracker(SwarmProgressTracker):
@@ -57,10 +53,10 @@ class ThrottledProgressTracker(SwarmProgressTracker):
         super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
 
 
-class DiLoCoOptimizer(SyncOptimizer):
-    """hivemind's optimizer with DiLoCo rounds: its (offloaded) optimizer is the outer one, whose parameters are
-    the anchor; a round (:meth:`collabopt.diloco.DiLoCo.run_round`) replaces the global epoch. Also the
-    :class:`collabopt.diloco.RoundSwarm` the round runs on."""
+class DiLoCoLoop(PeerLoop):
+    """The DiLoCo mode: the loop's (offloaded) optimizer is the outer one, whose parameters are the anchor; a round
+    (:meth:`collabopt.diloco.DiLoCo.run_round`) ends the global epoch. Also the :class:`collabopt.diloco.RoundSwarm`
+    the round runs on."""
 
     def __init__(self, *, diloco: Any, **kwargs: Any):
         self.diloco = diloco
@@ -77,6 +73,10 @@ class DiLoCoOptimizer(SyncOptimizer):
                                         start=True, **kwargs)
 
     # ---- RoundSwarm
+
+    @property
+    def peer_id(self) -> Any:
+        return self.dht.peer_id
 
     @property
     def num_peers(self) -> int:
@@ -109,21 +109,22 @@ class DiLoCoOptimizer(SyncOptimizer):
             control.cancel()
 
     def outer_step(self, increment_epoch: bool = True) -> None:
-        # the outer optimizer steps on the anchor (its .grad are the averaged buffers, see hivemind's
+        # the outer optimizer steps on the anchor (its .grad are the averaged buffers, see
         # _make_gradient_averager with offload_optimizer), then the anchor is copied into the model
         self.state_averager.step(increment_epoch=increment_epoch, optimizer_step=True)
 
-    # ---- hivemind.Optimizer, DiLoCo's way
+    # ---- the loop, DiLoCo's way
 
-    def _should_load_state_from_peers(self) -> bool:
+    def should_download(self) -> bool:
         # the anchor of a peer one epoch behind is stale: catch up at once (hivemind tolerates one epoch), unless
         # (overlap_rounds) the others started the round it trained toward: their epoch moved when they did
         return diloco_module.should_download(self.diloco, self.local_epoch, self.tracker.global_epoch)
 
-    def _maybe_schedule_gradient_averaging(self) -> None:
-        """As hivemind's, with this peer's round metadata (epoch, anchor fingerprint) for its group."""
+    def schedule_rounds(self) -> None:
+        """Start matchmaking for the round once the epoch's end is within a ``matchmaking_time``, with this peer's
+        round metadata (epoch, anchor fingerprint) for its group."""
         soon = self.tracker.estimated_next_update_time - get_dht_time() <= self.matchmaking_time
-        if self.num_peers <= 1 or not soon or self._should_load_state_from_peers():
+        if self.num_peers <= 1 or not soon or self.should_download():
             return  # (a peer that must download first would bring a stale anchor to the others' round)
         self.land(wait=False)
         if self._in_flight is not None:
@@ -132,11 +133,11 @@ class DiLoCoOptimizer(SyncOptimizer):
             self.scheduled_grads = self.grad_averager.schedule_step(
                 timeout=self.averaging_timeout, gather=self.diloco.round_metadata(self))
 
-    def _update_global_epoch(self, grad_scaler: Any) -> None:
+    def end_epoch(self) -> None:
         self.land(wait=True)  # one round in flight at most
         if self.num_peers <= 1:  # a round alone forks the anchor: never decided on an old view of the swarm
             self._refresh_swarm_view(timeout=self.matchmaking_time)
-        if self._should_load_state_from_peers():
+        if self.should_download():
             # its round could not be applied (its anchor is stale: the swarm is past its epoch, read after
             # this step began, or its group's anchor differed): the next step downloads, then rounds go on
             if not self.diloco.needs_sync:
@@ -170,7 +171,7 @@ class DiLoCoOptimizer(SyncOptimizer):
             self.state_averager.state_sharing_priority = self.local_epoch - (0.5 if self.diloco.needs_sync
                                                                              else 0.0)
 
-    def load_state_from_peers(self, **kwargs: Any) -> None:
+    def load_state_from_peers(self) -> None:
         """Download the swarm's anchor, outer optimizer state and epoch, keeping this peer's progress since its
         own anchor (parameters = downloaded anchor + progress)."""
         self.land(wait=True)
@@ -179,14 +180,14 @@ class DiLoCoOptimizer(SyncOptimizer):
             with self.grad_averager.get_tensors() as buffers:
                 for buffer in buffers:
                     buffer.zero_()
-            self._tag_along_with_zero_weight(control)
+            self.tag_along(control)
         self.state_averager.step(wait_for_delayed_updates=True)
         with self.tracker.pause_updates():
             progress, since = self.diloco.progress_to_keep(self)
             epoch, anchor = self.local_epoch, diloco_module.fingerprint(self.anchors)
             downloaded = True
             try:
-                self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                self.state_averager.load_state_from_peers(timeout=self.load_state_timeout)
             except Exception as e:  # nobody could serve it now: the next step tries again
                 logger.warning("collabopt: downloading the swarm's state failed: %r", e)
                 downloaded = False
@@ -207,9 +208,9 @@ class DiLoCoOptimizer(SyncOptimizer):
 
     # ---- overlap (overlap_rounds=True): the round's all-reduce runs while inner steps go on
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
+    def step(self, batch_size: int | None = None) -> None:
         self.land(wait=False)
-        return super().step(*args, **kwargs)
+        super().step(batch_size)
 
     def land(self, wait: bool, apply: bool = True) -> None:
         """Apply the result of the round in flight if it arrived (or, with ``wait``, once it arrives); with

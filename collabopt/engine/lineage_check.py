@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,36 +37,20 @@ class Resync:
 
 @dataclasses.dataclass
 class SyncState:
-    """collabopt's state of a synchronous peer's rounds (``SyncOptimizer.sync_state``), kept in one object of its own
-    rather than in attributes set on hivemind's optimizer."""
+    """collabopt's state of a synchronous peer's rounds (``SyncLoop.sync_state``)."""
 
-    checks_lineage: bool = False  # this peer takes part in the lineage check (:func:`check_lineage`)
+    checks_lineage: bool = False  # this peer takes part in the lineage check (:func:`takes_part_in_lineage_check`)
     apart: bool = False  # its last gradient round was partial: its parameters are its own
     resync: Resync | None = None  # a re-synchronization it owes (the lineage check found it on another lineage)
-    downloaded_epoch: int | None = None  # the epoch of the state it downloaded last
-    preschedules_state: bool = False  # it pre-schedules its state rounds (sync_round.preschedule_state_rounds)
-    skipped_epoch: int | None = None  # the epoch whose state round it skipped after a download, and when
-    skipped_at: float = 0.0
     before_averaging: Callable[[], None] | None = None  # the core's last look at the accumulation at a boundary
 
 
-def check_lineage(optimizer: Any) -> None:
-    """Make ``optimizer`` (a :class:`~collabopt.engine.sync_round.SyncOptimizer`) take part in the lineage check
-    (see above), where its mode allows it."""
-    if not (CHECK_LINEAGE and optimizer.use_gradient_averaging and not optimizer.auxiliary
+def takes_part_in_lineage_check(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (a :class:`~collabopt.engine.sync_round.SyncLoop`) takes part in the lineage check (see
+    above): its gradient rounds then gather :func:`lineage_metadata`."""
+    return (CHECK_LINEAGE and optimizer.use_gradient_averaging and not optimizer.auxiliary
             and not optimizer.delay_optimizer_step and not optimizer.delay_grad_averaging
-            and not optimizer.delay_state_averaging):
-        return
-    optimizer.sync_state.checks_lineage = True
-    averager = optimizer.grad_averager
-    schedule_step = averager.schedule_step  # GradientAverager.step() begins an unscheduled round through it too
-
-    def schedule_step_telling_lineage(scheduled_time: float | None = None, **kwargs: Any) -> Any:
-        if kwargs.get("gather") is None:  # the parameters stay as they are until this epoch's optimizer step
-            kwargs["gather"] = lineage_metadata(optimizer)
-        return schedule_step(scheduled_time, **kwargs)
-
-    averager.schedule_step = schedule_step_telling_lineage
+            and not optimizer.delay_state_averaging)
 
 
 def lineage_metadata(optimizer: Any) -> dict[str, Any]:
@@ -105,8 +88,9 @@ def finished_group(control: Any) -> Any:
 
 def judge_lineage(optimizer: Any, control: Any) -> tuple[str, str] | None:
     """After a gradient round (``control``): if this peer's parameters are not its group's canonical lineage (see
-    :func:`collabopt.lineage.judge`), turn this boundary's parameter averaging off and plan a download from a peer
-    that holds it. Then note whether this round was partial (see :class:`GradientAveragerThatTellsGaps`).
+    :func:`collabopt.lineage.judge`), plan a download from a peer that holds it (the reason, ``"apart"`` or
+    ``"behind"``, turns this boundary's parameter round off). Then note whether this round was partial (see
+    :class:`GradientAveragerThatTellsGaps`).
 
     Returns the round's reason (one of :data:`collabopt.interface.ROUND_REASONS`: ``"averaged"``, ``"apart"``,
     ``"behind"`` or ``"partial"``) and what the log says of it; None where the round gathered nothing to judge."""
@@ -125,9 +109,7 @@ def judge_lineage(optimizer: Any, control: Any) -> tuple[str, str] | None:
         outcome = ("behind" if verdict.reason == "behind" else "apart", text)
         optimizer.sync_state.resync = Resync(peers=[str(peer) for peer in verdict.peers], epoch=mine["epoch"],
                                             until=time.monotonic() + optimizer.averaging_timeout)
-        optimizer.average_state_every = sys.maxsize  # no parameter averaging at this boundary (_update_global_epoch
-        join_state_round_with_nothing(optimizer)    # restores it): it would mix the lineages
-        serve_below_the_others(optimizer)
+        serve_below_the_others(optimizer)  # (and no parameter round at this boundary: it would mix the lineages)
     received = mine.get("received", 1.0)
     if isinstance(received, float) and received < 1.0:  # (a pending download clears it when it brings a state)
         optimizer.sync_state.apart = True
@@ -162,15 +144,6 @@ def serve_below_the_others(optimizer: Any) -> None:
     theirs at the same epoch."""
     if not optimizer.client_mode:
         optimizer.state_averager.state_sharing_priority = optimizer.local_epoch - 0.5
-
-
-def join_state_round_with_nothing(optimizer: Any) -> None:
-    state_round, optimizer.scheduled_state = optimizer.scheduled_state, None
-    if state_round is not None and not state_round.triggered and not state_round.done():
-        # a pre-scheduled state round may have a group already: take part with nothing (the others' round would
-        # wait for this peer's part until it timed out), without waiting for it (it may start seconds from now)
-        state_round.weight = 0
-        state_round.allow_allreduce()
 
 
 def resync_outcome(optimizer: Any, resync: Resync, before: list[float]) -> None:

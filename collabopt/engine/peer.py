@@ -1,4 +1,5 @@
-"""This process's peer: hivemind's optimizer of the chosen mode, seen through what collabopt needs of it.
+"""This process's peer: the loop of the chosen mode (:class:`~collabopt.engine.sync_round.SyncLoop` or
+:class:`~collabopt.engine.diloco_round.DiLoCoLoop`), seen through what collabopt needs of it.
 
 The rest of the package talks to :class:`HivemindPeer` (or :class:`DiLoCoPeer`), whose small surface is also what
 the in-process fakes of ``tests/unit`` implement.
@@ -16,25 +17,24 @@ from hivemind.optim.grad_averager import GradientAverager
 
 from collabopt.engine.averaging import GradientAveragerThatTellsGaps
 from collabopt.engine.compat import dht_time
-from collabopt.engine.diloco_round import DiLoCoOptimizer
-from collabopt.engine.lineage_check import check_lineage, out_of_sync
+from collabopt.engine.diloco_round import DiLoCoLoop
+from collabopt.engine.lineage_check import out_of_sync
 from collabopt.engine.records import MAX_RECORD_BYTES, RecordSizeValidator, metrics_validators
-from collabopt.engine.sync_round import PRESCHEDULE_STATE_ROUND, SyncOptimizer, preschedule_state_rounds
+from collabopt.engine.sync_round import SyncLoop
 from collabopt.interface import RoundOutcome
 from collabopt.lifeline import children_follow_parent
 
 
 class HivemindPeer:
-    """This process's ``hivemind.Optimizer``, seen through what collabopt needs of it.
+    """This process's loop (synchronous mode), seen through what collabopt needs of it.
 
-    Built in the process's main thread (hivemind installs signal handlers). ``arguments`` are
-    ``hivemind.Optimizer`` keyword arguments without ``dht``.
+    Built in the process's main thread (hivemind's averagers install signal handlers). ``arguments`` are the
+    loop's keyword arguments (``hivemind.Optimizer``'s) without ``dht``.
     """
 
     def __init__(self, dht: Any, arguments: dict[str, Any]):
-        # hivemind's Optimizer ignores its own client_mode argument: the DHT's is the one that counts
         with children_follow_parent():  # its averager processes end with this process, even on SIGKILL
-            self.hivemind_optimizer = self._create_optimizer(dht, dict(arguments, client_mode=dht.client_mode))
+            self.loop = self._create_loop(dht, dict(arguments, client_mode=dht.client_mode))
         self.dht = dht
         run_id = arguments["run_id"]
         self.metrics_key = f"{run_id}_metrics"
@@ -44,43 +44,39 @@ class HivemindPeer:
         dht.add_validators([*metrics_validators(run_id),
                             RecordSizeValidator([f"{run_id}_progress", self.metrics_key], MAX_RECORD_BYTES)])
 
-    def _create_optimizer(self, dht: Any, arguments: dict[str, Any]) -> Any:
-        optimizer = SyncOptimizer(dht=dht, **arguments)
-        check_lineage(optimizer)
-        if PRESCHEDULE_STATE_ROUND:
-            preschedule_state_rounds(optimizer)
-        return optimizer
+    def _create_loop(self, dht: Any, arguments: dict[str, Any]) -> Any:
+        return SyncLoop(dht=dht, **arguments)
 
     # ---- stepping
 
     def step(self, samples: int | None) -> bool:
-        """One local step of ``samples`` samples (``None``: an auxiliary peer's step). Returns whether hivemind
+        """One local step of ``samples`` samples (``None``: an auxiliary peer's step). Returns whether the loop
         accepted the samples (False when it dropped the step to download the swarm's state first)."""
-        opt = self.hivemind_optimizer
+        loop = self.loop
         if samples is None:
-            opt.step()
+            loop.step()
             return False
-        reported_before = opt.tracker.local_progress.samples_accumulated
-        epoch_before = opt.local_epoch
-        opt.step(batch_size=samples)
-        return opt.local_epoch != epoch_before or opt.tracker.local_progress.samples_accumulated != reported_before
+        reported_before = loop.tracker.local_progress.samples_accumulated
+        epoch_before = loop.local_epoch
+        loop.step(samples)
+        return loop.local_epoch != epoch_before or loop.tracker.local_progress.samples_accumulated != reported_before
 
     @property
     def accumulated_steps(self) -> int:
-        """Local steps whose gradients hivemind holds toward the next global epoch (0 right after one)."""
-        averager = self.hivemind_optimizer.grad_averager
+        """Local steps whose gradients the loop holds toward the next global epoch (0 right after one)."""
+        averager = self.loop.grad_averager
         return averager.local_times_accumulated if averager is not None else 0
 
     @property
     def accumulated_samples(self) -> int:
-        averager = self.hivemind_optimizer.grad_averager
+        averager = self.loop.grad_averager
         return averager.local_samples_accumulated if averager is not None else 0
 
     def accumulators(self) -> list[torch.Tensor] | None:
         """The tensors the local steps' gradients accumulate in toward the next global epoch (``param.grad`` with
         ``reuse_grad_buffers``, else hivemind's accumulators); ``None`` where gradients are applied, not accumulated
         (``use_local_updates``), or an averager keeps them its own way."""
-        averager = self.hivemind_optimizer.grad_averager
+        averager = self.loop.grad_averager
         if not isinstance(averager, GradientAverager) or type(averager) is not GradientAveragerThatTellsGaps and any(
                 # an averager that accumulates its own way
                 getattr(type(averager), name) is not getattr(GradientAverager, name)
@@ -89,72 +85,72 @@ class HivemindPeer:
         return list(averager._grad_accumulators())
 
     def set_before_averaging(self, callback: Callable[[], None] | None) -> None:
-        """Call ``callback()`` at each global epoch's boundary, before hivemind averages the accumulated gradients
-        (it may drop them: :meth:`drop_accumulated`; hivemind then takes part with weight 0)."""
-        self.hivemind_optimizer.sync_state.before_averaging = callback
+        """Call ``callback()`` at each global epoch's boundary, before the loop averages the accumulated gradients
+        (it may drop them: :meth:`drop_accumulated`; the peer then takes part with weight 0)."""
+        self.loop.sync_state.before_averaging = callback
 
     def drop_accumulated(self) -> None:
         """Forget the gradients and samples accumulated toward the next global epoch."""
-        self.hivemind_optimizer.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
-        if self.hivemind_optimizer.grad_averager is not None:
-            self.hivemind_optimizer.grad_averager.reset_accumulated_grads_()
+        self.loop.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
+        if self.loop.grad_averager is not None:
+            self.loop.grad_averager.reset_accumulated_grads_()
 
     def jump_to_epoch(self, epoch: int) -> None:
         """Continue from this peer's own parameters at ``epoch`` (nobody could serve the swarm's state)."""
-        self.hivemind_optimizer.state_averager.local_epoch = epoch
-        self.hivemind_optimizer.tracker.report_local_progress(epoch, samples_accumulated=0)
+        self.loop.state_averager.local_epoch = epoch
+        self.loop.tracker.report_local_progress(epoch, samples_accumulated=0)
 
     def restore_epoch(self, epoch: int) -> None:
         """Set the local epoch from a checkpoint; the tracker's view of the swarm moves along with it (otherwise
         local samples do not count toward the restored epoch until its next fetch)."""
-        self.hivemind_optimizer.state_averager.local_epoch = epoch
-        with self.hivemind_optimizer.tracker.pause_updates():
-            self.hivemind_optimizer.tracker.update_epoch(epoch)
+        self.loop.state_averager.local_epoch = epoch
+        with self.loop.tracker.pause_updates():
+            self.loop.tracker.update_epoch(epoch)
 
     def finish_background_work(self, apply: bool = True) -> None:
         """Wait for delayed optimizer steps and averaging rounds (and apply their results)."""
-        self.hivemind_optimizer.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=apply)
+        self.loop.state_averager.step(wait_for_delayed_updates=True, apply_delayed_updates=apply)
 
     def load_state_from_peers(self) -> None:
-        self.hivemind_optimizer.load_state_from_peers()
+        self.loop.load_state_from_peers()
 
     # ---- what the peer holds
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer hivemind really steps (a copy of the user's when offloading)."""
-        return self.hivemind_optimizer.state_averager.optimizer
+        """The torch optimizer the loop really steps (a copy of the user's when offloading)."""
+        return self.loop.state_averager.optimizer
 
     @property
     def param_groups(self) -> list[dict]:
-        return list(self.hivemind_optimizer.param_groups)
+        return list(self.loop.param_groups)
 
     @property
     def parameters(self) -> list[torch.Tensor]:
         """The model's parameters (those the gradients are read from)."""
-        return list(self.hivemind_optimizer.state_averager.main_parameters)
+        return list(self.loop.state_averager.main_parameters)
 
     # ---- the swarm as this peer sees it
 
     @property
     def local_epoch(self) -> int:
-        return self.hivemind_optimizer.local_epoch
+        return self.loop.local_epoch
 
     @property
     def global_epoch(self) -> int:
-        return self.hivemind_optimizer.tracker.global_epoch
+        return self.loop.tracker.global_epoch
 
     @property
     def num_peers(self) -> int:
-        return self.hivemind_optimizer.tracker.global_progress.num_peers
+        return self.loop.tracker.global_progress.num_peers
 
     @property
     def samples_accumulated(self) -> int:
-        return self.hivemind_optimizer.tracker.global_progress.samples_accumulated
+        return self.loop.tracker.global_progress.samples_accumulated
 
     @property
     def samples_per_second(self) -> float:
-        tracker = self.hivemind_optimizer.tracker
+        tracker = self.loop.tracker
         # hivemind 1.1.12's GlobalTrainingProgress has no samples_per_second field
         value = getattr(tracker.global_progress, "samples_per_second", None)
         if value is None:
@@ -163,12 +159,12 @@ class HivemindPeer:
 
     @property
     def eta_next_epoch(self) -> float:
-        return max(0.0, self.hivemind_optimizer.tracker.estimated_next_update_time - dht_time())
+        return max(0.0, self.loop.tracker.estimated_next_update_time - dht_time())
 
     @property
     def local_samples_per_second(self) -> float:
         """This peer's own throughput (hivemind's moving average)."""
-        return float(self.hivemind_optimizer.tracker.performance_ema.samples_per_second)
+        return float(self.loop.tracker.performance_ema.samples_per_second)
 
     @property
     def client_mode(self) -> bool:
@@ -185,7 +181,7 @@ class HivemindPeer:
 
     def publish_metrics(self, record: dict[str, Any] | None, expiration: float) -> None:
         """Store this peer's metrics record (``None``: it leaves) under its signed subkey, without waiting."""
-        tracker = self.hivemind_optimizer.tracker
+        tracker = self.loop.tracker
         self.dht.store(key=self.metrics_key, subkey=tracker._local_public_key, value=record,
                        expiration_time=expiration, return_future=True)
 
@@ -196,7 +192,7 @@ class HivemindPeer:
         before their first step never see each other. Stored under the tracker's own signed subkey; the tracker
         replaces it with its own reports as soon as this peer trains.
         """
-        tracker = self.hivemind_optimizer.tracker
+        tracker = self.loop.tracker
         future = tracker.dht.store(key=tracker.training_progress_key, subkey=tracker._local_public_key,
                                    value=tracker.local_progress.dict(),
                                    expiration_time=dht_time() + tracker.metadata_expiration, return_future=True)
@@ -208,28 +204,28 @@ class HivemindPeer:
     @property
     def last_round(self) -> RoundOutcome | None:
         """The outcome of this peer's last round (None before its first)."""
-        return self.hivemind_optimizer.last_round
+        return self.loop.last_round
 
     @property
     def out_of_sync(self) -> bool:
         """Whether this peer knows its parameters differ from its swarm's (see :func:`lineage_check.out_of_sync`)."""
-        return out_of_sync(self.hivemind_optimizer)
+        return out_of_sync(self.loop)
 
     def shutdown(self) -> None:
-        self.hivemind_optimizer.shutdown()
+        self.loop.shutdown()
 
 
 class DiLoCoPeer(HivemindPeer):
     """A DiLoCo peer (see :mod:`collabopt.diloco`): ``step()`` applies the inner optimizer at once, then reports the
-    samples; hivemind's optimizer is the outer one and its rounds average pseudo-gradients. ``optimizer`` is the
+    samples; the loop's optimizer is the outer one and its rounds average pseudo-gradients. ``optimizer`` is the
     inner optimizer (the one the scheduler drives, whose statistics are checkpointed)."""
 
     def __init__(self, dht: Any, arguments: dict[str, Any], diloco: Any):
         self.diloco = diloco
         super().__init__(dht, arguments)
 
-    def _create_optimizer(self, dht: Any, arguments: dict[str, Any]) -> Any:
-        return DiLoCoOptimizer(dht=dht, diloco=self.diloco, **arguments)
+    def _create_loop(self, dht: Any, arguments: dict[str, Any]) -> Any:
+        return DiLoCoLoop(dht=dht, diloco=self.diloco, **arguments)
 
     def step(self, samples: int | None) -> bool:
         """A step that ended a round reported its samples before the round, also where the round then failed and
@@ -244,13 +240,22 @@ class DiLoCoPeer(HivemindPeer):
         """None: the inner optimizer applies every step's gradients at once."""
         return None
 
+    def set_before_averaging(self, callback: Callable[[], None] | None) -> None:
+        """Nothing to look at: the inner optimizer applied every step's gradients (the round checks its
+        pseudo-gradient itself, see :mod:`collabopt.diloco`)."""
+
+    @property
+    def out_of_sync(self) -> bool:
+        """False: a DiLoCo peer whose anchor is not the swarm's downloads before its next round instead."""
+        return False
+
     @property
     def last_round(self) -> RoundOutcome | None:
         return self.diloco.last_round
 
     def restart_from_last_round(self) -> None:
         """The parameters turned non-finite: restart from the last round's (see :mod:`collabopt.diloco`)."""
-        self.diloco.restart_from_last_round(self.hivemind_optimizer)
+        self.diloco.restart_from_last_round(self.loop)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -263,10 +268,10 @@ class DiLoCoPeer(HivemindPeer):
     def finish_background_work(self, apply: bool = True) -> None:
         """Also wait for the round in flight (``overlap_rounds``): applied, or with ``apply=False`` dropped (a
         checkpoint is being loaded: the parameters are the checkpoint's, not those the round started from)."""
-        self.hivemind_optimizer.land(wait=True, apply=apply)
+        self.loop.land(wait=True, apply=apply)
         super().finish_background_work(apply)
 
     def restore_epoch(self, epoch: int) -> None:
         """A checkpoint was loaded: its parameters become the anchor."""
         super().restore_epoch(epoch)
-        self.diloco.reanchor(self.hivemind_optimizer)
+        self.diloco.reanchor(self.loop)

@@ -10,15 +10,14 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from collabopt import lineage
-from collabopt.engine.lineage_check import join_state_round_with_nothing, resync_outcome
+from collabopt.engine.lineage_check import resync_outcome
 from collabopt.engine.progress import forget_stale_progress
 
 logger = logging.getLogger(__name__)
 
 
 def download_state(optimizer: Any, **kwargs: Any) -> None:
-    """``hivemind.Optimizer.load_state_from_peers`` without its relabelling, for
-    :class:`~collabopt.engine.sync_round.SyncOptimizer`.
+    """Download the swarm's state for :class:`~collabopt.engine.sync_round.SyncLoop`.
 
     A state one epoch older than the swarm's is downloaded again, for up to ``averaging_timeout``, before falling
     back on hivemind 1.1.12's relabelling (which left the peer one update apart for good). A re-synchronization of
@@ -65,12 +64,11 @@ def _download_until_current(optimizer: Any, **kwargs: Any) -> None:
 
 
 def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
-    """hivemind 1.1.12's ``Optimizer.load_state_from_peers`` minus its one-epoch relabelling."""
+    """One download of the state (and of the gradient averager's, if it serves one); retried until one succeeds."""
     logger = logging.getLogger(__name__)
-    if optimizer.scheduled_grads is not None and not optimizer.scheduled_grads.done():
-        optimizer._tag_along_with_zero_weight(optimizer.scheduled_grads)  # as hivemind: the round may have started
-        optimizer.scheduled_grads = None
-    join_state_round_with_nothing(optimizer)
+    control, optimizer.scheduled_grads = optimizer.scheduled_grads, None
+    if control is not None and not control.done():
+        optimizer.tag_along(control)  # its group may have formed: leaving would make the others match again
     optimizer.state_averager.step(wait_for_delayed_updates=True)
     with optimizer.tracker.pause_updates():
         while True:
@@ -82,16 +80,10 @@ def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
             except KeyboardInterrupt:
                 raise
             except BaseException as e:
-                logger.exception(f"Failed to load state from peers: {e}, retrying ...")
+                logger.warning("collabopt: downloading the swarm's state failed (%r): trying again", e)
         after_download(optimizer)
 
 
 def after_download(optimizer: Any) -> None:
-    optimizer.sync_state.downloaded_epoch = optimizer.local_epoch
     optimizer.tracker.report_local_progress(local_epoch=optimizer.local_epoch, samples_accumulated=0)
-    if not optimizer.client_mode:
-        optimizer.state_averager.state_sharing_priority = optimizer.local_epoch
-    if optimizer.use_gradient_averaging:
-        optimizer.grad_averager.reset_accumulated_grads_()
-        if not optimizer.client_mode:
-            optimizer.grad_averager.state_sharing_priority = optimizer.local_epoch
+    optimizer.reset_accumulation()

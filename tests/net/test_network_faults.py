@@ -99,7 +99,8 @@ def group_sizes_after(log: str, since: float) -> list[int]:
     """Sizes of the gradient-averaging groups in a peer's log after ``since`` (time.time(); log lines start with
     hivemind's 'Nov 23 18:19:02.588' local time)."""
     sizes = []
-    for match in re.finditer(r"^(\w{3} +\d+ [\d:.]+) \[INFO\] Averaged gradients with (\d+) peers", log, re.M):
+    for match in re.finditer(r"^(\w{3} +\d+ [\d:.]+) \[INFO\] collabopt: gradients averaged with (\d+) peers", log,
+                             re.M):
         stamp = datetime.datetime.strptime(f"{datetime.date.today().year} {match[1]}", "%Y %b %d %H:%M:%S.%f")
         if stamp.timestamp() >= since:
             sizes.append(int(match[2]))
@@ -120,5 +121,5 @@ def test_a_slow_link_does_not_hold_the_swarm_back(tmp_path, make_net):
     times = results["a"]["epoch_times"]
     gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
     assert max(gaps) <= AVERAGING_TIMEOUT + MATCHMAKING_TIME, gaps
-    assert "Averaged gradients with 3 peers" in procs["c"].log()
+    assert "gradients averaged with 3 peers" in procs["c"].log()
     assert_in_sync(params)

@@ -105,7 +105,7 @@ def main(config_path: str) -> None:
             if cfg.get("overlap") and copt.diloco.rounds_applied != before[1]:  # a round landed in this step
                 params["landed"][copt.diloco.rounds_applied] = dict(
                     after=snapshot(model), before=last_inner["params"],
-                    anchor={k: a.detach().clone() for k, a in zip(params["start"], copt.hivemind_optimizer.anchors,
+                    anchor={k: a.detach().clone() for k, a in zip(params["start"], copt.loop.anchors,
                                                                   strict=True)})
             if copt.local_epoch != before[0]:
                 epoch = copt.local_epoch
@@ -182,8 +182,8 @@ def cut_results(round_index: int, marker: str) -> None:
 def inject_failure(copt: CollaborativeOptimizer, round_index: int) -> None:
     """This peer misses round ``round_index`` as if its connection failed then: it does not look for a group, and its
     averaging fails after the others had time to average without it."""
-    swarm = copt.hivemind_optimizer
-    average, schedule = swarm.average, swarm._maybe_schedule_gradient_averaging
+    swarm = copt.loop
+    average, schedule = swarm.average, swarm.schedule_rounds
     failed = []
 
     def in_failing_round() -> bool:
@@ -198,7 +198,7 @@ def inject_failure(copt: CollaborativeOptimizer, round_index: int) -> None:
         raise ConnectionError("injected: this peer's connection failed during the round")
 
     swarm.average = failing_average
-    swarm._maybe_schedule_gradient_averaging = lambda: None if in_failing_round() else schedule()
+    swarm.schedule_rounds = lambda: None if in_failing_round() else schedule()
 
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -45,7 +45,7 @@ def main(config_path: str) -> None:
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
 
     def log(copt: CollaborativeOptimizer) -> None:
-        tracker = copt.hivemind_optimizer.tracker
+        tracker = copt.loop.tracker
         with open(out + ".trace", "a") as trace:
             trace.write(json.dumps(dict(t=dht_time(), epoch=copt.local_epoch, peer_id=copt.dht.peer_id.to_base58(),
                                         sps=tracker.performance_ema.samples_per_second,

@@ -1,10 +1,9 @@
 """A gradient round that fails goes on with this peer's own accumulated gradients.
 
 hivemind 1.1.12 zeroes the accumulators as it hands them to a round; when the round then fails ("could not find a
-group", a timeout) it logs "Proceeding with local gradients" but reloads the zeroed accumulators, and the epoch's
-optimizer step gets zero gradients: the epoch's samples are lost (SGD does not move; Adam moves by its momentum
-only). collabopt keeps the accumulators until the epoch ends (``keeps_accumulation`` in
-``collabopt/engine/averaging.py``).
+group", a timeout) it logged "Proceeding with local gradients" but reloaded the zeroed accumulators, and the epoch's
+optimizer step got zero gradients: the epoch's samples were lost (SGD does not move; Adam moves by its momentum
+only). collabopt's loop keeps the accumulators until the epoch ends (``SyncLoop._gradient_round``).
 
 One real optimizer in this process, a lone peer whose tracker is made to count a second peer at the boundary: its
 rounds run and really find no group."""
@@ -38,16 +37,17 @@ def test_a_failed_gradient_round_steps_with_the_local_gradients(mode, monkeypatc
                                  print_join_message=False, handle_signals=False,
                                  average_state_every=1000, **options)  # (no parameter round: it would fail too)
     try:
-        hm = opt.hivemind_optimizer
-        begin = hm._begin_averaging_gradients
+        hm = opt.loop
+        gradient_round = hm._gradient_round
         rounds = []
 
-        def begin_with_another_peer(grad_scaler):
+        def round_with_another_peer(epoch, num_peers):
             hm.tracker.global_progress.num_peers = 2  # the round starts, and finds nobody
-            rounds.append(begin(grad_scaler))
-            return rounds[-1]
+            outcome, in_background = gradient_round(epoch, 2)
+            rounds.append(outcome is None or outcome.reason != "alone")  # (overlap: decided in the background)
+            return outcome, in_background
 
-        monkeypatch.setattr(hm, "_begin_averaging_gradients", begin_with_another_peer)
+        monkeypatch.setattr(hm, "_gradient_round", round_with_another_peer)
         expected = 0.0
         for epoch, gradient in ((1, 1.0), (2, 2.0)):
             for _ in range(400):  # until the boundary (a lone peer's view of the swarm's samples can lag a step)

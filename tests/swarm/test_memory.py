@@ -16,7 +16,7 @@ pytestmark = pytest.mark.swarm
 
 
 def averaged_pointers(optimizer) -> list[int]:
-    with optimizer.hivemind_optimizer.state_averager.get_tensors() as averaged:
+    with optimizer.loop.state_averager.get_tensors() as averaged:
         return [t.data_ptr() for t in averaged]
 
 
@@ -51,7 +51,7 @@ def test_the_state_averager_averages_the_parameters_themselves_unless_it_runs_in
 
 
 def round_buffer_pointers(optimizer) -> tuple[list[int], list[int]]:
-    averager = optimizer.hivemind_optimizer.grad_averager
+    averager = optimizer.loop.grad_averager
     with averager.get_tensors() as buffers:
         return [t.data_ptr() for t in averager._grad_accumulators()], [t.data_ptr() for t in buffers]
 

@@ -215,16 +215,20 @@ def test_a_round_that_cannot_be_applied_keeps_the_local_progress(case):
     assert guard.refused_updates == (1 if case == "non-finite average" else 0)
 
 
-def test_a_peer_whose_anchor_differs_from_its_group_resyncs_without_counting_its_progress_twice():
+def test_a_peer_whose_anchor_differs_from_its_group_resyncs_keeping_all_its_progress():
+    """Its averager took part with weight 0 (engine.diloco_averaging): its pseudo-gradient is not in the group's
+    round, so all its progress since its own anchor stays for its next round, after the download."""
     model, diloco, swarm = trained(num_peers=3)
+    anchors = [a.detach().clone() for a in swarm.anchors]
+    before = [p.detach().clone() for p in model.parameters()]
     other_anchor = {"epoch": 0, "anchor": fingerprint([a + 1 for a in swarm.anchors])}
     swarm.others = [(8.0, [torch.zeros_like(p) for p in swarm.parameters])] * 2
     swarm.other_metadata = [other_anchor, other_anchor]
     outcome = diloco.run_round(swarm)
-    assert not outcome.applied and diloco.needs_sync
-    # its progress reached the group (that applies it): from now on only new progress is kept for the download
-    assert diloco.pending_samples == 0
-    assert all(torch.equal(a, p) for a, p in zip(swarm.anchors, model.parameters(), strict=True))
+    assert not outcome.applied and outcome.reason == "anchor differs" and diloco.needs_sync
+    assert diloco.pending_samples == 24
+    assert all(torch.equal(a, b) for a, b in zip(swarm.anchors, anchors, strict=True))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 def test_a_non_finite_local_pseudo_gradient_is_not_contributed():
@@ -507,22 +511,23 @@ def test_overlap_rounds_needs_diloco_mode(no_network):
     assert CollabConfig.from_options(outer_optimizer=OUTER, overlap_rounds=True, **SWARM).overlap_rounds
 
 
-def test_overlap_a_round_with_another_anchor_keeps_only_the_progress_made_since_it_started():
+def test_overlap_a_round_with_another_anchor_keeps_all_the_progress():
+    """Its averager took part with weight 0: the pseudo-gradient in flight stays this peer's progress, with its
+    samples, for its next round after the download."""
     model, diloco, swarm = trained(num_peers=2)
+    anchors = [a.detach().clone() for a in swarm.anchors]
     swarm.others = [(8.0, [torch.ones_like(p) for p in swarm.parameters])]
     swarm.other_metadata = [{"epoch": 1, "anchor": [1.0, 2.0, 3.0]}]  # the group's newer anchor
     weight = diloco.start_round(swarm)
-    base = [p.detach().clone() for p in model.parameters()]
     gathered = swarm.average(weight)
     model(torch.randn(8, 4)).pow(2).mean().backward()
     diloco.inner_step(8)
     before = [p.detach().clone() for p in model.parameters()]
     outcome = diloco.land_round(swarm, gathered)
     assert not outcome.applied and diloco.needs_sync and diloco.pending is None
-    # its pseudo-gradient reached the group: what the download keeps is the progress since the round started
-    assert all(torch.equal(a, b) for a, b in zip(swarm.anchors, base, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(swarm.anchors, anchors, strict=True))
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
-    assert diloco.pending_samples == 8
+    assert diloco.pending_samples == weight + 8
 
 
 @pytest.mark.parametrize(("overlap", "needs_sync", "local", "global_", "samples", "expected"), [
@@ -656,7 +661,7 @@ def test_a_diloco_peers_view_of_the_swarm_is_never_older_than_half_a_matchmaking
 
     from hivemind.utils import get_dht_time
 
-    from collabopt.engine.diloco_round import DiLoCoOptimizer, ThrottledProgressTracker
+    from collabopt.engine.diloco_round import DiLoCoLoop, ThrottledProgressTracker
     from collabopt.engine.progress import SwarmProgressTracker
 
     monkeypatch.setattr(SwarmProgressTracker, "_parse_swarm_progress_data",
@@ -675,7 +680,7 @@ def test_a_diloco_peers_view_of_the_swarm_is_never_older_than_half_a_matchmaking
             self.global_progress = SimpleNamespace(next_fetch_time=get_dht_time() + 0.5, num_peers=3)
 
     optimizer = SimpleNamespace(tracker=Fetcher())
-    DiLoCoOptimizer._refresh_swarm_view(optimizer, timeout=5.0)
+    DiLoCoLoop._refresh_swarm_view(optimizer, timeout=5.0)
     assert optimizer.tracker.global_progress.num_peers == 3  # it waited for the fresh view
 
 
@@ -695,7 +700,29 @@ def test_a_step_that_ends_a_failed_round_still_counts_its_samples():
         diloco.last_round = RoundOutcome(False, "averaging failed", weight=float(batch_size), num_peers=2)
 
     peer = object.__new__(DiLoCoPeer)
-    peer.diloco, peer.hivemind_optimizer = diloco, SimpleNamespace(step=step, tracker=tracker, local_epoch=3)
+    peer.diloco, peer.loop = diloco, SimpleNamespace(step=step, tracker=tracker, local_epoch=3)
     assert peer.step(8) is True and diloco.pending_samples == 8
-    peer.hivemind_optimizer.step = lambda batch_size=None: None  # dropped (to download first): nothing changed
+    peer.loop.step = lambda batch_size=None: None  # dropped (to download first): nothing changed
     assert peer.step(8) is False
+
+
+def test_a_member_whose_anchor_is_not_its_groups_is_judged_so_before_the_all_reduce():
+    """The averager reads the metadata matchmaking gathered (each member's bandwidth, mode and round metadata) and
+    judges this member as DiLoCo's round will after it: one whose anchor differs takes part with weight 0."""
+    from types import SimpleNamespace
+
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from collabopt.engine.diloco_averaging import _member_agrees
+
+    ours, theirs = {"epoch": 3, "anchor": [1.0, 2.0, 3.0]}, {"epoch": 3, "anchor": [4.0, 5.0, 6.0]}
+
+    def group(*metadata):
+        gathered = [MSGPackSerializer.dumps((1.0, 0, MSGPackSerializer.dumps(m))) for m in metadata]
+        return SimpleNamespace(peer_ids=("me", "b", "c")[:len(metadata)], gathered=gathered)
+
+    assert _member_agrees(group(ours, ours, theirs), "me", MSGPackSerializer)
+    assert not _member_agrees(group(theirs, ours, ours), "me", MSGPackSerializer)
+    assert not _member_agrees(group(dict(ours, epoch=2), ours), "me", MSGPackSerializer)  # an older epoch
+    assert _member_agrees(group(None, ours), "me", MSGPackSerializer)  # it cannot tell: the round judges
+    assert _member_agrees(SimpleNamespace(peer_ids=("me",), gathered=[b"junk"]), "me", MSGPackSerializer)

@@ -15,10 +15,13 @@ STILL_OVER: dict[str, int] = {}
 ENGINE_LAYERS = [
     {"compat", "dialback"},
     {"p2p", "records", "progress", "averaging", "state"},
+    {"loop"},
     {"lineage_check", "sync_download", "sync_round"},
     {"diloco_averaging", "diloco_round"},
     {"peer"},
 ]
+# the two rounds are strategies over the same loop and services: neither imports the other
+ROUNDS = (ENGINE_LAYERS[3], ENGINE_LAYERS[4])
 FRAMEWORKS = ("lightning", "pytorch_lightning", "accelerate", "transformers", "collabopt.integrations")
 
 
@@ -73,6 +76,24 @@ def test_engine_modules_import_only_their_layer_or_below():
     upward = [f"{name} imports {other}" for name in sorted(engine) for other in sorted(graph[name])
               if other in layer_of and layer_of[other] > layer_of[name]]
     assert not upward, "\n".join(upward)
+    sync, diloco = ({f"collabopt.engine.{name}" for name in layer} for layer in ROUNDS)
+    across = [f"{name} imports {other}" for one, two in ((sync, diloco), (diloco, sync)) for name in sorted(one)
+              for other in sorted(graph[name]) if other in two]
+    assert not across, "\n".join(across)
+
+
+def test_no_class_of_collabopt_subclasses_hivemind_optimizer():
+    """collabopt's loop composes hivemind's parts (DHT, averagers, tracker); it does not patch hivemind's optimizer."""
+    import importlib
+    import inspect
+
+    import hivemind
+
+    found = [f"{name}.{cls.__name__}" for name in sorted(modules()) if name.startswith("collabopt.engine")
+             or name in ("collabopt.optimizer", "collabopt.diloco")
+             for cls in vars(importlib.import_module(name)).values()
+             if inspect.isclass(cls) and issubclass(cls, hivemind.Optimizer)]
+    assert not found, found
 
 
 def test_the_core_imports_no_adapter_and_no_framework():

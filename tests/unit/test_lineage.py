@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from collabopt import lineage
-from collabopt.engine import averaging, lineage_check, state
+from collabopt.engine import averaging, lineage_check, state, sync_round
 from collabopt.engine.lineage_check import SyncState
 from collabopt.lineage import Verdict, canonical_peers, fingerprint, judge, same_fingerprint
 
@@ -73,17 +72,17 @@ class Control:
 
 def stand_in(epoch: int = 3, client_mode: bool = False) -> SimpleNamespace:
     return SimpleNamespace(
-        dht=SimpleNamespace(peer_id="me"), local_epoch=epoch, averaging_timeout=10.0, average_state_every=1,
-        scheduled_state=None, client_mode=client_mode, status_loglevel=logging.INFO, sync_state=SyncState(),
+        dht=SimpleNamespace(peer_id="me"), local_epoch=epoch, averaging_timeout=10.0,
+        client_mode=client_mode, status_loglevel=logging.INFO, sync_state=SyncState(),
         state_averager=SimpleNamespace(state_sharing_priority=float(epoch), main_parameters=[torch.ones(4)]))
 
 
 def test_a_peer_of_another_lineage_plans_a_download_from_the_canonical_members(caplog):
     optimizer = stand_in()
     group = {"p1": meta(3, A), "me": meta(3, B), "p2": meta(3, A), "p3": meta(2, B)}
-    lineage_check.judge_lineage(optimizer, Control(group))
+    reason, _ = lineage_check.judge_lineage(optimizer, Control(group))
     assert optimizer.sync_state.resync.peers == ["p1", "p2"] and optimizer.sync_state.resync.epoch == 3
-    assert optimizer.average_state_every == sys.maxsize  # no parameter averaging at this boundary
+    assert reason in sync_round.REFUSING_REASONS  # no parameter averaging at this boundary
     assert optimizer.state_averager.state_sharing_priority == 2.5  # downloads prefer the others
     assert "differ from those of 2 of the 3 peers of its gradient round at epoch 3" in caplog.text
 
@@ -98,8 +97,8 @@ def test_a_peer_of_another_lineage_plans_a_download_from_the_canonical_members(c
 ])
 def test_a_peer_of_the_canonical_lineage_or_without_a_verdict_goes_on(group):
     optimizer = stand_in()
-    lineage_check.judge_lineage(optimizer, Control(group))
-    assert optimizer.sync_state.resync is None and optimizer.average_state_every == 1
+    verdict = lineage_check.judge_lineage(optimizer, Control(group))
+    assert optimizer.sync_state.resync is None and (verdict is None or verdict[0] not in sync_round.REFUSING_REASONS)
 
 
 def test_a_peer_apart_adopts_the_lineage_of_a_whole_member_even_alone():
@@ -182,8 +181,8 @@ def test_a_pending_resync_is_not_replaced():
     optimizer = stand_in()
     pending = lineage_check.Resync(peers=["p9"], epoch=2, until=float("inf"))
     optimizer.sync_state.resync = pending
-    lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "p2": meta(3, A), "me": meta(3, B)}))
-    assert optimizer.sync_state.resync is pending and optimizer.average_state_every == 1
+    verdict = lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "p2": meta(3, A), "me": meta(3, B)}))
+    assert optimizer.sync_state.resync is pending and verdict == ("averaged", "")
 
 
 @pytest.mark.parametrize("tensor", [torch.full((3 * lineage.FINGERPRINT_CHUNK + 7,), 0.3333),  # LayerNorm-like

@@ -12,8 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from collabopt import RoundOutcome
-from collabopt.engine import sync_download, sync_round
+from collabopt.engine import sync_download
 from collabopt.engine.lineage_check import SyncState
 
 
@@ -27,7 +26,7 @@ class Progress:  # the fields of hivemind's GlobalTrainingProgress that the down
 
 
 class StandIn:
-    """A hivemind.Optimizer as download_state sees it; each download serves the next epoch of ``served``."""
+    """A SyncLoop as download_state sees it; each download serves the next epoch of ``served``."""
 
     def __init__(self, local_epoch: int, swarm_epoch: int, served: list[int], averaging_timeout: float = 5.0):
         self.served, self.downloads = list(served), 0
@@ -39,10 +38,13 @@ class StandIn:
             report_local_progress=lambda local_epoch, samples_accumulated: self.tracker.reported.append(local_epoch))
         self.tracker.global_epoch = swarm_epoch
         self.averaging_timeout, self.load_state_timeout = averaging_timeout, 1.0
-        self.scheduled_grads, self.scheduled_state = None, None
+        self.scheduled_grads = None
         self.grad_averager, self.use_gradient_averaging = None, False
         self.client_mode, self.status_loglevel = False, logging.INFO
         self.sync_state = SyncState()
+
+    def reset_accumulation(self) -> None:
+        self.state_averager.state_sharing_priority = self.local_epoch
 
     def _serve(self, timeout: float) -> None:
         self.downloads += 1
@@ -110,40 +112,3 @@ def test_a_state_two_epochs_old_is_not_relabelled(monkeypatch):
     optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[3] * 100, averaging_timeout=5.0)
     sync_download.download_state(optimizer)
     assert optimizer.local_epoch == 3
-
-
-class Control:  # hivemind's StepControl, as far as the download touches it
-    def __init__(self):
-        self.weight, self.triggered = None, False
-
-    def allow_allreduce(self) -> None:
-        self.triggered = True
-
-    def done(self) -> bool:
-        return False
-
-
-def test_a_pre_scheduled_state_round_is_joined_with_nothing_not_left_waiting():
-    """Its group may have formed: the others' round would wait for this peer's part until averaging_timeout."""
-    optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[5])
-    optimizer.scheduled_state = control = Control()
-    sync_download.download_state(optimizer)
-    assert (control.weight, control.triggered) == (0, True)
-    assert optimizer.scheduled_state is None
-
-
-@pytest.mark.parametrize(("local_epoch", "downloads"), [(3, True), (4, False), (5, False)])
-def test_a_boundary_begun_two_epochs_behind_the_swarm_downloads_instead(monkeypatch, local_epoch, downloads):
-    """step() checked the sync on an older view than the one that made it ready (a peer back from a cut link)."""
-    import hivemind
-    boundaries = []
-    monkeypatch.setattr(hivemind.Optimizer, "_update_global_epoch", lambda self, scaler: boundaries.append(scaler))
-    tracker = SimpleNamespace(global_epoch=5, global_progress=SimpleNamespace(num_peers=3))
-    optimizer = SimpleNamespace(local_epoch=local_epoch, tracker=tracker, downloads=[], use_gradient_averaging=True,
-                                status_loglevel=logging.INFO, average_state_every=1, last_round=None,
-                                sync_state=SyncState())
-    optimizer.load_state_from_peers = lambda: optimizer.downloads.append(True)
-    sync_round.SyncOptimizer._update_global_epoch(optimizer, "scaler")
-    assert (optimizer.downloads, boundaries) == (([True], []) if downloads else ([], ["scaler"]))
-    if downloads:  # the boundary's outcome: not applied, re-synchronized
-        assert optimizer.last_round == RoundOutcome(False, "behind", num_peers=3, resync=True, epoch=local_epoch)

@@ -1,101 +1,129 @@
-"""Pre-scheduled state rounds (collabopt.engine.sync_round.preschedule_state_rounds): argument handling on a stand-in
-optimizer; the rounds themselves run in every swarm test."""
+"""The synchronous boundary (collabopt.engine.sync_round.SyncLoop.end_epoch) on stand-in services: which round
+runs and which gradients the optimizer steps with; the rounds themselves run in every swarm test."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
-from hivemind.optim.optimizer import PerformanceEMA
-from hivemind.utils import get_dht_time
 
+from collabopt import RoundOutcome
 from collabopt.engine import averaging, lineage_check, progress, state, sync_round
 from collabopt.engine import peer as engine_peer
 
 
-def stand_in(matchmaking_time: float, eta: float) -> SimpleNamespace:
-    calls = []
-    averager = SimpleNamespace(delay_before_averaging=PerformanceEMA(alpha=1.0),
-                               schedule_step=lambda scheduled_time=None, **kw: calls.append((scheduled_time, kw)))
-    return SimpleNamespace(state_averager=averager, tracker=SimpleNamespace(estimated_next_update_time=eta),
-                           delay_before_state_averaging=PerformanceEMA(alpha=1.0), matchmaking_time=matchmaking_time,
-                           client_mode=False, calls=calls, sync_state=lineage_check.SyncState())
+class Control:
+    """A gradient round's StepControl as the loop sees it: ``result()`` is the group's gathered metadata."""
+
+    def __init__(self, group: dict | None = None, error: Exception | None = None):
+        self.group, self.error, self.triggered, self.weight = group, error, False, None
+
+    def done(self) -> bool:
+        return self.triggered
+
+    def cancelled(self) -> bool:
+        return False
+
+    def exception(self) -> Exception | None:
+        return self.error
+
+    def result(self, timeout: float | None = None) -> dict | None:
+        if self.error is not None:
+            raise self.error
+        return self.group
+
+    def allow_allreduce(self) -> None:
+        self.triggered = True
+
+    def cancel(self) -> None:
+        self.triggered = True
 
 
-@pytest.mark.parametrize(("matchmaking_time", "slack"), [(1.0, 0.5), (2.0, 1.0), (5.0, 1.0)])
-def test_the_group_stays_open_until_the_estimated_start_plus_a_slack(matchmaking_time, slack):
-    eta = get_dht_time() + matchmaking_time
-    optimizer = stand_in(matchmaking_time, eta)
-    sync_round.preschedule_state_rounds(optimizer)
-    # hivemind pre-schedules only once it has timed a round: a first estimate of 0 s lets it start at once
-    assert optimizer.delay_before_state_averaging.num_updates == 1
-    optimizer.delay_before_state_averaging.update(task_size=1, interval=0.3)  # boundary -> state round, measured
-    optimizer.state_averager.delay_before_averaging.update(task_size=1, interval=0.2)
-    optimizer.state_averager.schedule_step(gather=3, timeout=30.0)  # as _maybe_schedule_state_averaging calls it
-    assert optimizer.calls == [(pytest.approx(eta + 0.3 + 0.2 + slack), dict(gather=3, timeout=30.0))]
-    optimizer.state_averager.schedule_step(scheduled_time=1234.0)  # an explicit time is kept
-    assert optimizer.calls[-1][0] == 1234.0
+class GradAverager:
+    """The gradient averager's calls the boundary makes, recorded."""
+
+    def __init__(self, buffers: list[torch.Tensor]):
+        self.buffers, self.calls = buffers, []
+
+    def get_tensors(self):
+        return contextlib.nullcontext(self.buffers)
+
+    def step(self, control=None, **kwargs):
+        self.calls.append("step")
+        control = control or Control()
+        control.allow_allreduce()
+        return control
+
+    def __getattr__(self, name):  # load_accumulators_into_averager_, notify_used_averaged_gradients, ...
+        return lambda *args, **kwargs: self.calls.append(name)
 
 
-def test_the_scheduled_time_stays_before_the_rounds_deadline():
-    """hivemind asserts scheduled_time < now + timeout: an averaging_timeout barely above matchmaking_time."""
-    optimizer = stand_in(matchmaking_time=2.0, eta=get_dht_time() + 2.0)
-    sync_round.preschedule_state_rounds(optimizer)
-    optimizer.state_averager.schedule_step(timeout=2.5)
-    assert optimizer.calls[0][0] < get_dht_time() + 2.5
+def sync_loop(num_peers: int = 3, local_epoch: int = 8, swarm_epoch: int = 8, group: dict | None = None,
+              error: Exception | None = None) -> sync_round.SyncLoop:
+    """A SyncLoop on stand-in services, its gradient round pre-scheduled (``group``: what it gathers)."""
+    loop = object.__new__(sync_round.SyncLoop)
+    param = torch.nn.Parameter(torch.zeros(2))
+    state_steps: list[dict] = []
+    loop.state_averager = SimpleNamespace(
+        local_epoch=local_epoch, averaging_in_progress=False, main_parameters=(param,), state_sharing_priority=0,
+        optimizer=SimpleNamespace(param_groups=[{"params": [param]}]), group_size_hint=None,
+        step=lambda **kw: state_steps.append(kw))
+    loop.state_steps = state_steps
+    loop.tracker = SimpleNamespace(global_epoch=swarm_epoch, global_progress=SimpleNamespace(num_peers=num_peers),
+                                   pause_updates=contextlib.nullcontext, update_epoch=lambda new_epoch: None)
+    loop.grad_averager = GradAverager([torch.ones(2)])
+    loop.scheduled_grads = Control(group, error)
+    loop.sync_state = lineage_check.SyncState(checks_lineage=group is not None)
+    loop.dht = SimpleNamespace(peer_id="me")
+    loop.downloads = []
+    loop.load_state_from_peers = lambda: loop.downloads.append(True)
+    for name, value in dict(auxiliary=False, client_mode=False, offload_optimizer=False, delay_grad_averaging=False,
+                            delay_optimizer_step=False, delay_state_averaging=False, average_state_every=1,
+                            averaging_timeout=5.0, status_loglevel=logging.INFO).items():
+        setattr(loop, name, value)
+    return loop
 
 
-def boundary(monkeypatch, **attributes) -> tuple[list[int], list[str]]:
-    """Run ``optimizer_class()._update_global_epoch`` on a stand-in; return the ``average_state_every`` hivemind's
-    own method saw, and which scheduling calls reached hivemind."""
-    import hivemind
-
-    seen, scheduled = [], []
-    monkeypatch.setattr(hivemind.Optimizer, "_update_global_epoch",
-                        lambda self, grad_scaler: seen.append(self.average_state_every))
-    monkeypatch.setattr(hivemind.Optimizer, "_maybe_schedule_state_averaging",
-                        lambda self: scheduled.append("state"))
-    optimizer = SimpleNamespace(local_epoch=8, average_state_every=1, status_loglevel=10, use_gradient_averaging=True,
-                                tracker=SimpleNamespace(global_epoch=8, global_progress=SimpleNamespace(num_peers=3)),
-                                sync_state=lineage_check.SyncState(preschedules_state=True, **attributes))
-    cls = sync_round.SyncOptimizer
-    cls._maybe_schedule_state_averaging(optimizer)
-    cls._update_global_epoch(optimizer, None)
-    assert optimizer.average_state_every == 1  # put back
-    return seen, scheduled
+@pytest.mark.parametrize(("local_epoch", "downloads"), [(3, True), (4, False), (5, False)])
+def test_a_boundary_begun_two_epochs_behind_the_swarm_downloads_instead(local_epoch, downloads):
+    """step() checked the sync on an older view than the one that made it ready (a peer back from a cut link)."""
+    loop = sync_loop(local_epoch=local_epoch, swarm_epoch=5, group={})
+    loop.end_epoch()
+    assert loop.downloads == ([True] if downloads else [])
+    assert bool(loop.state_steps) != downloads
+    if downloads:  # the boundary's outcome: not applied, re-synchronized
+        assert loop.last_round == RoundOutcome(False, "behind", num_peers=3, resync=True, epoch=local_epoch)
 
 
-def test_a_boundary_with_its_state_round_pre_scheduled_averages_parameters(monkeypatch):
-    assert boundary(monkeypatch) == ([1], ["state"])
+def test_a_whole_round_steps_with_the_average_then_averages_parameters():
+    group = {"me": {"epoch": 8, "lineage": [1.0]}, "b": {"epoch": 8, "lineage": [1.0]}}
+    loop = sync_loop(num_peers=2, group=group)
+    loop.end_epoch()
+    assert loop.last_round == RoundOutcome(True, "averaged", 2, num_peers=2, epoch=8)
+    assert "load_accumulators_into_averager_" not in loop.grad_averager.calls  # (the round's average, not its own)
+    assert [(s["optimizer_step"], s["averaging_round"]) for s in loop.state_steps] == [(True, True)]
 
 
-def test_the_first_boundary_after_a_download_skips_parameter_averaging(monkeypatch):
-    """A peer that downloaded epoch 8 as the others reached its boundary: no state round is scheduled for it, and
-    hivemind's boundary sees no averaging epoch (next_epoch % average_state_every != 0)."""
-    seen, scheduled = boundary(monkeypatch, downloaded_epoch=8)
-    assert scheduled == [] and seen[0] > 10**9
+def test_a_round_that_finds_this_peer_on_another_lineage_averages_no_parameters(monkeypatch):
+    """The one decision of the boundary: the lineage verdict turns the parameter round off (it would mix lineages)."""
+    monkeypatch.setattr(sync_round, "judge_lineage", lambda loop, control: ("apart", "parameters differ"))
+    loop = sync_loop(num_peers=3, group={"me": {"epoch": 8}, "b": {"epoch": 8}, "c": {"epoch": 8}})
+    loop.end_epoch()
+    assert loop.last_round.reason == "apart" and loop.last_round.resync
+    assert [(s["optimizer_step"], s["averaging_round"]) for s in loop.state_steps] == [(True, False)]
 
 
-@pytest.mark.parametrize(("lowest_epoch", "seconds_since", "schedules"), [
-    (None, 0.0, False),  # no records fetched yet
-    ((8, 9), 0.0, False),  # a peer still at epoch 8: the others are still in the boundary it skipped
-    ((9, 8), 0.0, False),  # fetched before this peer left epoch 8
-    ((9, 9), 0.0, True),
-    ((8, 9), 2.1, True),  # a matchmaking_time later: their groups for it are closed (a killed peer's record stays)
-])
-def test_after_a_skipped_round_the_next_is_scheduled_once_the_swarm_is_past_it(monkeypatch, lowest_epoch,
-                                                                               seconds_since, schedules):
-    import hivemind
-
-    scheduled = []
-    monkeypatch.setattr(hivemind.Optimizer, "_maybe_schedule_state_averaging", lambda self: scheduled.append(1))
-    state = lineage_check.SyncState(preschedules_state=True, downloaded_epoch=8, skipped_epoch=8,
-                                    skipped_at=get_dht_time() - seconds_since)
-    optimizer = SimpleNamespace(local_epoch=9, use_gradient_averaging=True, matchmaking_time=2.0, sync_state=state,
-                                tracker=SimpleNamespace(lowest_epoch=lowest_epoch))
-    sync_round.SyncOptimizer._maybe_schedule_state_averaging(optimizer)
-    assert bool(scheduled) == schedules
+@pytest.mark.parametrize(("num_peers", "error", "reason"), [(1, None, "alone"), (3, TimeoutError(), "no group")])
+def test_without_a_round_this_peer_steps_with_its_own_mean_gradient(num_peers, error, reason):
+    """Alone, or the round failed: the epoch's own accumulated mean gradient is loaded into the optimizer."""
+    loop = sync_loop(num_peers=num_peers, group={}, error=error)
+    loop.end_epoch()
+    assert "load_accumulators_into_averager_" in loop.grad_averager.calls
+    assert torch.equal(loop.state_averager.main_parameters[0].grad, torch.ones(2))
+    assert loop.last_round.reason == reason and loop.last_round.applied
 
 
 def test_the_progress_is_fetched_at_least_every_half_matchmaking_time(monkeypatch):
@@ -110,26 +138,15 @@ def test_the_progress_is_fetched_at_least_every_half_matchmaking_time(monkeypatc
     assert [kwargs["max_refresh_period"] for kwargs in made] == [1.0, 30.0, 0.4]
 
 
-def test_tagging_along_with_weight_0_sends_zeros_not_what_the_buffers_held(monkeypatch):
+def test_tagging_along_with_weight_0_sends_zeros_not_what_the_buffers_held():
     """0 * NaN is NaN: a peer taking part with weight 0 must not send a refused non-finite result left in its
-    gradient averager's buffers. Parameters (the state round's tensors) are never touched."""
-    import contextlib
-
-    import hivemind
-    import torch
-
-    sent = []
-    monkeypatch.setattr(hivemind.Optimizer, "_tag_along_with_zero_weight",
-                        lambda self, control: sent.append([b.clone() for b in buffers]))
-    buffers = [torch.tensor([float("nan"), 1.0]), torch.tensor([float("inf")])]
-    grad_averager = SimpleNamespace(get_tensors=lambda: contextlib.nullcontext(buffers))
-    grads, state = SimpleNamespace(triggered=False), SimpleNamespace(triggered=False)
-    optimizer = SimpleNamespace(scheduled_grads=grads, scheduled_state=state, grad_averager=grad_averager)
-    cls = sync_round.SyncOptimizer
-    cls._tag_along_with_zero_weight(optimizer, state)
-    assert not torch.isfinite(sent[-1][0]).all()  # the state round's control: nothing zeroed
-    cls._tag_along_with_zero_weight(optimizer, grads)
-    assert all((b == 0).all() for b in sent[-1])
+    gradient averager's buffers."""
+    loop = sync_loop()
+    loop.grad_averager.buffers[:] = [torch.tensor([float("nan"), 1.0]), torch.tensor([float("inf")])]
+    control = Control({})
+    loop.tag_along(control)
+    assert all((b == 0).all() for b in loop.grad_averager.buffers)
+    assert (control.weight, control.triggered) == (0, True)
 
 
 def test_an_averager_that_accumulates_its_own_way_is_checked_at_every_step():
@@ -140,21 +157,10 @@ def test_an_averager_that_accumulates_its_own_way_is_checked_at_every_step():
             pass
 
     peer = object.__new__(engine_peer.HivemindPeer)
-    peer.hivemind_optimizer = SimpleNamespace(grad_averager=object.__new__(OwnAccumulation))
+    peer.loop = SimpleNamespace(grad_averager=object.__new__(OwnAccumulation))
     assert peer.accumulators() is None
-    peer.hivemind_optimizer = SimpleNamespace(grad_averager=None)  # use_local_updates
+    peer.loop = SimpleNamespace(grad_averager=None)  # use_local_updates
     assert peer.accumulators() is None
-
-
-def test_a_client_schedules_its_state_round_a_matchmaking_time_later():
-    """A client never leads, and a leader refuses a peer whose round would end before its own: a client's round
-    ends later than any leader's estimate plus slack."""
-    eta = get_dht_time() + 2.0
-    optimizer = stand_in(2.0, eta)
-    optimizer.client_mode = True
-    sync_round.preschedule_state_rounds(optimizer)
-    optimizer.state_averager.schedule_step(gather=3, timeout=30.0)
-    assert optimizer.calls == [(pytest.approx(eta + 1.0 + 2.0), dict(gather=3, timeout=30.0))]
 
 
 class DoneRound:
@@ -238,28 +244,65 @@ def test_a_sender_that_dies_mid_part_does_not_cancel_the_part_for_the_others(shi
         assert cancelled  # the defect the shield removes (if this fails, hivemind fixed it)
 
 
-def test_only_collabopts_averagers_build_shielded_reducers_and_only_in_their_own_process(monkeypatch):
-    """The seam (averaging.ShieldedReducers): an averager's process replaces hivemind's reducer class as it starts
-    (run() runs in the forked averager process); the training process and other averagers keep hivemind's."""
-    from hivemind.averaging import allreduce
+def test_only_collabopts_averagers_replace_hivemind_classes_and_only_in_their_own_process(monkeypatch):
+    """The seam (averaging.ShieldedReducers): an averager's process replaces hivemind's reducer and group key manager
+    classes as it starts (run() runs in the forked averager process); the training process and other averagers keep
+    hivemind's."""
+    from hivemind.averaging import allreduce, matchmaking
+    from hivemind.averaging.key_manager import GroupKeyManager
     from hivemind.averaging.partition import TensorPartReducer
     from hivemind.optim.grad_averager import GradientAverager
 
     from collabopt.engine.diloco_averaging import PseudoGradientAverager
 
-    assert allreduce.TensorPartReducer is TensorPartReducer  # importing collabopt replaces nothing
+    # importing collabopt replaces nothing
+    assert allreduce.TensorPartReducer is TensorPartReducer and matchmaking.GroupKeyManager is GroupKeyManager
     for ours in (averaging.GradientAveragerThatTellsGaps, state.ConsistentStateAverager, PseudoGradientAverager):
         assert issubclass(ours, averaging.ShieldedReducers), ours
     assert not issubclass(GradientAverager, averaging.ShieldedReducers)
     seen = []
     monkeypatch.setattr(allreduce, "TensorPartReducer", TensorPartReducer)  # restored after the test
+    monkeypatch.setattr(matchmaking, "GroupKeyManager", GroupKeyManager)
 
     class Process:
         def run(self) -> None:
-            seen.append(allreduce.TensorPartReducer)
+            seen.extend([allreduce.TensorPartReducer, matchmaking.GroupKeyManager])
 
     class Averager(averaging.ShieldedReducers, Process):
         pass
 
     Averager().run()  # what an averager's process does first
-    assert seen == [averaging.ShieldedTensorPartReducer]
+    assert seen == [averaging.ShieldedTensorPartReducer, averaging.GroupKeyManagerThatDoesNotWait]
+
+
+def test_a_declaration_does_not_wait_for_its_dht_store():
+    """A DHT node that stopped answering held each store up for two DHT timeouts (6 s): matchmaking waited for them
+    between assembling a group and its all-reduce (see docs/decisions.md, "Matchmaking does not wait for the DHT")."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+
+    stores = []
+
+    class SlowDHT:
+        peer_id = PeerID(b"me")
+
+        def store(self, **kwargs):
+            async def slow_store():
+                await asyncio.sleep(0.5)  # (a lost peer: seconds)
+                stores.append(kwargs["value"])
+                return True
+
+            return asyncio.ensure_future(slow_store())
+
+    async def declare_and_withdraw() -> float:
+        manager = averaging.GroupKeyManagerThatDoesNotWait(SlowDHT(), "run", "0", 4)
+        start = asyncio.get_running_loop().time()
+        await manager.declare_averager("run.0b", PeerID(b"me"), expiration_time=1e12)
+        await manager.declare_averager("run.0b", PeerID(b"me"), expiration_time=1e12, looking_for_group=False)
+        waited = asyncio.get_running_loop().time() - start
+        await asyncio.sleep(0.7)  # the stores land in the background
+        return waited
+
+    assert asyncio.run(declare_and_withdraw()) < 0.1
+    assert sorted(stores) == [False, True]
