@@ -21,8 +21,11 @@ def start_bootstrap(workdir: Path, host: str = "127.0.0.1", netns: str | None = 
 
 
 def run_peers(workdir: Path, name: str, configs: list[dict[str, Any]], timeout: float,
-              netns: list[str | None] | None = None, linger: float = 8.0) -> list[dict[str, Any]]:
-    """Run one ``benchmarks.peer`` process per config at once; return their records (raises if one failed)."""
+              netns: list[str | None] | None = None, linger: float = 0.0) -> list[dict[str, Any]]:
+    """Run one ``benchmarks.peer`` process per config at once; return their records (raises if one failed).
+
+    The peers are killed as soon as every record is written (or after ``linger`` more seconds): a peer lingers
+    after its own window only for the peers whose windows end later, and once every record is in, none does."""
     procs, outs, ready = [], [], []
     go = workdir / f"{name}.go"
     go.unlink(missing_ok=True)
@@ -44,7 +47,8 @@ def run_peers(workdir: Path, name: str, configs: list[dict[str, Any]], timeout: 
                                                       for p, r in zip(procs, ready, strict=True)):
             time.sleep(0.1)
         go.touch()  # every peer has joined: start training together
-        # a peer writes its record when its window ends, then lingers and leaves; don't wait for slow shutdowns
+        # a peer writes its record when its window ends, then lingers and leaves; don't wait for its shutdown (the
+        # records hold everything measured: its CPU time and status lines were read at its window's end)
         while time.monotonic() < deadline:
             if all(out.exists() or p.poll() is not None for p, out in zip(procs, outs, strict=True)):
                 break
