@@ -173,6 +173,35 @@ def test_rounds_reproduce_the_diloco_update_in_plain_torch(tmp_path, bootstrap):
             assert diff(params[name]["after"][epoch], expected[epoch]) <= EQUAL, (epoch, name)
 
 
+def test_a_member_whose_anchor_differs_is_not_averaged_into_the_round(tmp_path, bootstrap):
+    """C starts from another model (another anchor) beside A and B: in their first round of 3, C takes part with
+    weight 0 (its averager judges the gathered anchors before the all-reduce), so A and B apply exactly their own
+    two pseudo-gradients' round; C does not apply it, downloads, keeps its progress, and is equal to them after its
+    next round. Before, C's pseudo-gradient, taken from another anchor, went into A's and B's round."""
+    names = {"a": [8], "b": [16], "c": [12]}
+    outer = dict(lr=0.7, momentum=0.9, nesterov=True)
+    configs = peers(unique_run_id("diloco_apart"), names, epochs=3, compression="none", outer=outer)
+    configs["c"]["model_seed"] = 1
+    for name in configs:
+        configs[name]["finish_with"] = finish_line(tmp_path, *(n for n in names if n != name))
+    results, params = run_swarm(tmp_path, bootstrap, configs)
+
+    first = {name: rounds_by_epoch(results[name]).get(1, {}) for name in "ab"}
+    why = ({n: results[n]["rounds"] for n in names}, {n: log_tail(tmp_path, n) for n in names})
+    assert all(r.get("applied") and r.get("group_size") == 3 for r in first.values()), why
+    c_first = results["c"]["rounds"][0]
+    assert not c_first["applied"] and c_first["reason"] == "anchor differs" and results["c"]["resyncs"] >= 1, why
+    assert "joins the round with weight 0" in (tmp_path / "c.log").read_text(errors="replace"), why
+    weights = {n: {1: first[n]["weight"]} for n in "ab"}
+    expected = reference_rounds(params["a"]["start"], {n: params[n]["before"] for n in "ab"}, weights, [1], outer)
+    for name in "ab":
+        assert diff(params[name]["after"][1], expected[1]) <= EQUAL, name
+    later = [r["epoch"] for r in results["c"]["rounds"] if r["applied"]]
+    assert later, why
+    for epoch in later:  # C's progress since its own start went into the swarm with the next round it applied
+        assert diff(params["c"]["after"][epoch], params["a"]["after"][epoch]) <= EQUAL, epoch
+
+
 def test_a_peer_that_misses_a_round_keeps_its_progress_and_resyncs(tmp_path, bootstrap):
     names = {"a": [8], "b": [16], "c": [24]}
     configs = peers(unique_run_id("diloco_fault"), names, epochs=5)
