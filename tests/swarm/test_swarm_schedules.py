@@ -8,7 +8,6 @@ from helpers import (
     max_param_diff,
     read_params,
     read_result,
-    start_bootstrap,
     start_peer,
     unique_run_id,
     wait_all,
@@ -35,12 +34,12 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_lr_follows_global_epochs_on_every_peer_including_late_joiner(tmp_path, case):
+def test_lr_follows_global_epochs_on_every_peer_including_late_joiner(tmp_path, bootstrap, case):
     spec, options = CASES[case]
     lr, epochs = 0.05, 5
     # peers past the finish line train on until all are there (seen: epoch 9 of 5 in delayed mode)
     expected = reference_lrs(spec, lr, epochs + 8, plateau_metric=1.0)
-    bootstrap, initial_peers = start_bootstrap(tmp_path)
+    initial_peers = bootstrap
     base = dict(run_id=unique_run_id(spec), target_batch_size=640, epochs=epochs, lr=lr, model_seed=0,
                 scheduler=spec, options=options, step_sleep=0.05, batch_sizes=[16],
                 finish_with=finish_line(tmp_path, "a", "b", "late"))
@@ -54,7 +53,7 @@ def test_lr_follows_global_epochs_on_every_peer_including_late_joiner(tmp_path, 
         procs["late"] = start_peer(tmp_path, "late", late, initial_peers)
         codes = wait_all(procs, 150)
     finally:
-        for proc in [*procs.values(), bootstrap]:
+        for proc in procs.values():
             proc.kill_tree()
     for name, code in codes.items():
         assert code == 0, f"{name} exited {code}:\n{procs[name].log()[-4000:]}"
