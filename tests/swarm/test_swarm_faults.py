@@ -107,7 +107,8 @@ def test_a_peer_of_another_lineage_adopts_the_majoritys_parameters(tmp_path, boo
     # the boundary's one outcome says so: c's first round applied the group's gradients and re-synchronizes
     first = {name: results[name]["rounds"][0] for name in configs}
     assert (first["c"]["epoch"], first["c"]["reason"], first["c"]["resync"]) == (0, "apart", True), first
-    assert all(first[name]["reason"] in ("averaged", "no group") for name in "ab"), first
+    # (a or b may find part of that round's results lost: "partial", and re-synchronize; see test_diloco.results_cut)
+    assert all(first[name]["reason"] in ("averaged", "no group", "partial") for name in "ab"), first
 
 
 def test_peers_of_a_partial_round_adopt_the_parameters_of_the_peer_whose_round_was_whole(tmp_path, bootstrap):
