@@ -4,8 +4,6 @@ subclasses hivemind's averaging.
 * :class:`ShieldedTensorPartReducer`: a sender that dies mid-round no longer cancels its part for every member.
 * :class:`GroupKeyManagerThatDoesNotWait`: matchmaking waits at most a second for a DHT store (a peer that stopped
   answering held each of them up for two DHT timeouts).
-* :class:`TimelyAllReduceRunner`: a member that stopped answering is left out of the all-reduce within the reducer
-  timeout, also where the stream to it cannot even be opened.
 * :class:`GradientAveragerThatTellsGaps`: tells its optimizer which share of a round's results arrived, keeps the
   accumulation of a failed round, and can accumulate in the round's own buffers.
 """
@@ -21,7 +19,6 @@ from typing import Any
 
 import torch
 from hivemind.averaging import allreduce, matchmaking
-from hivemind.averaging import averager as averager_module
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.optim.grad_averager import GradientAverager
@@ -100,38 +97,12 @@ class GroupKeyManagerThatDoesNotWait(GroupKeyManager):
             return True  # (it goes on in the background)
 
 
-class TimelyAllReduceRunner(allreduce.AllReduceRunner):
-    """hivemind's all-reduce runner, whose stream to each reducer must open within the reducer timeout.
-
-    hivemind 1.1.12 bounds the wait for each result chunk by ``reducer_timeout``, but not the opening of the stream:
-    to a member whose link was cut after its group assembled, opening it waited for libp2p to give up, and the round
-    until ``averaging_timeout`` (the cut-link test: 10 s, then the parameter round; the epoch took 16 s). A reducer
-    whose stream does not open in time fails as one that stops sending: its part keeps this peer's own values and
-    the round tells it (:class:`GradientAveragerThatTellsGaps`). See docs/decisions.md, "A member that stops
-    answering is left out of the all-reduce"."""
-
-    def _get_peer_stub(self, peer: Any) -> Any:
-        stub = super()._get_peer_stub(peer)
-        return stub if self.reducer_timeout is None else _StreamOpenedInTime(stub, self.reducer_timeout)
-
-
-class _StreamOpenedInTime:
-    """A reducer's stub whose ``rpc_aggregate_part`` stream opens within ``timeout`` seconds (or raises
-    ``asyncio.TimeoutError``)."""
-
-    def __init__(self, stub: Any, timeout: float):
-        self._stub, self._timeout = stub, timeout
-
-    async def rpc_aggregate_part(self, requests: Any, *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.wait_for(self._stub.rpc_aggregate_part(requests, *args, **kwargs), self._timeout)
-
-
 class ShieldedReducers:
-    """A mixin for collabopt's averagers: every all-reduce of the averager runs as :class:`TimelyAllReduceRunner`
-    and builds its part reducers as :class:`ShieldedTensorPartReducer`, and its matchmaking stores its declarations
-    with :class:`GroupKeyManagerThatDoesNotWait`.
+    """A mixin for collabopt's averagers: every all-reduce of the averager builds its part reducers as
+    :class:`ShieldedTensorPartReducer`, and its matchmaking stores its declarations with
+    :class:`GroupKeyManagerThatDoesNotWait`.
 
-    This is the one seam where collabopt replaces hivemind classes: hivemind's averager, ``AllReduceRunner`` and
+    This is the one seam where collabopt replaces hivemind classes: hivemind's ``AllReduceRunner`` and
     ``Matchmaking`` take them from their modules, and offer no argument to choose others. hivemind runs each averager
     in a process of its own, so the modules' classes are replaced there, in the averager's process, as it starts: the
     training process, and any averager not of collabopt's (a ``grad_averager_factory`` of the user's), keep
@@ -139,7 +110,6 @@ class ShieldedReducers:
 
     def run(self) -> None:
         allreduce.TensorPartReducer = ShieldedTensorPartReducer  # (this averager's own process)
-        averager_module.AllReduceRunner = TimelyAllReduceRunner
         matchmaking.GroupKeyManager = GroupKeyManagerThatDoesNotWait  # (read as Matchmaking starts, in run())
         super().run()
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import Float16Compression, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
@@ -20,7 +20,7 @@ from hivemind.utils.asyncio import amap_in_executor
 
 from collabopt.diloco import PartialRound
 from collabopt.diloco_metadata import agrees_with_group
-from collabopt.engine.averaging import ShieldedReducers, TimelyAllReduceRunner
+from collabopt.engine.averaging import ShieldedReducers
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class PartialResults(AllreduceException):
     pseudo-gradient demonstrably reached its reducers (see :class:`collabopt.diloco.PartialRound`)."""
 
 
-class ValueAllReduceRunner(TimelyAllReduceRunner):
+class ValueAllReduceRunner(AllReduceRunner):
     """hivemind's butterfly all-reduce, except that each reducer sends back the average itself, compressed
     once, instead of ``average - what that sender sent`` compressed per sender, and uses that same compressed
     value for its own part. hivemind's way leaves every peer a different compression error (with fp16, ~1e-3

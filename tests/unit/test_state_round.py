@@ -249,7 +249,6 @@ def test_only_collabopts_averagers_replace_hivemind_classes_and_only_in_their_ow
     classes as it starts (run() runs in the forked averager process); the training process and other averagers keep
     hivemind's."""
     from hivemind.averaging import allreduce, matchmaking
-    from hivemind.averaging import averager as averager_module
     from hivemind.averaging.key_manager import GroupKeyManager
     from hivemind.averaging.partition import TensorPartReducer
     from hivemind.optim.grad_averager import GradientAverager
@@ -258,25 +257,22 @@ def test_only_collabopts_averagers_replace_hivemind_classes_and_only_in_their_ow
 
     # importing collabopt replaces nothing
     assert allreduce.TensorPartReducer is TensorPartReducer and matchmaking.GroupKeyManager is GroupKeyManager
-    assert averager_module.AllReduceRunner is allreduce.AllReduceRunner
     for ours in (averaging.GradientAveragerThatTellsGaps, state.ConsistentStateAverager, PseudoGradientAverager):
         assert issubclass(ours, averaging.ShieldedReducers), ours
     assert not issubclass(GradientAverager, averaging.ShieldedReducers)
     seen = []
     monkeypatch.setattr(allreduce, "TensorPartReducer", TensorPartReducer)  # restored after the test
     monkeypatch.setattr(matchmaking, "GroupKeyManager", GroupKeyManager)
-    monkeypatch.setattr(averager_module, "AllReduceRunner", allreduce.AllReduceRunner)
 
     class Process:
         def run(self) -> None:
-            seen.extend([allreduce.TensorPartReducer, matchmaking.GroupKeyManager, averager_module.AllReduceRunner])
+            seen.extend([allreduce.TensorPartReducer, matchmaking.GroupKeyManager])
 
     class Averager(averaging.ShieldedReducers, Process):
         pass
 
     Averager().run()  # what an averager's process does first
-    assert seen == [averaging.ShieldedTensorPartReducer, averaging.GroupKeyManagerThatDoesNotWait,
-                    averaging.TimelyAllReduceRunner]
+    assert seen == [averaging.ShieldedTensorPartReducer, averaging.GroupKeyManagerThatDoesNotWait]
 
 
 def test_a_declaration_waits_for_its_dht_store_at_most_store_wait(monkeypatch):
@@ -320,33 +316,3 @@ def test_a_declaration_waits_for_its_dht_store_at_most_store_wait(monkeypatch):
     waited, landed = asyncio.run(declare_and_withdraw(1.0))
     assert landed == [] and 0.35 < waited < 0.8  # a lost node: 0.2 s each, then in the background
     assert sorted(stores) == [False, True]
-
-
-def test_a_reducer_whose_stream_does_not_open_fails_within_the_reducer_timeout(monkeypatch):
-    """A member whose link was cut after its group assembled: opening the stream to it waited for libp2p to give up
-    (hivemind 1.1.12 bounds only the wait for each result chunk), and the round until averaging_timeout."""
-    import asyncio
-
-    from hivemind.averaging.allreduce import AllReduceRunner
-
-    class StubOfALostPeer:
-        async def rpc_aggregate_part(self, requests):
-            await asyncio.sleep(3600)  # the stream never opens
-
-    def runner(reducer_timeout):
-        timely = object.__new__(averaging.TimelyAllReduceRunner)
-        timely.reducer_timeout = reducer_timeout
-        return timely
-
-    async def open_stream(reducer_timeout):
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        try:
-            await runner(reducer_timeout)._get_peer_stub("lost").rpc_aggregate_part(iter(()))
-        except asyncio.TimeoutError:
-            return loop.time() - start
-        raise AssertionError("the stream opened")
-
-    monkeypatch.setattr(AllReduceRunner, "_get_peer_stub", lambda self, peer: StubOfALostPeer())
-    assert asyncio.run(open_stream(0.2)) < 1.0
-    assert runner(None)._get_peer_stub("lost").__class__ is StubOfALostPeer  # no timeout set: hivemind's
