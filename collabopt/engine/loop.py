@@ -46,8 +46,8 @@ class PeerLoop:
                  averager_opts: dict | None = None, tracker_opts: dict | None = None,
                  performance_ema_alpha: float = 0.1, shutdown_timeout: float = 5.0, verbose: bool = False):
         self._parent_pid = os.getpid()
+        # (batch_size_per_step is accepted as hivemind.Optimizer's, and unused: each step gives its batch size)
         self.dht, self.run_id, self.target_batch_size = dht, run_id, target_batch_size
-        self.batch_size_per_step = batch_size_per_step
         self.client_mode = dht.client_mode if client_mode is None else client_mode
         self.auxiliary = auxiliary
         self.offload_optimizer = (params is not None and not use_local_updates) if offload_optimizer is None \
@@ -191,10 +191,6 @@ class PeerLoop:
     @property
     def use_gradient_averaging(self) -> bool:
         return self.grad_averager is not None
-
-    @property
-    def use_local_updates(self) -> bool:
-        return self.grad_averager is None
 
     @property
     def param_groups(self) -> tuple[dict, ...]:

@@ -160,23 +160,26 @@ class SyncLoop(PeerLoop):
     def _await_gradients(self, control: Any) -> Any:
         """The round's group, with the averaged gradients loaded into the optimizer; None if the round failed, and
         this peer's own gradients loaded instead."""
-        try:
-            group = control.result(self.averaging_timeout)
-        except BaseException as e:
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            logger.log(self.status_loglevel, "collabopt: the gradient round failed (%r): this peer steps with its "
-                       "own gradients", e)
+        finished, group = self._round_result(control)
+        if finished:
+            self._load_averaged_gradients()
+        else:
             self._load_local_gradients()
-            return None
-        logger.log(self.status_loglevel, "collabopt: gradients averaged with %d peers", len(group or ()))
-        self._load_averaged_gradients()
         return group
 
     def _average_in_background(self, control: Any, epoch: int, num_peers: int) -> None:
         """``delay_grad_averaging``: the round ends while the next epoch accumulates; a failed round steps with the
         gradients this peer handed to it, which its buffers still hold. See docs/decisions.md, "A failed gradient
         round steps with this peer's gradients"."""
+        finished, group = self._round_result(control)
+        if not finished:
+            with self.grad_averager.get_tensors():
+                pass  # an all-reduce still writing them holds this lock: let it finish first
+        self._load_averaged_gradients()
+        self.last_round = round_outcome(epoch, num_peers, group, None)
+
+    def _round_result(self, control: Any) -> tuple[bool, Any]:
+        """Wait for the gradient round: whether it finished, and what its group gathered (None if it failed)."""
         try:
             group = control.result(self.averaging_timeout)
         except BaseException as e:
@@ -184,11 +187,9 @@ class SyncLoop(PeerLoop):
                 raise
             logger.log(self.status_loglevel, "collabopt: the gradient round failed (%r): this peer steps with its "
                        "own gradients", e)
-            group = None
-            with self.grad_averager.get_tensors():
-                pass  # an all-reduce still writing them holds this lock: let it finish first
-        self._load_averaged_gradients()
-        self.last_round = round_outcome(epoch, num_peers, group, None)
+            return False, None
+        logger.log(self.status_loglevel, "collabopt: gradients averaged with %d peers", len(group or ()))
+        return True, group
 
     @torch.no_grad()
     def _load_averaged_gradients(self) -> None:
