@@ -91,10 +91,11 @@ class GroupKeyManagerThatDoesNotWait(GroupKeyManager):
         task = asyncio.create_task(super().declare_averager(*args, **kwargs))
         self._stores.add(task)
         task.add_done_callback(self._stores.discard)
-        try:
-            return await asyncio.wait_for(asyncio.shield(task), STORE_WAIT)
-        except asyncio.TimeoutError:
-            return True  # (it goes on in the background)
+        # asyncio.wait, not wait_for: Python 3.11's wait_for returns the result of a store that lands as the caller
+        # is cancelled, swallowing the cancel, and matchmaking cancels its declaring task only once (see
+        # docs/decisions.md, "A search that never ended")
+        done, _ = await asyncio.wait({task}, timeout=STORE_WAIT)
+        return task.result() if done else True  # (a slow store goes on in the background)
 
 
 class ShieldedReducers:

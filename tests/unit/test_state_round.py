@@ -316,3 +316,45 @@ def test_a_declaration_waits_for_its_dht_store_at_most_store_wait(monkeypatch):
     waited, landed = asyncio.run(declare_and_withdraw(1.0))
     assert landed == [] and 0.35 < waited < 0.8  # a lost node: 0.2 s each, then in the background
     assert sorted(stores) == [False, True]
+
+
+def test_a_declaration_cancelled_as_its_store_lands_is_cancelled():
+    """Matchmaking ends a search by cancelling its declaring task once (hivemind's ``cancel_and_wait``). A cancel that
+    arrived as the task's DHT store landed was swallowed by ``asyncio.wait_for`` (Python 3.11): the task declared
+    again and again, the search never ended, and the averager's next rounds found "another look_for_group in progress"
+    (docs/decisions.md, "A search that never ended"). Every cancel that the task accepts must end it."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+
+    class DHT:
+        peer_id = PeerID(b"me")
+
+        def __init__(self):
+            self.landed: asyncio.Future | None = None
+
+        def store(self, **kwargs):
+            self.landed = asyncio.get_running_loop().create_future()
+            return self.landed
+
+    async def cancel_as_it_lands(yields: int) -> bool:
+        """Land the store, let the loop run ``yields`` times, cancel; whether a cancel that was accepted held."""
+        dht = DHT()
+        manager = averaging.GroupKeyManagerThatDoesNotWait(dht, "run", "0", 4)
+        declaring = asyncio.ensure_future(manager.declare_averager("run.0b", PeerID(b"me"), expiration_time=1e12))
+        while dht.landed is None:
+            await asyncio.sleep(0)
+        dht.landed.set_result(True)
+        for _ in range(yields):
+            await asyncio.sleep(0)
+        accepted = declaring.cancel()
+        try:
+            await declaring
+        except asyncio.CancelledError:
+            return True
+        return not accepted
+
+    async def every_timing() -> list[int]:
+        return [yields for yields in range(6) if not await cancel_as_it_lands(yields)]
+
+    assert asyncio.run(every_timing()) == []
