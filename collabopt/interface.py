@@ -50,6 +50,8 @@ class RoundOutcome:
             group's at its next round) before it contributes again.
         epoch: the epoch the round ended (-1: unknown).
         detail: what else this peer knows of it (an error), for its log only.
+        parameters_averaged: whether the parameter round that followed averaged this peer's parameters with its
+            group's (synchronous mode, in the foreground); None where none ran or it ran in the background.
     """
 
     applied: bool
@@ -60,6 +62,7 @@ class RoundOutcome:
     resync: bool = False
     epoch: int = -1
     detail: str = ""
+    parameters_averaged: bool | None = None
 
     def summary(self) -> str:
         """A short line (at most 64 characters): what a peer's metrics record and the status page show."""
@@ -67,7 +70,8 @@ class RoundOutcome:
         if self.resync:
             verdict += ", re-syncs"
         group = f" ({self.group_size} of {self.num_peers})" if self.group_size > 1 else ""
-        return f"{verdict}: {self.reason}{group}"[:64]
+        parameters = ", parameter round failed" if self.parameters_averaged is False else ""
+        return f"{verdict}: {self.reason}{group}{parameters}"[:64]
 
     def __str__(self) -> str:
         return f"epoch {self.epoch}: {self.summary()}" + (f" [{self.detail}]" if self.detail else "")

@@ -21,7 +21,8 @@ SWARM_VALUES = {"local_epoch": 0, "global_epoch": 0, "num_peers": 1, "samples_ac
                 "nonfinite_steps": 0, "out_of_sync": False}
 _RESULT_FIELDS = [f for f in dataclasses.fields(StepResult) if f.name not in ("loss", "round")]
 _CAST = {"bool": bool, "int": int, "float": float}
-_ROUND_SIZE = 8  # a RoundOutcome as floats: present, applied, reason, group size, weight, peers, resync, epoch
+# a RoundOutcome as floats: present, applied, reason, group size, weight, peers, resync, epoch, parameters averaged
+_ROUND_SIZE = 9
 
 
 def round_to_floats(outcome: RoundOutcome | None) -> list[float]:
@@ -30,15 +31,17 @@ def round_to_floats(outcome: RoundOutcome | None) -> list[float]:
         return [0.0] * _ROUND_SIZE
     reason = ROUND_REASONS.index(outcome.reason) if outcome.reason in ROUND_REASONS else -1
     return [1.0, float(outcome.applied), float(reason), float(outcome.group_size), float(outcome.weight),
-            float(outcome.num_peers), float(outcome.resync), float(outcome.epoch)]
+            float(outcome.num_peers), float(outcome.resync), float(outcome.epoch),
+            -1.0 if outcome.parameters_averaged is None else float(outcome.parameters_averaged)]
 
 
 def round_from_floats(values: list[float]) -> RoundOutcome | None:
-    present, applied, reason, group_size, weight, num_peers, resync, epoch = values
+    present, applied, reason, group_size, weight, num_peers, resync, epoch, parameters = values
     if not present:
         return None
     return RoundOutcome(bool(applied), ROUND_REASONS[int(reason)] if reason >= 0 else "?", int(group_size), weight,
-                        int(num_peers), bool(resync), int(epoch))
+                        int(num_peers), bool(resync), int(epoch),
+                        parameters_averaged=None if parameters < 0 else bool(parameters))
 
 
 @dataclass

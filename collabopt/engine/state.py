@@ -144,6 +144,14 @@ class ConsistentStateAverager(SameHandlers, ShieldedReducers, TrainingStateAvera
             self._step_with_increment = False
             self._no_boundary.set()
 
+    def schedule_parameter_round(self, timeout: float) -> Any:
+        """Begin matchmaking for the parameter round of the boundary about to be stepped (pass the control to
+        :meth:`step` as ``averaging_control``), sized like the one :meth:`step` would begin. The caller holds the
+        control: it sees the round fail (hivemind's step only logs it) and cancels a round it gave up on, which
+        would otherwise look for a group until its deadline."""
+        self._size_next_group()
+        return self.schedule_step(gather=self.local_epoch + 1, timeout=timeout)  # (gathered as step()'s would be)
+
     def _size_next_group(self) -> None:
         """Set the next parameter averaging's ``target_group_size`` to :attr:`group_size_hint` (for this epoch),
         bounded by the user's: the peers of the epoch's gradient round reach the boundary together, so the group

@@ -3,6 +3,7 @@ step, and average their parameters. :class:`SyncLoop` decides each boundary once
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -110,11 +111,16 @@ class SyncLoop(PeerLoop):
                              and not self.state_averager.averaging_in_progress
                              and (outcome is None or outcome.reason not in REFUSING_REASONS))
             optimizer_step = not self.auxiliary and self.grad_averager is not None
+            delay_averaging = self.delay_state_averaging and not self.auxiliary
+            parameter_round = (self.state_averager.schedule_parameter_round(self.averaging_timeout)
+                               if average_state and not delay_averaging else None)
             self.state_averager.step(
                 increment_epoch=True, wait_for_trigger=in_background, optimizer_step=optimizer_step,
                 delay_optimizer_step=self.delay_optimizer_step and optimizer_step, averaging_round=average_state,
-                delay_averaging=self.delay_state_averaging and not self.auxiliary,
+                delay_averaging=delay_averaging, averaging_control=parameter_round,
                 averaging_opts=dict(timeout=self.averaging_timeout) if average_state else None)
+            if parameter_round is not None and outcome is not None:
+                outcome = dataclasses.replace(outcome, parameters_averaged=self._parameter_round_ended(parameter_round))
             self.tracker.update_epoch(new_epoch=self.local_epoch)
             self._exact_check_due = True
             self.reset_accumulation()
@@ -123,6 +129,18 @@ class SyncLoop(PeerLoop):
             logger.log(self.status_loglevel, "collabopt: now at epoch %d", self.local_epoch)
         if outcome is not None:  # (a round in the background sets it when it ends)
             self.last_round = outcome
+
+    def _parameter_round_ended(self, control: Any) -> bool:
+        """Whether the boundary's parameter round (the step has returned) averaged; a round still running was given
+        up on by the step: it is cancelled, not left to look for a group until its deadline."""
+        if control.done() and not control.cancelled() and control.exception() is None:
+            return True
+        error = control.exception() if control.done() and not control.cancelled() else "timed out"
+        if not control.done():
+            control.cancel()
+        logger.log(self.status_loglevel, "collabopt: the parameter round failed (%s): this peer keeps its parameters",
+                   error)
+        return False
 
     def _gradient_round(self, epoch: int, num_peers: int) -> tuple[RoundOutcome | None, Any]:
         """Average the epoch's gradients and load them into the optimizer. Returns the outcome, or with

@@ -62,15 +62,22 @@ class GradAverager:
 
 
 def sync_loop(num_peers: int = 3, local_epoch: int = 8, swarm_epoch: int = 8, group: dict | None = None,
-              error: Exception | None = None) -> sync_round.SyncLoop:
-    """A SyncLoop on stand-in services, its gradient round pre-scheduled (``group``: what it gathers)."""
+              error: Exception | None = None, parameter_round: Control | None = None) -> sync_round.SyncLoop:
+    """A SyncLoop on stand-in services, its gradient round pre-scheduled (``group``: what it gathers); its
+    parameter round is ``parameter_round`` (by default one that averages with the group)."""
     loop = object.__new__(sync_round.SyncLoop)
     param = torch.nn.Parameter(torch.zeros(2))
     state_steps: list[dict] = []
+
+    def state_step(**kwargs):
+        state_steps.append(kwargs)
+        if kwargs.get("averaging_control") is not None:
+            kwargs["averaging_control"].allow_allreduce()  # (hivemind's step triggers the round and waits for it)
+
     loop.state_averager = SimpleNamespace(
         local_epoch=local_epoch, averaging_in_progress=False, main_parameters=(param,), state_sharing_priority=0,
-        optimizer=SimpleNamespace(param_groups=[{"params": [param]}]), group_size_hint=None,
-        step=lambda **kw: state_steps.append(kw))
+        optimizer=SimpleNamespace(param_groups=[{"params": [param]}]), group_size_hint=None, step=state_step,
+        schedule_parameter_round=lambda timeout: parameter_round or Control(group))
     loop.state_steps = state_steps
     loop.tracker = SimpleNamespace(global_epoch=swarm_epoch, global_progress=SimpleNamespace(num_peers=num_peers),
                                    pause_updates=contextlib.nullcontext, update_epoch=lambda new_epoch: None)
@@ -102,9 +109,37 @@ def test_a_whole_round_steps_with_the_average_then_averages_parameters():
     group = {"me": {"epoch": 8, "lineage": [1.0]}, "b": {"epoch": 8, "lineage": [1.0]}}
     loop = sync_loop(num_peers=2, group=group)
     loop.end_epoch()
-    assert loop.last_round == RoundOutcome(True, "averaged", 2, num_peers=2, epoch=8)
+    assert loop.last_round == RoundOutcome(True, "averaged", 2, num_peers=2, epoch=8, parameters_averaged=True)
     assert "load_accumulators_into_averager_" not in loop.grad_averager.calls  # (the round's average, not its own)
     assert [(s["optimizer_step"], s["averaging_round"]) for s in loop.state_steps] == [(True, True)]
+
+
+class RoundStillLooking(Control):
+    """A parameter round that hivemind's step gave up on (its wait timed out) while it still looked for a group."""
+
+    def __init__(self):
+        super().__init__()
+        self.was_cancelled = False
+
+    def allow_allreduce(self) -> None:
+        pass  # triggered, it goes on looking
+
+    def cancel(self) -> None:
+        self.was_cancelled = self.triggered = True
+
+
+def test_a_failed_parameter_round_is_in_the_outcome_and_a_round_given_up_on_is_cancelled():
+    """hivemind's step only logs a parameter round that failed, and leaves one that timed out looking for a group
+    until its deadline: the loop holds the round's control, so the outcome says so and the round stops."""
+    group = {"me": {"epoch": 8, "lineage": [1.0]}, "b": {"epoch": 8, "lineage": [1.0]}}
+    loop = sync_loop(num_peers=2, group=group, parameter_round=Control(error=TimeoutError("no group")))
+    loop.end_epoch()
+    assert loop.last_round.parameters_averaged is False and loop.last_round.applied
+    assert "parameter round failed" in loop.last_round.summary()
+    still_looking = RoundStillLooking()
+    loop = sync_loop(num_peers=2, group=group, parameter_round=still_looking)
+    loop.end_epoch()
+    assert loop.last_round.parameters_averaged is False and still_looking.was_cancelled
 
 
 def test_a_round_that_finds_this_peer_on_another_lineage_averages_no_parameters(monkeypatch):
