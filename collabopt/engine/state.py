@@ -147,8 +147,7 @@ class ConsistentStateAverager(SameHandlers, ShieldedReducers, TrainingStateAvera
     def schedule_parameter_round(self, timeout: float) -> Any:
         """Begin matchmaking for the parameter round of the boundary about to be stepped (pass the control to
         :meth:`step` as ``averaging_control``), sized like the one :meth:`step` would begin. The caller holds the
-        control: it sees the round fail (hivemind's step only logs it) and cancels a round it gave up on, which
-        would otherwise look for a group until its deadline."""
+        control: it sees the round fail, which hivemind's step only logs."""
         self._size_next_group()
         return self.schedule_step(gather=self.local_epoch + 1, timeout=timeout)  # (gathered as step()'s would be)
 

@@ -114,13 +114,19 @@ class SyncLoop(PeerLoop):
             delay_averaging = self.delay_state_averaging and not self.auxiliary
             parameter_round = (self.state_averager.schedule_parameter_round(self.averaging_timeout)
                                if average_state and not delay_averaging else None)
-            self.state_averager.step(
-                increment_epoch=True, wait_for_trigger=in_background, optimizer_step=optimizer_step,
-                delay_optimizer_step=self.delay_optimizer_step and optimizer_step, averaging_round=average_state,
-                delay_averaging=delay_averaging, averaging_control=parameter_round,
-                averaging_opts=dict(timeout=self.averaging_timeout) if average_state else None)
-            if parameter_round is not None and outcome is not None:
-                outcome = dataclasses.replace(outcome, parameters_averaged=self._parameter_round_ended(parameter_round))
+            try:
+                self.state_averager.step(
+                    increment_epoch=True, wait_for_trigger=in_background, optimizer_step=optimizer_step,
+                    delay_optimizer_step=self.delay_optimizer_step and optimizer_step, averaging_round=average_state,
+                    delay_averaging=delay_averaging, averaging_control=parameter_round,
+                    averaging_opts=dict(timeout=self.averaging_timeout) if average_state else None)
+            except BaseException:
+                if parameter_round is not None:
+                    parameter_round.cancel()
+                raise
+            averaged = self._parameter_round_ended(parameter_round) if parameter_round is not None else None
+            if outcome is not None:
+                outcome = dataclasses.replace(outcome, parameters_averaged=averaged)
             self.tracker.update_epoch(new_epoch=self.local_epoch)
             self._exact_check_due = True
             self.reset_accumulation()
@@ -130,14 +136,19 @@ class SyncLoop(PeerLoop):
         if outcome is not None:  # (a round in the background sets it when it ends)
             self.last_round = outcome
 
-    def _parameter_round_ended(self, control: Any) -> bool:
-        """Whether the boundary's parameter round (the step has returned) averaged; a round still running was given
-        up on by the step: it is cancelled, not left to look for a group until its deadline."""
+    def _parameter_round_ended(self, control: Any) -> bool | None:
+        """Whether the boundary's parameter round (the step has returned) averaged: True, False (it failed), or None
+        where its all-reduce outlived the step's wait and goes on in the background (it still writes its result).
+        A round the step gave up on before its all-reduce began is cancelled."""
+        if not control.done():
+            if control.began_allreduce:
+                logger.log(self.status_loglevel, "collabopt: the parameter round's all-reduce outlived its wait: it "
+                           "ends in the background")
+                return None
+            control.cancel()
         if control.done() and not control.cancelled() and control.exception() is None:
             return True
-        error = control.exception() if control.done() and not control.cancelled() else "timed out"
-        if not control.done():
-            control.cancel()
+        error = "given up" if control.cancelled() else repr(control.exception())
         logger.log(self.status_loglevel, "collabopt: the parameter round failed (%s): this peer keeps its parameters",
                    error)
         return False

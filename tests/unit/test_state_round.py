@@ -16,16 +16,18 @@ from collabopt.engine import peer as engine_peer
 
 
 class Control:
-    """A gradient round's StepControl as the loop sees it: ``result()`` is the group's gathered metadata."""
+    """A round's StepControl as the loop sees it: ``result()`` is the group's gathered metadata; triggered, the round
+    ends at once (as the foreground step waited for it)."""
 
     def __init__(self, group: dict | None = None, error: Exception | None = None):
         self.group, self.error, self.triggered, self.weight = group, error, False, None
+        self.began_allreduce = self.was_cancelled = False
 
     def done(self) -> bool:
         return self.triggered
 
     def cancelled(self) -> bool:
-        return False
+        return self.was_cancelled
 
     def exception(self) -> Exception | None:
         return self.error
@@ -38,8 +40,11 @@ class Control:
     def allow_allreduce(self) -> None:
         self.triggered = True
 
-    def cancel(self) -> None:
-        self.triggered = True
+    def cancel(self) -> bool:
+        if self.triggered:
+            return False
+        self.was_cancelled = self.triggered = True
+        return True
 
 
 class GradAverager:
@@ -114,32 +119,31 @@ def test_a_whole_round_steps_with_the_average_then_averages_parameters():
     assert [(s["optimizer_step"], s["averaging_round"]) for s in loop.state_steps] == [(True, True)]
 
 
-class RoundStillLooking(Control):
-    """A parameter round that hivemind's step gave up on (its wait timed out) while it still looked for a group."""
+class RoundStillRunning(Control):
+    """A parameter round that hivemind's step gave up on (its wait timed out): still matchmaking, or (with
+    ``all_reduce``) in its all-reduce."""
 
-    def __init__(self):
+    def __init__(self, all_reduce: bool = False):
         super().__init__()
-        self.was_cancelled = False
+        self.began_allreduce = all_reduce
 
     def allow_allreduce(self) -> None:
-        pass  # triggered, it goes on looking
-
-    def cancel(self) -> None:
-        self.was_cancelled = self.triggered = True
+        pass  # triggered, it goes on
 
 
-def test_a_failed_parameter_round_is_in_the_outcome_and_a_round_given_up_on_is_cancelled():
-    """hivemind's step only logs a parameter round that failed, and leaves one that timed out looking for a group
-    until its deadline: the loop holds the round's control, so the outcome says so and the round stops."""
+@pytest.mark.parametrize(("control", "averaged", "cancelled"), [
+    (Control(error=TimeoutError("no group")), False, False),  # failed: hivemind's step only logged it
+    (RoundStillRunning(), False, True),  # given up while matchmaking (a search that hung): stopped
+    (RoundStillRunning(all_reduce=True), None, False),  # its all-reduce goes on and writes its result: not stopped
+])
+def test_a_parameter_round_that_did_not_average_is_in_the_outcome(control, averaged, cancelled):
+    """The loop holds the parameter round's control: the boundary's outcome says whether it averaged."""
     group = {"me": {"epoch": 8, "lineage": [1.0]}, "b": {"epoch": 8, "lineage": [1.0]}}
-    loop = sync_loop(num_peers=2, group=group, parameter_round=Control(error=TimeoutError("no group")))
+    loop = sync_loop(num_peers=2, group=group, parameter_round=control)
     loop.end_epoch()
-    assert loop.last_round.parameters_averaged is False and loop.last_round.applied
-    assert "parameter round failed" in loop.last_round.summary()
-    still_looking = RoundStillLooking()
-    loop = sync_loop(num_peers=2, group=group, parameter_round=still_looking)
-    loop.end_epoch()
-    assert loop.last_round.parameters_averaged is False and still_looking.was_cancelled
+    assert loop.last_round.applied and loop.last_round.parameters_averaged is averaged
+    assert control.was_cancelled == cancelled
+    assert ("parameter round failed" in loop.last_round.summary()) == (averaged is False)
 
 
 def test_a_round_that_finds_this_peer_on_another_lineage_averages_no_parameters(monkeypatch):
