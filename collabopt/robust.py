@@ -56,12 +56,9 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float] | None
         if part.shape != first.shape or part.dtype != first.dtype or part.device != first.device:
             raise ValueError(f"member {index}'s part is {part.dtype} {tuple(part.shape)} on {part.device}, member 0's "
                              f"{first.dtype} {tuple(first.shape)} on {first.device}")
-    weights = [1.0] * len(parts) if weights is None else [float(weight) for weight in weights]
+    weights = [1.0] * len(parts) if weights is None else _checked_weights(weights)
     if len(weights) != len(parts):
         raise ValueError(f"{len(weights)} weights for {len(parts)} parts")
-    for index, weight in enumerate(weights):
-        if not weight >= 0.0 or weight == float("inf"):
-            raise ValueError(f"member {index}'s weight is {weight}: weights must be finite and >= 0")
     members = [index for index, weight in enumerate(weights) if weight > 0.0]
     if not members:
         raise ValueError("every member's weight is 0: no part to aggregate")
@@ -104,6 +101,15 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float] | None
     return v.reshape(first.shape).to(first.dtype)
 
 
+def _checked_weights(weights: Sequence[float]) -> list[float]:
+    """``weights`` as floats; a ValueError naming the member whose weight is negative, NaN or infinite."""
+    values = [float(weight) for weight in weights]
+    for index, weight in enumerate(values):
+        if not weight >= 0.0 or weight == float("inf"):
+            raise ValueError(f"member {index}'s weight is {weight}: weights must be finite and >= 0")
+    return values
+
+
 def _coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
     """The coordinate-wise median of the rows (the mean of the two middle values for an even count): with fewer than
     half of the rows hostile, each coordinate lies within the honest rows' range."""
@@ -132,10 +138,7 @@ def cap_weights(weights: Sequence[float], factor: float = 2.0) -> list[float]:
     Weights of 0 (members taking no part) stay 0 and do not count toward the median."""
     if not factor >= 1.0:
         raise ValueError(f"factor must be >= 1 (below it the median member is capped too), got {factor}")
-    values = [float(weight) for weight in weights]
-    for index, weight in enumerate(values):
-        if not weight >= 0.0 or weight == float("inf"):
-            raise ValueError(f"member {index}'s weight is {weight}: weights must be finite and >= 0")
+    values = _checked_weights(weights)
     positive = [weight for weight in values if weight > 0.0]
     if not positive:
         return values
