@@ -4,6 +4,8 @@ subclasses hivemind's averaging.
 * :class:`ShieldedTensorPartReducer`: a sender that dies mid-round no longer cancels its part for every member.
 * :class:`GroupKeyManagerThatDoesNotWait`: matchmaking waits at most a second for a DHT store (a peer that stopped
   answering held each of them up for two DHT timeouts).
+* :class:`ShieldedReducers`: the streams to other members open in time and are closed by the side that reads last
+  (:mod:`collabopt.engine.streams`).
 * :class:`GradientAveragerThatTellsGaps`: tells its optimizer which share of a round's results arrived, keeps the
   accumulation of a failed round, and can accumulate in the round's own buffers.
 """
@@ -14,6 +16,7 @@ import asyncio
 import ctypes
 import functools
 import multiprocessing
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +25,11 @@ from hivemind.averaging import allreduce, matchmaking
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 
 from collabopt.engine.compat import SameHandlers
+from collabopt.engine.streams import MemberStub, serve_until_the_sender_closes
 
 
 def gradient_averager_factory(factory: Callable[..., Any] | None,
@@ -65,6 +71,9 @@ class ShieldedTensorPartReducer(TensorPartReducer):
         return await asyncio.shield(current_part_future)
 
 
+# How long a reducer keeps its end of a stream open for a sender that closes it itself, without a reducer_timeout
+LINGER = 60.0
+
 # How long matchmaking waits for one of its DHT stores (a healthy one takes milliseconds); then it goes on, and the
 # store finishes in the background.
 STORE_WAIT = 1.0
@@ -100,8 +109,10 @@ class GroupKeyManagerThatDoesNotWait(GroupKeyManager):
 
 class ShieldedReducers:
     """A mixin for collabopt's averagers: every all-reduce of the averager builds its part reducers as
-    :class:`ShieldedTensorPartReducer`, and its matchmaking stores its declarations with
-    :class:`GroupKeyManagerThatDoesNotWait`.
+    :class:`ShieldedTensorPartReducer`, its matchmaking stores its declarations with
+    :class:`GroupKeyManagerThatDoesNotWait`, and the streams of both to other members open in time and are closed
+    by the side that reads last (:mod:`collabopt.engine.streams`: hivemind's matchmaking and all-reduce get their
+    stubs from the averager's class, and its all-reduce handler is the averager's ``rpc_aggregate_part``).
 
     This is the one seam where collabopt replaces hivemind classes: hivemind's ``AllReduceRunner`` and
     ``Matchmaking`` take them from their modules, and offer no argument to choose others. hivemind runs each averager
@@ -109,9 +120,28 @@ class ShieldedReducers:
     training process, and any averager not of collabopt's (a ``grad_averager_factory`` of the user's), keep
     hivemind's."""
 
+    # how long a stream to another member may take to open, by RPC: set as the averager's process starts
+    stream_open_timeouts: dict[str, float] = {}
+
+    @classmethod
+    def get_stub(cls, p2p: Any, peer: Any, *, namespace: str | None = None) -> Any:
+        stub = super().get_stub(p2p, peer, namespace=namespace)  # type: ignore[misc]
+        return MemberStub(stub, cls.stream_open_timeouts, p2p.peer_id.to_bytes())
+
+    # (typing's AsyncIterator: hivemind tells a streaming handler by the annotation's name)
+    async def rpc_aggregate_part(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        serve = functools.partial(super().rpc_aggregate_part, context=context)  # type: ignore[misc]
+        linger = self.allreduce_kwargs["reducer_timeout"] or LINGER  # type: ignore[attr-defined]
+        async for answer in serve_until_the_sender_closes(serve, stream, context.remote_id.to_bytes(), linger):
+            yield answer
+
     def run(self) -> None:
         allreduce.TensorPartReducer = ShieldedTensorPartReducer  # (this averager's own process)
         matchmaking.GroupKeyManager = GroupKeyManagerThatDoesNotWait  # (read as Matchmaking starts, in run())
+        timeouts = (("rpc_join_group", self.matchmaking_kwargs["request_timeout"]),  # type: ignore[attr-defined]
+                    ("rpc_aggregate_part", self.allreduce_kwargs["reducer_timeout"]))  # type: ignore[attr-defined]
+        type(self).stream_open_timeouts = {name: timeout for name, timeout in timeouts if timeout is not None}
         super().run()
 
 

@@ -20,6 +20,7 @@ DIALBACK_PROTOCOL = "collabopt.dialback/1"
 DIAL_TIMEOUT = 3.0  # seconds the dialing peer waits for a TCP connection back
 _MAX_TARGETS = 8  # addresses one dial-back request may ask for
 _MAX_REQUEST_BYTES = 4096
+ANSWER_READ_WAIT = 10.0  # seconds the serving peer keeps the stream open for the caller to read its answer
 
 
 async def serve_dialback(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -33,6 +34,10 @@ async def serve_dialback(stream_info: Any, reader: asyncio.StreamReader, writer:
         request = json.loads(await asyncio.wait_for(read_message(reader, _MAX_REQUEST_BYTES), 10))
         answer = await dial_back(str(stream_info.addr), request)
         await write_message(writer, json.dumps(answer).encode())
+        # the caller closes first, once it has the answer: the daemon may drop an answer in flight on a stream
+        # whose server end closed first (see collabopt.engine.streams)
+        with contextlib.suppress(Exception):  # (its end closed, reset or silent: the answer is out)
+            await asyncio.wait_for(reader.read(), ANSWER_READ_WAIT)
     except Exception as e:  # (the caller then reports "cannot tell": say why here, in the serving peer's log)
         logger.warning("collabopt: a dial-back request from %s failed: %r", getattr(stream_info, "addr", "?"), e)
     finally:

@@ -13,7 +13,7 @@ MAX_LINES = 400
 STILL_OVER: dict[str, int] = {}
 # the engine's layers, lowest first: a module imports only modules of its own layer or below
 ENGINE_LAYERS = [
-    {"compat", "dialback"},
+    {"compat", "dialback", "streams"},
     {"p2p", "records", "progress", "averaging", "state"},
     {"loop"},
     {"lineage_check", "sync_download", "sync_round"},

@@ -308,7 +308,7 @@ def test_only_collabopts_averagers_replace_hivemind_classes_and_only_in_their_ow
             seen.extend([allreduce.TensorPartReducer, matchmaking.GroupKeyManager])
 
     class Averager(averaging.ShieldedReducers, Process):
-        pass
+        matchmaking_kwargs, allreduce_kwargs = dict(request_timeout=None), dict(reducer_timeout=None)
 
     Averager().run()  # what an averager's process does first
     assert seen == [averaging.ShieldedTensorPartReducer, averaging.GroupKeyManagerThatDoesNotWait]

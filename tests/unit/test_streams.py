@@ -1,0 +1,246 @@
+"""The streams between the members of a round (collabopt.engine.streams): opened in time, closed by the side that
+reads last. The daemon's race itself needs tens of thousands of streams to show (docs/decisions.md, "Results lost
+with no fault"); here, the protocol on each side."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from hivemind.proto import averaging_pb2
+
+from collabopt.engine import averaging, streams
+
+ME = b"sender-peer-id"
+
+
+class Stream:
+    """hivemind's stream of a reducer's results: one per part received, at most ``results``; then, with ``ends``, the
+    end, else nothing more (a reducer that keeps its end open)."""
+
+    def __init__(self, results: int, ends: bool = True):
+        self.results, self.ends, self.closed = results, ends, False
+        self.received: asyncio.Queue = asyncio.Queue()
+
+    def __aiter__(self):
+        return self._messages()
+
+    async def _messages(self):
+        for _ in range(self.results):
+            await self.received.get()
+            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
+        if not self.ends:
+            await asyncio.sleep(3600)
+
+    async def aclose(self):
+        self.closed = True
+
+
+class Stub:
+    """A member's stub as hivemind's servicer builds it; its all-reduce stream opens after ``opens_after`` loop
+    iterations (never, with None) and consumes the parts sent, as the p2p daemon's writing task does."""
+
+    _peer = "member"
+
+    def __init__(self, opens_after=0, stream=None):
+        self.opens_after, self.stream, self.cancelled, self.sent = opens_after, stream, [], []
+
+    async def rpc_aggregate_part(self, requests):
+        try:
+            if self.opens_after is None:
+                await asyncio.sleep(3600)  # a member whose link was cut: the stream never opens
+            for _ in range(self.opens_after):
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            self.cancelled.append(True)
+            raise
+
+        async def write():
+            async for message in requests:
+                self.sent.append(message)
+                self.stream.received.put_nowait(message)
+
+        if isinstance(self.stream, Stream):
+            self.writing = asyncio.get_running_loop().create_task(write())
+        return self.stream
+
+    rpc_join_group = rpc_aggregate_part
+
+    async def rpc_download_state(self, request):
+        return "state"
+
+
+async def parts(n: int):
+    for _ in range(n):
+        await asyncio.sleep(0)
+        yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING)
+
+
+def test_a_stream_that_does_not_open_fails_within_its_timeout():
+    """A member whose link was cut: opening a stream to it waited for libp2p to give up (hivemind 1.1.12 bounds only
+    the wait for each message), and matchmaking or the round until its deadline."""
+    stub = Stub(opens_after=None)
+    member = streams.MemberStub(stub, {"rpc_join_group": 0.2, "rpc_aggregate_part": 0.3}, ME)
+
+    async def open_stream(method):
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(asyncio.TimeoutError):
+            await getattr(member, method)(parts(1))
+        await asyncio.sleep(0)  # (the opening task takes its cancel)
+        return loop.time() - start
+
+    assert 0.15 < asyncio.run(open_stream("rpc_join_group")) < 1.0
+    assert 0.25 < asyncio.run(open_stream("rpc_aggregate_part")) < 1.0
+    assert stub.cancelled == [True, True]  # the opening is given up, not left running
+    assert asyncio.run(member.rpc_download_state(None)) == "state"  # an RPC without a timeout is hivemind's own
+    assert member.rpc_download_state == stub.rpc_download_state
+
+
+@pytest.mark.parametrize("opens_after", range(5))
+def test_a_caller_cancelled_as_its_stream_opens_is_cancelled(opens_after):
+    """The caller's cancel (the round's, or matchmaking's) is not lost when the stream opens in the same loop
+    iteration: Python 3.11's wait_for returned the stream instead (see GroupKeyManagerThatDoesNotWait)."""
+    member = streams.MemberStub(Stub(opens_after, "stream"), {"rpc_join_group": 5.0}, ME)
+
+    async def cancel_as_it_opens():
+        task = asyncio.create_task(member.rpc_join_group(None))
+        for _ in range(opens_after + 1):
+            await asyncio.sleep(0)
+        if not task.cancel():
+            return "opened before the cancel"
+        try:
+            return await task
+        except asyncio.CancelledError:
+            return "cancelled"
+
+    assert asyncio.run(cancel_as_it_opens()) == "cancelled"
+    assert asyncio.run(member.rpc_join_group(None)) == "stream"  # in time: hivemind's stream
+
+
+@pytest.mark.parametrize("timeouts", [{}, {"rpc_aggregate_part": 5.0}])
+def test_the_sender_names_itself_and_closes_its_stream_once_every_result_came(timeouts):
+    """The reducer keeps its end open for a sender that names itself: the sender closes once the last result came,
+    without waiting for the reducer's end of stream."""
+    async def all_reduce():
+        stub.stream = Stream(results=3, ends=False)
+        stream = await member.rpc_aggregate_part(parts(3))
+        return [message async for message in stream]
+
+    stub = Stub()
+    member = streams.MemberStub(stub, timeouts, ME)
+    results = asyncio.run(asyncio.wait_for(all_reduce(), 5))
+    assert len(results) == 3 and stub.stream.closed
+    assert [message.peer_id for message in stub.sent] == [ME, b"", b""]  # the first part names the sender
+
+
+def test_a_sender_whose_reducer_ends_early_reads_to_the_end():
+    """A reducer that rejects the sender (one answer) or fails: the stream ends as hivemind's does."""
+    stub = Stub()
+
+    async def all_reduce():
+        stub.stream = Stream(results=1, ends=True)
+        stream = await streams.MemberStub(stub, {}, ME).rpc_aggregate_part(parts(3))
+        return [message async for message in stream]
+
+    assert len(asyncio.run(all_reduce())) == 1 and stub.stream.closed
+
+
+def requests(n: int, sender: bytes = b""):
+    async def messages():
+        for index in range(n):
+            await asyncio.sleep(0)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, peer_id=sender if index == 0
+                                              else b"")
+    return messages()
+
+
+async def reducer(stream, answers=None):
+    """hivemind's handler: one answer per part (or ``answers``, then it stops reading)."""
+    answered = 0
+    async for _ in stream:
+        yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
+        answered += 1
+        if answers is not None and answered == answers:
+            return
+
+
+@pytest.mark.parametrize("sender, answers, lingers", [
+    (ME, None, True),  # a collabopt sender: the reducer waits for it to close
+    (b"", None, False),  # hivemind's sender (or an older collabopt) reads to the end: answered as hivemind does
+    (b"another-peer", None, False),  # a sender naming someone else is not taken at its word
+    (ME, 1, False),  # the reducer stopped early (a rejection): nothing to wait for
+])
+def test_a_reducer_keeps_its_end_open_only_for_a_sender_that_closes_its_own(sender, answers, lingers):
+    async def serve():
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        answered = [answer async for answer in streams.serve_until_the_sender_closes(
+            lambda stream: reducer(stream, answers), requests(3, sender), ME, linger=0.3)]
+        return len(answered), loop.time() - start
+
+    answered, took = asyncio.run(serve())
+    assert answered == (answers or 3)
+    assert (took > 0.25) == lingers, took
+
+
+def test_a_reducer_stops_lingering_when_the_sender_closes():
+    """hivemind cancels the handler when the sender's end closes: the reducer's end closes then, not after linger."""
+    async def serve():
+        answers = streams.serve_until_the_sender_closes(reducer, requests(2, ME), ME, linger=3600)
+        got = [await answers.__anext__(), await answers.__anext__()]
+        lingering = asyncio.ensure_future(answers.__anext__())
+        await asyncio.sleep(0.05)
+        assert not lingering.done()  # keeping its end open
+        lingering.cancel()  # the sender closed
+        with pytest.raises(asyncio.CancelledError):
+            await lingering
+        return got
+
+    assert len(asyncio.run(asyncio.wait_for(serve(), 5))) == 2
+
+
+def test_collabopts_all_reduce_handler_is_hiveminds_streaming_handler_under_hiveminds_name():
+    """hivemind tells a streaming handler by its annotations (typing's AsyncIterator): with collections.abc's, the
+    handler would be registered as unary and no round would run."""
+    from hivemind.optim.grad_averager import GradientAverager
+
+    from collabopt.engine.diloco_averaging import PseudoGradientAverager
+    from collabopt.engine.state import ConsistentStateAverager
+
+    def handler(cls):
+        cls._collect_rpc_handlers()
+        found = next(h for h in cls._rpc_handlers if h.method_name == "rpc_aggregate_part")
+        return found.stream_input, found.stream_output, found.request_type, found.response_type
+
+    for ours in (averaging.GradientAveragerThatTellsGaps, ConsistentStateAverager, PseudoGradientAverager):
+        assert handler(ours) == handler(GradientAverager), ours
+    assert averaging.GradientAveragerThatTellsGaps._get_handle_name(None, "rpc_aggregate_part") == (
+        "GradientAverager.rpc_aggregate_part")
+
+
+def test_the_averagers_stubs_open_streams_in_their_own_timeouts(monkeypatch):
+    """hivemind's matchmaking and all-reduce get their stubs from the averager's class (``servicer_type``); as its
+    process starts, the averager sets the time its streams may take to open from its own timeouts."""
+    from hivemind.averaging import allreduce, matchmaking
+    from hivemind.p2p import ServicerBase
+
+    monkeypatch.setattr(allreduce, "TensorPartReducer", allreduce.TensorPartReducer)  # restored after the test
+    monkeypatch.setattr(matchmaking, "GroupKeyManager", matchmaking.GroupKeyManager)
+    monkeypatch.setattr(ServicerBase, "get_stub", classmethod(lambda cls, p2p, peer, namespace=None: Stub()))
+
+    class Process(ServicerBase):
+        def run(self) -> None:
+            pass
+
+    class Averager(averaging.ShieldedReducers, Process):
+        matchmaking_kwargs = dict(request_timeout=3.0)
+        allreduce_kwargs = dict(reducer_timeout=None)
+
+    p2p = SimpleNamespace(peer_id=SimpleNamespace(to_bytes=lambda: ME))
+    Averager().run()  # what an averager's process does first
+    stub = Averager.get_stub(p2p, "member", namespace="x")
+    assert isinstance(stub, streams.MemberStub) and stub._sender_id == ME
+    assert Averager.stream_open_timeouts == {"rpc_join_group": 3.0}  # no reducer_timeout: none for the all-reduce
+    assert averaging.ShieldedReducers.stream_open_timeouts == {}  # (set on the averager's own class)
