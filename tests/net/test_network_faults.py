@@ -19,11 +19,10 @@ def test_a_cut_link_heals_and_the_peer_catches_up(tmp_path, make_net):
     """C's link is down for 25 s (``FAULT_SECONDS``). A and B keep making global epochs; C does not crash, downloads
     the swarm's state once its link is back if it fell 2+ epochs behind, and ends in sync with A and B.
 
-    A and B wait for C in one round at most, not in both: their longest epoch stays under two averaging timeouts
-    (15.2-20.2 s in 8 runs before collabopt's matchmaking stopped waiting for DHT stores that reached C; 8.1, 9.2,
-    13.2 and 16.1 s since, see docs/decisions.md). The issue's goal, ``averaging_timeout + matchmaking_time`` (12 s), is
-    not met when C was a candidate leader of their gradient round (its matchmaking found no group until the round's
-    deadline) or in the group before the all-reduce opened its stream to C (the round waited until its deadline)."""
+    A and B wait for C in one round at most, not in both: their longest epoch stays under two averaging timeouts.
+    Measured (docs/faults.md): 7.1-10.1 s in 6 runs, within the issue's goal ``averaging_timeout +
+    matchmaking_time`` (12 s), since streams to C open in time or C is left out (13.2 and 16.1 s before; 15.2-20.2 s
+    while matchmaking waited for DHT stores that reached C). The bound asserted is looser: a timing, not a claim."""
     net = make_net(3)
     seen = {}
 
