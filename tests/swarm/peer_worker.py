@@ -73,14 +73,28 @@ def at_finish_line(cfg: dict, epoch: int, target: int, in_sync: bool = True) -> 
     """
     if epoch < target or not in_sync:
         return False
-    for prefix in cfg.get("finish_with", []):
-        try:
-            progress = json.loads(Path(prefix + ".progress").read_text())
-            if progress["epoch"] < target or not progress.get("in_sync", True):
-                return False
-        except (OSError, ValueError, KeyError):
+    # the first time here at an epoch, wait a moment for peers that reached it in the same round (they write their
+    # progress milliseconds later): in short epochs this peer's next step would otherwise start a round they have
+    # left, and wait for it until averaging_timeout (seen: 15 s of the Trainer's DiLoCo test)
+    deadline = time.monotonic() + (FINISH_SETTLE if _settled.setdefault(epoch, True) else 0.0)
+    while not all(_reached(prefix, target) for prefix in cfg.get("finish_with", [])):
+        if time.monotonic() >= deadline:
             return False
+        time.sleep(0.02)
+        _settled[epoch] = False
     return True
+
+
+FINISH_SETTLE = 1.0  # seconds
+_settled: dict[int, bool] = {}
+
+
+def _reached(prefix: str, target: int) -> bool:
+    try:
+        progress = json.loads(Path(prefix + ".progress").read_text())
+        return progress["epoch"] >= target and progress.get("in_sync", True)
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def stall_reducer(seconds: float) -> Callable[[], None]:
