@@ -113,19 +113,14 @@ def count_calls(run_id: str) -> None:
     fetches and reports and the metrics reporter's stores run in the training process."""
     from hivemind import DHT
 
-    get, store = DHT.get, DHT.store
+    def counted(verb: str, method: Any) -> Any:
+        def call(self: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
+            name = f"{verb} {category(key if isinstance(key, str) else None, run_id)}"
+            _calls[name] = _calls.get(name, 0) + 1
+            return method(self, key, *args, **kwargs)
+        return call
 
-    def counted_get(self: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
-        name = f"get {category(key if isinstance(key, str) else None, run_id)}"
-        _calls[name] = _calls.get(name, 0) + 1
-        return get(self, key, *args, **kwargs)
-
-    def counted_store(self: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
-        name = f"store {category(key if isinstance(key, str) else None, run_id)}"
-        _calls[name] = _calls.get(name, 0) + 1
-        return store(self, key, *args, **kwargs)
-
-    DHT.get, DHT.store = counted_get, counted_store
+    DHT.get, DHT.store = counted("get", DHT.get), counted("store", DHT.store)
 
 
 def calls() -> dict[str, int]:

@@ -49,22 +49,24 @@ class MemberStub:
         self._stub, self._timeouts, self._sender_id = stub, timeouts, sender_id
 
     def __getattr__(self, name: str) -> Any:
-        method, timeout = getattr(self._stub, name), self._timeouts.get(name)
         if name == "rpc_aggregate_part":
             return self._aggregate_part
-        if timeout is None:
+        method = getattr(self._stub, name)
+        if name not in self._timeouts:
             return method
 
         async def opened_in_time(*args: Any, **kwargs: Any) -> Any:
-            return await open_in_time(method(*args, **kwargs), timeout, f"{name} to {self._stub._peer}")
+            return await self._opened(name, method(*args, **kwargs))
 
         return opened_in_time
 
+    async def _opened(self, name: str, opening: Awaitable[Any]) -> Any:
+        timeout = self._timeouts.get(name)
+        return await (opening if timeout is None else open_in_time(opening, timeout, f"{name} to {self._stub._peer}"))
+
     async def _aggregate_part(self, requests: AsyncIterator[Any], *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         sent = _CountedRequests(requests, self._sender_id)
-        opening = self._stub.rpc_aggregate_part(sent, *args, **kwargs)
-        timeout = self._timeouts.get("rpc_aggregate_part")
-        stream = await (opening if timeout is None else open_in_time(opening, timeout, f"a part to {self._stub._peer}"))
+        stream = await self._opened("rpc_aggregate_part", self._stub.rpc_aggregate_part(sent, *args, **kwargs))
         return _results_until_complete(stream, sent)
 
 

@@ -76,17 +76,17 @@ def at_finish_line(cfg: dict, epoch: int, target: int, in_sync: bool = True) -> 
     # the first time here at an epoch, wait a moment for peers that reached it in the same round (they write their
     # progress milliseconds later): in short epochs this peer's next step would otherwise start a round they have
     # left, and wait for it until averaging_timeout (seen: 15 s of the Trainer's DiLoCo test)
-    deadline = time.monotonic() + (FINISH_SETTLE if _settled.setdefault(epoch, True) else 0.0)
+    deadline = time.monotonic() + (0.0 if epoch in _settled else FINISH_SETTLE)
+    _settled.add(epoch)
     while not all(_reached(prefix, target) for prefix in cfg.get("finish_with", [])):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.02)
-        _settled[epoch] = False
     return True
 
 
 FINISH_SETTLE = 1.0  # seconds
-_settled: dict[int, bool] = {}
+_settled: set[int] = set()  # epochs at which this peer already waited
 
 
 def _reached(prefix: str, target: int) -> bool:
