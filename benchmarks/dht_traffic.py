@@ -113,6 +113,8 @@ def count_calls(run_id: str) -> None:
     fetches and reports and the metrics reporter's stores run in the training process."""
     from hivemind import DHT
 
+    from collabopt.engine.replicas import ReplicaRecords
+
     def counted(verb: str, method: Any) -> Any:
         def call(self: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
             name = f"{verb} {category(key if isinstance(key, str) else None, run_id)}"
@@ -121,6 +123,7 @@ def count_calls(run_id: str) -> None:
         return call
 
     DHT.get, DHT.store = counted("get", DHT.get), counted("store", DHT.store)
+    ReplicaRecords.store = counted("store", ReplicaRecords.store)  # per-peer records: not through DHT.store
 
 
 def calls() -> dict[str, int]:

@@ -181,8 +181,8 @@ class HivemindPeer:
 
     def publish_metrics(self, record: dict[str, Any] | None, expiration: float) -> None:
         """Store this peer's metrics record (``None``: it leaves) under its signed subkey, without waiting."""
-        tracker = self.loop.tracker
-        self.dht.store(key=self.metrics_key, subkey=tracker._local_public_key, value=record,
+        tracker = self.loop.tracker  # its DHT stores on the key's replicas (collabopt.engine.replicas)
+        tracker.dht.store(key=self.metrics_key, subkey=tracker._local_public_key, value=record,
                        expiration_time=expiration, return_future=True)
 
     def announce(self, timeout: float = 10.0) -> None:

@@ -21,6 +21,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from collabopt.engine.replicas import ReplicaRecords
+
 
 def forget_stale_progress(tracker: Any, local_epoch: int) -> None:
     """After a state download, drop the tracker's view of an epoch this peer has left, and fetch the swarm's now.
@@ -88,7 +90,9 @@ class SwarmProgressTracker(ProgressTracker):
       every boundary (an unreachable replica held every training thread for the DHT's timeout). Records fetched
       while a :meth:`pause_updates` section ran are dropped and fetched again.
     * **No extrapolation of idle peers.** A record's count is extrapolated for at most :meth:`extrapolation_limit`
-      seconds (:meth:`_parse_swarm_progress_data`)."""
+      seconds (:meth:`_parse_swarm_progress_data`).
+    * **Records on their replicas.** Its DHT is a :class:`~collabopt.engine.replicas.ReplicaRecords`: stores and
+      fetches go to the key's nearest nodes, not to every node (each answers with every peer's record)."""
 
     _pauses = 0  # pause_updates() sections ended so far: a fetch that straddles one is dropped
 
@@ -97,6 +101,9 @@ class SwarmProgressTracker(ProgressTracker):
     _gated = False  # set while report_local_progress runs for a report that may wait
     _flush: threading.Timer | None = None  # pending: sends a held-back count when its period ends
     _flush_lock = threading.RLock()
+
+    def __init__(self, *args: Any, dht: Any, **kwargs: Any):
+        super().__init__(*args, dht=ReplicaRecords(dht), **kwargs)
 
     def report_period(self) -> float:
         """Seconds between two stores of this peer's record (a change of epoch goes out at once)."""

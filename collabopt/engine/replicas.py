@@ -1,0 +1,82 @@
+"""Per-peer records (progress, metrics) stored on their key's replicas, with no crawl of the DHT at every call.
+
+Every peer of a run keeps one record under a shared key: the key holds a dictionary of N records. hivemind's store
+crawls the DHT for the key's nearest nodes first, and every node it asks answers with the whole dictionary it holds;
+its ``get(latest=True)`` asks every node it can reach. So each call downloaded all N records from up to 20 nodes,
+and a peer's DHT traffic grew as N². Here a store goes straight to the key's ``num_replicas`` nearest nodes, found by
+one crawl per :data:`REPLICAS_TTL`, and a read asks the :data:`READ_REPLICAS` nearest nodes. See docs/decisions.md,
+"Records stored on their replicas".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import time
+from typing import Any
+
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+
+REPLICAS_TTL = 30.0  # seconds a key's replicas are reused before a crawl looks for them again
+READ_REPLICAS = 3  # a read merges the dictionaries of the key's nearest nodes up to this many (hivemind: 20)
+
+# in the DHT's process: key id -> (time.monotonic() when found, {node id: peer id} of its nearest nodes)
+_replicas: dict[DHTID, tuple[float, dict[Any, Any]]] = {}
+
+
+class ReplicaRecords:
+    """A DHT whose ``store`` and ``get`` keep per-peer records on their key's replicas; everything else is the DHT's.
+
+    Give it where hivemind's code stores and reads records (the progress tracker) and use it for collabopt's own."""
+
+    def __init__(self, dht: Any):
+        self.dht = dht
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.dht, name)
+
+    def store(self, key: str, value: Any, expiration_time: float, subkey: Any = None,
+              return_future: bool = False) -> Any:
+        """Store ``value`` under ``key`` (and ``subkey``) on the key's replicas: True if one of them took it."""
+        future = self.dht.run_coroutine(functools.partial(_store_on_replicas, key, subkey, value, expiration_time),
+                                        return_future=True)
+        return future if return_future else future.result()
+
+    def get(self, key: str, latest: bool = False, return_future: bool = False) -> Any:
+        """The key's value merged from its :data:`READ_REPLICAS` nearest nodes (``latest``: ask them all)."""
+        return self.dht.get(key, latest=latest, return_future=return_future, beam_size=READ_REPLICAS)
+
+
+async def _nearest_nodes(node: Any, key_id: DHTID) -> dict[Any, Any]:
+    found = _replicas.get(key_id)
+    if found is None or time.monotonic() - found[0] > REPLICAS_TTL:
+        nearest = await node.find_nearest_nodes([key_id], k_nearest=node.num_replicas,
+                                                exclude_self=node.protocol.client_mode)  # nobody reads a client
+        found = _replicas[key_id] = (time.monotonic(), dict(nearest[key_id]))
+    return found[1]
+
+
+async def _store_on_replicas(key: str, subkey: Any, value: Any, expiration_time: float, _dht: Any,
+                             node: Any) -> bool:
+    """Runs in the DHT's process: sign the record as hivemind's store does and send it to the key's nearest nodes.
+
+    A replica that does not answer makes the next store look for the replicas again."""
+    key_id = DHTID.generate(source=key)
+    protocol = node.protocol
+    record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value),
+                       expiration_time)
+    if protocol.record_validator is not None:
+        record = dataclasses.replace(record, value=protocol.record_validator.sign_value(record))
+    stored, calls = False, []
+    for node_id, peer_id in (await _nearest_nodes(node, key_id)).items():
+        if node_id == node.node_id:
+            valid = protocol.record_validator is None or protocol.record_validator.validate(record)
+            stored |= bool(valid and protocol.storage.store(key_id, record.value, expiration_time, subkey=subkey))
+        else:
+            calls.append(protocol.call_store(peer_id, [key_id], [record.value], [expiration_time], subkeys=[subkey]))
+    answers = await asyncio.gather(*calls)
+    if any(answer is None for answer in answers):
+        _replicas.pop(key_id, None)
+    return stored or any(answer and answer[0] for answer in answers)
