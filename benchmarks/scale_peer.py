@@ -112,7 +112,8 @@ def member(cfg: dict[str, Any]) -> None:
                 marks.append(snapshot(opt))
             if len(marks) == 2 and not written:
                 write_json(cfg["out"], dict(role="member", ready=ready, steps=steps, rounds=rounds, marks=marks,
-                                            status=status.events, num_peers=opt.num_peers))
+                                            status=status.events, num_peers=opt.num_peers, batch=cfg["batch"],
+                                            target_batch_size=cfg["target_batch_size"]))
                 written = True
         if not written:
             write_json(cfg["out"], dict(role="member", error=f"the window did not end in {cfg['max_seconds']} s "

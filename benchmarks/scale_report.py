@@ -30,6 +30,7 @@ FIGURES = (
     ("swarm_cores", "CPU cores busy with the swarm"),
     ("epoch_s", "epoch s"),
     ("boundary_s", "epoch boundary s"),
+    ("epoch_fill", "samples per epoch / target (median)"),
     ("group_size_median", "group size (median)"),
     ("joiner_download_s", "late joiners: download s (slowest)"),
     ("joiner_synced_s", "late joiners: join to synced s (slowest)"),
@@ -60,8 +61,20 @@ def _member(record: dict[str, Any]) -> dict[str, Any]:
                             served_per_epoch=traffic[cat]["calls_in"] / epochs)
                   for cat in ("progress", "metrics")},
         boundary=boundary_split(record, m0["time"], m1["time"])["boundary"],
+        samples=_samples_per_epoch(record, m0["epoch"], m1["epoch"]), window=range(m0["epoch"], m1["epoch"]),
         rounds=[r for r in record["rounds"] if m0["time"] < r["time"] <= m1["time"]],
     )
+
+
+def _samples_per_epoch(record: dict[str, Any], first: int, end: int) -> dict[int, int]:
+    """The samples this member accumulated in each epoch of ``first .. end - 1``: a step counts in the epoch it began
+    in (the epoch the step before it ended in), so the step that ends an epoch is that epoch's last."""
+    counts: Counter[int] = Counter()
+    epochs_after = [step[3] for step in record["steps"]]
+    for began_in in epochs_after[:-1]:  # the epoch each next step began in
+        if first <= began_in < end:
+            counts[began_in] += record.get("batch", 0)
+    return dict(counts)
 
 
 def _ratio(a: float, b: float) -> float:
@@ -82,6 +95,12 @@ def summarize(n: int, records: list[dict[str, Any]], joiners: list[dict[str, Any
     if not members:
         return dict(peers=n, error="; ".join(errors[:3]) or "no member record")
     rounds = [r for m in members for r in m["rounds"]]
+    swarm_samples: Counter[int] = Counter()  # epochs every member measured: the swarm's samples in each
+    for m in members:
+        swarm_samples.update(m["samples"])
+    measured = [e for e in swarm_samples if all(e in m["window"] for m in members)]
+    target = records[0].get("target_batch_size") if records else None
+    filled = [swarm_samples[e] / target for e in measured] if target else []
     boundaries = [b for m in members for b in m["boundary"]]
     late = [j for j in map(_joiner, joiners) if j is not None]
 
@@ -101,6 +120,7 @@ def summarize(n: int, records: list[dict[str, Any]], joiners: list[dict[str, Any
                                           for key in sorted({k for m in members for k in m["calls_main"]})},
         cpu_per_epoch={kind: median([m["cpu"][kind] for m in members]) for kind in members[0]["cpu"]},
         boundary_s=median(boundaries), boundary_range=spread(boundaries), boundaries=len(boundaries),
+        epoch_fill=median(filled), epoch_fill_max=max(filled, default=float("nan")),
         group_sizes=dict(sorted(Counter(r["group_size"] for r in rounds).items())),
         group_size_median=median([r["group_size"] for r in rounds]),
         full_groups=sum(r["group_size"] == n for r in rounds) / len(rounds) if rounds else float("nan"),
@@ -187,20 +207,21 @@ def markdown(results: dict[str, Any]) -> str:
         f"Then {c['joiners']} late joiners start their optimizers at once (Python, torch and hivemind already loaded).",
         "",
         "| N | epoch s | DHT kB sent / epoch | range | DHT kB received / epoch | range | DHT kB/s | RPCs / epoch | "
-        "progress fetches / epoch | boundary s | range | group sizes (rounds) | joiners: download s (median, "
-        "slowest) | join to synced s (slowest) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "progress fetches / epoch | boundary s | range | samples / target (median, max) | group sizes (rounds) | "
+        "joiners: download s (median, slowest) | join to synced s (slowest) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['peers']} | failed: {row['error'][:300]} |" + " |" * 12)
+            lines.append(f"| {row['peers']} | failed: {row['error'][:300]} |" + " |" * 13)
             continue
         lines.append(
             f"| {row['peers']} | {_f(row['epoch_s'], 1)} | {_f(row['dht_sent_per_epoch'] / 1e3, 1)} | "
             f"{_kb(row['dht_sent_range'])} | {_f(row['dht_received_per_epoch'] / 1e3, 1)} | "
             f"{_kb(row['dht_received_range'])} | {_f(row['dht_bytes_per_s'] / 1e3, 1)} | "
             f"{_f(row['dht_calls_per_epoch'], 0)} | {_f(row['progress_fetches_per_epoch'], 1)} | "
-            f"{_f(row['boundary_s'])} | {row['boundary_range']} | {_groups(row['group_sizes'])} | "
+            f"{_f(row['boundary_s'])} | {row['boundary_range']} | {_f(row.get('epoch_fill', math.nan), 3)}, "
+            f"{_f(row.get('epoch_fill_max', math.nan), 3)} | {_groups(row['group_sizes'])} | "
             f"{_f(row['joiner_download_median_s'])}, {_f(row['joiner_download_s'])} | "
             f"{_f(row['joiner_synced_s'])} ({row['joiners_synced']}/{row['joiners']} synced) |")
     lines += ["", "DHT kB per peer per epoch by key (sent + received):", "",

@@ -35,6 +35,7 @@ def test_smoke_run_reports_every_figure_for_2_and_4_peers(tmp_path):
         assert row["dht_by_category"]["progress"] > 0 and set(row["dht_by_category"]) == set(CATEGORIES)
         assert set(CPU_KINDS) <= set(row["cpu_per_epoch"]) and row["cpu_per_epoch"]["dht"] > 0
         assert row["group_sizes"] and row["boundaries"] >= 1
+        assert row["epoch_fill"] >= 0.9, "the swarm's samples in an epoch are about its target, not less"
         assert row["joiners_synced"] == row["joiners"] >= 1
     text = (out / "scale.md").read_text()
     for part in ("| N | epoch s", "by key", "by process", "Fits `a * N^b`", NOTES):
