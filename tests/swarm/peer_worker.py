@@ -250,7 +250,8 @@ def main(config_path: str) -> None:
             last_round = copt.last_round
             if last_round is not None and (not result["rounds"] or result["rounds"][-1]["at"] != id(last_round)):
                 result["rounds"].append(dict(at=id(last_round), epoch=last_round.epoch, applied=last_round.applied,
-                                             reason=last_round.reason, resync=last_round.resync))
+                                             reason=last_round.reason, resync=last_round.resync,
+                                             group_size=last_round.group_size))
             if copt.local_epoch != before:
                 result["epochs_seen"].append(copt.local_epoch)
                 result["epoch_times"].append(time.time())
