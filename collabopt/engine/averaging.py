@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from hivemind.averaging import allreduce, matchmaking
 from hivemind.averaging.key_manager import GroupKeyManager
-from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
@@ -41,34 +41,35 @@ def gradient_averager_factory(factory: Callable[..., Any] | None,
     return functools.partial(factory or GradientAveragerThatTellsGaps, **extra)
 
 
+class SharedPart(asyncio.Future):
+    """The future of one part's average, awaited by every sender of the part: cancelling one sender's task does not
+    cancel it (that task still ends, with ``CancelledError``, as the part is averaged); only :meth:`end` does."""
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False
+
+    def end(self) -> None:
+        """Cancel it: the reducer is finalized, no average will come."""
+        asyncio.Future.cancel(self)
+
+
 class ShieldedTensorPartReducer(TensorPartReducer):
-    """hivemind's ``TensorPartReducer``, whose senders wait for a part's average through ``asyncio.shield``.
+    """hivemind's ``TensorPartReducer``, whose parts' futures are :class:`SharedPart`.
 
     In hivemind 1.1.12 a sender that dies mid-round cancels the part's future shared by all senders, and every member
-    waits until ``allreduce_timeout``; shielded, only the dead sender's task ends and the round ends at once. See
+    waits until ``allreduce_timeout``; here only the dead sender's task ends and the round goes on at once. See
     docs/decisions.md, "Shielded part reducer"."""
 
-    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
-                              weight: float = 1.0) -> torch.Tensor:
-        # hivemind 1.1.12's accumulate_part; only its last line differs (the shield)
-        assert 0 <= sender_index < self.num_senders, "invalid sender index"
-        assert 0 <= part_index < self.num_parts, "invalid part index"
-        self.num_parts_received[sender_index] += 1
-        while part_index > self.current_part_index:
-            await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
-                               return_when=asyncio.FIRST_COMPLETED)
-            if self.finished.is_set():
-                raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
-        if self.sender_failed_after[sender_index] != float("inf"):
-            raise BannedException(f"sender {sender_index} was banned in background")
-        assert part_index == self.current_part_index
-        current_part_future = self.current_part_future
-        if part_index < self.sender_failed_after[sender_index]:
-            self.accumulator.add_(tensor_part, alpha=weight)
-            self.current_part_accumulated_from += 1
-            self.denominator += weight
-            self.check_current_part_finished()
-        return await asyncio.shield(current_part_future)
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if not self.finished.is_set():  # (hivemind made a plain future for the next part)
+            self.current_part_future = SharedPart()
+
+    def finalize(self) -> None:
+        future = getattr(self, "current_part_future", None)
+        if not self.finished.is_set() and isinstance(future, SharedPart):
+            future.end()
+        super().finalize()
 
 
 # How long a reducer keeps its end of a stream open for a sender that closes it itself, without a reducer_timeout
