@@ -22,8 +22,9 @@ from hivemind.dht.validation import DHTRecord
 REPLICAS_TTL = 30.0  # seconds a key's replicas are reused before a crawl looks for them again
 READ_REPLICAS = 3  # a read merges the dictionaries of the key's nearest nodes up to this many (hivemind: 20)
 
-# in the DHT's process: key id -> (time.monotonic() when found, {node id: peer id} of its nearest nodes)
-_replicas: dict[DHTID, tuple[float, dict[Any, Any]]] = {}
+# in the DHT's process: key id -> (time.monotonic() when found, nodes in the routing table then, {node id: peer id}
+# of the key's nearest nodes)
+_replicas: dict[DHTID, tuple[float, int, dict[Any, Any]]] = {}
 
 
 class ReplicaRecords:
@@ -50,12 +51,16 @@ class ReplicaRecords:
 
 
 async def _nearest_nodes(node: Any, key_id: DHTID) -> dict[Any, Any]:
+    """The key's ``num_replicas`` nearest nodes, as found at most :data:`REPLICAS_TTL` ago; looked for again sooner
+    while they are fewer and the routing table has grown (a peer that started alone stores on the others at once)."""
+    known = len(node.protocol.routing_table.uid_to_peer_id)
     found = _replicas.get(key_id)
-    if found is None or time.monotonic() - found[0] > REPLICAS_TTL:
+    if (found is None or time.monotonic() - found[0] > REPLICAS_TTL
+            or (len(found[2]) < node.num_replicas and known > found[1])):
         nearest = await node.find_nearest_nodes([key_id], k_nearest=node.num_replicas,
                                                 exclude_self=node.protocol.client_mode)  # nobody reads a client
-        found = _replicas[key_id] = (time.monotonic(), dict(nearest[key_id]))
-    return found[1]
+        found = _replicas[key_id] = (time.monotonic(), known, dict(nearest[key_id]))
+    return found[2]
 
 
 async def _store_on_replicas(key: str, subkey: Any, value: Any, expiration_time: float, _dht: Any,

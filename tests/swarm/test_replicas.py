@@ -3,6 +3,8 @@ every record, signed records stay signed, and a store downloads nothing once the
 
 from __future__ import annotations
 
+import functools
+import time
 import uuid
 
 import pytest
@@ -10,23 +12,26 @@ from hivemind.utils import get_dht_time
 
 pytestmark = pytest.mark.swarm
 
-_finds = 0  # in a DHT's process: the find requests its node made since _count_finds
+_calls: dict[str, int] = {}  # in a DHT's process: the requests of each kind its node made since _count
 
 
-async def _count_finds(_dht, node) -> None:
-    global _finds
-    call_find = node.protocol.call_find
+async def _count(method: str, _dht, node) -> None:
+    call = getattr(node.protocol, method)
 
     async def counted(*args, **kwargs):
-        global _finds
-        _finds += 1
-        return await call_find(*args, **kwargs)
+        _calls[method] += 1
+        return await call(*args, **kwargs)
 
-    node.protocol.call_find, _finds = counted, 0
+    setattr(node.protocol, method, counted)
+    _calls[method] = 0
 
 
-async def _finds_made(_dht, node) -> int:
-    return _finds
+async def _made(method: str, _dht, node) -> int:
+    return _calls[method]
+
+
+async def _known(_dht, node) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)
 
 
 def test_records_on_replicas_are_read_by_every_peer_and_a_store_downloads_nothing():
@@ -56,11 +61,39 @@ def test_records_on_replicas_are_read_by_every_peer_and_a_store_downloads_nothin
                 assert {subkey: item.value for subkey, item in found.value.items()} == {
                     subkey: {"peer": j} for j, subkey in enumerate(subkeys)}, f"peer {i} read other records"
 
-        records[1].dht.run_coroutine(_count_finds)
+        dhts[1].run_coroutine(functools.partial(_count, "call_find"))
         assert records[1].store(key, {"peer": 1, "again": True}, expiration + 1, subkey=subkeys[1])
-        assert records[1].dht.run_coroutine(_finds_made) == 0, "a store with known replicas asked for the dictionary"
+        assert dhts[1].run_coroutine(functools.partial(_made, "call_find")) == 0, "a store asked for the dictionary"
         assert dhts[1].store(key, {"peer": 1}, expiration + 2, subkey=subkeys[1])  # hivemind's store, for contrast
-        assert records[1].dht.run_coroutine(_finds_made) > 0, "the counter saw hivemind's store crawl"
+        assert dhts[1].run_coroutine(functools.partial(_made, "call_find")) > 0, "the counter saw hivemind's crawl"
     finally:
         for dht in dhts:
+            dht.shutdown()
+
+
+def test_a_peer_that_stored_alone_stores_on_the_peers_that_join():
+    import hivemind
+
+    from collabopt.engine.replicas import ReplicaRecords
+
+    options = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], num_replicas=2, start=True)
+    first = hivemind.DHT(**options)
+    others = []
+    try:
+        key, expiration = f"replicas_alone_{uuid.uuid4().hex[:8]}", get_dht_time() + 120
+        assert ReplicaRecords(first).store(key, {"alone": True}, expiration, subkey=b"first")
+        initial_peers = [str(m) for m in first.get_visible_maddrs()]
+        others = [hivemind.DHT(initial_peers=initial_peers, **options) for _ in range(3)]
+        deadline = time.monotonic() + 10
+        while first.run_coroutine(_known) < len(others) and time.monotonic() < deadline:
+            time.sleep(0.1)  # each joiner pings the first peer as it starts: the first peer learns of it
+        assert first.run_coroutine(_known) == len(others)
+        first.run_coroutine(functools.partial(_count, "call_store"))
+        assert ReplicaRecords(first).store(key, {"alone": False}, expiration + 1, subkey=b"first")
+        assert first.run_coroutine(functools.partial(_made, "call_store")) >= 1, "it still stored on itself alone"
+        for dht in others:
+            found = dht.get(key, latest=True)
+            assert found is not None and found.value[b"first"].value == {"alone": False}
+    finally:
+        for dht in [first, *others]:
             dht.shutdown()
