@@ -1,0 +1,131 @@
+"""Robust aggregation at hivemind's averaging seams (issue 35; docs/design/trust.md, section 4).
+
+* :class:`ClippingTensorPartReducer`: a part reducer that resolves each part of an all-reduce with CenteredClip
+  over the senders' parts and capped weights (:mod:`collabopt.robust`) instead of their weighted mean.
+* :func:`cap_bandwidths`: caps the bandwidths gathered in matchmaking before hivemind shares the vector out by them,
+  so that one member's claim cannot make it the reducer of the whole vector.
+
+Built and unit-tested only: no averager installs the reducer or caps bandwidths yet (``ShieldedReducers.run``
+still installs :class:`~collabopt.engine.averaging.ShieldedTensorPartReducer`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+import torch
+from hivemind.utils.logging import get_logger
+
+from collabopt.engine.averaging import ShieldedTensorPartReducer
+from collabopt.robust import cap_weights, centered_clip
+
+logger = get_logger(__name__)
+
+# a sender's weight is capped at this many times the median positive weight of the part's senders (cap_weights)
+WEIGHT_CAP = 2.0
+# a member's bandwidth is capped at this many times the median positive bandwidth of its group (cap_bandwidths)
+BANDWIDTH_CAP = 1.0
+
+
+class ClippedPart:
+    """What :class:`ClippingTensorPartReducer` keeps where hivemind keeps a part's running sum (its ``accumulator``).
+
+    hivemind's ``accumulate_part`` calls ``add_(part, alpha=weight)`` once for each sender that takes part in the
+    current part, and ``check_current_part_finished`` calls ``div_(denominator)`` once they all have: here ``add_``
+    records the sender's (part, weight) and ``div_`` returns CenteredClip of them with capped weights. hivemind's own
+    methods thus keep the order of parts, the count of senders and the dropping of a failed sender's later parts.
+
+    ``add_`` never raises (a raise there would leave hivemind waiting for that sender's part until the all-reduce
+    times out): a part of another shape, holding NaN/inf, or given a negative or non-finite weight takes no part
+    (hivemind's mean turns NaN, or raises and stalls). Where no part has a positive weight the result is NaN, as
+    hivemind's mean (0/0) is. Parts are kept as float32, the dtype of hivemind's accumulator."""
+
+    def __init__(self, shape: torch.Size, weight_cap: float = WEIGHT_CAP):
+        self.shape = torch.Size(shape)
+        self.weight_cap = weight_cap
+        self.parts: list[torch.Tensor] = []
+        self.weights: list[float] = []
+        self.refused = 0  # parts that took no part because they were malformed (not those of weight 0)
+
+    def add_(self, part: torch.Tensor, alpha: float = 1.0) -> ClippedPart:
+        weight = float(alpha)
+        if not (math.isfinite(weight) and weight >= 0.0) or part.shape != self.shape:
+            self.refused += 1
+            logger.debug(f"A part {tuple(part.shape)} of weight {weight} takes no part (expected {tuple(self.shape)})")
+            return self
+        if weight == 0.0:
+            return self
+        part = part.to(torch.float32)
+        if not bool(torch.isfinite(part).all()):
+            self.refused += 1
+            logger.debug("A part holding NaN/inf takes no part")
+            return self
+        self.parts.append(part)
+        self.weights.append(weight)
+        return self
+
+    def div_(self, denominator: float) -> torch.Tensor:
+        """The part's aggregate: CenteredClip of the recorded parts, weights capped (``denominator``, the sum of
+        the raw weights, is not used)."""
+        if not self.parts:
+            return torch.full(self.shape, float("nan"))
+        return centered_clip(self.parts, cap_weights(self.weights, self.weight_cap))
+
+
+class ClippingTensorPartReducer(ShieldedTensorPartReducer):
+    """A part reducer whose result for each part is CenteredClip of the senders' parts, each sender's weight capped
+    at :attr:`weight_cap` times the median (see :class:`ClippedPart`), instead of their weighted mean.
+
+    Why: with the mean, one member sending finite hostile values (its gradients times -20, noise) moves every part
+    as far as it likes, and a claim of 1,000x its samples makes its part the result. The clip bounds a member's
+    pull by its capped weight share times the radius (:func:`collabopt.robust.centered_clip`).
+
+    The design: hivemind's ``reset_accumulators`` makes a zeroed tensor for each part, replaced here by a
+    :class:`ClippedPart`; every other step is hivemind's (and :class:`ShieldedTensorPartReducer`'s), no method
+    body is copied. Memory: the part's senders' parts (senders x part size, float32) instead of one part-sized sum.
+    CPU: up to ``collabopt.robust.ITERATIONS`` passes over them, in the event loop, as the last sender's part
+    arrives. ``weight_cap`` is a class attribute: hivemind's all-reduce builds reducers with shapes and senders
+    only."""
+
+    weight_cap: float = WEIGHT_CAP
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if not self.finished.is_set():  # (hivemind made a zeroed sum for the next part)
+            self.accumulator = ClippedPart(self.part_shapes[self.current_part_index], self.weight_cap)
+
+
+def cap_bandwidths(bandwidths: Sequence[float | None], factor: float = BANDWIDTH_CAP) -> list[float | None]:
+    """The group's gathered bandwidths, each capped at ``factor`` times the median of the positive ones, for
+    hivemind's ``load_balance_peers``: every member computes the same shares from the same gathered list.
+
+    Why: hivemind gives each member a share of the vector to reduce by the bandwidth it claims, and a member
+    reduces its share alone (CenteredClip cannot help there): ``load_balance_peers(10**6, [100, 100, 100, 1e9])``
+    is ``(0, 0, 0, 1000000)``. The default factor is 1: hivemind's balancing amplifies any excess, in a group of
+    4 a member at 2x the others' bandwidth reduces 70% of the vector, at 1.5x 50%. Capped at the median a claim
+    gets at most the share of the members at the median or above, at most 2/n of the vector in a group of n with
+    fewer than half of its members hostile; the price is that honest members faster than the median are used as
+    if they were not.
+
+    Bandwidth 0 (client-mode members, which hivemind sets to 0 itself: the caller zeroes them first) stays 0 and
+    does not count toward the median; ``None`` (not specified: hivemind takes the mean of the others) stays
+    ``None``. A negative, NaN or non-number claim becomes 0 (hivemind's balancing would fail on it, failing the
+    round for every member); infinity is capped like any other claim."""
+    if not factor >= 1.0:
+        raise ValueError(f"factor must be >= 1 (below it the median member is capped too), got {factor}")
+    values: list[float | None] = []
+    for bandwidth in bandwidths:
+        if bandwidth is None:
+            values.append(None)
+            continue
+        value = float(bandwidth) if isinstance(bandwidth, (int, float)) and not isinstance(bandwidth, bool) else 0.0
+        values.append(value if value > 0.0 else 0.0)  # (NaN > 0 is False)
+    positive = [value for value in values if value is not None and value > 0.0]
+    if not positive:
+        return values
+    cap = factor * statistics.median(positive)
+    if not math.isfinite(cap):  # (most claims infinite: no finite cap; hivemind's balancing fails on infinity)
+        cap = max([value for value in positive if math.isfinite(value)], default=1.0)
+    return [None if value is None else min(value, cap) for value in values]

@@ -1,0 +1,53 @@
+"""collabopt.engine.robust_averaging.cap_bandwidths before hivemind's real load_balance_peers: a member's bandwidth
+claim no longer makes it the reducer of the whole vector, and every member computes the same shares."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.utils.serializer import MSGPackSerializer
+
+from collabopt.engine.robust_averaging import cap_bandwidths
+
+SIZE = 10**6
+
+
+def test_a_claim_of_1e9_gets_the_share_of_a_member_at_the_median():
+    assert load_balance_peers(SIZE, [100, 100, 100, 1e9]) == (0, 0, 0, SIZE)  # (why: hivemind alone)
+    assert cap_bandwidths([100, 100, 100, 1e9]) == [100, 100, 100, 100]
+    shares = load_balance_peers(SIZE, cap_bandwidths([100, 100, 100, 1e9]))
+    assert max(shares) - min(shares) <= 1 and sum(shares) == SIZE
+    # honest members of different bandwidths: the claim gets what the median-or-faster members get, at most 2/n
+    for honest in ([50, 100, 200], [10, 100, 1000, 1000, 30, 70, 500]):
+        shares = load_balance_peers(SIZE, cap_bandwidths([*honest, 1e9]))
+        assert shares[-1] <= max(shares[:-1]) + 1
+        assert shares[-1] <= 2 * SIZE / (len(honest) + 1)
+    # hivemind alone gave it 61% of the vector in a group of 4
+    assert load_balance_peers(SIZE, [50, 100, 200, 1e9])[-1] > 0.6 * SIZE
+
+
+def test_every_member_computes_the_same_shares_from_the_same_gathered_claims():
+    """Each member reads the group's claims from the same gathered bytes (msgpack, as hivemind's matchmaking sends
+    them) and applies the cap on its own: same list in, same shares out, whichever member computes them."""
+    claims = [120.5, None, 0.0, 1e9, 80.0, 95.0]
+    gathered = [MSGPackSerializer.dumps([claim, 0, b""]) for claim in claims]
+    views = [[MSGPackSerializer.loads(item)[0] for item in gathered] for _member in range(len(claims))]
+    shares = {load_balance_peers(SIZE, cap_bandwidths(view)) for view in views}
+    assert len(shares) == 1
+    (only,) = shares
+    assert only[2] == 0  # (a client: no share)
+    assert only[3] <= 2 * SIZE / len(claims)
+
+
+def test_zeros_and_none_stay_and_malformed_claims_get_no_share():
+    assert cap_bandwidths([0.0, None, 100.0, 300.0, 200.0]) == [0.0, None, 100.0, 200.0, 200.0]
+    capped = cap_bandwidths([-5.0, math.nan, "fast", True, 100.0, 100.0, math.inf])
+    assert capped == [0.0, 0.0, 0.0, 0.0, 100.0, 100.0, 100.0]
+    assert load_balance_peers(SIZE, capped)[:4] == (0, 0, 0, 0)  # (hivemind's would fail on -5 or NaN)
+    assert cap_bandwidths([math.inf, math.inf, 10.0]) == [10.0, 10.0, 10.0]  # (a majority of infinite claims)
+    assert cap_bandwidths([0.0, None]) == [0.0, None]
+    assert cap_bandwidths([100.0, 100.0, 300.0], factor=2.0) == [100.0, 100.0, 200.0]
+    with pytest.raises(ValueError, match="factor"):
+        cap_bandwidths([1.0], factor=0.5)
