@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hivemind.utils import get_dht_time
+
 from collabopt import lineage
 
 logger = logging.getLogger(__name__)
@@ -67,16 +69,25 @@ def out_of_sync(optimizer: Any) -> bool:
 
 
 def hint_state_group(optimizer: Any, control: Any) -> None:
-    """After a boundary's gradient round (``control``): if every peer this one counts in the swarm was in it, tell
-    the state averager to expect that many peers in the parameter averaging that follows (see
+    """After a boundary's gradient round (``control``): if every peer present in the swarm (:func:`present_peers`)
+    was in it, tell the state averager to expect that many peers in the parameter averaging that follows (see
     ``ConsistentStateAverager._size_next_group``); otherwise (a failed round, groups split under load) no hint,
     since one too small makes a peer that finds the group full wait until ``averaging_timeout``. See
     docs/decisions.md, "Group size hint"."""
     hint = None  # (a delayed gradient round ends after the state round's matchmaking began: no hint)
     group = None if optimizer.delay_grad_averaging else finished_group(control)
-    if isinstance(group, dict) and len(group) >= max(2, optimizer.tracker.global_progress.num_peers):
+    if isinstance(group, dict) and len(group) >= max(2, present_peers(optimizer)):
         hint = (optimizer.local_epoch, len(group))
     optimizer.state_averager.group_size_hint = hint
+
+
+def present_peers(optimizer: Any) -> int:
+    """The peers of the tracker's last fetch whose record is at most ``matchmaking_time`` older than a stepping
+    peer's can be: a peer that stopped reporting that long ago (killed, or busy elsewhere) will not come to this
+    boundary's parameter round, though its record stays until it expires (60 s)."""
+    tracker = optimizer.tracker
+    recent = get_dht_time() - optimizer.matchmaking_time - tracker.extrapolation_limit()
+    return sum(time >= recent for time in tracker.record_times)
 
 
 def finished_group(control: Any) -> Any:

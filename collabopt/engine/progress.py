@@ -97,6 +97,7 @@ class SwarmProgressTracker(ProgressTracker):
     _pauses = 0  # pause_updates() sections ended so far: a fetch that straddles one is dropped
 
     lowest_epoch: tuple[int, int] | None = None  # (the lowest epoch in the last records fetched, this peer's then)
+    record_times: tuple[float, ...] = ()  # the DHT time of each training peer's record in the last fetch
     _next_report = -float("inf")  # time.monotonic() before which a step's report waits
     _gated = False  # set while report_local_progress runs for a report that may wait
     _flush: threading.Timer | None = None  # pending: sends a held-back count when its period ends
@@ -233,6 +234,9 @@ class SwarmProgressTracker(ProgressTracker):
         as training; a peer that steps stores its record within the limit. See docs/decisions.md, "No
         extrapolation of idle peers"."""
         if isinstance(metadata, dict):
+            self.record_times = tuple(record.value["time"] for record in metadata.values()
+                                      if isinstance(getattr(record, "value", None), dict)
+                                      and isinstance(record.value.get("time"), float))
             oldest = get_dht_time() - self.extrapolation_limit()
             metadata = {key: _record_not_older_than(record, oldest) for key, record in metadata.items()}
         progress = super()._parse_swarm_progress_data(metadata)

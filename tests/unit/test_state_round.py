@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hivemind.utils import get_dht_time
 
 from collabopt import RoundOutcome
 from collabopt.engine import averaging, lineage_check, progress, state, sync_round
@@ -85,7 +86,8 @@ def sync_loop(num_peers: int = 3, local_epoch: int = 8, swarm_epoch: int = 8, gr
         schedule_parameter_round=lambda timeout: parameter_round or Control(group))
     loop.state_steps = state_steps
     loop.tracker = SimpleNamespace(global_epoch=swarm_epoch, global_progress=SimpleNamespace(num_peers=num_peers),
-                                   pause_updates=contextlib.nullcontext, update_epoch=lambda new_epoch: None)
+                                   pause_updates=contextlib.nullcontext, update_epoch=lambda new_epoch: None,
+                                   record_times=(get_dht_time(),) * num_peers, extrapolation_limit=lambda: 1.0)
     loop.grad_averager = GradAverager([torch.ones(2)])
     loop.scheduled_grads = Control(group, error)
     loop.sync_state = lineage_check.SyncState(checks_lineage=group is not None)
@@ -94,7 +96,7 @@ def sync_loop(num_peers: int = 3, local_epoch: int = 8, swarm_epoch: int = 8, gr
     loop.load_state_from_peers = lambda: loop.downloads.append(True)
     for name, value in dict(auxiliary=False, client_mode=False, offload_optimizer=False, delay_grad_averaging=False,
                             delay_optimizer_step=False, delay_state_averaging=False, average_state_every=1,
-                            averaging_timeout=5.0, status_loglevel=logging.INFO).items():
+                            averaging_timeout=5.0, matchmaking_time=2.0, status_loglevel=logging.INFO).items():
         setattr(loop, name, value)
     return loop
 
@@ -221,18 +223,23 @@ class DoneRound:
         return self.group
 
 
-@pytest.mark.parametrize(("control", "delayed", "swarm", "expected"), [
-    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}, "c": {"epoch": 4}}), False, 3, (5, 3)),  # every peer counted
-    (DoneRound({"me": None, "b": None, "c": None}), False, 2, (5, 3)),  # (a peer not counted yet)
-    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), False, 3, None),  # split groups: the others may come
-    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), True, 2, None),  # delayed: ends after the state round began
-    (DoneRound({"me": {"epoch": 5}}), False, 1, None),  # alone: hivemind's matchmaking as before
-    (DoneRound(error=TimeoutError()), False, 3, None),
-    (None, False, 3, None),
+@pytest.mark.parametrize(("control", "delayed", "ages", "expected"), [
+    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}, "c": {"epoch": 4}}), False, [0, 0, 0], (5, 3)),  # all counted
+    (DoneRound({"me": None, "b": None, "c": None}), False, [0, 0], (5, 3)),  # (a peer not counted yet)
+    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), False, [0, 0, 0], None),  # split groups: the others may come
+    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), False, [0, 0, 2.5], None),  # one reported 2.5 s ago: it may
+    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), False, [0, 0, 3.5], (5, 2)),  # 3.5 s: gone (killed, say)
+    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), True, [0, 0], None),  # delayed: ends after the round began
+    (DoneRound({"me": {"epoch": 5}}), False, [0], None),  # alone: hivemind's matchmaking as before
+    (DoneRound(error=TimeoutError()), False, [0, 0, 0], None),
+    (None, False, [0, 0, 0], None),
 ])
-def test_the_state_round_expects_the_gradient_group_when_it_held_the_whole_swarm(control, delayed, swarm, expected):
-    optimizer = SimpleNamespace(local_epoch=5, delay_grad_averaging=delayed,
-                                tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=swarm)),
+def test_the_state_round_expects_the_gradient_group_when_it_held_the_swarm_present(control, delayed, ages, expected):
+    """``ages``: how old each peer's record was, seconds (matchmaking_time 2 s, records extrapolated for 1 s)."""
+    now = get_dht_time()
+    optimizer = SimpleNamespace(local_epoch=5, delay_grad_averaging=delayed, matchmaking_time=2.0,
+                                tracker=SimpleNamespace(record_times=tuple(now - age for age in ages),
+                                                        extrapolation_limit=lambda: 1.0),
                                 state_averager=SimpleNamespace(group_size_hint=(1, 9)))
     lineage_check.hint_state_group(optimizer, control)
     assert optimizer.state_averager.group_size_hint == expected
