@@ -3,7 +3,8 @@
 * :class:`ClippingTensorPartReducer`: a part reducer that resolves each part of an all-reduce with CenteredClip
   over the senders' parts and capped weights (:mod:`collabopt.robust`) instead of their weighted mean.
 * :func:`cap_bandwidths`: caps the bandwidths gathered in matchmaking before hivemind shares the vector out by them,
-  so that one member's claim cannot make it the reducer of the whole vector.
+  so that one member's claim cannot make it the reducer of the whole vector; :func:`cap_gathered_bandwidths` does
+  it on a group's gathered data.
 
 Built and unit-tested only: no averager installs the reducer or caps bandwidths yet (``ShieldedReducers.run``
 still installs :class:`~collabopt.engine.averaging.ShieldedTensorPartReducer`).
@@ -14,9 +15,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.utils.logging import get_logger
+from hivemind.utils.serializer import MSGPackSerializer
 
 from collabopt.engine.averaging import ShieldedTensorPartReducer
 from collabopt.robust import cap_weights, centered_clip
@@ -129,3 +133,26 @@ def cap_bandwidths(bandwidths: Sequence[float | None], factor: float = BANDWIDTH
     if not math.isfinite(cap):  # (most claims infinite: no finite cap; hivemind's balancing fails on infinity)
         cap = max([value for value in positive if math.isfinite(value)], default=1.0)
     return [None if value is None else min(value, cap) for value in values]
+
+
+def cap_gathered_bandwidths(gathered: Sequence[bytes], serializer: Any = MSGPackSerializer,
+                            factor: float = BANDWIDTH_CAP) -> tuple[bytes, ...]:
+    """A group's gathered data (hivemind's ``GroupInfo.gathered``: each member's serialized ``[bandwidth, mode,
+    metadata]``) with the bandwidths capped by :func:`cap_bandwidths`, for ``group_info._replace(gathered=...)``
+    before hivemind's ``_aggregate_with_group`` shares the vector out.
+
+    Clients' bandwidths are set to 0 first (hivemind sets them to 0 only as it shares the vector out), so that a
+    client's claim does not move the median. A member's entry is re-serialized only where its bandwidth changes, its
+    mode and metadata as they were. Data that cannot be read is returned as it is: hivemind refuses it as before.
+    Every member of the group must cap alike, or their shares differ and the round fails."""
+    try:
+        entries = [serializer.loads(data) for data in gathered]
+        if not all(isinstance(entry, (list, tuple)) and len(entry) == 3 for entry in entries):
+            return tuple(gathered)
+        clients = [AveragingMode(entry[1]) == AveragingMode.CLIENT for entry in entries]
+    except Exception:  # (malformed gathered data: hivemind's own reading of it fails the round, as without a cap)
+        return tuple(gathered)
+    claims = [0.0 if client else entry[0] for entry, client in zip(entries, clients, strict=True)]
+    capped = cap_bandwidths(claims, factor)
+    return tuple(data if bandwidth == entry[0] else serializer.dumps([bandwidth, entry[1], entry[2]])
+                 for data, entry, bandwidth in zip(gathered, entries, capped, strict=True))
