@@ -82,11 +82,13 @@ def hint_state_group(optimizer: Any, control: Any) -> None:
 
 
 def present_peers(optimizer: Any) -> int:
-    """The peers of the tracker's last fetch whose record is at most ``matchmaking_time`` older than a stepping
-    peer's can be: a peer that stopped reporting that long ago (killed, or busy elsewhere) will not come to this
-    boundary's parameter round, though its record stays until it expires (60 s)."""
+    """The peers of the tracker's last fetch whose record is at most a round (``matchmaking_time`` and
+    ``averaging_timeout``) older than a stepping peer's can be: a peer in a round stores no record, but one that
+    stopped reporting for longer (killed) will not come to this boundary's parameter round, though its record stays
+    until it expires (60 s). A shorter window left peers in a long all-reduce out (B6's WAN bed: 20 s rounds)."""
     tracker = optimizer.tracker
-    recent = get_dht_time() - optimizer.matchmaking_time - tracker.extrapolation_limit()
+    round_time = optimizer.matchmaking_time + optimizer.averaging_timeout
+    recent = get_dht_time() - round_time - tracker.extrapolation_limit()
     return sum(time >= recent for time in tracker.record_times)
 
 

@@ -227,17 +227,19 @@ class DoneRound:
     (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}, "c": {"epoch": 4}}), False, [0, 0, 0], (5, 3)),  # all counted
     (DoneRound({"me": None, "b": None, "c": None}), False, [0, 0], (5, 3)),  # (a peer not counted yet)
     (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), False, [0, 0, 0], None),  # split groups: the others may come
-    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), False, [0, 0, 2.5], None),  # one reported 2.5 s ago: it may
-    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), False, [0, 0, 3.5], (5, 2)),  # 3.5 s: gone (killed, say)
+    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), False, [0, 0, 7.5], None),  # 7.5 s ago: in a round, say
+    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), False, [0, 0, 8.5], (5, 2)),  # 8.5 s: gone (killed, say)
     (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), True, [0, 0], None),  # delayed: ends after the round began
     (DoneRound({"me": {"epoch": 5}}), False, [0], None),  # alone: hivemind's matchmaking as before
     (DoneRound(error=TimeoutError()), False, [0, 0, 0], None),
     (None, False, [0, 0, 0], None),
 ])
 def test_the_state_round_expects_the_gradient_group_when_it_held_the_swarm_present(control, delayed, ages, expected):
-    """``ages``: how old each peer's record was, seconds (matchmaking_time 2 s, records extrapolated for 1 s)."""
+    """``ages``: how old each peer's record was, seconds (a round: matchmaking_time 2 s and averaging_timeout 5 s;
+    records extrapolated for 1 s)."""
     now = get_dht_time()
     optimizer = SimpleNamespace(local_epoch=5, delay_grad_averaging=delayed, matchmaking_time=2.0,
+                                averaging_timeout=5.0,
                                 tracker=SimpleNamespace(record_times=tuple(now - age for age in ages),
                                                         extrapolation_limit=lambda: 1.0),
                                 state_averager=SimpleNamespace(group_size_hint=(1, 9)))
