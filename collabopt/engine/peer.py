@@ -183,7 +183,7 @@ class HivemindPeer:
         """Store this peer's metrics record (``None``: it leaves) under its signed subkey, without waiting."""
         tracker = self.loop.tracker  # its DHT stores on the key's replicas (collabopt.engine.replicas)
         tracker.dht.store(key=self.metrics_key, subkey=tracker._local_public_key, value=record,
-                       expiration_time=expiration, return_future=True)
+                          expiration_time=expiration, return_future=True)
 
     def announce(self, timeout: float = 10.0) -> None:
         """Publish this peer's progress record now, with zero samples, and make the tracker fetch the swarm's.

@@ -44,13 +44,21 @@ def fetch_progress_anew(tracker: Any, **changes: Any) -> None:
     tracker.global_state_updated.set()  # the fetcher re-reads next_fetch_time: it fetches now
 
 
-def _record_not_older_than(record: Any, oldest: float) -> Any:
-    """A progress record (a ``ValueWithExpiration`` of a dict) whose ``time`` is at least ``oldest``: as it was, or
-    a copy with ``time = oldest``; anything else as it was (hivemind's parser skips what it cannot read)."""
+def _record_time(record: Any) -> float | None:
+    """The ``time`` of a progress record (a ``ValueWithExpiration`` of a dict); None for anything else (a goodbye, a
+    record hivemind's parser skips)."""
     value = getattr(record, "value", None)
-    if not isinstance(value, dict) or not isinstance(value.get("time"), float) or value["time"] >= oldest:
+    stamp = value.get("time") if isinstance(value, dict) else None
+    return stamp if isinstance(stamp, float) else None
+
+
+def _record_not_older_than(record: Any, oldest: float) -> Any:
+    """A progress record whose ``time`` is at least ``oldest``: as it was, or a copy with ``time = oldest``; anything
+    else as it was (hivemind's parser skips what it cannot read)."""
+    stamp = _record_time(record)
+    if stamp is None or stamp >= oldest:
         return record
-    return ValueWithExpiration(dict(value, time=oldest), record.expiration_time)
+    return ValueWithExpiration(dict(record.value, time=oldest), record.expiration_time)
 
 
 def make_progress_tracker(optimizer: Any, target_batch_size: int, **kwargs: Any) -> Any:
@@ -234,9 +242,7 @@ class SwarmProgressTracker(ProgressTracker):
         as training; a peer that steps stores its record within the limit. See docs/decisions.md, "No
         extrapolation of idle peers"."""
         if isinstance(metadata, dict):
-            self.record_times = tuple(record.value["time"] for record in metadata.values()
-                                      if isinstance(getattr(record, "value", None), dict)
-                                      and isinstance(record.value.get("time"), float))
+            self.record_times = tuple(t for t in map(_record_time, metadata.values()) if t is not None)
             oldest = get_dht_time() - self.extrapolation_limit()
             metadata = {key: _record_not_older_than(record, oldest) for key, record in metadata.items()}
         progress = super()._parse_swarm_progress_data(metadata)
