@@ -26,6 +26,7 @@ import torch
 from collabopt import diloco_options
 from collabopt.engine import compat
 from collabopt.engine.averaging import gradient_averager_factory
+from collabopt.engine.robust_averaging import AGGREGATIONS, aggregation_options
 from collabopt.errors import ConfigurationError
 from collabopt.swarm import DhtOptions, SwarmOptions, parse_initial_peers, validate_listen_maddrs
 
@@ -83,6 +84,8 @@ class CollabConfig(DhtOptions):
     # callable(params) -> torch optimizer: DiLoCo mode, your optimizer steps locally (collabopt/diloco.py)
     outer_optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None
     overlap_rounds: bool = False  # DiLoCo mode: a round's all-reduce runs while inner steps go on
+    # "mean" (hivemind's) or "centered_clip": robust to a hostile member (collabopt/engine/robust_averaging.py)
+    aggregation: str = "mean"
 
     @classmethod
     def from_options(cls, **options: Any) -> CollabConfig:
@@ -117,6 +120,7 @@ class CollabConfig(DhtOptions):
         positive_int("average_state_every", self.average_state_every, "1")
         self._check_modes()
         self._check_hivemind_options()
+        self._check_aggregation()
         if self.outer_optimizer is not None:
             diloco_options.check_config(self)
         elif self.overlap_rounds:
@@ -175,6 +179,16 @@ class CollabConfig(DhtOptions):
             raise ConfigurationError("grad_averager_factory", "is not used with use_local_updates=True",
                                      "drop one of them")
 
+    def _check_aggregation(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigurationError("aggregation", f"must be one of {', '.join(map(repr, AGGREGATIONS))}, got "
+                                     f"{self.aggregation!r}", "pass aggregation='mean' (the default) or "
+                                     "aggregation='centered_clip' (robust to a hostile member; every peer the same)")
+        if self.aggregation != "mean" and self.hivemind_options.get("grad_averager_factory") is not None:
+            raise ConfigurationError("grad_averager_factory", f"cannot be combined with aggregation="
+                                     f"{self.aggregation!r} (collabopt's averager aggregates robustly)",
+                                     "drop grad_averager_factory, or pass aggregation='mean'")
+
     # ------------------------------------------------------------------ what the config builds
 
     def swarm_options(self) -> SwarmOptions:
@@ -211,9 +225,12 @@ class CollabConfig(DhtOptions):
         if request_timeout is None and self.matchmaking_time <= compat.HIVEMIND_REQUEST_TIMEOUT:
             request_timeout = self.matchmaking_time / 2
             extra["averager_opts"] = dict(averager_opts or {}, request_timeout=request_timeout)
+        robust = aggregation_options(self.aggregation)  # (none for "mean")
+        if robust:  # the state averager's parameter rounds aggregate as the gradient rounds do
+            extra["averager_opts"] = dict(extra.get("averager_opts") or {}, **robust)
         if not self.use_local_updates:  # (collabopt's averager, also where no request timeout is set)
             extra["grad_averager_factory"] = gradient_averager_factory(
-                extra.get("grad_averager_factory"), request_timeout)
+                extra.get("grad_averager_factory"), request_timeout, **robust)
         return dict(
             run_id=self.run_id,
             target_batch_size=self.target_batch_size if not self.auxiliary else 1,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import functools
 import multiprocessing
 import typing
@@ -32,12 +33,12 @@ from collabopt.engine.compat import SameHandlers
 from collabopt.engine.streams import MemberStub, serve_until_the_sender_closes
 
 
-def gradient_averager_factory(factory: Callable[..., Any] | None,
-                              request_timeout: float | None) -> Callable[..., Any]:
+def gradient_averager_factory(factory: Callable[..., Any] | None, request_timeout: float | None,
+                              **options: Any) -> Callable[..., Any]:
     """Without a factory of the user's: :class:`GradientAveragerThatTellsGaps`. hivemind 1.1.12 hands
     ``averager_opts`` to its state averager only: give the gradient averager the same join-request timeout, where
-    one is set."""
-    extra = {} if request_timeout is None else dict(request_timeout=request_timeout)
+    one is set, and the same aggregation ``options`` (:class:`ShieldedReducers`' arguments)."""
+    extra = dict(options) if request_timeout is None else dict(options, request_timeout=request_timeout)
     return functools.partial(factory or GradientAveragerThatTellsGaps, **extra)
 
 
@@ -110,7 +111,7 @@ class GroupKeyManagerThatDoesNotWait(GroupKeyManager):
 
 class ShieldedReducers:
     """A mixin for collabopt's averagers: every all-reduce of the averager builds its part reducers as
-    :class:`ShieldedTensorPartReducer`, its matchmaking stores its declarations with
+    :class:`ShieldedTensorPartReducer` (or its ``part_reducer``), its matchmaking stores its declarations with
     :class:`GroupKeyManagerThatDoesNotWait`, and the streams of both to other members open in time and are closed
     by the side that reads last (:mod:`collabopt.engine.streams`: hivemind's matchmaking and all-reduce get their
     stubs from the averager's class, and its all-reduce handler is the averager's ``rpc_aggregate_part``).
@@ -123,6 +124,18 @@ class ShieldedReducers:
 
     # how long a stream to another member may take to open, by RPC: set as the averager's process starts
     stream_open_timeouts: dict[str, float] = {}
+    # how this averager aggregates (aggregation="centered_clip": collabopt.engine.robust_averaging.aggregation_options
+    # sets both): the part reducer its all-reduces build, and a function of a group's gathered data applied before
+    # hivemind shares the vector out by the bandwidths in it
+    part_reducer: type[TensorPartReducer] = ShieldedTensorPartReducer
+    cap_gathered: Callable[[tuple[bytes, ...]], tuple[bytes, ...]] | None = None
+
+    def __init__(self, *args: Any, part_reducer: type[TensorPartReducer] | None = None,
+                 cap_gathered: Callable[[tuple[bytes, ...]], tuple[bytes, ...]] | None = None, **kwargs: Any):
+        if part_reducer is not None:
+            self.part_reducer = part_reducer
+        self.cap_gathered = cap_gathered
+        super().__init__(*args, **kwargs)
 
     @classmethod
     def get_stub(cls, p2p: Any, peer: Any, *, namespace: str | None = None) -> Any:
@@ -137,8 +150,13 @@ class ShieldedReducers:
         async for answer in serve_until_the_sender_closes(serve, stream, context.remote_id.to_bytes(), linger):
             yield answer
 
+    async def _aggregate_with_group(self, group_info: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.cap_gathered is not None:  # every member caps the same gathered data alike: same shares
+            group_info = dataclasses.replace(group_info, gathered=self.cap_gathered(group_info.gathered))
+        return await super()._aggregate_with_group(group_info, *args, **kwargs)  # type: ignore[misc]
+
     def run(self) -> None:
-        allreduce.TensorPartReducer = ShieldedTensorPartReducer  # (this averager's own process)
+        allreduce.TensorPartReducer = self.part_reducer  # (this averager's own process)
         matchmaking.GroupKeyManager = GroupKeyManagerThatDoesNotWait  # (read as Matchmaking starts, in run())
         timeouts = (("rpc_join_group", self.matchmaking_kwargs["request_timeout"]),  # type: ignore[attr-defined]
                     ("rpc_aggregate_part", self.allreduce_kwargs["reducer_timeout"]))  # type: ignore[attr-defined]

@@ -30,11 +30,11 @@ def default_pseudo_gradient_compression() -> Any:
     return Float16Compression()
 
 
-def pseudo_gradient_averager_factory(request_timeout: float | None) -> Callable[..., Any]:
-    """``grad_averager_factory`` of a DiLoCo peer: the pseudo-gradient averager (with ``request_timeout``, see
-    :func:`gradient_averager_factory`)."""
-    averager = PseudoGradientAverager
-    return functools.partial(averager, request_timeout=request_timeout) if request_timeout is not None else averager
+def pseudo_gradient_averager_factory(request_timeout: float | None, **options: Any) -> Callable[..., Any]:
+    """``grad_averager_factory`` of a DiLoCo peer: the pseudo-gradient averager (with ``request_timeout`` and the
+    aggregation ``options``, see :func:`gradient_averager_factory`)."""
+    extra = dict(options) if request_timeout is None else dict(options, request_timeout=request_timeout)
+    return functools.partial(PseudoGradientAverager, **extra) if extra else PseudoGradientAverager
 
 
 PARTIAL_RESULTS = "collabopt_partial_results"  # what a DiLoCo round returns instead of its group's metadata when

@@ -6,8 +6,8 @@
   so that one member's claim cannot make it the reducer of the whole vector; :func:`cap_gathered_bandwidths` does
   it on a group's gathered data.
 
-Built and unit-tested only: no averager installs the reducer or caps bandwidths yet (``ShieldedReducers.run``
-still installs :class:`~collabopt.engine.averaging.ShieldedTensorPartReducer`).
+* :func:`aggregation_options`: what every averager of a peer (gradients, DiLoCo's pseudo-gradients, parameters)
+  gets for ``aggregation="centered_clip"``: that reducer and that cap (``ShieldedReducers`` installs them).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from collabopt.robust import cap_weights, centered_clip
 
 logger = get_logger(__name__)
 
+AGGREGATIONS = ("mean", "centered_clip")  # the values of the aggregation option (the first one is the default)
 # a sender's weight is capped at this many times the median positive weight of the part's senders (cap_weights)
 WEIGHT_CAP = 2.0
 # a member's bandwidth is capped at this many times the median positive bandwidth of its group (cap_bandwidths)
@@ -138,8 +139,8 @@ def cap_bandwidths(bandwidths: Sequence[float | None], factor: float = BANDWIDTH
 def cap_gathered_bandwidths(gathered: Sequence[bytes], serializer: Any = MSGPackSerializer,
                             factor: float = BANDWIDTH_CAP) -> tuple[bytes, ...]:
     """A group's gathered data (hivemind's ``GroupInfo.gathered``: each member's serialized ``[bandwidth, mode,
-    metadata]``) with the bandwidths capped by :func:`cap_bandwidths`, for ``group_info._replace(gathered=...)``
-    before hivemind's ``_aggregate_with_group`` shares the vector out.
+    metadata]``) with the bandwidths capped by :func:`cap_bandwidths`, for ``dataclasses.replace(group_info,
+    gathered=...)`` before hivemind's ``_aggregate_with_group`` shares the vector out.
 
     Clients' bandwidths are set to 0 first (hivemind sets them to 0 only as it shares the vector out), so that a
     client's claim does not move the median. A member's entry is re-serialized only where its bandwidth changes, its
@@ -156,3 +157,16 @@ def cap_gathered_bandwidths(gathered: Sequence[bytes], serializer: Any = MSGPack
     capped = cap_bandwidths(claims, factor)
     return tuple(data if bandwidth == entry[0] else serializer.dumps([bandwidth, entry[1], entry[2]])
                  for data, entry, bandwidth in zip(gathered, entries, capped, strict=True))
+
+
+def aggregation_options(aggregation: str) -> dict[str, Any]:
+    """The keyword arguments every collabopt averager (:class:`~collabopt.engine.averaging.ShieldedReducers`) of a
+    peer gets for ``aggregation``: none for ``"mean"`` (hivemind's weighted mean, collabopt's shielded reducer, the
+    bandwidths as claimed); for ``"centered_clip"`` the :class:`ClippingTensorPartReducer` and
+    :func:`cap_gathered_bandwidths`, so that neither a member's values, nor its sample claim, nor its bandwidth
+    claim moves a round further than the caps allow. The members of a swarm must all choose the same."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if aggregation == "mean":
+        return {}
+    return dict(part_reducer=ClippingTensorPartReducer, cap_gathered=cap_gathered_bandwidths)
