@@ -5,7 +5,7 @@ A framework-agnostic wrapper around hivemind. See :class:`CollaborativeOptimizer
 
 from collabopt.batch_size import ForwardSampleCounter, infer_batch_size
 from collabopt.config import CollabConfig
-from collabopt.errors import CollaborativeError, ConfigurationError, SwarmConnectionError
+from collabopt.errors import CollaborativeError, ConfigurationError, SwarmConnectionError, SwarmKeyError
 from collabopt.interface import RoundOutcome, StepResult, SwarmOptimizer
 from collabopt.lifecycle import Terminated
 from collabopt.node import NodeOptimizer, collaborative_optimizer
@@ -25,6 +25,7 @@ __all__ = [
     "RoundOutcome",
     "StepResult",
     "SwarmConnectionError",
+    "SwarmKeyError",
     "SwarmOptimizer",
     "Terminated",
     "collaborative_optimizer",

@@ -4,6 +4,7 @@
   collabopt dht                           start a bootstrap peer and print the INITIAL_PEERS value to share
   collabopt doctor --initial-peers ADDR   check that this machine can join the swarm at ADDR
   collabopt monitor --run-id RUN          show the live state of a run
+  collabopt keygen                        print a new swarm key (members only: every peer passes the same)
 
 Run `collabopt COMMAND --help` for a command's options.
 """
@@ -33,6 +34,16 @@ def _add_swarm_args(parser: argparse.ArgumentParser, identity: bool = True) -> N
         parser.add_argument("--use-ipfs", action="store_true", help="find initial peers through IPFS")
     parser.add_argument("--no-relay", dest="use_relay", action="store_false", help="disable libp2p circuit relay")
     parser.add_argument("--use-auto-relay", action="store_true", help="look for relays when behind NAT")
+    parser.add_argument("--swarm-key-file", default=None, metavar="PATH",
+                        help="the swarm's key (from collabopt keygen): members only (default: $COLLABOPT_SWARM_KEY, "
+                             "else an open swarm)")
+
+
+def _swarm_key(args: argparse.Namespace):
+    """The key of --swarm-key-file, else of $COLLABOPT_SWARM_KEY; None: an open swarm."""
+    from collabopt.membership import read_swarm_key_file, swarm_key_from
+
+    return read_swarm_key_file(args.swarm_key_file) if args.swarm_key_file else swarm_key_from(None)
 
 
 def _swarm_options(args: argparse.Namespace):
@@ -46,6 +57,7 @@ def _swarm_options(args: argparse.Namespace):
         use_ipfs=args.use_ipfs,
         use_relay=args.use_relay,
         use_auto_relay=args.use_auto_relay,
+        swarm_key=_swarm_key(args),
     )
     options.validate()
     return options
@@ -54,7 +66,7 @@ def _swarm_options(args: argparse.Namespace):
 def run_dht(args: argparse.Namespace) -> int:
     """A standalone bootstrap peer: prints the INITIAL_PEERS value and serves until Ctrl+C / SIGTERM."""
     from collabopt.lifecycle import SigtermHandler, preserved_sigint
-    from collabopt.swarm import start_dht
+    from collabopt.swarm import membership_line, start_dht
 
     options = _swarm_options(args)
     with preserved_sigint():
@@ -67,8 +79,8 @@ def run_dht(args: argparse.Namespace) -> int:
         print(f"INITIAL_PEERS={value}", flush=True)
         print(f"collabopt dht: serving until Ctrl+C. Start peers with\n"
               f"    INITIAL_PEERS={value} python your_script.py\n"
-              f"  and check another machine with\n    collabopt doctor --initial-peers {value}", file=sys.stderr,
-              flush=True)
+              f"  and check another machine with\n    collabopt doctor --initial-peers {value}\n"
+              f"  {membership_line(options.swarm_key is not None)}", file=sys.stderr, flush=True)
         if args.peers_file:
             with open(args.peers_file + ".tmp", "w") as f:
                 f.write(value)
@@ -98,7 +110,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     options = DoctorOptions(initial_peers=[m for item in peers for m in item.replace(",", " ").split()],
                             host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs,
                             client_mode=args.client_mode, use_relay=args.use_relay,
-                            use_auto_relay=args.use_auto_relay, timeout=args.timeout)
+                            use_auto_relay=args.use_auto_relay, timeout=args.timeout, swarm_key=_swarm_key(args))
     if not args.json:
         print("collabopt doctor: checking this machine" + (" against its initial peers (a few seconds)"
                                                            if options.initial_peers else ""), flush=True)
@@ -137,6 +149,14 @@ def run_monitor(args: argparse.Namespace) -> int:
         return 0
     finally:
         dht.shutdown()
+
+
+def run_keygen(_args: argparse.Namespace) -> int:
+    """Print a new swarm key (256 random bits): give it, as a file or $COLLABOPT_SWARM_KEY, to members only."""
+    from collabopt.membership import new_swarm_key
+
+    print(new_swarm_key(), flush=True)
+    return 0
 
 
 def report_text(report: dict) -> str:
@@ -201,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="serve a status page (/), its state (/api/state) and Prometheus metrics (/metrics)")
     monitor.add_argument("--stall-after", type=float, default=60.0,
                          help="with --serve: seconds without progress before the run counts as stalled")
+
+    sub.add_parser("keygen", help="print a new swarm key: only peers given it can join the swarm",
+                   description="Print a new random swarm key (256 bits, text). Every member passes the same key: "
+                               "swarm_key=..., $COLLABOPT_SWARM_KEY, or --swarm-key-file for collabopt dht/monitor/"
+                               "doctor (collabopt keygen > swarm.key). Peers without it cannot join, read or count.")
     return parser
 
 
@@ -217,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_monitor(args)
         if args.command == "doctor":
             return run_doctor(args)
+        if args.command == "keygen":
+            return run_keygen(args)
         from collabopt.demo import run_demo
 
         return run_demo(args)

@@ -28,6 +28,7 @@ from collabopt.engine import compat
 from collabopt.engine.averaging import gradient_averager_factory
 from collabopt.engine.robust_averaging import AGGREGATIONS, aggregation_options
 from collabopt.errors import ConfigurationError
+from collabopt.membership import swarm_key_from
 from collabopt.swarm import DhtOptions, SwarmOptions, parse_initial_peers, validate_listen_maddrs
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
@@ -37,7 +38,7 @@ _MANAGED_BY_COLLABOPT = frozenset({"dht", "run_id", "target_batch_size", "batch_
                                    "scheduler", "client_mode"})
 # DHT options (cannot be combined with a dht= the caller owns)
 _SWARM_FIELDS = ("initial_peers", "host_maddrs", "announce_maddrs", "identity_path", "client_mode", "use_ipfs",
-                 "bootstrap_timeout", "relay_peers")
+                 "bootstrap_timeout", "relay_peers", "swarm_key")
 
 
 def positive_number(name: str, value: Any, example: str, allow_zero: bool = False) -> None:
@@ -131,6 +132,8 @@ class CollabConfig(DhtOptions):
             object.__setattr__(self, "initial_peers", parse_initial_peers(self.initial_peers, env_vars=()))
         object.__setattr__(self, "host_maddrs", validate_listen_maddrs(self.host_maddrs, "host_maddrs"))
         object.__setattr__(self, "announce_maddrs", validate_listen_maddrs(self.announce_maddrs, "announce_maddrs"))
+        # parsed now (a malformed key fails here); the environment variable is read when a DHT is started
+        object.__setattr__(self, "swarm_key", swarm_key_from(self.swarm_key, environment=False))
         self.validate()  # the DHT options
 
     def _check_modes(self) -> None:
@@ -195,6 +198,7 @@ class CollabConfig(DhtOptions):
         """Options of the DHT this peer starts (when it owns one); ``initial_peers`` default to the environment."""
         dht_options = {f.name: getattr(self, f.name) for f in dataclasses.fields(DhtOptions)}
         dht_options["initial_peers"] = parse_initial_peers(self.initial_peers, env_vars=self.initial_peers_env)
+        dht_options["swarm_key"] = swarm_key_from(self.swarm_key)  # (or $COLLABOPT_SWARM_KEY)
         return SwarmOptions(**dht_options)
 
     def swarm_options_given(self) -> list[str]:
@@ -228,6 +232,8 @@ class CollabConfig(DhtOptions):
         robust = aggregation_options(self.aggregation)  # (none for "mean")
         if robust:  # the state averager's parameter rounds aggregate as the gradient rounds do
             extra["averager_opts"] = dict(extra.get("averager_opts") or {}, **robust)
+            # and no record's claims alone end an epoch (collabopt.robust.cap_progress_claims)
+            extra["tracker_opts"] = dict(extra.get("tracker_opts") or {}, cap_claims=True)
         if not self.use_local_updates:  # (collabopt's averager, also where no request timeout is set)
             extra["grad_averager_factory"] = gradient_averager_factory(
                 extra.get("grad_averager_factory"), request_timeout, **robust)

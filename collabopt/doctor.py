@@ -44,6 +44,7 @@ from collabopt.engine.dialback import (
     write_message,
 )
 from collabopt.errors import ConfigurationError
+from collabopt.membership import SwarmKeyAuthorizer
 from collabopt.version import __version__
 
 __all__ = ["DIALBACK_PROTOCOL", "Check", "DoctorOptions", "format_report", "run_checks", "serve_dialback"]
@@ -90,6 +91,7 @@ class DoctorOptions:
     use_relay: bool = True
     use_auto_relay: bool = False
     timeout: float = 10.0
+    swarm_key: Any = field(default=None, repr=False)  # a SwarmKey (--swarm-key-file): pings are signed with it
 
 
 # ------------------------------------------------------------------ the report
@@ -102,6 +104,10 @@ def run_checks(options: DoctorOptions) -> list[Check]:
     >>> [c.status for c in checks if c.name.startswith("initial peer")]
     ['FAIL']
     """
+    return _checks(options) + [check_membership(options)]
+
+
+def _checks(options: DoctorOptions) -> list[Check]:
     checks = [check_versions()]
     peers, address_checks = check_addresses(options)
     checks += address_checks
@@ -160,6 +166,15 @@ def check_versions() -> Check:
     return Check("versions", PASS, detail + " (a supported hivemind)")
 
 
+def check_membership(options: DoctorOptions) -> Check:
+    """One line: with a swarm key, this machine joins as a member (its pings below are signed); without, the swarm
+    it joins must be an open one."""
+    from collabopt.swarm import membership_line
+
+    return Check("membership", PASS, membership_line(options.swarm_key is not None)
+                 + (" (pings below signed with the key of --swarm-key-file)" if options.swarm_key is not None else ""))
+
+
 def check_addresses(options: DoctorOptions) -> tuple[list[str], list[Check]]:
     """Validate every address; return the valid initial peers and one check per problem (or one PASS)."""
     from collabopt.swarm import validate_listen_maddrs, validate_peer_maddr
@@ -199,6 +214,7 @@ class _PeerResult:
     error: str = ""
     dialback: dict[str, Any] | None = None  # the peer's answer, or None when it does not serve the protocol
     dialback_error: str = ""
+    refusal: str = ""  # why its DHT refused this machine's ping (the swarm key)
 
 
 async def _network_checks(peers: list[str], options: DoctorOptions) -> list[Check]:
@@ -228,13 +244,28 @@ async def _probe(p2p: Any, maddr: str, ports: list[int], options: DoctorOptions)
         await asyncio.wait_for(engine_p2p.connect(p2p, maddr), options.timeout)
         result.connect_s = time.perf_counter() - started
         started, sent = time.perf_counter(), dht_time()
-        remote_time = await asyncio.wait_for(engine_p2p.dht_ping(p2p, maddr), options.timeout)
+        authorizer = SwarmKeyAuthorizer(options.swarm_key) if options.swarm_key is not None else None
+        remote_time = await asyncio.wait_for(engine_p2p.dht_ping(p2p, maddr, authorizer=authorizer), options.timeout)
         result.ping_s = time.perf_counter() - started
         result.clock_offset = remote_time - (sent + dht_time()) / 2
     except asyncio.TimeoutError:
         result.error = f"no answer within {options.timeout:.0f} s"
         return result
+    except engine_p2p.UnsignedAnswer:
+        result.refusal = ("it answered without the swarm key's signature: an open swarm (drop --swarm-key-file "
+                          "and swarm_key, or give every peer of the swarm the key)")
+        result.error = "an open swarm's peer"
+        return result
     except Exception as e:
+        if engine_p2p.refused(e):
+            result.refusal = (
+                "it refused this machine's key: give --swarm-key-file the key the swarm's peers use"
+                if options.swarm_key is not None else
+                "it refused this machine: the swarm admits members only; pass its key with --swarm-key-file "
+                "(and swarm_key= to the peer)")
+        if result.refusal:
+            result.error = "refused this machine's swarm key"
+            return result
         result.error = short_error(e)
         return result
     request = dict(ports=ports, announce=list(options.announce_maddrs or ()))
@@ -259,6 +290,9 @@ async def _ask(p2p: Any, maddr: str, request: dict[str, Any]) -> bytes:
 
 def _peer_check(result: _PeerResult) -> Check:
     name = f"initial peer {result.maddr}"
+    if result.refusal:
+        return Check(name, FAIL, f"connected in {result.connect_s * 1000:.0f} ms, but {result.refusal}",
+                     "every peer of a swarm passes the same swarm key, or none does (collabopt keygen)")
     if result.error:
         return Check(name, FAIL, f"unreachable: {result.error}", _connect_fix(result.error))
     detail = (f"connected in {result.connect_s * 1000:.0f} ms, DHT ping {result.ping_s * 1000:.0f} ms, "

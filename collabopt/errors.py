@@ -24,3 +24,8 @@ class ConfigurationError(CollaborativeError, ValueError):
 
 class SwarmConnectionError(CollaborativeError, ConnectionError):
     """The swarm could not be joined (for example, no initial peer answered)."""
+
+
+class SwarmKeyError(SwarmConnectionError):
+    """The swarm refused this peer's ``swarm_key``: another key, none where the swarm needs one, or one where the
+    swarm is open. Raised as the peer starts, before its first step."""

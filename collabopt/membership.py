@@ -10,7 +10,9 @@ kinds of proof are built from them:
 * :class:`SwarmKeyAuthorizer`: hivemind's DHT authorizer interface, signing every DHT request and response with an
   HMAC, a time and a nonce. It cannot see who sends a request, so a nonce and a time window refuse replays.
 
-Built and unit-tested only: no entry point takes a swarm key yet.
+Where a key comes from: the ``swarm_key`` option, else the ``COLLABOPT_SWARM_KEY`` environment variable
+(:func:`swarm_key_from`), or ``--swarm-key-file`` of the ``collabopt`` commands (:func:`read_swarm_key_file`). A DHT
+started with :class:`SwarmKeyAuthorizer` carries the key to every averager built on it (:func:`swarm_key_of`).
 """
 
 from __future__ import annotations
@@ -20,17 +22,21 @@ import binascii
 import hashlib
 import hmac
 import math
+import os
 import re
 import secrets
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase
 from hivemind.utils.logging import get_logger
 from hivemind.utils.timed_storage import get_dht_time
+
+from collabopt.errors import ConfigurationError
 
 logger = get_logger(__name__)
 
@@ -43,6 +49,7 @@ NONCE_BYTES = 16
 # the sub-keys' labels, one a use (docs/design/trust.md, section 2)
 DHT_REQUEST, DHT_RESPONSE, MEMBER, DIALBACK = "dht-request", "dht-response", "member", "dialback"
 _KEY_TEXT = re.compile(r"[A-Za-z0-9_-]+")  # (URL-safe base64, padding stripped)
+SWARM_KEY_ENV = "COLLABOPT_SWARM_KEY"
 
 
 def new_swarm_key() -> str:
@@ -53,18 +60,22 @@ def new_swarm_key() -> str:
 class SwarmKey:
     """The swarm's secret, parsed from its text. Its ``repr`` hides it, so that a log or a traceback does not show it.
 
-    Refuses (ValueError naming ``swarm_key``) text that is not URL-safe base64 of at least :data:`KEY_BYTES` bytes:
-    a key file holding something else (a path, a truncated key) is a mistake to report, not a weak key to use."""
+    Refuses (:class:`~collabopt.errors.ConfigurationError`, a ValueError naming ``parameter``) text that is not
+    URL-safe base64 of at least :data:`KEY_BYTES` bytes: a key file holding something else (a path, a truncated
+    key) is a mistake to report, not a weak key to use."""
 
-    def __init__(self, text: str):
-        stripped = text.strip().rstrip("=")
+    def __init__(self, text: str, parameter: str = "swarm_key"):
+        stripped = text.strip().rstrip("=") if isinstance(text, str) else ""
         try:
             secret = base64.urlsafe_b64decode(stripped + "=" * (-len(stripped) % 4))
         except (binascii.Error, ValueError):
             secret = b""
         if len(secret) < KEY_BYTES or not _KEY_TEXT.fullmatch(stripped):
-            raise ValueError(f"swarm_key must be a key from `collabopt keygen` (URL-safe base64 of at least "
-                             f"{KEY_BYTES} bytes); the one given is {len(stripped)} characters long")
+            given = (f"the one given is {len(stripped)} characters long" if isinstance(text, str)
+                     else f"got {type(text).__name__}")
+            raise ConfigurationError(parameter, f"must be a key from `collabopt keygen` (URL-safe base64 of at "
+                                                f"least {KEY_BYTES} bytes); {given}",
+                                     "copy the whole key that `collabopt keygen` printed, the same on every member")
         self._secret = secret
 
     def derive(self, label: str) -> bytes:
@@ -73,6 +84,34 @@ class SwarmKey:
 
     def __repr__(self) -> str:
         return "SwarmKey(<hidden>)"
+
+
+def swarm_key_from(value: str | SwarmKey | None, *, environment: bool = True) -> SwarmKey | None:
+    """The swarm key of the ``swarm_key`` option: ``value`` parsed, else (``environment``) that of the
+    ``COLLABOPT_SWARM_KEY`` environment variable; None where neither is set (an open swarm)."""
+    if isinstance(value, SwarmKey):
+        return value
+    if value is not None:
+        return SwarmKey(value)
+    text = os.environ.get(SWARM_KEY_ENV, "").strip() if environment else ""
+    return SwarmKey(text, f"the {SWARM_KEY_ENV} environment variable") if text else None
+
+
+def read_swarm_key_file(path: str | os.PathLike) -> SwarmKey:
+    """The key in the file at ``path`` (``--swarm-key-file``; written e.g. by ``collabopt keygen > swarm.key``)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigurationError("--swarm-key-file", f"cannot read {str(path)!r}: {e.strerror or e}",
+                                 "pass the file `collabopt keygen > swarm.key` wrote") from None
+    return SwarmKey(text, f"--swarm-key-file {path}")
+
+
+def swarm_key_of(dht: Any) -> SwarmKey | None:
+    """The key of a ``hivemind.DHT`` started with a :class:`SwarmKeyAuthorizer` (the averagers built on it check
+    their members with it); None for an open swarm's DHT."""
+    authorizer = (getattr(dht, "kwargs", None) or {}).get("authorizer")
+    return authorizer.key if isinstance(authorizer, SwarmKeyAuthorizer) else None
 
 
 def _framed(*fields: bytes) -> bytes:
@@ -154,6 +193,7 @@ class SwarmKeyAuthorizer(AuthorizerBase):
     requests travel encrypted between libp2p peers). Clocks more than ``WINDOW`` apart are refused."""
 
     def __init__(self, key: SwarmKey, *, window: float = WINDOW, clock: Callable[[], float] = get_dht_time):
+        self.key = key
         self._request_key = key.derive(DHT_REQUEST)
         self._response_key = key.derive(DHT_RESPONSE)
         self._window = window

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import os
@@ -13,7 +14,8 @@ from typing import Any, TextIO
 
 from collabopt.engine import p2p
 from collabopt.engine.compat import Multiaddr
-from collabopt.errors import ConfigurationError, SwarmConnectionError
+from collabopt.errors import ConfigurationError, SwarmConnectionError, SwarmKeyError
+from collabopt.membership import SWARM_KEY_ENV, SwarmKey, SwarmKeyAuthorizer, swarm_key_from, swarm_key_of
 
 INITIAL_PEERS_ENV = "INITIAL_PEERS"
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
@@ -132,8 +134,11 @@ class DhtOptions:
     relay_peers: str | Sequence[str] | None = None  # behind NAT: be reached through these public peers
     wait_timeout: float = 3.0
     bootstrap_timeout: float | None = None
+    # members only: the swarm's secret (collabopt keygen), text or a parsed SwarmKey; never shown in a repr
+    swarm_key: str | SwarmKey | None = field(default=None, repr=False)
 
     def validate(self) -> None:
+        swarm_key_from(self.swarm_key, environment=False)  # (a malformed key: ConfigurationError naming swarm_key)
         if self.relay_peers is not None:
             relay_peers = peer_maddrs(self.relay_peers, "relay_peers")
             if not relay_peers:
@@ -166,7 +171,8 @@ class SwarmOptions(DhtOptions):
 def start_dht(options: SwarmOptions):
     """Start a hivemind DHT node in a background process; join the swarm of ``options.initial_peers``.
 
-    Raises :class:`SwarmConnectionError` with advice when no initial peer answers.
+    Raises :class:`SwarmConnectionError` with advice when no initial peer answers, :class:`SwarmKeyError` when
+    they refuse this peer's swarm key (another one, none where the swarm has one, or one where it has none).
     """
     kwargs = dict(
         initial_peers=options.initial_peers or None,
@@ -188,10 +194,17 @@ def start_dht(options: SwarmOptions):
         kwargs["identity_path"] = str(options.identity_path)
     if options.bootstrap_timeout is not None:
         kwargs["bootstrap_timeout"] = options.bootstrap_timeout
+    key = swarm_key_from(options.swarm_key, environment=False)
+    if key is not None:  # every DHT request and answer signed with the key: outsiders neither read nor store
+        kwargs["authorizer"] = SwarmKeyAuthorizer(key)
     try:
         return p2p.start_dht(**kwargs)
     except Exception as e:
         if options.initial_peers and ("bootstrap" in str(e) or "initial_peers" in str(e)):
+            # a swarm key's refusal looks like silence to hivemind's bootstrap: ask the initial peers why
+            verdict = asyncio.run(p2p.membership_verdict(options.initial_peers, kwargs.get("authorizer")))
+            if verdict is not None:
+                raise SwarmKeyError(verdict) from e
             raise SwarmConnectionError(
                 f"none of the initial peers answered: {options.initial_peers}. Check that the first peer is "
                 "still running, that the address (IP, port, peer id) is the one it printed, and that its port is "
@@ -224,28 +237,40 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return shlex.join(["python", script, *argv[1:]])
 
 
+OPEN_SWARM = ("open swarm: anyone with an initial peer's address and the run_id can join, read the model and "
+              "count progress; members only: swarm_key= (collabopt keygen), the same on every peer")
+MEMBERS_ONLY = f"members only: peers need this swarm's key (swarm_key= or ${SWARM_KEY_ENV})"
+
+
+def membership_line(members_only: bool) -> str:
+    """One line saying whether the swarm admits members only (a swarm key) or anyone."""
+    return MEMBERS_ONLY if members_only else OPEN_SWARM
+
+
 def join_message(visible_maddrs: Sequence[Any], run_id: str, client_mode: bool = False, command: str | None = None,
-                 constructor: str = "CollaborativeOptimizer") -> str:
+                 constructor: str = "CollaborativeOptimizer", members_only: bool = False) -> str:
     """The helper text telling how other machines join this run: ``command`` (default: this process's own command
-    line) with ``INITIAL_PEERS`` set, or ``constructor(..., initial_peers=...)``."""
+    line) with ``INITIAL_PEERS`` set, or ``constructor(..., initial_peers=...)``, and whether the swarm is open."""
     addresses = [str(m) for m in visible_maddrs]
     public = [m for m in addresses if not _is_loopback(m)]
     shown = public or addresses
+    membership = f"\n  {membership_line(members_only)}"
     if client_mode or not shown:
         return (
             f"collabopt: joined run_id={run_id!r} in client mode (this peer accepts no incoming connections);"
-            " start other peers with the INITIAL_PEERS of a non-client peer."
+            " start other peers with the INITIAL_PEERS of a non-client peer." + membership
         )
     where = "" if public else " (loopback only: peers on this machine can join; pass host_maddrs to listen publicly)"
     return (
         f"collabopt: run_id={run_id!r}; other peers can join with{where}:\n"
         f"    INITIAL_PEERS={','.join(shown)} {command or command_line()}\n"
-        f"  or {constructor}(..., initial_peers={shown!r})"
+        f"  or {constructor}(..., initial_peers={shown!r})" + membership
     )
 
 
 def print_join_message(dht: Any, run_id: str, client_mode: bool, stream: TextIO | None = None,
                        constructor: str = "CollaborativeOptimizer") -> None:
     """Print :func:`join_message` for a running DHT."""
-    message = join_message(dht.get_visible_maddrs(), run_id, client_mode, constructor=constructor)
+    message = join_message(dht.get_visible_maddrs(), run_id, client_mode, constructor=constructor,
+                           members_only=swarm_key_of(dht) is not None)
     print(message, file=stream or sys.stderr, flush=True)

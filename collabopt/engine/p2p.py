@@ -15,7 +15,7 @@ from typing import Any
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.proto import dht_pb2
 from hivemind.utils import logging as hivemind_logging
 
@@ -150,12 +150,55 @@ async def connect(p2p: Any, maddr: str) -> None:
     await p2p._client.connect(peer_id, [Multiaddr(maddr).decapsulate(Multiaddr(f"/p2p/{peer_id}"))])
 
 
-async def dht_ping(p2p: Any, maddr: str, timeout: float = 10.0) -> float:
+class UnsignedAnswer(Exception):
+    """A DHT answered a request signed with a swarm key without signing its answer with that key: an open swarm."""
+
+
+async def dht_ping(p2p: Any, maddr: str, timeout: float = 10.0, authorizer: Any = None) -> float:
     """Ping the DHT of the peer at ``maddr`` without joining it (no sender info: it adds nobody to its routing
-    table); return the peer's DHT time."""
+    table); return the peer's DHT time. With ``authorizer`` (a swarm's ``SwarmKeyAuthorizer``) the ping is signed
+    and an answer not signed with the same key raises :class:`UnsignedAnswer`. A DHT that refuses the ping (it
+    needs another key, or one) raises ``P2PHandlerError`` (see :func:`refused`)."""
+    request = dht_pb2.PingRequest()
+    if authorizer is not None:
+        await authorizer.sign_request(request, None)
     response = await asyncio.wait_for(p2p.call_protobuf_handler(
-        _peer_id(maddr), "DHTProtocol.rpc_ping", dht_pb2.PingRequest(), dht_pb2.PingResponse), timeout)
+        _peer_id(maddr), "DHTProtocol.rpc_ping", request, dht_pb2.PingResponse), timeout)
+    if authorizer is not None and not await authorizer.validate_response(response, request):
+        raise UnsignedAnswer(f"{maddr} answered without this swarm key's signature: it is an open swarm's peer")
     return float(response.dht_time)
+
+
+def refused(error: BaseException) -> bool:
+    """Whether ``error`` (of :func:`dht_ping`) is a DHT's refusal of a request: hivemind's servicer answers a
+    request its authorizer refuses with nothing, which reaches the caller as a handler error at once."""
+    return isinstance(error, P2PHandlerError) and "SerializeToString" in str(error)
+
+
+async def membership_verdict(maddrs: Sequence[str], authorizer: Any, timeout: float = 10.0) -> str | None:
+    """Why the DHTs at ``maddrs`` refuse this peer, asked over a libp2p daemon of its own; None where none of them
+    answered, or all accepted its ping (then the cause is elsewhere). ``authorizer``: this peer's (None: no key)."""
+    p2p = await create_p2p(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    verdicts = []
+    try:
+        for maddr in maddrs:
+            try:
+                await asyncio.wait_for(connect(p2p, str(maddr)), timeout)
+                await dht_ping(p2p, str(maddr), timeout, authorizer)
+            except UnsignedAnswer:
+                verdicts.append("this peer set swarm_key, but the swarm it joins has no key (an open swarm): drop "
+                                "swarm_key, or start every peer of the swarm with the same one")
+            except Exception as e:
+                if refused(e):
+                    verdicts.append(
+                        "the swarm refused this peer's swarm_key: it is not the swarm's key; pass the key the "
+                        "swarm's peers use (the same on every peer)" if authorizer is not None else
+                        "the swarm refused this peer: it admits members only; pass its key as swarm_key= (or "
+                        "COLLABOPT_SWARM_KEY, or --swarm-key-file)")
+    finally:
+        with contextlib.suppress(Exception):
+            await p2p.shutdown()
+    return verdicts[0] if verdicts else None
 
 
 async def open_stream(p2p: Any, maddr: str, protocol: str) -> tuple[Any, Any]:

@@ -37,7 +37,7 @@ def test_an_invalid_initial_peer_fails_with_its_fix_and_starts_nothing():
     assert [c["name"] for c in failed] == ["initial peer /ip4/1.2.3/tcp/4"]
     assert "not a valid multiaddr" in failed[0]["detail"] and "/p2p/" in failed[0]["fix"]
     # no network check ran: the only address was invalid
-    assert {c["name"] for c in report["checks"]} == {"versions", "initial peer /ip4/1.2.3/tcp/4",
+    assert {c["name"] for c in report["checks"]} == {"versions", "membership", "initial peer /ip4/1.2.3/tcp/4",
                                                       "incoming connections"}
 
 
@@ -57,7 +57,7 @@ def test_initial_peers_come_from_the_environment_and_a_bad_listen_address_stops_
     assert proc.returncode == 1
     checks = json.loads(proc.stdout)["checks"]
     assert [(c["name"], c["status"]) for c in checks] == [("versions", "PASS"), ("--host-maddrs", "FAIL"),
-                                                          ("network", "SKIP")]
+                                                          ("network", "SKIP"), ("membership", "PASS")]
 
 
 def test_no_initial_peers_is_not_a_failure_but_says_what_is_unknown():
@@ -65,7 +65,7 @@ def test_no_initial_peers_is_not_a_failure_but_says_what_is_unknown():
     assert proc.returncode == 0, proc.stdout
     statuses = {c["name"]: c["status"] for c in json.loads(proc.stdout)["checks"]}
     assert statuses == {"versions": "PASS", "addresses": "PASS", "initial peers": "SKIP",
-                        "incoming connections": "UNKNOWN"}
+                        "incoming connections": "UNKNOWN", "membership": "PASS"}
 
 
 def test_cli_hands_every_option_to_the_checks(monkeypatch, capsys):
@@ -77,6 +77,7 @@ def test_cli_hands_every_option_to_the_checks(monkeypatch, capsys):
 
     monkeypatch.setattr(doctor, "_network_checks", fake_network_checks)
     monkeypatch.setenv("INITIAL_PEERS", "/ip4/1.1.1.1/tcp/1/p2p/ignored-when-the-option-is-given")
+    monkeypatch.delenv("COLLABOPT_SWARM_KEY", raising=False)
     code = cli.main(["doctor", "--initial-peers", f"{PEER},{PEER}", "--host-maddrs", "/ip4/0.0.0.0/tcp/31337",
                      "--announce-maddrs", "/ip4/203.0.113.5/tcp/31337", "--client-mode", "--use-auto-relay",
                      "--no-relay", "--timeout", "4"])
@@ -86,7 +87,8 @@ def test_cli_hands_every_option_to_the_checks(monkeypatch, capsys):
                                             announce_maddrs=["/ip4/203.0.113.5/tcp/31337"], client_mode=True,
                                             use_relay=False, use_auto_relay=True, timeout=4.0)
     out = capsys.readouterr().out
-    assert "FAIL     incoming connections: not reachable\n         fix: client_mode=True\n1 check failed" in out
+    assert "FAIL     incoming connections: not reachable\n         fix: client_mode=True\n" in out
+    assert "PASS     membership: open swarm" in out and out.endswith("\n1 check failed\n")
 
 
 def test_announcing_port_zero_is_refused():
