@@ -5,7 +5,8 @@ copy of that part. With ``mean`` one member sending finite but hostile values (i
 at 100x the gradient's norm) moves the average as far as it likes; the non-finite guard stops NaN/inf only.
 :func:`centered_clip` bounds that pull: each member's difference from the estimate is clipped to a radius, so a
 member moves the result by at most its weight share times the radius. :func:`cap_weights` keeps a member's claimed
-sample count from buying it a larger weight share.
+sample count from buying it a larger weight share, and :func:`cap_progress_claims` its progress records from ending an
+epoch or moving the swarm ahead.
 
 What this does not bound: a member acting as the reducer of a part computes that part's result alone, and can
 send any values back (a check across reducers, or redundant reducers, would be needed). Nor does it cover a
@@ -144,3 +145,37 @@ def cap_weights(weights: Sequence[float], factor: float = 2.0) -> list[float]:
         return values
     cap = factor * statistics.median(positive)
     return [min(weight, cap) for weight in values]
+
+
+def cap_progress_claims(records: Sequence[dict], local_epoch: int, own_peer_id: bytes | None = None,
+                        factor: float = 2.0) -> list[dict | None]:
+    """A swarm's progress records (hivemind's ``LocalTrainingProgress`` as dicts) as a peer may count them when
+    no single member may end an epoch or move the swarm ahead by its claims alone.
+
+    * An epoch ahead of ``local_epoch`` counts only once at least half of the training peers (this peer included,
+      its own record ``own_peer_id`` not counted twice) report it or a later one; a record of an epoch beyond that is
+      left out (``None`` in its place; the others are copies, in order). hivemind takes the largest epoch of any
+      record: one record could move every peer ahead.
+    * Each record's ``samples_accumulated`` at the swarm's epoch is capped at ``factor`` times the median of those
+      records' counts (zeros included, so a claim made before the others report counts nothing), and each
+      ``samples_per_second`` at ``factor`` times the median rate. hivemind sums them: one claim of 1,000x the
+      target ends the epoch at once.
+
+    With fewer than half of the peers hostile both medians are honest peers'. The price: an honest peer more than
+    ``factor`` times faster than the median is counted as if it were not, so an epoch then gathers more samples
+    than the target; a peer that alone finished a round others missed is not followed until half of them did."""
+    values = [dict(record) for record in records]
+    voters = [local_epoch] + [int(record["epoch"]) for record in values
+                              if not record.get("client_mode") and record.get("peer_id") != own_peer_id]
+    voters.sort(reverse=True)
+    epoch = max(local_epoch, voters[(len(voters) + 1) // 2 - 1])
+    kept = [record for record in values if record.get("client_mode") or int(record["epoch"]) <= epoch]
+    counts = [int(record["samples_accumulated"]) for record in kept if int(record["epoch"]) == epoch]
+    count_cap = int(factor * statistics.median(counts)) if counts else 0
+    rates = [float(record["samples_per_second"]) for record in kept]
+    rate_cap = factor * statistics.median(rates) if rates else 0.0
+    for record in kept:
+        record["samples_per_second"] = min(float(record["samples_per_second"]), rate_cap)
+        if int(record["epoch"]) == epoch:
+            record["samples_accumulated"] = min(int(record["samples_accumulated"]), count_cap)
+    return [record if any(record is other for other in kept) else None for record in values]

@@ -22,6 +22,7 @@ from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from collabopt.engine.replicas import ReplicaRecords
+from collabopt.robust import cap_progress_claims
 
 
 def forget_stale_progress(tracker: Any, local_epoch: int) -> None:
@@ -100,9 +101,13 @@ class SwarmProgressTracker(ProgressTracker):
     * **No extrapolation of idle peers.** A record's count is extrapolated for at most :meth:`extrapolation_limit`
       seconds (:meth:`_parse_swarm_progress_data`).
     * **Records on their replicas.** Its DHT is a :class:`~collabopt.engine.replicas.ReplicaRecords`: stores and
-      fetches go to the key's nearest nodes, not to every node (each answers with every peer's record)."""
+      fetches go to the key's nearest nodes, not to every node (each answers with every peer's record).
+    * **Capped claims** (``cap_claims``, with ``aggregation="centered_clip"``): no record's samples or epoch alone ends
+      an epoch or moves the swarm ahead (:func:`collabopt.robust.cap_progress_claims`)."""
+
 
     _pauses = 0  # pause_updates() sections ended so far: a fetch that straddles one is dropped
+    cap_claims = False  # aggregation="centered_clip": records counted as collabopt.robust.cap_progress_claims says
 
     lowest_epoch: tuple[int, int] | None = None  # (the lowest epoch in the last records fetched, this peer's then)
     record_times: tuple[float, ...] = ()  # the DHT time of each training peer's record in the last fetch
@@ -111,7 +116,8 @@ class SwarmProgressTracker(ProgressTracker):
     _flush: threading.Timer | None = None  # pending: sends a held-back count when its period ends
     _flush_lock = threading.RLock()
 
-    def __init__(self, *args: Any, dht: Any, **kwargs: Any):
+    def __init__(self, *args: Any, dht: Any, cap_claims: bool = False, **kwargs: Any):
+        self.cap_claims = cap_claims
         super().__init__(*args, dht=ReplicaRecords(dht), **kwargs)
 
     def report_period(self) -> float:
@@ -245,13 +251,30 @@ class SwarmProgressTracker(ProgressTracker):
             self.record_times = tuple(t for t in map(_record_time, metadata.values()) if t is not None)
             oldest = get_dht_time() - self.extrapolation_limit()
             metadata = {key: _record_not_older_than(record, oldest) for key, record in metadata.items()}
-        progress = super()._parse_swarm_progress_data(metadata)
+        counted = self._capped(metadata) if self.cap_claims and isinstance(metadata, dict) else metadata
+        progress = super()._parse_swarm_progress_data(counted)
         epochs = [self.local_progress.epoch]
         for record in metadata.values() if isinstance(metadata, dict) else ():
             with contextlib.suppress(Exception):  # a goodbye (None) or a record hivemind skipped too
                 epochs.append(int(record.value["epoch"]))
         self.lowest_epoch = (min(epochs), self.local_progress.epoch)
         return progress
+
+    def _capped(self, metadata: dict) -> dict:
+        """The records as :func:`collabopt.robust.cap_progress_claims` lets them count (a record it cannot read is
+        left as it is: hivemind's parser skips or refuses it as before)."""
+        readable = {key: record for key, record in metadata.items() if isinstance(getattr(record, "value", None), dict)
+                    and {"epoch", "samples_accumulated", "samples_per_second"} <= record.value.keys()}
+        try:
+            kept = cap_progress_claims([record.value for record in readable.values()], self.local_progress.epoch,
+                                       self.dht.peer_id.to_bytes())
+        except (TypeError, ValueError):
+            return metadata
+        capped = {key: record for key, record in metadata.items() if key not in readable}
+        for (key, record), value in zip(readable.items(), kept, strict=True):
+            if value is not None:
+                capped[key] = ValueWithExpiration(value, record.expiration_time)
+        return capped
 
     def run(self) -> None:
         loop = asyncio.new_event_loop()

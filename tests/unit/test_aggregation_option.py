@@ -60,6 +60,7 @@ def test_mean_changes_nothing():
     arguments = CollabConfig.from_options(matchmaking_time=2.0, **SWARM).hivemind_arguments()
     assert arguments["averager_opts"] == {"request_timeout": 1.0}
     assert arguments["grad_averager_factory"].keywords == {"request_timeout": 1.0}
+    assert "tracker_opts" not in arguments
     assert aggregation_options("mean") == {}
     assert ShieldedReducers.part_reducer is ShieldedTensorPartReducer
 
@@ -70,6 +71,7 @@ def test_centered_clip_reaches_the_gradient_and_the_state_averager():
         assert options["part_reducer"] is ClippingTensorPartReducer
         assert options["cap_gathered"] is cap_gathered_bandwidths
     assert arguments["grad_averager_factory"].func is averaging.GradientAveragerThatTellsGaps
+    assert arguments["tracker_opts"] == {"cap_claims": True}  # collabopt.robust.cap_progress_claims
 
 
 def test_centered_clip_reaches_the_pseudo_gradient_averager():
