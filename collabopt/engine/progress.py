@@ -66,10 +66,12 @@ def make_progress_tracker(optimizer: Any, target_batch_size: int, **kwargs: Any)
     """``hivemind.Optimizer._make_progress_tracker``, building a :class:`SwarmProgressTracker` (a
     subclass of ``hivemind.Optimizer`` gets it with ``_make_progress_tracker = make_progress_tracker``).
 
-    It fetches the swarm's progress at least every half ``matchmaking_time`` (hivemind: every 10 s at most): hivemind
-    spaces fetches by its ETA, far too long while its estimates warm up, and peers then began the first boundary
-    seconds apart. See docs/decisions.md, "Progress fetched every half matchmaking_time"."""
+    It fetches the swarm's progress at least every half ``matchmaking_time`` (hivemind: every 10 s at most, and 3 s
+    while it finds no record): hivemind spaces fetches by its ETA, far too long while its estimates warm up, and peers
+    then began the first boundary seconds apart, or saw the swarm for the first time an epoch ahead. See
+    docs/decisions.md, "Progress fetched every half matchmaking_time"."""
     kwargs.setdefault("max_refresh_period", max(kwargs.get("min_refresh_period", 0.5), optimizer.matchmaking_time / 2))
+    kwargs.setdefault("default_refresh_period", kwargs["max_refresh_period"])  # (the period while no record is found)
     return SwarmProgressTracker(dht=optimizer.dht, prefix=optimizer.run_id, target_batch_size=target_batch_size,
                                      client_mode=optimizer.client_mode, status_loglevel=optimizer.status_loglevel,
                                      start=True, **kwargs)
@@ -104,7 +106,6 @@ class SwarmProgressTracker(ProgressTracker):
       fetches go to the key's nearest nodes, not to every node (each answers with every peer's record).
     * **Capped claims** (``cap_claims``, with ``aggregation="centered_clip"``): no record's samples or epoch alone ends
       an epoch or moves the swarm ahead (:func:`collabopt.robust.cap_progress_claims`)."""
-
 
     _pauses = 0  # pause_updates() sections ended so far: a fetch that straddles one is dropped
     cap_claims = False  # aggregation="centered_clip": records counted as collabopt.robust.cap_progress_claims says

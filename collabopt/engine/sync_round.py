@@ -56,15 +56,24 @@ class SyncLoop(PeerLoop):
 
     def should_download(self) -> bool:
         """A pending re-synchronization is due; or, at the first fresh view of an epoch, the swarm is at another
-        epoch; or, at any time, it is two or more epochs ahead (one ahead: the others just ended the epoch this
-        peer is about to end)."""
+        epoch (but see :meth:`joins_the_round_under_way`); or, at any time, it is two or more epochs ahead (one
+        ahead: the others just ended the epoch this peer is about to end)."""
         resync = self.sync_state.resync
         if resync is not None and time.monotonic() >= resync.next_try:
             return True  # this step's gradients came from the other lineage: start over after the download
         if self._exact_check_due and self.tracker.fetched_global_progress_this_epoch.is_set():
             self._exact_check_due = False
-            return self.local_epoch != self.tracker.global_epoch
+            return self.local_epoch != self.tracker.global_epoch and not self.joins_the_round_under_way()
         return self.local_epoch < self.tracker.global_epoch - 1
+
+    def joins_the_round_under_way(self) -> bool:
+        """With ``delay_grad_averaging`` the others announce the next epoch when they *start* the gradient round,
+        so a peer one epoch behind that accumulated toward the epoch ends it too and joins their group: its samples
+        were counted in it. A download would wait for a state they serve only once that round ends, and the round
+        for this peer (as DiLoCo's overlap rule, :func:`collabopt.diloco.should_download`)."""
+        return (self.delay_grad_averaging and self.grad_averager is not None
+                and self.tracker.global_epoch == self.local_epoch + 1
+                and self.grad_averager.local_samples_accumulated > 0)
 
     def schedule_rounds(self) -> None:
         """Start matchmaking for the gradient round once the epoch's end is within a ``matchmaking_time``."""

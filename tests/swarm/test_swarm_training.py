@@ -52,3 +52,32 @@ def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
     # the peers really trained: parameters moved away from the common initialization
     start = torch.load(tmp_path / "a.start.pt")
     assert max_param_diff(params["a"], start) > 1e-3
+
+
+OVERLAP = dict(offload_optimizer=True, delay_optimizer_step=True, delay_grad_averaging=True, delay_state_averaging=True)
+
+
+def test_in_overlap_mode_a_peer_that_first_sees_the_swarm_an_epoch_ahead_joins_its_round(tmp_path, bootstrap):
+    """With ``delay_grad_averaging`` a peer announces the next epoch as its gradient round *starts*. B fetches the
+    swarm's progress every 3 s (hivemind's period while a tracker finds no record), so its first view already shows
+    epoch 1, while B trained toward epoch 0 (too slowly to end it alone). B must end epoch 0 and join A's round
+    under way, not download: A serves epoch 1's state only once that round ends, and the round waited for B
+    ("could not find a group" after ``averaging_timeout``, while B downloaded epoch 0's state again every
+    second)."""
+    # alone, A ends an epoch in 1.2 s, B in 9.6 s
+    base = dict(run_id=unique_run_id("overlap_view"), target_batch_size=768, epochs=3, model_seed=0, lr=0.3,
+                step_sleep=0.05, finish_with=finish_line(tmp_path, "a", "b"), max_seconds=60)
+    options = dict(OVERLAP, matchmaking_time=1.0, averaging_timeout=15.0)
+    configs = {
+        "a": dict(base, seed=1, batch_sizes=[32], options=options),
+        "b": dict(base, seed=2, batch_sizes=[4], options=dict(options, tracker_opts=dict(min_refresh_period=3.0,
+                                                                                       max_refresh_period=3.0))),
+    }
+    results = run_swarm(tmp_path, bootstrap, configs, timeout=90)
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in configs}
+    assert "could not find a group" not in logs["a"], logs["a"][-3000:]
+    assert "downloading its state" not in logs["b"] and "Downloading parameters" not in logs["b"], logs["b"][-3000:]
+    first = {name: next(r for r in result["rounds"] if r["epoch"] == 0) for name, result in results.items()}
+    assert all(r["group_size"] == 2 and r["reason"] == "averaged" for r in first.values()), first
+    for name, result in results.items():
+        assert result["final_epoch"] >= 3, (name, result["final_epoch"])

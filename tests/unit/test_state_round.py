@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -112,6 +113,28 @@ def test_a_boundary_begun_two_epochs_behind_the_swarm_downloads_instead(local_ep
         assert loop.last_round == RoundOutcome(False, "behind", num_peers=3, resync=True, epoch=local_epoch)
 
 
+@pytest.mark.parametrize(("delay_grad_averaging", "samples", "swarm_epoch", "downloads"), [
+    (True, 32, 9, False),  # overlap: the others announced epoch 9 as they started epoch 8's round: join it
+    (True, 0, 9, True),  # nothing accumulated toward epoch 8: nothing to bring to its round
+    (True, 32, 10, True),  # two epochs behind: that round is long gone
+    (False, 32, 9, True),  # without delay_grad_averaging the others announce epoch 9 after its gradient round
+    (True, 32, 8, False),  # (at the swarm's epoch)
+])
+def test_the_first_view_of_an_epoch_one_ahead_in_overlap_mode_joins_the_round(delay_grad_averaging, samples,
+                                                                                swarm_epoch, downloads):
+    """A peer started with the others first saw the swarm an epoch ahead: with ``delay_grad_averaging`` it joins
+    the round under way instead of downloading a state that the round's peers serve only once it ends (which waited
+    for it: "could not find a group" after ``averaging_timeout``)."""
+    loop = sync_loop(local_epoch=8, swarm_epoch=swarm_epoch, group={})
+    loop.delay_grad_averaging = delay_grad_averaging
+    loop.grad_averager.local_samples_accumulated = samples
+    loop.tracker.fetched_global_progress_this_epoch = threading.Event()
+    loop.tracker.fetched_global_progress_this_epoch.set()
+    loop._exact_check_due = True
+    assert loop.should_download() is downloads
+    assert loop._exact_check_due is False
+
+
 def test_a_whole_round_steps_with_the_average_then_averages_parameters():
     group = {"me": {"epoch": 8, "lineage": [1.0]}, "b": {"epoch": 8, "lineage": [1.0]}}
     loop = sync_loop(num_peers=2, group=group)
@@ -177,6 +200,9 @@ def test_the_progress_is_fetched_at_least_every_half_matchmaking_time(monkeypatc
     optimizer.matchmaking_time = 0.5
     progress.make_progress_tracker(optimizer, 64, min_refresh_period=0.4)
     assert [kwargs["max_refresh_period"] for kwargs in made] == [1.0, 30.0, 0.4]
+    # while no record is found too (hivemind: 3 s, longer than short epochs: peers started together then first saw
+    # the swarm an epoch ahead, and downloaded instead of ending the epoch they had counted toward)
+    assert [kwargs["default_refresh_period"] for kwargs in made] == [1.0, 30.0, 0.4]
 
 
 def test_tagging_along_with_weight_0_sends_zeros_not_what_the_buffers_held():
