@@ -60,7 +60,7 @@ QUICK: dict[str, Any] = {
                max_seconds=60, cases=[dict(peers=2, mbit=100, params=200_000, variant="no overlap")]),
     "b5": dict(FULL["b5"], params=100_000, width=256, compute_seconds=0.05, matchmaking_time=1.0, measure_epochs=2,
                max_seconds=90,
-               cases=[dict(peers=3, variant=variant, epoch_factor=3) for variant in ("default", "overlap")]),
+               cases=[dict(peers=3, variant=variant, epoch_factor=2) for variant in ("default", "overlap")]),
 }
 
 
