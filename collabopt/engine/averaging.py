@@ -30,6 +30,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
 from collabopt.engine.compat import SameHandlers
+from collabopt.engine.member_checks import MemberChecks
 from collabopt.engine.streams import MemberStub, serve_until_the_sender_closes
 
 
@@ -164,7 +165,7 @@ class ShieldedReducers:
         super().run()
 
 
-class GradientAveragerThatTellsGaps(SameHandlers, ShieldedReducers, GradientAverager):
+class GradientAveragerThatTellsGaps(SameHandlers, MemberChecks, ShieldedReducers, GradientAverager):
     """hivemind's gradient averager, telling its optimizer which share of a round's results arrived.
 
     When a reducer's part does not arrive in time, hivemind 1.1.12 uses this peer's own values for it and the round

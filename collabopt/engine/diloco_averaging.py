@@ -21,6 +21,7 @@ from hivemind.utils.asyncio import amap_in_executor
 from collabopt.diloco import PartialRound
 from collabopt.diloco_metadata import agrees_with_group
 from collabopt.engine.averaging import ShieldedReducers
+from collabopt.engine.member_checks import MemberChecks
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class ValueAllReduceRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
-class PseudoGradientAverager(ShieldedReducers, GradientAverager):
+class PseudoGradientAverager(MemberChecks, ShieldedReducers, GradientAverager):
     """hivemind's gradient averager as the carrier of pseudo-gradients: it only counts samples (the round writes
     the pseudo-gradients into its tensors) and averages with :class:`ValueAllReduceRunner`, applying a result
     only once all of it arrived. A round whose average came in part is not retried when most of it came (the

@@ -21,6 +21,7 @@ from hivemind.utils import ValueWithExpiration
 
 from collabopt.engine.averaging import ShieldedReducers
 from collabopt.engine.compat import SameHandlers
+from collabopt.engine.member_checks import MemberChecks
 
 # Parameter averaging in place: where the round runs inside step() on float32 CPU parameters, nothing else touches
 # them during the round, so the averager averages the parameters themselves (hivemind's reuse_tensors) instead of a
@@ -88,7 +89,7 @@ def raise_priority(found: Any, preferred: set[str]) -> Any:
 SERVE_WAIT = 30.0  # seconds a download waits for a boundary's averaging to be applied (hivemind's default timeout)
 
 
-class ConsistentStateAverager(SameHandlers, ShieldedReducers, TrainingStateAverager):
+class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, TrainingStateAverager):
     """hivemind's state averager, serving states whose epoch and tensors belong together.
 
     A state is served as a copy taken while no optimizer step runs, labelled with the epoch whose update its

@@ -1,5 +1,5 @@
 """The swarm_key option (issue 35, section 1): where a key comes from, and a malformed one refused before any
-network starts. What a key does on a swarm: tests/swarm/test_membership.py."""
+network starts. What a key does on a swarm: tests/swarm/test_swarm_membership.py."""
 
 from __future__ import annotations
 
