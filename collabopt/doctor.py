@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import platform
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,7 @@ from collabopt.engine.compat import SUPPORTED_HIVEMIND, dht_time
 from collabopt.engine.dialback import (
     DIAL_TIMEOUT,
     DIALBACK_PROTOCOL,
+    dialback_proof,
     host_of,
     ip_of,
     read_message,
@@ -268,10 +270,20 @@ async def _probe(p2p: Any, maddr: str, ports: list[int], options: DoctorOptions)
             return result
         result.error = short_error(e)
         return result
-    request = dict(ports=ports, announce=list(options.announce_maddrs or ()))
+    request: dict[str, Any] = dict(ports=ports, announce=list(options.announce_maddrs or ()))
+    caller, server, nonce = p2p.peer_id.to_bytes(), engine_p2p.peer_id_of(maddr).to_bytes(), secrets.token_hex(16)
+    if options.swarm_key is not None:  # a member answers members only, and only a member's answer is believed
+        request.update(nonce=nonce, proof=dialback_proof(options.swarm_key, "request", caller, server, nonce))
     try:
         answer = await asyncio.wait_for(_ask(p2p, maddr, request), options.timeout + DIAL_TIMEOUT)
         result.dialback = json.loads(answer)
+        if "refused" in result.dialback:
+            result.dialback_error = f"it refused the dial-back request: {result.dialback.pop('refused')}"
+            result.dialback = None
+        elif options.swarm_key is not None and result.dialback.pop("proof", None) != dialback_proof(
+                options.swarm_key, "answer", caller, server, nonce, result.dialback):
+            result.dialback_error = "its dial-back answer carries no proof of the swarm key: not a member's"
+            result.dialback = None
     except asyncio.TimeoutError:
         result.dialback_error = f"no dial-back answer within {options.timeout + DIAL_TIMEOUT:.0f} s"
     except Exception as e:  # most often: the peer does not serve the protocol (plain hivemind)

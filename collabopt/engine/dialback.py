@@ -2,17 +2,23 @@
 
 Every collabopt DHT that is not a client serves it (:func:`collabopt.engine.p2p.start_dht`); ``collabopt doctor``
 asks it. Only the host the caller's connection comes from is dialed, at most a few ports, with a short timeout.
+In a swarm with a key, request and answer each carry a proof of the key (:func:`dialback_proof`) bound to both
+peer ids and the caller's nonce: a member answers members only, and the doctor believes members only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import ipaddress
 import json
 import logging
 import time
 from typing import Any
+
+from collabopt.membership import DIALBACK, SwarmKey
 
 logger = logging.getLogger(__name__)
 
@@ -23,16 +29,35 @@ _MAX_REQUEST_BYTES = 4096
 ANSWER_READ_WAIT = 10.0  # seconds the serving peer keeps the stream open for the caller to read its answer
 
 
-async def serve_dialback(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+def dialback_proof(key: SwarmKey, direction: str, caller: bytes, server: bytes, nonce: str, body: Any = None) -> str:
+    """The proof of the swarm key in a dial-back ``direction`` ("request" or "answer"): an HMAC of the key's dial-back
+    sub-key over both peer ids, the caller's nonce and the answer's ``body`` (hex)."""
+    message = json.dumps([direction, caller.hex(), server.hex(), nonce, body], sort_keys=True).encode()
+    return hmac.new(key.derive(DIALBACK), message, hashlib.sha256).hexdigest()
+
+
+async def serve_dialback(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+                         key: SwarmKey | None = None, own_id: bytes = b"") -> None:
     """Serve one dial-back request (a hivemind binary stream handler, registered in every collabopt DHT's process).
 
     Request: JSON ``{"ports": [tcp ports the caller listens on], "announce": [multiaddrs it announces]}``. Answer:
     JSON ``{"observed": "ip:port", "results": [{"address", "reachable", "error", "seconds"}], "note"}``. Only the
-    host the caller's connection comes from is dialed, at most a few ports, with a short timeout.
+    host the caller's connection comes from is dialed, at most a few ports, with a short timeout. With ``key`` (this
+    peer's swarm key; ``own_id`` its peer id) a request without the key's proof gets ``{"refused": why}``, and an
+    answer carries its own proof.
     """
     try:
         request = json.loads(await asyncio.wait_for(read_message(reader, _MAX_REQUEST_BYTES), 10))
-        answer = await dial_back(str(stream_info.addr), request)
+        if key is None:
+            answer = await dial_back(str(stream_info.addr), request)
+        else:
+            caller, nonce = stream_info.peer_id.to_bytes(), str(request.get("nonce", ""))
+            if not hmac.compare_digest(str(request.get("proof", "")),
+                                       dialback_proof(key, "request", caller, own_id, nonce)):
+                answer = dict(refused="this swarm admits members only: the request carries no proof of its key")
+            else:
+                answer = await dial_back(str(stream_info.addr), request)
+                answer["proof"] = dialback_proof(key, "answer", caller, own_id, nonce, answer)
         await write_message(writer, json.dumps(answer).encode())
         # the caller closes first, once it has the answer: the daemon may drop an answer in flight on a stream
         # whose server end closed first (see collabopt.engine.streams)

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import hivemind
@@ -22,6 +22,7 @@ from hivemind.utils import logging as hivemind_logging
 from collabopt.engine.compat import Multiaddr
 from collabopt.engine.dialback import DIALBACK_PROTOCOL, serve_dialback
 from collabopt.lifeline import children_follow_parent
+from collabopt.membership import swarm_key_of
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def start_dht(**kwargs: Any) -> Any:
         dht = hivemind.DHT(start=True, **kwargs)
     if not kwargs.get("client_mode"):
         try:
-            dht.run_coroutine(functools.partial(_add_stream_handler, DIALBACK_PROTOCOL, serve_dialback))
+            dht.run_coroutine(functools.partial(_add_dialback_handler, swarm_key_of(dht)))
         except Exception as e:  # a convenience for others' diagnosis: never a reason not to start
             logger.debug("collabopt: could not serve the dial-back check: %r", e)
     return dht
@@ -120,8 +121,9 @@ async def _connect_initial_peers(p2p: Any, initial_peers: Sequence[Any], timeout
     raise P2PDaemonError(f"failed to connect to bootstrap peers: {errors}")
 
 
-async def _add_stream_handler(name: str, handler: Callable[..., Any], _dht: Any, node: Any) -> None:
-    await node.p2p.add_binary_stream_handler(name, handler)
+async def _add_dialback_handler(key: Any, _dht: Any, node: Any) -> None:
+    handler = functools.partial(serve_dialback, key=key, own_id=node.p2p.peer_id.to_bytes())
+    await node.p2p.add_binary_stream_handler(DIALBACK_PROTOCOL, handler)
 
 
 # ---- libp2p for `collabopt doctor`: a daemon of its own, no DHT
@@ -140,8 +142,12 @@ async def shutdown_p2p(p2p: Any) -> None:
     await p2p.shutdown()
 
 
-def _peer_id(maddr: str) -> Any:
+def peer_id_of(maddr: str) -> Any:
+    """The ``PeerID`` of a full multiaddr (``.../p2p/<id>``)."""
     return PeerID.from_base58(Multiaddr(maddr)["p2p"])
+
+
+_peer_id = peer_id_of
 
 
 async def connect(p2p: Any, maddr: str) -> None:

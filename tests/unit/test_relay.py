@@ -58,7 +58,7 @@ def test_relay_peers_accepts_a_list_or_a_string(relay_peers):
 def test_no_relay_peers_no_static_relays(monkeypatch):
     started = {}
     monkeypatch.setattr(hivemind, "DHT", lambda start, **kwargs: started.update(kwargs) or object())
-    monkeypatch.setattr(engine_p2p, "_add_stream_handler", lambda *a: None)
+    monkeypatch.setattr(engine_p2p, "_add_dialback_handler", lambda *a: None)
     swarm.start_dht(swarm.SwarmOptions(client_mode=True))
     assert "trusted_relays" not in started and "force_reachability" not in started
 
