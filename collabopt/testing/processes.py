@@ -1,8 +1,13 @@
 """Child processes of a local swarm: the one harness of ``collabopt demo``, the tests and the benchmarks.
 
-Every process is started fresh with ``subprocess`` (never forked) in its own session, so that it can be killed
-with every process it started (hivemind's DHT and averager processes, the ``p2pd`` daemons): they stay in its
-process group. Its stdout and stderr go to a log file that only the child holds open.
+Every process runs in its own session, so that it can be killed with every process it started (hivemind's DHT
+and averager processes, the ``p2pd`` daemons): they stay in its process group. Its stdout and stderr go to a log
+file that only the child holds open.
+
+A process is started fresh with ``subprocess`` unless ``fork=True``: then it is forked from a launcher that imported
+torch, numpy and hivemind once (:mod:`collabopt.testing.launcher`), which saves each process those imports (1.5 s of
+CPU). The tests fork their peers; the demo and the benchmarks start them fresh, as a user would, and so does a
+process in a network namespace (``ip netns exec`` is a process of its own).
 
 Standard library only: ``collabopt demo`` uses it, so it must not need the test or benchmark dependencies.
 """
@@ -17,6 +22,8 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+from collabopt.testing import launcher
 
 __all__ = ["Process", "child_env", "start_bootstrap", "stop_all"]
 
@@ -36,17 +43,25 @@ def child_env(hivemind_loglevel: str = "WARNING", **extra: str) -> dict[str, str
 
 class Process:
     """A child process in its own session, its stdout and stderr in ``log_path``; ``netns`` runs it inside that
-    network namespace (``ip netns exec``, needs root). Use as a context manager to kill it on leaving."""
+    network namespace (``ip netns exec``, needs root); ``fork`` forks it from the launcher (``args`` must then be
+    ``[sys.executable, script or "-m" module, ...]``, and ``netns`` None). Use as a context manager to kill it on
+    leaving."""
 
     def __init__(self, args: Sequence[str], log_path: str | Path, *, env: dict[str, str] | None = None,
-                 cwd: str | Path | None = None, netns: str | None = None):
+                 cwd: str | Path | None = None, netns: str | None = None, fork: bool = False):
         self.args = list(args)
         self.log_path = Path(log_path)
-        prefix = ["ip", "netns", "exec", netns] if netns else []
-        # the child gets its own copy of the descriptor: ours is closed at once, nothing is left open here
-        with open(self.log_path, "wb") as log:
-            self.popen = subprocess.Popen(prefix + self.args, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        self.popen: subprocess.Popen[bytes] | launcher.Forked
+        if fork:
+            if netns:
+                raise ValueError(f"a process in network namespace {netns!r} cannot be forked: pass fork=False")
+            self.popen = launcher.spawn(self.args, self.log_path, dict(os.environ) if env is None else env, cwd)
+        else:
+            prefix = ["ip", "netns", "exec", netns] if netns else []
+            # the child gets its own copy of the descriptor: ours is closed at once, nothing is left open here
+            with open(self.log_path, "wb") as log:
+                self.popen = subprocess.Popen(prefix + self.args, stdin=subprocess.DEVNULL, stdout=log,
+                                              stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
         self.pid = self.popen.pid
 
     def __enter__(self) -> Process:
@@ -112,17 +127,18 @@ def stop_all(procs: Iterable[Process], grace: float) -> None:
 
 def start_bootstrap(workdir: str | Path, *, name: str = "bootstrap", host: str = "127.0.0.1",
                     dht_args: Sequence[str] = (), env: dict[str, str] | None = None, cwd: str | Path | None = None,
-                    netns: str | None = None, timeout: float = 60.0) -> tuple[Process, str]:
+                    netns: str | None = None, fork: bool = False, timeout: float = 60.0) -> tuple[Process, str]:
     """Start a bootstrap DHT (``python -m collabopt dht``) listening on ``host`` with its log in
     ``<workdir>/<name>.log``; return it and its INITIAL_PEERS value once it serves. ``dht_args``: more options of
-    ``collabopt dht`` (e.g. ``["--no-relay"]``). Raises RuntimeError, the process killed, if it exits or does not
-    serve within ``timeout`` seconds."""
+    ``collabopt dht`` (e.g. ``["--no-relay"]``); ``fork``: see :class:`Process`. Raises RuntimeError, the process
+    killed, if it exits or does not serve within ``timeout`` seconds."""
     workdir = Path(workdir)
     peers_file = workdir / f"{name}.initial_peers"
     peers_file.unlink(missing_ok=True)
     proc = Process([sys.executable, "-m", "collabopt", "dht", "--host-maddrs", f"/ip4/{host}/tcp/0",
                     "--peers-file", str(peers_file), *dht_args],
-                   workdir / f"{name}.log", env=env if env is not None else child_env(), cwd=cwd, netns=netns)
+                   workdir / f"{name}.log", env=env if env is not None else child_env(), cwd=cwd, netns=netns,
+                   fork=fork)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if peers_file.exists():  # written whole (renamed into place) by `collabopt dht`

@@ -40,9 +40,10 @@ def _module_bootstrap(tmp_path_factory):
 def bootstrap(_module_bootstrap):
     """A bootstrap DHT (``collabopt dht``) on loopback; its INITIAL_PEERS value.
 
-    Shared by the tests of a module (a start costs 1.5-2 s: the import of torch and hivemind): the tests do not see
-    each other through it. Every test trains under its own run id (``helpers.unique_run_id``), and all a swarm finds
-    in the DHT is keyed by its run id (progress records, matchmaking keys); every peer of a test is killed when the
-    test ends, and a new peer that is handed the address of one of them drops it from its routing table at the first
-    failed contact (on loopback the dial is refused at once)."""
+    Shared by the tests of a module (a start costs a DHT's start, and 1.5-2 s more where it is not forked from the
+    launcher: the import of torch and hivemind): the tests do not see each other through it. Every test trains under
+    its own run id (``helpers.unique_run_id``), and all a swarm finds in the DHT is keyed by its run id (progress
+    records, matchmaking keys); every peer of a test is killed when the test ends, and a new peer that is handed the
+    address of one of them drops it from its routing table at the first failed contact (on loopback the dial is
+    refused at once)."""
     return _module_bootstrap()

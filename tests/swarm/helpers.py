@@ -2,7 +2,8 @@
 demo and the benchmarks use too): a bootstrap DHT, peer processes, their results, and the checks the tests share.
 
 :class:`Process` adds to the harness's process what the fault tests check: which descendants (DHT, p2pd,
-averagers) a peer had, and whether any of them outlived it.
+averagers) a peer had, and whether any of them outlived it. Processes outside a network namespace are forked from
+the harness's launcher (``collabopt.testing.launcher``: torch, numpy and hivemind imported once, not by each peer).
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 class Process(processes.Process):
-    """A harness process started from the repository root, which remembers its descendants."""
+    """A harness process started from the repository root (forked from the launcher unless in ``netns``), which
+    remembers its descendants."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, netns: str | None = None):
-        super().__init__(args, log_path, env=env or child_env(), cwd=ROOT, netns=netns)
+        super().__init__(args, log_path, env=env or child_env(), cwd=ROOT, netns=netns, fork=netns is None)
         self._descendants: set[int] = set()
 
     def remember_descendants(self) -> None:
@@ -88,7 +90,8 @@ class Process(processes.Process):
 def start_bootstrap(tmp_path: Path, host: str = "127.0.0.1", netns: str | None = None) -> tuple[processes.Process, str]:
     """Start ``collabopt dht`` on ``host`` (loopback by default; log: ``<tmp_path>/bootstrap.log``); return it and
     its INITIAL_PEERS."""
-    return processes.start_bootstrap(tmp_path, host=host, env=child_env(), cwd=ROOT, netns=netns)
+    return processes.start_bootstrap(tmp_path, host=host, env=child_env(), cwd=ROOT, netns=netns,
+                                     fork=netns is None)
 
 
 def start_peer(tmp_path: Path, name: str, config: dict[str, Any], initial_peers: str,

@@ -1,0 +1,196 @@
+"""collabopt.testing.launcher: a child forked from the launcher is the process ``python script.py`` or
+``python -m module`` would be (compared with one started fresh), exits and dies as it would, and a launcher that
+is gone is an error, never a silent fallback."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from collabopt.testing import launcher, processes
+
+PROBE = '''
+import json, multiprocessing, os, signal, sys, threading
+import hivemind, numpy, torch
+import hivemind.utils.logging as hivemind_logging
+main = sys.modules["__main__"]
+fds = os.listdir("/proc/self/fd")
+print(json.dumps({
+    "argv": sys.argv, "orig_argv": sys.orig_argv, "path": sys.path, "cwd": os.getcwd(), "env": dict(os.environ),
+    "name": __name__, "file": __file__, "main": sorted(vars(main)), "spec": getattr(main.__spec__, "name", None),
+    "loader": type(main.__loader__).__name__, "session": os.getsid(0) == os.getpid(),
+    "group": os.getpgid(0) == os.getpid(), "stdin": os.readlink("/proc/self/fd/0"),
+    "streams": [type(s.buffer).__name__ for s in (sys.stdout, sys.stderr)], "flags": list(sys.flags),
+    "fds": len(fds) - 1, "threads": [threading.active_count(), len(os.listdir("/proc/self/task"))],
+    "main_thread": threading.current_thread() is threading.main_thread(), "torch_threads": torch.get_num_threads(),
+    "process": [multiprocessing.current_process().name, multiprocessing.current_process().daemon],
+    "signals": [str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE)],
+    "hivemind_log": [hivemind_logging.loglevel, hivemind_logging.use_colors],
+    "seeds": [torch.initial_seed(), int(numpy.random.randint(1 << 30)), hash("collabopt")],
+}))
+'''
+
+
+def env(**extra: str) -> dict[str, str]:
+    return processes.child_env("ERROR", **extra)
+
+
+def run(args: list[str], log: Path, fork: bool, environ: dict[str, str], cwd: Path | None = None) -> int | None:
+    proc = processes.Process(args, log, env=environ, cwd=cwd, fork=fork)
+    try:
+        return proc.wait(60)
+    finally:
+        proc.kill_tree()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_launchers():
+    """The launchers these tests started end with the module (the swarm tests' stay)."""
+    before = set(launcher._launchers)
+    yield
+    for key in set(launcher._launchers) - before:
+        launcher._launchers.pop(key).close()
+
+
+@pytest.fixture
+def light(monkeypatch):
+    """Forks from a launcher that imports nothing: how a child is started, runs and ends does not depend on the
+    imports, and its children end quickly (one of torch's imports takes a second or two to end)."""
+    monkeypatch.setattr(launcher, "PRELOAD", ())
+
+
+@pytest.mark.parametrize("form", ["script", "module"])
+def test_a_forked_child_is_set_up_as_python_would_set_it_up(tmp_path, form):
+    scripts, cwd = tmp_path / "scripts", tmp_path / "cwd"
+    scripts.mkdir()
+    cwd.mkdir()
+    (scripts / "probe.py").write_text(PROBE)
+    # relative, empty and repeated entries: Python makes them absolute (the empty one: the cwd) and drops repeats
+    environ = env(PYTHONPATH=os.pathsep.join(["../scripts", "", str(scripts), "../scripts"]))
+    args = [sys.executable, "-m", "probe", "x"] if form == "module" else [sys.executable, "../scripts/probe.py", "x"]
+    procs = {name: processes.Process(args, tmp_path / f"{name}.log", env=environ, cwd=cwd, fork=fork)
+             for name, fork in (("fresh", False), ("forked", True), ("forked_again", True))}
+    seen = {}
+    for name, proc in procs.items():
+        with proc:
+            assert proc.wait(60) == 0, proc.log()
+        seen[name] = json.loads(proc.log())
+    # a fork has the launcher's string hash seed; torch and numpy are seeded afresh, as in a new process
+    fresh, forked = ({k: v for k, v in seen[name].items() if k != "seeds"} for name in ("fresh", "forked"))
+    assert forked == fresh
+    (torch_a, numpy_a, _), (torch_b, numpy_b, _) = seen["forked"]["seeds"], seen["forked_again"]["seeds"]
+    assert torch_a != torch_b and numpy_a != numpy_b
+    assert fresh["session"] and fresh["fds"] == 3 and fresh["threads"] == [1, 1]
+
+
+CASES = {
+    "exit": ("import sys; sys.exit(3)", 3),
+    "exception": ("raise ValueError('boom')", 1),
+    "exit_message": ("import sys; sys.exit('bye')", 1),
+    "keyboard_interrupt": ("raise KeyboardInterrupt", -signal.SIGINT),
+    "signal": ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -signal.SIGTERM),
+    "clean": ("import atexit; atexit.register(print, 'atexit ran')", 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_exit_codes_and_logs_are_those_of_a_fresh_process(tmp_path, light, case):
+    source, code = CASES[case]
+    (tmp_path / "script.py").write_text(source)
+    codes, logs = {}, {}
+    for fork in (False, True):
+        log = tmp_path / f"{fork}.log"
+        codes[fork] = run([sys.executable, str(tmp_path / "script.py")], log, fork, env())
+        # a forked child's traceback starts in the launcher, which called its code: those frames differ
+        logs[fork] = re.sub(r'  File ".*/launcher.py".*\n    .*\n', "", log.read_text())
+    assert codes == {False: code, True: code}
+    assert logs[True] == logs[False]
+
+
+def test_a_missing_script_exits_2_with_pythons_message(tmp_path, light):
+    logs = {}
+    for fork in (False, True):
+        assert run([sys.executable, str(tmp_path / "nowhere.py")], tmp_path / f"{fork}.log", fork, env()) == 2
+        logs[fork] = (tmp_path / f"{fork}.log").read_text()
+    assert logs[True] == logs[False] and "can't open file" in logs[True]
+
+
+def test_stdout_and_stderr_go_to_the_log_in_order(tmp_path, light):
+    (tmp_path / "script.py").write_text("import sys\nprint('a')\nprint('b', file=sys.stderr)\nprint('c')\n")
+    assert run([sys.executable, str(tmp_path / "script.py")], tmp_path / "out.log", True, env()) == 0
+    assert (tmp_path / "out.log").read_text() == "a\nb\nc\n"
+
+
+def test_signals_reach_it_and_kill_tree_kills_what_it_started(tmp_path, light):
+    (tmp_path / "script.py").write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen(['sleep', '60'])\n"
+        f"open({str(tmp_path / 'child')!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n")
+    proc = processes.Process([sys.executable, str(tmp_path / "script.py")], tmp_path / "out.log", env=env(), fork=True)
+    with proc:
+        while not (tmp_path / "child").exists() or not (tmp_path / "child").read_text():
+            assert proc.poll() is None, proc.log()
+            time.sleep(0.05)
+        grandchild = psutil.Process(int((tmp_path / "child").read_text()))
+        assert proc.wait(0.2) is None and proc.returncode is None
+        proc.signal(signal.SIGKILL)
+        assert proc.wait(10) == -signal.SIGKILL
+        assert grandchild.is_running() and grandchild.status() != psutil.STATUS_ZOMBIE  # in its process group
+        proc.kill_tree()
+        with pytest.raises(psutil.Error):
+            grandchild.wait(10)
+            assert grandchild.status() == psutil.STATUS_ZOMBIE  # its new parent may not reap it
+            raise psutil.NoSuchProcess(grandchild.pid)
+
+
+def test_what_cannot_be_forked_is_refused_before_anything_starts(tmp_path, light):
+    log = tmp_path / "out.log"
+    for args in (["sleep", "1"], [sys.executable, "-c", "pass"], [sys.executable, "-m"]):
+        with pytest.raises(ValueError, match="fork=True"):
+            processes.Process(args, log, env=env(), fork=True)
+    with pytest.raises(ValueError, match="network namespace"):
+        processes.Process([sys.executable, "x.py"], log, env=env(), netns="ns", fork=True)
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS"):
+        launcher.launcher_for(env()).spawn([sys.executable, "x.py"], log, env(OMP_NUM_THREADS="2"))
+    with pytest.raises(FileNotFoundError):
+        processes.Process([sys.executable, "x.py"], log, env=env(), cwd=tmp_path / "nowhere", fork=True)
+
+
+def test_a_launcher_that_is_gone_is_an_error(tmp_path):
+    (tmp_path / "script.py").write_text("import time; time.sleep(60)")
+    own = launcher.Launcher(env(), preload=())
+    child = own.spawn([sys.executable, str(tmp_path / "script.py")], tmp_path / "out.log", env())
+    try:
+        assert child.poll() is None
+        own.popen.kill()
+        own.popen.wait()
+        with pytest.raises(RuntimeError, match="launcher .* is gone"):
+            child.wait(10)
+        with pytest.raises(RuntimeError, match="launcher .* is gone"):
+            own.spawn([sys.executable, str(tmp_path / "script.py")], tmp_path / "again.log", env())
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        own.close()
+
+
+def test_one_launcher_serves_every_environment_that_differs_only_in_per_process_variables(tmp_path, light, monkeypatch):
+    (tmp_path / "script.py").write_text("pass")
+    pids = set()
+    for i in range(launcher.MAX_LAUNCHERS + 1):
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", f"test {i}")
+        assert run([sys.executable, str(tmp_path / "script.py")], tmp_path / "out.log", True,
+                   env(INITIAL_PEERS=str(i), PYTHONPATH=str(i))) == 0
+        pids.add(launcher.launcher_for(env()).popen.pid)
+    assert len(pids) == 1
+    with pytest.raises(RuntimeError, match="COLLABOPT_TEST_VARIABLE"):
+        for i in range(launcher.MAX_LAUNCHERS + 1):
+            launcher.launcher_for(env(COLLABOPT_TEST_VARIABLE=str(i)))
