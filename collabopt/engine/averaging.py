@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from hivemind.averaging import allreduce, matchmaking
+from hivemind.averaging import averager as averager_module
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 from hivemind.optim.grad_averager import GradientAverager
@@ -117,11 +118,11 @@ class ShieldedReducers:
     by the side that reads last (:mod:`collabopt.engine.streams`: hivemind's matchmaking and all-reduce get their
     stubs from the averager's class, and its all-reduce handler is the averager's ``rpc_aggregate_part``).
 
-    This is the one seam where collabopt replaces hivemind classes: hivemind's ``AllReduceRunner`` and
-    ``Matchmaking`` take them from their modules, and offer no argument to choose others. hivemind runs each averager
-    in a process of its own, so the modules' classes are replaced there, in the averager's process, as it starts: the
-    training process, and any averager not of collabopt's (a ``grad_averager_factory`` of the user's), keep
-    hivemind's."""
+    This is the one seam where collabopt replaces hivemind classes: hivemind's averager (its all-reduce runner),
+    ``AllReduceRunner`` and ``Matchmaking`` take them from their modules, and offer no argument to choose others.
+    hivemind runs each averager in a process of its own, so the modules' classes are replaced there, in the
+    averager's process, as it starts: the training process, and any averager not of collabopt's (a
+    ``grad_averager_factory`` of the user's), keep hivemind's."""
 
     # how long a stream to another member may take to open, by RPC: set as the averager's process starts
     stream_open_timeouts: dict[str, float] = {}
@@ -129,6 +130,8 @@ class ShieldedReducers:
     # sets both): the part reducer its all-reduces build, and a function of a group's gathered data applied before
     # hivemind shares the vector out by the bandwidths in it
     part_reducer: type[TensorPartReducer] = ShieldedTensorPartReducer
+    # the all-reduce runner this averager's rounds build (DiLoCo's pseudo-gradient averager: one of its own)
+    all_reduce_runner: type[allreduce.AllReduceRunner] = allreduce.AllReduceRunner
     cap_gathered: Callable[[tuple[bytes, ...]], tuple[bytes, ...]] | None = None
 
     def __init__(self, *args: Any, part_reducer: type[TensorPartReducer] | None = None,
@@ -158,6 +161,7 @@ class ShieldedReducers:
 
     def run(self) -> None:
         allreduce.TensorPartReducer = self.part_reducer  # (this averager's own process)
+        averager_module.AllReduceRunner = self.all_reduce_runner  # (read by _run_allreduce_inplace_)
         matchmaking.GroupKeyManager = GroupKeyManagerThatDoesNotWait  # (read as Matchmaking starts, in run())
         timeouts = (("rpc_join_group", self.matchmaking_kwargs["request_timeout"]),  # type: ignore[attr-defined]
                     ("rpc_aggregate_part", self.allreduce_kwargs["reducer_timeout"]))  # type: ignore[attr-defined]

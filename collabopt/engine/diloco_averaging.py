@@ -10,12 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import Float16Compression, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import amap_in_executor
 
 from collabopt.diloco import PartialRound
@@ -77,8 +76,10 @@ class ValueAllReduceRunner(AllReduceRunner):
         self._own_part_infos = [info for _, info in self.tensor_part_container._input_parts_by_peer[own]]
 
     async def run(self) -> Any:
-        async for value in super().run():
-            yield value
+        """Write the whole result into the averaged tensors once all of it arrived, and yield an update of zero for
+        each: hivemind's averager adds each yielded update to its tensor (``_run_allreduce_inplace_``), and
+        ``x + (average - x)`` is not always the average in floating point."""
+        values = [value async for value in super().run()]  # (the values themselves: return_deltas is off)
         failed, total = self.tensor_part_container.failed_size, self.tensor_part_container.total_size
         if failed and 2 * failed < total:
             # a reducer returns a part's average only once it holds every member's part: most of this peer's
@@ -86,6 +87,10 @@ class ValueAllReduceRunner(AllReduceRunner):
             raise PartialResults(f"{failed} of {total} values were not averaged")
         if failed:  # most of its pseudo-gradient may not have left (its link failed): a failed round
             raise AllreduceException(f"{failed} of {total} values were not averaged")
+        nothing = torch.zeros(())
+        for tensor, value in zip(self.tensor_part_container.local_tensors, values, strict=True):
+            tensor.copy_(value)
+            yield nothing
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:
         if peer_id != self.peer_id:
@@ -135,6 +140,8 @@ class PseudoGradientAverager(MemberChecks, ShieldedReducers, GradientAverager):
     others may have applied it with this peer's pseudo-gradient: :class:`collabopt.diloco.PartialRound`); a
     retried round resends the pseudo-gradients, not a partial result."""
 
+    all_reduce_runner = ValueAllReduceRunner
+
     def __init__(self, parameters: Any, *, dht: Any, prefix: str, client_mode: bool | None = None,
                  **kwargs: Any):
         for ignored in ("reuse_grad_buffers", "accumulate_grads_on", "warn", "averaged_grads"):
@@ -163,7 +170,7 @@ class PseudoGradientAverager(MemberChecks, ShieldedReducers, GradientAverager):
 
     async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any, group_id: bytes | None = None,
                                       **kwargs: Any) -> None:
-        # hivemind 1.1.12's method with ValueAllReduceRunner, writing the results once all arrived
+        # (hivemind's builds all_reduce_runner: ValueAllReduceRunner, which writes the result once all arrived)
         group_id = group_info.group_id if group_id is None else group_id
         if kwargs.get("weight") and not _member_agrees(group_info, self.peer_id, self.serializer):
             # this peer will not apply the round (its anchor is not the group's: DiLoCo decides the same from the
@@ -173,27 +180,13 @@ class PseudoGradientAverager(MemberChecks, ShieldedReducers, GradientAverager):
             kwargs["weight"] = 0.0
             for tensor in tensors:
                 tensor.zero_()
-        runner = ValueAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
-                                      tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids,
-                                      **kwargs)
-        assert group_id in self._running_groups, f"Group id {group_id} was not registered"
-        self._running_groups[group_id].set_result(runner)
-        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
-            async for _ in runner:
-                raise ValueError("aux peers should not receive averaged tensors")
-            return
         try:
-            results = [value async for value in runner]
+            await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
         except PartialResults as e:
             # not an error hivemind may retry: this peer's pseudo-gradient may have reached the group, and a
             # retry would send it into another round (_aggregate_with_group tells the round instead)
             logger.warning(f"{self}: {e}; this peer's pseudo-gradient may have reached its group")
             self._partial_groups.add(group_id)
-            return
-        for tensor, value in zip(tensors, results, strict=True):
-            tensor.copy_(value)
-        self.last_updated = get_dht_time()
-        self._state_updated.set()
 
     async def _aggregate_with_group(self, group_info: Any, *args: Any, **kwargs: Any) -> Any:
         gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
