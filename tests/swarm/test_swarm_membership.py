@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import subprocess
 import sys
 import time
@@ -31,6 +32,12 @@ from collabopt.testing import processes
 pytestmark = pytest.mark.swarm
 
 MEMBERS = ("m0", "m1", "m2")
+
+
+async def _connect(maddr: str, _dht, node) -> None:
+    from collabopt.engine.p2p import connect
+
+    await connect(node.p2p, maddr)
 
 
 async def _download(handle: str, peer_id, _dht, node) -> int:
@@ -76,9 +83,10 @@ def test_only_members_train_read_and_download(tmp_path, monkeypatch):
     procs, dhts = {}, []
     try:
         for name in MEMBERS:
-            config = dict(run_id=run_id, target_batch_size=128, epochs=6, seed=MEMBERS.index(name), model_seed=0,
+            # members train on until the others and the gate, opened once the outsider was tried, are at the finish
+            config = dict(run_id=run_id, target_batch_size=128, epochs=4, seed=MEMBERS.index(name), model_seed=0,
                           batch_sizes=[16], step_sleep=0.05, wait_peers=3, max_seconds=90,
-                          finish_with=finish_line(tmp_path, *(other for other in MEMBERS if other != name)),
+                          finish_with=finish_line(tmp_path, "gate", *(other for other in MEMBERS if other != name)),
                           options=dict(swarm_key=text))
             procs[name] = start_peer(tmp_path, name, config, initial_peers)
         for name in MEMBERS:
@@ -121,14 +129,22 @@ def test_only_members_train_read_and_download(tmp_path, monkeypatch):
         token = MemberToken.issue(SwarmKey(text), prefix, member.peer_id.to_bytes())
         assert member.store(MEMBERS_RECORD.format(prefix=prefix), token.to_bytes(), token.expires,
                             subkey=member.peer_id.to_bytes())
+        # each member's address, as its join message printed it: the averaging services are open to anyone who can
+        # connect, whatever the DHT's authorizer
+        addresses = {}
+        for name in MEMBERS:
+            for maddr in re.findall(r"INITIAL_PEERS=(\S+)", procs[name].log())[0].split(","):
+                addresses[maddr.rsplit("/p2p/", 1)[1]] = maddr
         for peer in peers:
-            # (libp2p finds a member's address from its peer id: the averaging services are open to anyone who
-            # knows it, whatever the DHT's authorizer)
+            for node in (outsider, member):
+                node.run_coroutine(functools.partial(_connect, addresses[peer.to_base58()]))
             assert outsider.run_coroutine(functools.partial(_download, handle, peer)) == 0, "sent to an outsider"
             assert member.run_coroutine(functools.partial(_download, handle, peer)) > 0, "refused to a member"
             assert outsider.run_coroutine(functools.partial(_store, f"{run_id}_progress", peer)) is None
         assert outsider.get(f"{run_id}_progress") is None
+        assert all(proc.poll() is None for proc in procs.values()), "a member left before the outsider was tried"
 
+        (tmp_path / "gate.progress").write_text(json.dumps(dict(epoch=10**6)))
         finish(procs, timeout=90)
     finally:
         for dht in dhts:
@@ -140,7 +156,49 @@ def test_only_members_train_read_and_download(tmp_path, monkeypatch):
     results = {name: read_result(tmp_path, name) for name in MEMBERS}
     params = {name: read_params(tmp_path, name) for name in MEMBERS}
     final_epochs = {result["final_epoch"] for result in results.values()}
-    assert len(final_epochs) == 1 and min(final_epochs) >= 6, results
+    assert len(final_epochs) == 1 and min(final_epochs) >= 4, results
     assert max(max_param_diff(params["m0"], params[name]) for name in MEMBERS[1:]) < 1e-6
     logs = "".join(procs[name].log() for name in MEMBERS)
     assert "is no member of the swarm" not in logs and "in matchmaking" not in logs, "a member refused a member"
+
+
+async def _dialback_without_proof(maddr: str) -> dict:
+    from collabopt.engine import p2p
+    from collabopt.engine.dialback import DIALBACK_PROTOCOL, read_message, write_message
+
+    daemon = await p2p.create_p2p(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        await p2p.connect(daemon, maddr)
+        reader, writer = await p2p.open_stream(daemon, maddr, DIALBACK_PROTOCOL)
+        await write_message(writer, json.dumps(dict(ports=[1])).encode())
+        answer = json.loads(await read_message(reader, 65536))
+        writer.close()
+        return answer
+    finally:
+        await p2p.shutdown_p2p(daemon)
+
+
+def test_doctor_is_a_member_with_the_key_only(monkeypatch):
+    """`collabopt doctor` against a DHT with a swarm key: with the key every check passes (its ping and dial-back
+    carry the key's proofs); without it, or with another, the initial peer fails with the key named; and a dial-back
+    request without the key's proof is refused."""
+    import asyncio
+
+    from collabopt.doctor import DoctorOptions, run_checks
+    from collabopt.membership import SwarmKey, new_swarm_key
+    from collabopt.swarm import SwarmOptions, start_dht
+
+    key = SwarmKey(new_swarm_key())
+    dht = start_dht(SwarmOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"], swarm_key=key))
+    try:
+        maddr = str(dht.get_visible_maddrs()[0])
+        options = dict(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"], timeout=5.0)
+        checks = {c.name: c for c in run_checks(DoctorOptions(**options, swarm_key=key))}
+        assert all(c.status == "PASS" for c in checks.values()), checks
+        assert "members only" in checks["membership"].detail
+        for other, says in ((None, "admits members only"), (SwarmKey(new_swarm_key()), "refused this machine's key")):
+            checks = {c.name: c for c in run_checks(DoctorOptions(**options, swarm_key=other))}
+            assert checks[f"initial peer {maddr}"].status == "FAIL" and says in checks[f"initial peer {maddr}"].detail
+        assert "members only" in asyncio.run(_dialback_without_proof(maddr)).get("refused", "")
+    finally:
+        dht.shutdown()

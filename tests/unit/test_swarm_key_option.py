@@ -71,3 +71,14 @@ def test_the_join_message_says_whether_the_swarm_is_open():
     assert OPEN_SWARM in join_message([MADDR], "r", command="python t.py")
     assert MEMBERS_ONLY in join_message([MADDR], "r", command="python t.py", members_only=True)
     assert OPEN_SWARM not in join_message([MADDR], "r", command="python t.py", members_only=True)
+
+
+def test_every_adapter_and_the_node_accept_the_key():
+    from collabopt.config import option_names
+
+    assert "swarm_key" in option_names()  # (the names NodeOptimizer, accelerate, transformers and pytorch pass on)
+    try:
+        from collabopt.integrations._lightning_options import accepted_option_names
+    except ImportError:  # (Lightning not installed)
+        return
+    assert "swarm_key" in accepted_option_names()
