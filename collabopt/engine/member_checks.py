@@ -93,7 +93,8 @@ class MemberChecks:
 
     async def _step(self, *, step: Any, **kwargs: Any) -> Any:
         key = self._member_key
-        if key is not None:  # (the averager's process) this member's token joins the data its group gathers
+        if key is not None:  # (the averager's process) this member's token joins the data its group gathers:
+            # hivemind's StepControl offers no setter, and this process's copy is the one its matchmaking reads
             step._data_for_gather = with_token(step.data_for_gather, key, self.prefix,  # type: ignore[attr-defined]
                                                self.peer_id.to_bytes())  # type: ignore[attr-defined]
         return await super()._step(step=step, **kwargs)  # type: ignore[misc]
