@@ -207,33 +207,47 @@ class SwarmProgressTracker(ProgressTracker):
                 self._pauses += 1  # (still under lock_global_progress)
 
     async def _progress_fetcher(self) -> None:
-        """hivemind 1.1.12's fetcher, with the DHT get moved out of ``lock_global_progress``. See docs/decisions.md,
-        "Fetches outside the lock"."""
+        """Fetch the swarm's records whenever the view's ``next_fetch_time`` comes (or at once when an update is
+        signalled), outside ``lock_global_progress``: the lock is taken only to install the new view. hivemind held
+        it while awaiting the DHT, and a peer's step, which takes it at every boundary, then waited for the DHT's
+        timeout when a replica did not answer. A view fetched while a :meth:`pause_updates` section ran is dropped
+        and fetched again. See docs/decisions.md, "Fetches outside the lock"."""
         loop = asyncio.get_event_loop()
-        shutdown = asyncio.create_task(asyncio.wait_for(loop.run_in_executor(None, self.shutdown_triggered.wait),
-                                                        None))
+        stopping = loop.run_in_executor(None, self.shutdown_triggered.wait)
         try:
             while not self.shutdown_triggered.is_set():
-                wait = max(0.0, self.global_progress.next_fetch_time - get_dht_time())
-                if await loop.run_in_executor(None, self.global_state_updated.wait, wait):
-                    self.global_state_updated.clear()
+                if await self._signalled_before_next_fetch(loop):
                     continue
                 pauses = self._pauses
-                getter = asyncio.create_task(asyncio.wait_for(  # (wraps hivemind's MPFuture in a coroutine)
-                    self.dht.get(self.training_progress_key, latest=True, return_future=True), None))
-                await asyncio.wait({getter, shutdown}, return_when=asyncio.FIRST_COMPLETED)
-                if self.shutdown_triggered.is_set():
+                fetch = asyncio.ensure_future(self.dht.get(self.training_progress_key, latest=True,
+                                                           return_future=True))
+                await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if self.shutdown_triggered.is_set():  # (the DHT may be gone: its answer never comes)
+                    fetch.cancel()
                     break
-                found = await getter
-                metadata = found.value if isinstance(found, ValueWithExpiration) else None
-                async with enter_asynchronously(self.lock_global_progress):
-                    if self._pauses != pauses:
-                        continue  # a paused section ran while the records were in flight: fetch them again
-                    self.global_progress = self._parse_swarm_progress_data(metadata)
-                    self.fetched_global_progress_this_epoch.set()
+                await self._install_view(await fetch, pauses)
         finally:
             logging.getLogger("hivemind.optim.progress_tracker").log(
                 self.status_loglevel, f"No longer fetching {self.training_progress_key}")
+
+    async def _signalled_before_next_fetch(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Wait for the view's ``next_fetch_time``; True (and the signal cleared) if ``global_state_updated`` came
+        first: the caller then reads the new ``next_fetch_time``."""
+        wait = max(0.0, self.global_progress.next_fetch_time - get_dht_time())
+        if await loop.run_in_executor(None, self.global_state_updated.wait, wait):
+            self.global_state_updated.clear()
+            return True
+        return False
+
+    async def _install_view(self, found: Any, pauses: int) -> None:
+        """Make the records ``found`` this tracker's view of the swarm, unless a paused section ended after the
+        fetch began (``pauses``: the count of ended sections then): the view's ``next_fetch_time`` has passed, so
+        the next fetch starts at once. The lock is awaited off the event loop, which the reporter shares."""
+        records = found.value if isinstance(found, ValueWithExpiration) else None
+        async with enter_asynchronously(self.lock_global_progress):
+            if self._pauses == pauses:
+                self.global_progress = self._parse_swarm_progress_data(records)
+                self.fetched_global_progress_this_epoch.set()
 
     def extrapolation_limit(self) -> float:
         """Seconds past its record's time for which a peer's samples are extrapolated (see
