@@ -234,8 +234,6 @@ class CollabConfig(DhtOptions):
             extra["averager_opts"] = dict(extra.get("averager_opts") or {}, **robust)
             # and no record's claims alone end an epoch (collabopt.robust.cap_progress_claims)
             extra["tracker_opts"] = dict(extra.get("tracker_opts") or {}, cap_claims=True)
-            # and no record's claims alone end an epoch (collabopt.robust.cap_progress_claims)
-            extra["tracker_opts"] = dict(extra.get("tracker_opts") or {}, cap_claims=True)
         if not self.use_local_updates:  # (collabopt's averager, also where no request timeout is set)
             extra["grad_averager_factory"] = gradient_averager_factory(
                 extra.get("grad_averager_factory"), request_timeout, **robust)

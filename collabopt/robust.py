@@ -27,8 +27,9 @@ import torch
 ITERATIONS = 10
 # stop early once an update is this small relative to the radius (a member's pull is at most the radius)
 TOLERANCE = 1e-6
-# the automatic radius: this many times the median distance of the members' parts from the start (see _radius)
-RADIUS_FACTOR = 2.0
+# the automatic radius: this many times the distance from the start within which a majority of the members' parts
+# lie (see _radius)
+RADIUS_FACTOR = 1.0
 
 
 def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float] | None = None, *,
@@ -40,8 +41,9 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float] | None
     coordinate-wise median of the members' parts, which a minority of members cannot move outside the honest
     range, and which no weight claim moves), at most ``iterations`` times, stopping once an update is below
     ``TOLERANCE`` times the radius. Where every part lies within ``radius`` of the estimate, the result is the
-    weighted mean. ``radius=None`` picks it from the parts (:data:`RADIUS_FACTOR` times the median distance
-    from the start). A member of weight 0 takes no part; a single member's part is returned as is.
+    weighted mean. ``radius=None`` picks it from the parts (:data:`RADIUS_FACTOR` times the distance from the
+    start within which a majority of the parts lie). A member of weight 0 takes no part; a single member's part is
+    returned as is.
 
     Computes in float32 (float64 for float64 parts) and returns the parts' dtype. Memory: the members' parts stacked
     (members x part size, in the compute dtype) plus a few part-sized temporaries.
@@ -120,14 +122,17 @@ def _coordinate_median(stacked: torch.Tensor) -> torch.Tensor:
 
 
 def _radius(stacked: torch.Tensor, start: torch.Tensor) -> float:
-    """:data:`RADIUS_FACTOR` times the median (the lower one for an even count) over members of ``||x_i - start||``.
+    """:data:`RADIUS_FACTOR` times the smallest distance ``||x_i - start||`` within which a majority of the members
+    lie (of 4 members: the third smallest; of 3 or 5: the median).
 
-    With fewer than half of the members hostile the median distance is an honest member's, so a hostile member's
-    pull is bounded by a multiple of the honest spread, not by its own distance. The factor 2 leaves honest members
-    unclipped where their distances are alike (a part of many coordinates), so an all-honest group gets the plain
-    mean; the price is a bound twice the median distance. Members taken unweighted: a weight claim does not move it."""
-    distances = torch.linalg.vector_norm(stacked - start, dim=1)
-    return RADIUS_FACTOR * float(distances.median())
+    With fewer than half of the members hostile that is an honest member's distance or a closer hostile one's, so a
+    hostile member's pull is bounded by the honest spread, not by its own distance: it moves the result by its
+    weight share of the others' times the radius. Where one member of a group is far, the others stay unclipped
+    (an all-honest group whose members lie alike gets nearly their mean: only members beyond the majority's
+    distance are clipped, and by little). Factor 1, not 2: the bias a hostile member leaves grows with the radius
+    (measured: docs/faults.md). Members taken unweighted: a weight claim does not move it."""
+    distances = torch.linalg.vector_norm(stacked - start, dim=1).sort().values
+    return RADIUS_FACTOR * float(distances[len(distances) // 2])
 
 
 def cap_weights(weights: Sequence[float], factor: float = 2.0) -> list[float]:

@@ -130,6 +130,20 @@ def stall_reducer(seconds: float) -> Callable[[], None]:
     return lambda: setattr(armed, "value", True)
 
 
+@torch.no_grad()
+def attack(spec: dict, model: torch.nn.Module, samples: int) -> dict:
+    """A hostile peer's step: its gradients times ``spec["scale"]``, plus Gaussian noise of ``spec["noise"]`` times
+    the gradient's norm; with ``spec["claim"]`` the keyword arguments of ``step()`` claiming that many times its
+    real samples (its config needs ``count="claimed"``)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])))
+    size = sum(g.numel() for g in grads)
+    for grad in grads:
+        noise = torch.randn_like(grad) * (spec.get("noise", 0.0) * norm / size ** 0.5)
+        grad.mul_(spec.get("scale", 1.0)).add_(noise)
+    return dict(batch_size=samples * spec["claim"]) if spec.get("claim") else {}
+
+
 def target_epoch(cfg: dict, epochs: int) -> int:
     """``epochs``, or the number in ``cfg["epochs_file"]`` if set (a driver writes it when the run may end; no such
     file yet: train on)."""
@@ -159,6 +173,7 @@ def main(config_path: str) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     x_all, y_all = make_data(cfg.get("data_seed", 0))
+    held_out = cfg.get("held_out", 0)  # the last samples of the data: never trained on, the final loss's too
     model = make_model(cfg.get("model_seed", seed), hidden=cfg.get("hidden", 32))
     lr = cfg.get("lr", 0.05)
     opt_name = cfg.get("optimizer", "SGD")
@@ -220,8 +235,10 @@ def main(config_path: str) -> None:
             step_samples = 0
             for _ in range(accumulate):
                 n = next(sizes)
-                idx = torch.randint(0, len(x_all), (n,))
+                idx = torch.randint(0, len(x_all) - held_out, (n,))
                 x, y = x_all[idx], y_all[idx]
+                if cfg.get("attack", {}).get("wrong_labels"):  # a hostile peer's data: every label shifted by one
+                    y = (y + 1) % 4
                 loss = F.cross_entropy(model(x), y)
                 if cfg.get("nan_every") and (len(result["losses"]) + 1) % cfg["nan_every"] == 0:
                     loss = loss * float("nan" if len(result["losses"]) % 2 else "inf")  # a bad batch
@@ -229,9 +246,11 @@ def main(config_path: str) -> None:
                 step_samples += n
                 result["losses"].append(loss.item())
             result["samples_fed"] += step_samples
+            if cfg.get("attack"):  # a hostile peer (tests/swarm/test_robustness.py)
+                kwargs_attack = attack(cfg["attack"], model, step_samples)
             if plateau_metric is not None:
                 scheduler.step(plateau_metric)
-            kwargs = {}
+            kwargs = kwargs_attack if cfg.get("attack") else {}
             if count_mode == "batch":
                 kwargs["batch"] = (x, y) if accumulate == 1 else None
             elif count_mode == "batch_size":
@@ -270,6 +289,8 @@ def main(config_path: str) -> None:
         result.update(
             final_epoch=copt.local_epoch,
             final_loss=full_loss(model, x_all, y_all),
+            held_out_loss=full_loss(model, x_all[len(x_all) - held_out:], y_all[len(x_all) - held_out:])
+            if held_out else None,
             samples_reported=copt.samples_reported,
             samples_skipped=copt.samples_skipped,
             nonfinite_steps=copt.nonfinite_steps,

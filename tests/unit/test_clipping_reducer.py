@@ -11,7 +11,7 @@ import pytest
 import torch
 from hivemind.averaging.partition import BannedException, TensorPartReducer
 
-from collabopt.engine.robust_averaging import ClippingTensorPartReducer
+from collabopt.engine.robust_averaging import WEIGHT_CAP, ClippingTensorPartReducer
 from collabopt.robust import cap_weights, centered_clip
 
 SHAPES = [torch.Size([2048]), torch.Size([1024])]  # two parts, as two consecutive parts of one reducer
@@ -58,15 +58,16 @@ def same_for_every_sender(results: list[list]) -> list[torch.Tensor]:
     return results[0]
 
 
-def test_honest_senders_get_hiveminds_weighted_mean():
+def test_honest_senders_get_nearly_hiveminds_weighted_mean():
     _, parts = honest(4)
-    weights = [1.0, 2.0, 3.0, 4.0]  # (within 2x the median: none capped)
+    weights = [1.0, 2.0, 2.0, 2.0]  # (none above WEIGHT_CAP x the median: none capped)
     clipped = same_for_every_sender(run(ClippingTensorPartReducer, parts, weights))
     hiveminds = same_for_every_sender(run(TensorPartReducer, parts, weights))
     for p in range(len(SHAPES)):
         expected = mean([member[p] for member in parts], weights)
         torch.testing.assert_close(hiveminds[p], expected, rtol=0, atol=1e-6)
-        torch.testing.assert_close(clipped[p], expected, rtol=0, atol=1e-6)
+        # (the automatic radius clips the members beyond the majority's distance a little: collabopt.robust._radius)
+        assert distance(clipped[p], expected) < 0.05 * min(distance(member[p], expected) for member in parts)
 
 
 def attacked(kind: str, gradient: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
@@ -94,7 +95,7 @@ def test_one_hostile_sender_of_four_moves_hiveminds_mean_far_and_the_clip_little
 
 def test_a_claim_of_1000x_the_weight_buys_the_capped_share_only():
     """Sender 3 sends a plausible part (the gradient shifted, within the clip radius) with 1,000x the weight: its
-    share is capped at 2x the median weight, 2/5, where hivemind's mean gives it 1000/1003."""
+    weight is capped at the median (WEIGHT_CAP 1), a share of 1/4, where hivemind's mean gives it 1000/1003."""
     gradients, parts = honest(4)
     generator = torch.Generator().manual_seed(3)
     for p, gradient in enumerate(gradients):
@@ -105,8 +106,9 @@ def test_a_claim_of_1000x_the_weight_buys_the_capped_share_only():
     hiveminds = same_for_every_sender(run(TensorPartReducer, parts, weights))
     for p in range(len(SHAPES)):
         members = [member[p] for member in parts]
-        assert cap_weights(weights) == [1.0, 1.0, 1.0, 2.0]
-        torch.testing.assert_close(clipped[p], mean(members, [1.0, 1.0, 1.0, 2.0]), rtol=0, atol=1e-5)
+        assert cap_weights(weights, WEIGHT_CAP) == [1.0, 1.0, 1.0, 1.0]
+        equal = mean(members, [1.0, 1.0, 1.0, 1.0])  # (sender 3, the farthest, is clipped a little besides)
+        assert distance(clipped[p], equal) < 0.15 * min(distance(member, equal) for member in members)
         torch.testing.assert_close(hiveminds[p], mean(members, weights), rtol=0, atol=1e-5)
         # hivemind's result is sender 3's part, give or take; the clipped one is not
         assert distance(hiveminds[p], members[3]) < 0.1 * distance(clipped[p], members[3])

@@ -29,12 +29,14 @@ def distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a.double() - b.double()))
 
 
-def test_equals_the_weighted_mean_when_every_member_is_honest_and_close():
+def test_is_near_the_weighted_mean_when_every_member_is_honest_and_close():
     _, parts = honest_parts()
     weights = [1.0, 2.0, 3.0, 4.0]
     expected = weighted_mean(parts, weights)
-    # the automatic radius leaves alike honest members unclipped
-    torch.testing.assert_close(centered_clip(parts, weights), expected, rtol=0, atol=1e-6)
+    # the automatic radius clips only the members beyond the majority's distance, and by little: the result lies
+    # within a few percent of the members' spread from their mean
+    spread = min(distance(part, expected) for part in parts)
+    assert distance(centered_clip(parts, weights), expected) < 0.05 * spread
     torch.testing.assert_close(centered_clip(parts, weights, radius=1e3), expected, rtol=0, atol=1e-6)
     # (a start anywhere: nothing clipped, one step reaches the mean)
     torch.testing.assert_close(centered_clip(parts, weights, radius=1e6, start=torch.zeros(SIZE)), expected,
@@ -154,7 +156,7 @@ def test_a_half_precision_dtype_comes_back_computed_in_float32(dtype):
 def test_float64_parts_are_computed_in_float64():
     _, parts = honest_parts()
     weights = [1.0, 2.0, 3.0, 4.0]
-    result = centered_clip([part.double() for part in parts], weights)
+    result = centered_clip([part.double() for part in parts], weights, radius=1e3)
     assert result.dtype == torch.float64
     w = torch.tensor(weights, dtype=torch.float64)
     torch.testing.assert_close(result, w @ torch.stack(parts).double() / w.sum(), rtol=0, atol=1e-12)
