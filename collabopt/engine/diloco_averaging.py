@@ -105,32 +105,40 @@ class ValueAllReduceRunner(AllReduceRunner):
             self.tensor_part_container.register_processed_part(peer_index, part_index, as_sent)
 
     async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
-        # hivemind 1.1.12's method, replying with the average instead of the difference
-        part_index = sent = 0
+        """The reducer's side of the value protocol: each part a sender streams is accumulated, and answered with
+        the part's average itself, compressed as the sender compressed its part (hivemind answers ``average - part``,
+        so that each sender would hold its own compression error). A sender that stops short is banned from the
+        round, as hivemind's reducer does."""
+        received = answered = 0
         try:
-            loop = asyncio.get_event_loop()
-            async for tensor_part, weight, part_compression in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
-                stream,
-                max_prefetch=self.tensor_part_container.prefetch,
-            ):
+            async for part, weight, compression in amap_in_executor(
+                    _read_part, stream, max_prefetch=self.tensor_part_container.prefetch):
                 try:
-                    averaged_part = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, tensor_part, weight=weight)
-                    part_index += 1
+                    average = await self.tensor_part_reducer.accumulate_part(sender_index, received, part,
+                                                                             weight=weight)
                 except BannedException:
-                    break  # the sender was banned: it no longer needs results
-                serialized = await loop.run_in_executor(
-                    None, lambda part=averaged_part, kind=part_compression: serialize_torch_tensor(part, kind))
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
-                sent += 1
+                    break  # banned meanwhile: it no longer needs answers
+                received += 1
+                yield await _averaged_part_message(average, compression)
+                answered += 1
         finally:
-            if sent != self.tensor_part_reducer.num_parts:
-                logger.debug(f"{self}: results to sender {sender_index}: {sent} of "
-                             f"{self.tensor_part_reducer.num_parts} parts sent ({part_index} accumulated)",
+            if answered != self.tensor_part_reducer.num_parts:
+                logger.debug(f"{self}: results to sender {sender_index}: {answered} of "
+                             f"{self.tensor_part_reducer.num_parts} parts sent ({received} accumulated)",
                              stack_info=True)
-            if part_index != self.tensor_part_reducer.num_parts:
+            if received != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+def _read_part(message: Any) -> tuple[torch.Tensor, float, Any]:
+    """(runs in an executor) A sender's part message: the part, its weight, and how it was compressed."""
+    return deserialize_torch_tensor(message.tensor_part), message.weight, message.tensor_part.compression
+
+
+async def _averaged_part_message(average: torch.Tensor, compression: Any) -> Any:
+    """The answer carrying a part's ``average``, serialized (in an executor) with ``compression``."""
+    serialized = await asyncio.get_event_loop().run_in_executor(None, serialize_torch_tensor, average, compression)
+    return averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
 
 
 class PseudoGradientAverager(MemberChecks, ShieldedReducers, GradientAverager):
