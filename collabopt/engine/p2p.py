@@ -181,30 +181,33 @@ def refused(error: BaseException) -> bool:
     return isinstance(error, P2PHandlerError) and "SerializeToString" in str(error)
 
 
-async def membership_verdict(maddrs: Sequence[str], authorizer: Any, timeout: float = 10.0) -> str | None:
-    """Why the DHTs at ``maddrs`` refuse this peer, asked over a libp2p daemon of its own; None where none of them
-    answered, or all accepted its ping (then the cause is elsewhere). ``authorizer``: this peer's (None: no key)."""
-    p2p = await create_p2p(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    verdicts = []
-    try:
-        for maddr in maddrs:
-            try:
-                await asyncio.wait_for(connect(p2p, str(maddr)), timeout)
-                await dht_ping(p2p, str(maddr), timeout, authorizer)
-            except UnsignedAnswer:
-                verdicts.append("this peer set swarm_key, but the swarm it joins has no key (an open swarm): drop "
-                                "swarm_key, or start every peer of the swarm with the same one")
-            except Exception as e:
-                if refused(e):
-                    verdicts.append(
-                        "the swarm refused this peer's swarm_key: it is not the swarm's key; pass the key the "
-                        "swarm's peers use (the same on every peer)" if authorizer is not None else
+async def membership_verdict(maddrs: Sequence[str], authorizer: Any, timeout: float = 5.0) -> str | None:
+    """Why the DHTs at ``maddrs`` refuse this peer, asked at once over a libp2p daemon of its own (at most
+    ``timeout`` seconds each); None where none of them answered, or all accepted its ping (then the cause is
+    elsewhere). ``authorizer``: this peer's (None: no key)."""
+
+    async def verdict(p2p: Any, maddr: str) -> str | None:
+        try:
+            await asyncio.wait_for(connect(p2p, maddr), timeout)
+            await dht_ping(p2p, maddr, timeout, authorizer)
+        except UnsignedAnswer:
+            return ("this peer set swarm_key, but the swarm it joins has no key (an open swarm): drop swarm_key, or "
+                    "start every peer of the swarm with the same one")
+        except Exception as e:
+            if refused(e):
+                return ("the swarm refused this peer's swarm_key: it is not the swarm's key; pass the key the swarm's "
+                        "peers use (the same on every peer)" if authorizer is not None else
                         "the swarm refused this peer: it admits members only; pass its key as swarm_key= (or "
                         "COLLABOPT_SWARM_KEY, or --swarm-key-file)")
+        return None
+
+    p2p = await create_p2p(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        verdicts = await asyncio.gather(*(verdict(p2p, str(maddr)) for maddr in maddrs))
     finally:
         with contextlib.suppress(Exception):
             await p2p.shutdown()
-    return verdicts[0] if verdicts else None
+    return next((v for v in verdicts if v is not None), None)
 
 
 async def open_stream(p2p: Any, maddr: str, protocol: str) -> tuple[Any, Any]:

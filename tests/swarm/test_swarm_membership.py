@@ -202,3 +202,21 @@ def test_doctor_is_a_member_with_the_key_only(monkeypatch):
         assert "members only" in asyncio.run(_dialback_without_proof(maddr)).get("refused", "")
     finally:
         dht.shutdown()
+
+
+def test_a_key_for_an_open_swarm_is_named():
+    """A peer with a key, whose initial peer has none: hivemind's bootstrap fails (the open swarm's answers are not
+    signed), and the error says the swarm is open."""
+    from collabopt import SwarmKeyError
+    from collabopt.membership import SwarmKey, new_swarm_key
+    from collabopt.swarm import SwarmOptions, start_dht
+
+    open_dht = start_dht(SwarmOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    try:
+        started = time.monotonic()
+        with pytest.raises(SwarmKeyError, match="has no key .an open swarm.: drop swarm_key"):
+            start_dht(SwarmOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"], swarm_key=SwarmKey(new_swarm_key()),
+                                   initial_peers=[str(m) for m in open_dht.get_visible_maddrs()]))
+        assert time.monotonic() - started < 30
+    finally:
+        open_dht.shutdown()
