@@ -55,6 +55,8 @@ def main(config_path: str) -> None:
                        lr=0.7, momentum=0.9, nesterov=True))))
     if cfg.get("overlap"):
         options["overlap_rounds"] = True
+    if cfg.get("aggregation"):
+        options["aggregation"] = cfg["aggregation"]
     if cfg.get("compression") == "none":
         from hivemind.compression import NoCompression
 

@@ -144,6 +144,15 @@ def attack(spec: dict, model: torch.nn.Module, samples: int) -> dict:
     return dict(batch_size=samples * spec["claim"]) if spec.get("claim") else {}
 
 
+def corrupt_reducer(scale: float) -> None:
+    """Fault injection: every part this peer reduces with ``aggregation="centered_clip"`` (gradients and parameters)
+    is sent back times ``scale`` (patched before the averager processes are forked)."""
+    from collabopt.engine import robust_averaging
+
+    honest = robust_averaging.ClippedPart.div_
+    robust_averaging.ClippedPart.div_ = lambda self, denominator: honest(self, denominator) * scale
+
+
 def target_epoch(cfg: dict, epochs: int) -> int:
     """``epochs``, or the number in ``cfg["epochs_file"]`` if set (a driver writes it when the run may end; no such
     file yet: train on)."""
@@ -207,6 +216,8 @@ def main(config_path: str) -> None:
             time.sleep(0.1)
 
     arm_stall = stall_reducer(cfg["stall_reducer"]["seconds"]) if cfg.get("stall_reducer") else None
+    if cfg.get("attack", {}).get("reducer_scale"):  # a hostile reducer: what it sends back, times this
+        corrupt_reducer(cfg["attack"]["reducer_scale"])
     # samples_dropped: fed in steps that contributed nothing and skipped nothing (hivemind dropped the step to
     # download the swarm's state first)
     result = {"samples_fed": 0, "samples_dropped": 0, "lrs": {}, "losses": [], "epochs_seen": [], "epoch_times": [],

@@ -11,6 +11,7 @@ shared.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -84,3 +85,25 @@ def test_centered_clip_withstands_a_hostile_peer_that_hurts_the_mean(tmp_path, c
           f"({time.monotonic() - began:.1f} s)")
     assert plain_loss >= 2 * clean_loss, f"the attack did not hurt the mean: {plain_loss} against {clean_loss}"
     assert clipped_loss <= 1.1 * clean_loss, f"centered_clip: {clipped_loss} against {clean_loss} clean"
+
+
+def test_diloco_rounds_with_centered_clip_land_equal_on_every_peer(tmp_path):
+    """DiLoCo's pseudo-gradient rounds through the clipping reducer: every member receives the same values (the
+    reducer's result, sent once), so the peers are equal after every round, and the rounds train."""
+    from test_diloco import EQUAL, diff, peers, rounds_by_epoch, run_swarm
+
+    names = {"a": [16], "b": [16], "c": [16]}
+    configs = peers(unique_run_id("diloco_clip"), names, epochs=3, aggregation="centered_clip")
+    for name in configs:
+        configs[name]["finish_with"] = finish_line(tmp_path, *(other for other in names if other != name))
+    bootstrap, initial_peers = start_bootstrap(tmp_path)
+    try:
+        results, params = run_swarm(tmp_path, initial_peers, configs)
+    finally:
+        bootstrap.kill_tree()
+    for epoch in range(1, 4):
+        whole = [name for name in names if rounds_by_epoch(results[name]).get(epoch, {}).get("applied")]
+        assert len(whole) >= 2, (epoch, {name: results[name]["rounds"] for name in names})
+        for x, y in itertools.pairwise(whole):
+            assert diff(params[x]["after"][epoch], params[y]["after"][epoch]) <= EQUAL, (epoch, x, y)
+    assert all(results[name]["final_loss"] < results[name]["start_loss"] for name in names)
