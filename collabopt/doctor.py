@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import platform
@@ -280,8 +281,9 @@ async def _probe(p2p: Any, maddr: str, ports: list[int], options: DoctorOptions)
         if "refused" in result.dialback:
             result.dialback_error = f"it refused the dial-back request: {result.dialback.pop('refused')}"
             result.dialback = None
-        elif options.swarm_key is not None and result.dialback.pop("proof", None) != dialback_proof(
-                options.swarm_key, "answer", caller, server, nonce, result.dialback):
+        elif options.swarm_key is not None and not hmac.compare_digest(
+                str(result.dialback.pop("proof", "")),
+                dialback_proof(options.swarm_key, "answer", caller, server, nonce, result.dialback)):
             result.dialback_error = "its dial-back answer carries no proof of the swarm key: not a member's"
             result.dialback = None
     except asyncio.TimeoutError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import os
 import shlex
 import sys
@@ -16,6 +17,8 @@ from collabopt.engine import p2p
 from collabopt.engine.compat import Multiaddr
 from collabopt.errors import ConfigurationError, SwarmConnectionError, SwarmKeyError
 from collabopt.membership import SWARM_KEY_ENV, SwarmKey, SwarmKeyAuthorizer, swarm_key_from, swarm_key_of
+
+logger = logging.getLogger(__name__)
 
 INITIAL_PEERS_ENV = "INITIAL_PEERS"
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
@@ -202,7 +205,7 @@ def start_dht(options: SwarmOptions):
     except Exception as e:
         if options.initial_peers and ("bootstrap" in str(e) or "initial_peers" in str(e)):
             # a swarm key's refusal looks like silence to hivemind's bootstrap: ask the initial peers why
-            verdict = asyncio.run(p2p.membership_verdict(options.initial_peers, kwargs.get("authorizer")))
+            verdict = _refusal(options.initial_peers, kwargs.get("authorizer"))
             if verdict is not None:
                 raise SwarmKeyError(verdict) from e
             raise SwarmConnectionError(
@@ -213,6 +216,22 @@ def start_dht(options: SwarmOptions):
             ) from e
         raise
 
+
+
+def _refusal(initial_peers: Any, authorizer: Any) -> str | None:
+    """Why the initial peers refused this peer (:func:`collabopt.engine.p2p.membership_verdict`), or None where the
+    probe cannot tell: it failed, or this thread runs an event loop (``asyncio.run`` is not allowed there); the
+    connection error then stands as it was."""
+    try:
+        asyncio.get_running_loop()
+        return None
+    except RuntimeError:
+        pass
+    try:
+        return asyncio.run(p2p.membership_verdict(initial_peers, authorizer))
+    except Exception as e:  # (a probe that fails must not hide the bootstrap's error)
+        logger.debug("collabopt: the membership probe failed: %r", e)
+        return None
 
 def _is_loopback(maddr: str) -> bool:
     parts = str(maddr).split("/")

@@ -29,6 +29,7 @@ from hivemind.averaging.partition import AllreduceException, TensorPartReducer
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from collabopt.engine.compat import SameHandlers
 from collabopt.engine.member_checks import MemberChecks
@@ -77,6 +78,11 @@ class ShieldedTensorPartReducer(TensorPartReducer):
 
 # How long a reducer keeps its end of a stream open for a sender that closes it itself, without a reducer_timeout
 LINGER = 60.0
+
+# How long a member's part for a group this averager has not registered yet waits for the registration (a group's
+# leader registers it just after telling the followers, who may send their parts first); then hivemind answers
+# BAD_GROUP_ID, as it did at once.
+REGISTRATION_WAIT = 5.0
 
 # How long matchmaking waits for one of its DHT stores (a healthy one takes milliseconds); then it goes on, and the
 # store finishes in the background.
@@ -149,9 +155,25 @@ class ShieldedReducers:
     # (typing's AsyncIterator: hivemind tells a streaming handler by the annotation's name)
     async def rpc_aggregate_part(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
                                  context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
-        serve = functools.partial(super().rpc_aggregate_part, context=context)  # type: ignore[misc]
+        serve = functools.partial(self._serve_once_registered, context=context)
         linger = self.allreduce_kwargs["reducer_timeout"] or LINGER  # type: ignore[attr-defined]
         async for answer in serve_until_the_sender_closes(serve, stream, context.remote_id.to_bytes(), linger):
+            yield answer
+
+    async def _serve_once_registered(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
+                                     context: P2PContext) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's handler, once this averager has registered the part's group (at most
+        :data:`REGISTRATION_WAIT`). hivemind waits for an event that any registered group sets: where two rounds
+        overlap (``delay_grad_averaging``: the next epoch's round forms while the last one's all-reduce runs), the
+        running one had set it, and the leader of the new group answered its followers' first parts BAD_GROUP_ID
+        before registering it: a partial round with no fault. See docs/decisions.md, "Parts that came before their
+        group"."""
+        request = await anext(stream)
+        deadline = asyncio.get_event_loop().time() + REGISTRATION_WAIT
+        while (request.group_id not in self._running_groups  # type: ignore[attr-defined]
+               and asyncio.get_event_loop().time() < deadline):
+            await asyncio.sleep(0.01)
+        async for answer in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):  # type: ignore[misc]
             yield answer
 
     async def _aggregate_with_group(self, group_info: Any, *args: Any, **kwargs: Any) -> Any:

@@ -137,9 +137,14 @@ class MemberChecks:
         key = self._member_key
         if key is not None:  # the members this peer downloads from find its token in the DHT
             token = MemberToken.issue(key, self.prefix, self.peer_id.to_bytes())  # type: ignore[attr-defined]
-            stored = await self.dht.store(MEMBERS_RECORD.format(prefix=self.prefix),  # type: ignore[attr-defined]
-                                          subkey=self.peer_id.to_bytes(),  # type: ignore[attr-defined]
-                                          value=token.to_bytes(), expiration_time=token.expires, return_future=True)
+            try:  # (hivemind's download below resolves the caller's future: a failed store must not skip it)
+                stored = await self.dht.store(
+                    MEMBERS_RECORD.format(prefix=self.prefix),  # type: ignore[attr-defined]
+                    subkey=self.peer_id.to_bytes(),  # type: ignore[attr-defined]
+                    value=token.to_bytes(), expiration_time=token.expires, return_future=True)
+            except Exception as e:
+                logger.warning(f"collabopt: this peer's member token could not be stored ({e!r})")
+                stored = False
             if not stored:
                 logger.warning("collabopt: this peer's member token was not stored: members may refuse its download")
         return await super()._load_state_from_peers(future, timeout)  # type: ignore[misc]

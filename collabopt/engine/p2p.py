@@ -187,9 +187,12 @@ async def membership_verdict(maddrs: Sequence[str], authorizer: Any, timeout: fl
     elsewhere). ``authorizer``: this peer's (None: no key)."""
 
     async def verdict(p2p: Any, maddr: str) -> str | None:
-        try:
-            await asyncio.wait_for(connect(p2p, maddr), timeout)
+        async def connect_and_ping() -> None:
+            await connect(p2p, maddr)
             await dht_ping(p2p, maddr, timeout, authorizer)
+
+        try:
+            await asyncio.wait_for(connect_and_ping(), timeout)
         except UnsignedAnswer:
             return ("this peer set swarm_key, but the swarm it joins has no key (an open swarm): drop swarm_key, or "
                     "start every peer of the swarm with the same one")

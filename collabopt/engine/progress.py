@@ -71,7 +71,7 @@ def make_progress_tracker(optimizer: Any, target_batch_size: int, **kwargs: Any)
     then began the first boundary seconds apart, or saw the swarm for the first time an epoch ahead. See
     docs/decisions.md, "Progress fetched every half matchmaking_time"."""
     kwargs.setdefault("max_refresh_period", max(kwargs.get("min_refresh_period", 0.5), optimizer.matchmaking_time / 2))
-    kwargs.setdefault("default_refresh_period", kwargs["max_refresh_period"])  # (the period while no record is found)
+    kwargs.setdefault("default_refresh_period", min(3.0, kwargs["max_refresh_period"]))  # (while no record is found)
     return SwarmProgressTracker(dht=optimizer.dht, prefix=optimizer.run_id, target_batch_size=target_batch_size,
                                      client_mode=optimizer.client_mode, status_loglevel=optimizer.status_loglevel,
                                      start=True, **kwargs)
@@ -276,20 +276,16 @@ class SwarmProgressTracker(ProgressTracker):
         return progress
 
     def _capped(self, metadata: dict) -> dict:
-        """The records as :func:`collabopt.robust.cap_progress_claims` lets them count (a record it cannot read is
-        left as it is: hivemind's parser skips or refuses it as before)."""
-        readable = {key: record for key, record in metadata.items() if isinstance(getattr(record, "value", None), dict)
-                    and {"epoch", "samples_accumulated", "samples_per_second"} <= record.value.keys()}
-        try:
-            kept = cap_progress_claims([record.value for record in readable.values()], self.local_progress.epoch,
-                                       self.dht.peer_id.to_bytes())
-        except (TypeError, ValueError):
-            return metadata
-        capped = {key: record for key, record in metadata.items() if key not in readable}
-        for (key, record), value in zip(readable.items(), kept, strict=True):
-            if value is not None:
-                capped[key] = ValueWithExpiration(value, record.expiration_time)
-        return capped
+        """The records as :func:`collabopt.robust.cap_progress_claims` lets them count. A record hivemind's schema
+        does not read counts nothing (hivemind's parser would refuse it too): none is let through uncapped."""
+        readable: dict[Any, tuple[Any, dict]] = {}
+        for key, record in metadata.items():
+            with contextlib.suppress(Exception):  # (a goodbye, None, or a malformed record)
+                readable[key] = (record, LocalTrainingProgress.parse_obj(record.value).dict())
+        kept = cap_progress_claims([value for _, value in readable.values()], self.local_progress.epoch,
+                                   self.dht.peer_id.to_bytes())
+        return {key: ValueWithExpiration(value, record.expiration_time)
+                for (key, (record, _)), value in zip(readable.items(), kept, strict=True) if value is not None}
 
     def run(self) -> None:
         loop = asyncio.new_event_loop()

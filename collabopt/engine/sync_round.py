@@ -36,6 +36,7 @@ class SyncLoop(PeerLoop):
     collabopt's state download (:func:`~collabopt.engine.sync_download.download_state`)."""
 
     last_round: RoundOutcome | None = None  # the outcome of this peer's last boundary
+    _joined_epoch: int | None = None  # the epoch whose round under way this peer joined (joins_the_round_under_way)
     boundary_epoch = 0  # the epoch of the boundary in progress (or the last one)
 
     def __init__(self, **kwargs: Any):
@@ -61,16 +62,27 @@ class SyncLoop(PeerLoop):
         resync = self.sync_state.resync
         if resync is not None and time.monotonic() >= resync.next_try:
             return True  # this step's gradients came from the other lineage: start over after the download
+        joined, last = self._joined_epoch, self.last_round
+        if joined is not None and last is not None and last.epoch == joined:
+            self._joined_epoch = None  # the round it joined has ended: if its group had gone, it steps apart
+            if last.reason in ("no group", "alone"):
+                return True
         if self._exact_check_due and self.tracker.fetched_global_progress_this_epoch.is_set():
             self._exact_check_due = False
-            return self.local_epoch != self.tracker.global_epoch and not self.joins_the_round_under_way()
+            if self.local_epoch == self.tracker.global_epoch:
+                return False
+            if self.joins_the_round_under_way():
+                self._joined_epoch = self.local_epoch
+                return False
+            return True
         return self.local_epoch < self.tracker.global_epoch - 1
 
     def joins_the_round_under_way(self) -> bool:
         """With ``delay_grad_averaging`` the others announce the next epoch when they *start* the gradient round,
         so a peer one epoch behind that accumulated toward the epoch ends it too and joins their group: its samples
         were counted in it. A download would wait for a state they serve only once that round ends, and the round
-        for this peer (as DiLoCo's overlap rule, :func:`collabopt.diloco.should_download`)."""
+        for this peer (as DiLoCo's overlap rule, :func:`collabopt.diloco.should_download`). If the round it joined
+        finds no group (it had ended), the peer downloads then."""
         return (self.delay_grad_averaging and self.grad_averager is not None
                 and self.tracker.global_epoch == self.local_epoch + 1
                 and self.grad_averager.local_samples_accumulated > 0)

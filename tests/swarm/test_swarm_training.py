@@ -67,7 +67,10 @@ def test_in_overlap_mode_a_peer_that_first_sees_the_swarm_an_epoch_ahead_joins_i
     # alone, A ends an epoch in 1.2 s, B in 9.6 s
     base = dict(run_id=unique_run_id("overlap_view"), target_batch_size=768, epochs=3, model_seed=0, lr=0.3,
                 step_sleep=0.05, finish_with=finish_line(tmp_path, "a", "b"), max_seconds=60)
-    options = dict(OVERLAP, matchmaking_time=1.0, averaging_timeout=15.0)
+    # next_chunk_timeout: by default matchmaking_time for a model this small: a member paused 1 s on a busy
+    # machine would be left out of a round's part, which the test below counts as a failure
+    # averaging_timeout: at the finish line A may end one epoch more than B, whose round then finds nobody
+    options = dict(OVERLAP, matchmaking_time=1.0, averaging_timeout=8.0, next_chunk_timeout=5.0)
     configs = {
         "a": dict(base, seed=1, batch_sizes=[32], options=options),
         "b": dict(base, seed=2, batch_sizes=[4], options=dict(options, tracker_opts=dict(min_refresh_period=3.0,
@@ -75,8 +78,11 @@ def test_in_overlap_mode_a_peer_that_first_sees_the_swarm_an_epoch_ahead_joins_i
     }
     results = run_swarm(tmp_path, bootstrap, configs, timeout=90)
     logs = {name: (tmp_path / f"{name}.log").read_text() for name in configs}
-    assert "could not find a group" not in logs["a"], logs["a"][-3000:]
     assert "downloading its state" not in logs["b"] and "Downloading parameters" not in logs["b"], logs["b"][-3000:]
+    # no round in part: the next epoch's round forms while the last one's all-reduce runs, and its leader answered
+    # the first parts BAD_GROUP_ID before it registered the group (3 of 5 runs, before REGISTRATION_WAIT)
+    for name, log in logs.items():
+        assert "% results" not in log and "Reducer: received" not in log, (name, log[-3000:])
     first = {name: next(r for r in result["rounds"] if r["epoch"] == 0) for name, result in results.items()}
     assert all(r["group_size"] == 2 and r["reason"] == "averaged" for r in first.values()), first
     for name, result in results.items():

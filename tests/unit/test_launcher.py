@@ -137,8 +137,10 @@ def test_signals_reach_it_and_kill_tree_kills_what_it_started(tmp_path, light):
         "time.sleep(60)\n")
     proc = processes.Process([sys.executable, str(tmp_path / "script.py")], tmp_path / "out.log", env=env(), fork=True)
     with proc:
+        deadline = time.monotonic() + 60
         while not (tmp_path / "child").exists() or not (tmp_path / "child").read_text():
             assert proc.poll() is None, proc.log()
+            assert time.monotonic() < deadline, "the script did not start its child within 60 s"
             time.sleep(0.05)
         grandchild = psutil.Process(int((tmp_path / "child").read_text()))
         assert proc.wait(0.2) is None and proc.returncode is None

@@ -135,6 +135,23 @@ def test_the_first_view_of_an_epoch_one_ahead_in_overlap_mode_joins_the_round(de
     assert loop._exact_check_due is False
 
 
+@pytest.mark.parametrize(("reason", "downloads"), [("no group", True), ("averaged", False)])
+def test_a_peer_that_joined_a_round_that_had_ended_downloads_then(reason, downloads):
+    """The round under way it joined had ended: its own found no group, it stepped alone and is apart."""
+    loop = sync_loop(local_epoch=8, swarm_epoch=9, group={})
+    loop.delay_grad_averaging = True
+    loop.grad_averager.local_samples_accumulated = 32
+    loop.tracker.fetched_global_progress_this_epoch = threading.Event()
+    loop.tracker.fetched_global_progress_this_epoch.set()
+    loop._exact_check_due = True
+    assert loop.should_download() is False  # joins
+    loop.state_averager.local_epoch = loop.tracker.global_epoch = 9  # (its boundary, the round in the background)
+    assert loop.should_download() is False  # the round has not ended
+    loop.last_round = RoundOutcome(True, reason, 2 if reason == "averaged" else None, num_peers=2, epoch=8)
+    assert loop.should_download() is downloads
+    assert loop.should_download() is False  # once
+
+
 def test_a_whole_round_steps_with_the_average_then_averages_parameters():
     group = {"me": {"epoch": 8, "lineage": [1.0]}, "b": {"epoch": 8, "lineage": [1.0]}}
     loop = sync_loop(num_peers=2, group=group)
@@ -202,7 +219,7 @@ def test_the_progress_is_fetched_at_least_every_half_matchmaking_time(monkeypatc
     assert [kwargs["max_refresh_period"] for kwargs in made] == [1.0, 30.0, 0.4]
     # while no record is found too (hivemind: 3 s, longer than short epochs: peers started together then first saw
     # the swarm an epoch ahead, and downloaded instead of ending the epoch they had counted toward)
-    assert [kwargs["default_refresh_period"] for kwargs in made] == [1.0, 30.0, 0.4]
+    assert [kwargs["default_refresh_period"] for kwargs in made] == [1.0, 3.0, 0.4]  # (never slower than hivemind)
 
 
 def test_tagging_along_with_weight_0_sends_zeros_not_what_the_buffers_held():
