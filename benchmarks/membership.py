@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, child_env, machine_info, median, spread, write_json
-from benchmarks.overhead import swarm_rates
-from benchmarks.swarmrun import run_peers, start_bootstrap
+from benchmarks.common import ROOT, child_env, machine_info, write_json
+from benchmarks.side_by_side import compare_swarms
+from benchmarks.swarmrun import start_bootstrap
 from collabopt.membership import new_swarm_key
 from collabopt.testing import processes
 
@@ -34,56 +33,21 @@ QUICK = dict(FULL, params=100_000, width=256, epoch_seconds=3, matchmaking_time=
 KINDS = ("open", "keyed")
 
 
-def step_seconds(records: list[dict[str, Any]]) -> float:
-    """Mean seconds inside ``step()`` per local step over the peers' measured windows."""
-    times = [s[2] for r in records for s in r["steps"] if r["window"][0] < s[0] + s[1] + s[2] <= r["window"][1]]
-    return sum(times) / len(times) if times else float("nan")
-
-
 def run(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    batch, peers = cfg["batch"], 2
-    target = int(peers * batch * cfg["epoch_seconds"] / cfg["compute_seconds"])
     key = new_swarm_key()
     key_file = workdir / "swarm.key"
     key_file.write_text(key)
     bootstraps = []
-    ratios: list[float] = []
-    rates: dict[str, list[float]] = {kind: [] for kind in KINDS}
-    steps: dict[str, list[float]] = {kind: [] for kind in KINDS}
     try:
         bootstraps.append(start_bootstrap(workdir))
         bootstraps.append(processes.start_bootstrap(workdir, name="bootstrap_keyed", dht_args=[
             "--no-relay", "--swarm-key-file", str(key_file)], env=child_env(), cwd=ROOT))
-        for session in range(cfg["sessions"]):
-            configs = []
-            for kind, (_, initial_peers) in zip(KINDS, bootstraps, strict=True):
-                options = dict(delay_state_averaging=True, **(dict(swarm_key=key) if kind == "keyed" else {}))
-                peer = dict(impl="collabopt", run_id=f"bench_key_{kind}_{uuid.uuid4().hex[:8]}",
-                            initial_peers=initial_peers, params=cfg["params"], width=cfg["width"],
-                            in_dim=cfg["in_dim"], batch=batch, compute="sleep", compute_seconds=cfg["compute_seconds"],
-                            target_batch_size=target, matchmaking_time=cfg["matchmaking_time"],
-                            averaging_timeout=cfg["averaging_timeout"], warmup_epochs=cfg["warmup_epochs"],
-                            measure_seconds=(cfg["rounds_per_session"] + 1) * cfg["epoch_seconds"] * 1.3,
-                            max_seconds=cfg["max_seconds"], options=options)
-                configs += [dict(peer, seed=s) for s in range(peers)]
-            records = run_peers(workdir, f"membership_{session}", configs, timeout=cfg["max_seconds"] + 60)
-            by_kind = {"open": records[:peers], "keyed": records[peers:]}
-            per_epoch = {kind: swarm_rates(rs, batch, cfg["warmup_epochs"]) for kind, rs in by_kind.items()}
-            n = min(len(v) for v in per_epoch.values())
-            for kind in KINDS:
-                rates[kind] += per_epoch[kind][:n]
-                steps[kind].append(step_seconds(by_kind[kind]))
-            ratios += [k / o for k, o in zip(per_epoch["keyed"][:n], per_epoch["open"][:n], strict=True)]
+        return compare_swarms(cfg, workdir, "membership", 2, {
+            kind: (initial_peers, dict(delay_state_averaging=True, **(dict(swarm_key=key) if kind == "keyed" else {})))
+            for kind, (_, initial_peers) in zip(KINDS, bootstraps, strict=True)})
     finally:
         for proc, _ in bootstraps:
             proc.kill_tree()
-    if not ratios:
-        raise RuntimeError("no epoch completed by both swarms in the measured windows")
-    return dict(target_batch_size=target, rounds=len(ratios), samples_per_s_ratio=median(ratios),
-                ratio_range=spread(ratios), round_ratios=ratios, open_samples_per_s=median(rates["open"]),
-                keyed_samples_per_s=median(rates["keyed"]), open_step_ms=1000 * median(steps["open"]),
-                keyed_step_ms=1000 * median(steps["keyed"]),
-                step_time_ratio=median(steps["keyed"]) / median(steps["open"]))
 
 
 def main(argv: list[str] | None = None) -> int:
