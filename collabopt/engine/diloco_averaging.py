@@ -4,6 +4,7 @@ result with parts missing is never applied as if whole."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,7 @@ from hivemind.utils.asyncio import amap_in_executor
 
 from collabopt.diloco import PartialRound
 from collabopt.diloco_metadata import agrees_with_group
-from collabopt.engine.averaging import ShieldedReducers, gradient_averager_factory
+from collabopt.engine.averaging import ShieldedReducers
 from collabopt.engine.member_checks import MemberChecks
 
 logger = logging.getLogger(__name__)
@@ -31,8 +32,9 @@ def default_pseudo_gradient_compression() -> Any:
 
 def pseudo_gradient_averager_factory(request_timeout: float | None, **options: Any) -> Callable[..., Any]:
     """``grad_averager_factory`` of a DiLoCo peer: the pseudo-gradient averager (with ``request_timeout`` and the
-    aggregation ``options``, see :func:`~collabopt.engine.averaging.gradient_averager_factory`)."""
-    return gradient_averager_factory(PseudoGradientAverager, request_timeout, **options)
+    aggregation ``options``, see :func:`gradient_averager_factory`)."""
+    extra = dict(options) if request_timeout is None else dict(options, request_timeout=request_timeout)
+    return functools.partial(PseudoGradientAverager, **extra) if extra else PseudoGradientAverager
 
 
 PARTIAL_RESULTS = "collabopt_partial_results"  # what a DiLoCo round returns instead of its group's metadata when
