@@ -105,7 +105,10 @@ class SwarmProgressTracker(ProgressTracker):
     * **Records on their replicas.** Its DHT is a :class:`~collabopt.engine.replicas.ReplicaRecords`: stores and
       fetches go to the key's nearest nodes, not to every node (each answers with every peer's record).
     * **Capped claims** (``cap_claims``, with ``aggregation="centered_clip"``): no record's samples or epoch alone ends
-      an epoch or moves the swarm ahead (:func:`collabopt.robust.cap_progress_claims`)."""
+      an epoch or moves the swarm ahead (:func:`collabopt.robust.cap_progress_claims`).
+    * **This peer's own samples as they are now.** A fetched view counts this peer's progress as it is when the view
+      is installed, not as its last stored record, which lags by up to a :meth:`report_period`
+      (:meth:`_with_own_progress_now`)."""
 
     _pauses = 0  # pause_updates() sections ended so far: a fetch that straddles one is dropped
     cap_claims = False  # aggregation="centered_clip": records counted as collabopt.robust.cap_progress_claims says
@@ -119,6 +122,7 @@ class SwarmProgressTracker(ProgressTracker):
 
     def __init__(self, *args: Any, dht: Any, cap_claims: bool = False, **kwargs: Any):
         self.cap_claims = cap_claims
+        self._report_lock = threading.RLock()  # a report and the installing of a view do not interleave
         super().__init__(*args, dht=ReplicaRecords(dht), **kwargs)
 
     def report_period(self) -> float:
@@ -175,11 +179,12 @@ class SwarmProgressTracker(ProgressTracker):
                               update_global_samples: bool = True) -> None:
         previous = self.local_progress
         urgent = local_epoch != previous.epoch or samples_accumulated < previous.samples_accumulated
-        self._gated = not urgent
-        try:
-            super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
-        finally:
-            self._gated = False
+        with self._report_lock:
+            self._gated = not urgent
+            try:
+                super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+            finally:
+                self._gated = False
 
     def update_epoch(self, new_epoch: int | None = None) -> int:
         """hivemind's, but where the swarm's view already was at the new epoch (a peer entered it first), its ETA
@@ -246,7 +251,8 @@ class SwarmProgressTracker(ProgressTracker):
         records = found.value if isinstance(found, ValueWithExpiration) else None
         async with enter_asynchronously(self.lock_global_progress):
             if self._pauses == pauses:
-                self.global_progress = self._parse_swarm_progress_data(records)
+                with self._report_lock:  # (held for microseconds by a step's report: not awaited)
+                    self.global_progress = self._parse_swarm_progress_data(records)
                 self.fetched_global_progress_this_epoch.set()
 
     def extrapolation_limit(self) -> float:
@@ -263,6 +269,7 @@ class SwarmProgressTracker(ProgressTracker):
         as training; a peer that steps stores its record within the limit. See docs/decisions.md, "No
         extrapolation of idle peers"."""
         if isinstance(metadata, dict):
+            metadata = self._with_own_progress_now(metadata)
             self.record_times = tuple(t for t in map(_record_time, metadata.values()) if t is not None)
             oldest = get_dht_time() - self.extrapolation_limit()
             metadata = {key: _record_not_older_than(record, oldest) for key, record in metadata.items()}
@@ -274,6 +281,19 @@ class SwarmProgressTracker(ProgressTracker):
                 epochs.append(int(record.value["epoch"]))
         self.lowest_epoch = (min(epochs), self.local_progress.epoch)
         return progress
+
+    def _with_own_progress_now(self, metadata: dict) -> dict:
+        """The records, with this peer's own (where the DHT had one) replaced by its progress now.
+
+        The stored record lags the peer's count by up to a :meth:`report_period` (stores are throttled, and take a
+        round trip). hivemind adds only the samples reported after a view is installed, so the lag was lost from
+        the view until the next fetch, and a solo peer that steps faster than it fetches ended its epochs a step
+        late. See docs/decisions.md, "A peer counts its own samples as they are now"."""
+        own = self._local_public_key
+        if own not in metadata or getattr(metadata[own], "value", None) is None:
+            return metadata  # no record stored (hivemind's reporter skips a peer far behind): nothing to count
+        now = dict(self.local_progress.dict(), time=get_dht_time())
+        return {**metadata, own: ValueWithExpiration(now, metadata[own].expiration_time)}
 
     def _capped(self, metadata: dict) -> dict:
         """The records as :func:`collabopt.robust.cap_progress_claims` lets them count. A record hivemind's schema

@@ -557,6 +557,7 @@ def gate_only(kind: str):
     tracker = object.__new__(tracker_class)
     threading.Thread.__init__(tracker)
     tracker.min_refresh_period, tracker.max_refresh_period, tracker._last_round = 60.0, 600.0, None
+    tracker._report_lock = threading.RLock()
     tracker_class.should_report_progress.fset(tracker, None)
     return tracker
 

@@ -41,6 +41,7 @@ def tracker_without_network(dht: SlowDHT):
     tracker.fetched_global_progress_this_epoch, tracker.shutdown_triggered = threading.Event(), threading.Event()
     tracker.global_progress = SimpleNamespace(next_fetch_time=0.0, applied=None)
     tracker.performance_ema = PerformanceEMA(alpha=0.1)
+    tracker._report_lock, tracker._local_public_key = threading.RLock(), b"[owner:me]"
     tracker._parse_swarm_progress_data = lambda metadata: SimpleNamespace(next_fetch_time=0.0, applied=metadata)
     return tracker
 
@@ -172,3 +173,25 @@ def test_the_progress_record_built_at_every_step_is_the_one_hivemind_validates()
         except ValueError:
             continue
         raise AssertionError(f"epoch {epoch}, samples {samples} were accepted")
+
+
+def test_a_view_counts_this_peers_own_samples_as_they_are_now_not_as_its_last_stored_record():
+    """The CI failure of session 29 (a solo peer ended an epoch a step late): its stored record lagged its count by
+    the report period, and hivemind adds only samples reported after a view is installed."""
+    from hivemind.optim.progress_tracker import ProgressTracker
+
+    tracker = parsing_tracker()
+    tracker.local_progress = SimpleNamespace(epoch=3, samples_accumulated=480, samples_per_second=320.0,
+                                             client_mode=False)
+    tracker.local_progress.dict = lambda: dict(vars(tracker.local_progress), peer_id=b"me")
+    own_stale = record(age=0.3, samples=320, rate=320.0)  # stored two steps ago
+    found = {tracker._local_public_key: own_stale, b"other": record(age=0.0, samples=16, rate=320.0)}
+    hivemind_view = ProgressTracker._parse_swarm_progress_data(parsing_tracker(), found)
+    assert hivemind_view.samples_accumulated == 320 + 16  # the 160 samples since the store are lost
+    view = tracker._parse_swarm_progress_data(found)
+    assert view.samples_accumulated == 480 + 16 and view.num_peers == 2
+    assert found[tracker._local_public_key] is own_stale  # (the records fetched are not changed)
+
+    # no record of this peer stored (hivemind's reporter skips a peer two epochs behind): none is made up
+    view = tracker._parse_swarm_progress_data({b"other": record(age=0.0, samples=16, rate=320.0)})
+    assert view.samples_accumulated == 16 and view.num_peers == 1
