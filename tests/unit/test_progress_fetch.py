@@ -178,12 +178,12 @@ def test_the_progress_record_built_at_every_step_is_the_one_hivemind_validates()
 def test_a_view_counts_this_peers_own_samples_as_they_are_now_not_as_its_last_stored_record():
     """The CI failure of session 29 (a solo peer ended an epoch a step late): its stored record lagged its count by
     the report period, and hivemind adds only samples reported after a view is installed."""
-    from hivemind.optim.progress_tracker import ProgressTracker
+    from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
+    from hivemind.utils import get_dht_time
 
     tracker = parsing_tracker()
-    tracker.local_progress = SimpleNamespace(epoch=3, samples_accumulated=480, samples_per_second=320.0,
-                                             client_mode=False)
-    tracker.local_progress.dict = lambda: dict(vars(tracker.local_progress), peer_id=b"me")
+    tracker.local_progress = LocalTrainingProgress(peer_id=b"me", epoch=3, samples_accumulated=480,
+                                                   samples_per_second=320.0, time=get_dht_time(), client_mode=False)
     own_stale = record(age=0.3, samples=320, rate=320.0)  # stored two steps ago
     found = {tracker._local_public_key: own_stale, b"other": record(age=0.0, samples=16, rate=320.0)}
     hivemind_view = ProgressTracker._parse_swarm_progress_data(parsing_tracker(), found)
