@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from hivemind.compression import NoCompression
 
 from collabopt import diloco_options
 from collabopt.engine import compat
@@ -191,6 +192,12 @@ class CollabConfig(DhtOptions):
             raise ConfigurationError("grad_averager_factory", f"cannot be combined with aggregation="
                                      f"{self.aggregation!r} (collabopt's averager aggregates robustly)",
                                      "drop grad_averager_factory, or pass aggregation='mean'")
+        compression = self.hivemind_options.get("load_state_compression")
+        if self.aggregation != "mean" and compression is not None and type(compression) is not NoCompression:
+            raise ConfigurationError("load_state_compression", f"cannot be combined with aggregation="
+                                     f"{self.aggregation!r}: a downloaded state is checked against the fingerprint "
+                                     f"most of the swarm holds, which a lossy {type(compression).__name__} changes",
+                                     "drop load_state_compression, or pass aggregation='mean'")
 
     # ------------------------------------------------------------------ what the config builds
 
@@ -230,8 +237,9 @@ class CollabConfig(DhtOptions):
             request_timeout = self.matchmaking_time / 2
             extra["averager_opts"] = dict(averager_opts or {}, request_timeout=request_timeout)
         robust = aggregation_options(self.aggregation)  # (none for "mean")
-        if robust:  # the state averager's parameter rounds aggregate as the gradient rounds do
-            extra["averager_opts"] = dict(extra.get("averager_opts") or {}, **robust)
+        if robust:  # the state averager's parameter rounds aggregate as the gradient rounds do, and it installs
+            # only downloaded states most of the swarm holds (collabopt.engine.download_votes)
+            extra["averager_opts"] = dict(extra.get("averager_opts") or {}, **robust, verify_downloads=True)
             # and no record's claims alone end an epoch (collabopt.robust.cap_progress_claims)
             extra["tracker_opts"] = dict(extra.get("tracker_opts") or {}, cap_claims=True)
         if not self.use_local_updates:  # (collabopt's averager, also where no request timeout is set)

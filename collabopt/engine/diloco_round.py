@@ -14,6 +14,7 @@ from collabopt import diloco as diloco_module
 from collabopt.engine.diloco_averaging import raise_if_partial
 from collabopt.engine.loop import PeerLoop
 from collabopt.engine.progress import SwarmProgressTracker
+from collabopt.lineage import valid_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -166,10 +167,15 @@ class DiLoCoLoop(PeerLoop):
 
     def _share_state(self) -> None:
         """Serve this peer's state with its epoch as priority; a peer whose anchor disagreed with its group's
-        serves it with a lower priority (downloads prefer the group's)."""
+        serves it with a lower priority (downloads prefer the group's). Where downloads are verified, vote for it
+        (unless a round is in flight: its epoch is the next one, its anchor still the last one's)."""
         if not self.client_mode:
             self.state_averager.state_sharing_priority = self.local_epoch - (0.5 if self.diloco.needs_sync
                                                                              else 0.0)
+        votes = self.state_averager.votes if self._in_flight is None else None
+        anchor = diloco_module.fingerprint(self.anchors) if votes is not None else None
+        if votes is not None and valid_fingerprint(anchor):
+            votes.vote(self.local_epoch, anchor)  # (collabopt.engine.download_votes)
 
     def load_state_from_peers(self) -> None:
         """Download the swarm's anchor, outer optimizer state and epoch, keeping this peer's progress since its

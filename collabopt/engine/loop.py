@@ -19,6 +19,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.compression import CompressionBase, NoCompression
 from hivemind.optim.grad_averager import GradientAverager
 
+from collabopt.engine.download_votes import DownloadVotes
 from collabopt.engine.progress import make_progress_tracker
 from collabopt.engine.state import ConsistentStateAverager, averages_parameters_in_place
 
@@ -74,6 +75,8 @@ class PeerLoop:
         self.grad_averager = None if use_local_updates else self._make_gradient_averager(
             grad_averager_factory or GradientAverager, reuse_grad_buffers=reuse_grad_buffers,
             compression=grad_compression)
+        if self.state_averager.verify_downloads:  # this peer's votes are signed with its progress records' key
+            self.state_averager.votes = DownloadVotes(dht, self.tracker.dht, run_id, self.tracker._local_public_key)
 
     # ---- building the services
 
@@ -108,6 +111,8 @@ class PeerLoop:
         """One local step of ``batch_size`` samples, whose gradients are in the parameters' ``.grad`` (``None``: an
         auxiliary peer's turn, which only takes part in rounds)."""
         self.state_averager.step(apply_delayed_updates=True)  # a delayed update that finished is applied now
+        if self.state_averager.votes is not None:
+            self.state_averager.votes.keep_alive()
         if not self.auxiliary:
             if batch_size is None:
                 raise ValueError("a training peer's step needs its batch size")

@@ -19,7 +19,7 @@ from collabopt.engine.averaging import GradientAveragerThatTellsGaps
 from collabopt.engine.compat import dht_time
 from collabopt.engine.diloco_round import DiLoCoLoop
 from collabopt.engine.lineage_check import out_of_sync
-from collabopt.engine.records import MAX_RECORD_BYTES, RecordSizeValidator, metrics_validators
+from collabopt.engine.records import MAX_RECORD_BYTES, RecordSizeValidator, metrics_validators, votes_validators
 from collabopt.engine.sync_round import SyncLoop
 from collabopt.interface import RoundOutcome
 from collabopt.lifeline import children_follow_parent
@@ -41,8 +41,10 @@ class HivemindPeer:
         # this peer accepts (to store for others, or read) only metrics records signed by their owner and
         # well-formed, and no record over MAX_RECORD_BYTES under the run's keys: hivemind's progress schema leaves the
         # peer id's length open, so a well-formed, self-signed, 100 kB record would otherwise count as a peer
-        dht.add_validators([*metrics_validators(run_id),
-                            RecordSizeValidator([f"{run_id}_progress", self.metrics_key], MAX_RECORD_BYTES)])
+        # (and the votes of collabopt.engine.download_votes alike)
+        dht.add_validators([*metrics_validators(run_id), *votes_validators(run_id),
+                            RecordSizeValidator([f"{run_id}_progress", self.metrics_key, f"{run_id}_fingerprints"],
+                                                MAX_RECORD_BYTES)])
 
     def _create_loop(self, dht: Any, arguments: dict[str, Any]) -> Any:
         return SyncLoop(dht=dht, **arguments)

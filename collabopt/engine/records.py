@@ -3,7 +3,8 @@ every record on its own.
 
 Each peer keeps two records under the run's keys, each under a subkey signed by the peer's key: its progress
 (hivemind's ``LocalTrainingProgress``, under ``<run_id>_progress``) and its metrics (:mod:`collabopt.metrics`,
-under ``<run_id>_metrics``).
+under ``<run_id>_metrics``); with ``aggregation="centered_clip"`` a third, its vote for the parameters it holds
+(:mod:`collabopt.engine.download_votes`, under ``<run_id>_fingerprints``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.p2p import PeerID
 from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer
-from pydantic.v1 import StrictBool, StrictFloat, confloat, conint, constr, create_model
+from pydantic.v1 import StrictBool, StrictFloat, confloat, conint, conlist, constr, create_model
 
 
 def reader_validators() -> list:
@@ -52,7 +53,7 @@ def _record_models() -> dict[str, Any]:
     name = (constr(strict=True, max_length=64), ...)
     metrics = create_model(
         "PeerMetrics", __module__=__name__,
-        peer_id=(constr(strict=True, min_length=1, max_length=128), ...),
+        peer_id=name_of(128),
         time=(StrictFloat, ...),
         interval=(confloat(strict=True, gt=0.0, le=3600.0), ...),
         epoch=count, global_epoch=count,
@@ -67,15 +68,26 @@ def _record_models() -> dict[str, Any]:
     )
     schema = create_model("MetricsSchema", __module__=__name__,
                           metrics=(dict[BytesWithPublicKey, metrics | None], ...))
-    return dict(progress=LocalTrainingProgress, metrics=metrics, PeerMetrics=metrics, MetricsSchema=schema)
+    # a peer's vote: the epoch of the state it serves and its parameters' fingerprint (collabopt.lineage)
+    vote = create_model("ParameterVote", __module__=__name__, peer_id=name_of(128), epoch=count,
+                        fingerprint=(conlist(StrictFloat, min_items=3, max_items=3), ...))
+    votes = create_model("VotesSchema", __module__=__name__,
+                         fingerprints=(dict[BytesWithPublicKey, vote | None], ...))
+    return dict(progress=LocalTrainingProgress, metrics=metrics, PeerMetrics=metrics, MetricsSchema=schema,
+                fingerprints=vote, ParameterVote=vote, VotesSchema=votes)
 
 
 def __getattr__(name: str) -> Any:
-    """``PeerMetrics`` and ``MetricsSchema`` (built on first use): pickle finds them here when hivemind sends a
-    peer's validators to its DHT process."""
-    if name in ("PeerMetrics", "MetricsSchema"):
+    """``PeerMetrics``, ``MetricsSchema``, ``ParameterVote`` and ``VotesSchema`` (built on first use): pickle finds
+    them here when hivemind sends a peer's validators to its DHT process."""
+    if name in ("PeerMetrics", "MetricsSchema", "ParameterVote", "VotesSchema"):
         return _record_models()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def name_of(max_length: int) -> tuple[Any, Any]:
+    """A required pydantic field: a string of 1 to ``max_length`` characters."""
+    return (constr(strict=True, min_length=1, max_length=max_length), ...)
 
 
 def metrics_fields() -> list[str]:
@@ -87,6 +99,12 @@ def metrics_validators(run_id: str) -> list:
     """What a peer's DHT checks records under ``<run_id>_metrics`` with: signed by the key in the subkey, and the
     schema of :func:`metrics_fields` (as hivemind's tracker does for ``<run_id>_progress``)."""
     return [SchemaValidator(_record_models()["MetricsSchema"], prefix=run_id), RSASignatureValidator()]
+
+
+def votes_validators(run_id: str) -> list:
+    """What a peer's DHT checks votes under ``<run_id>_fingerprints`` with (:mod:`collabopt.engine.download_votes`):
+    signed by the key in the subkey, and their schema."""
+    return [SchemaValidator(_record_models()["VotesSchema"], prefix=run_id), RSASignatureValidator()]
 
 
 class RecordSizeValidator(RecordValidatorBase):
@@ -232,18 +250,20 @@ class RunRecords:
     def __init__(self) -> None:
         self.progress: dict[bytes, tuple[dict | None, float]] = {}
         self.metrics: dict[bytes, tuple[dict | None, float]] = {}
+        self.fingerprints: dict[bytes, tuple[dict | None, float]] = {}
         self.rejected: list[tuple[str, bytes, str]] = []
         self.sources = 0
         self.bad_responses = 0
 
 
-def read_run_records(dht: Any, run_id: str, timeout: float = 10.0) -> RunRecords:
+def read_run_records(dht: Any, run_id: str, timeout: float = 10.0,
+                     kinds: tuple[str, ...] = ("progress", "metrics")) -> RunRecords:
     """Read the progress records (hivemind's tracker) and metrics records (:mod:`collabopt.metrics`) of ``run_id``
-    from the nearest DHT nodes, checking each record on its own: signed by the key its subkey names, within
-    :data:`MAX_RECORD_BYTES`, matching its schema. Works with any DHT (no validators needed); a record that fails
-    is left out and reported in :attr:`RunRecords.rejected`."""
+    (or the ``kinds`` named: attributes of :class:`RunRecords`) from the nearest DHT nodes, checking each record on
+    its own: signed by the key its subkey names, within :data:`MAX_RECORD_BYTES`, matching its schema. Works with
+    any DHT (no validators needed); a record that fails is left out and reported in :attr:`RunRecords.rejected`."""
     models = _record_models()
-    names = {f"{run_id}_progress": "progress", f"{run_id}_metrics": "metrics"}
+    names = {f"{run_id}_{kind}": kind for kind in kinds}
     result = RunRecords()
     try:
         raw = dht.run_coroutine(functools.partial(_find_raw, list(names), _K_NEAREST),

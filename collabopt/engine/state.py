@@ -21,6 +21,7 @@ from hivemind.utils import ValueWithExpiration
 
 from collabopt.engine.averaging import ShieldedReducers
 from collabopt.engine.compat import SameHandlers
+from collabopt.engine.download_votes import VerifiedDownloads
 from collabopt.engine.member_checks import MemberChecks
 
 # Parameter averaging in place: where the round runs inside step() on float32 CPU parameters, nothing else touches
@@ -86,18 +87,34 @@ def raise_priority(found: Any, preferred: set[str]) -> Any:
     return ValueWithExpiration(raised, found.expiration_time)
 
 
+def keep_only(found: Any, only: set[str]) -> Any:
+    """``found`` (as in :func:`raise_priority`) with the peers outside ``only`` left out."""
+    if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
+        return found
+    kept = {}
+    for subkey, info in found.value.items():
+        with contextlib.suppress(Exception):  # (a malformed subkey is left out)
+            if str(PeerID(subkey)) in only:
+                kept[subkey] = info
+    return ValueWithExpiration(kept, found.expiration_time)
+
+
 SERVE_WAIT = 30.0  # seconds a download waits for a boundary's averaging to be applied (hivemind's default timeout)
 
 
-class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, TrainingStateAverager):
-    """hivemind's state averager, serving states whose epoch and tensors belong together.
+class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, TrainingStateAverager,
+                              VerifiedDownloads):
+    """hivemind's state averager, serving states whose epoch and tensors belong together, and with
+    ``verify_downloads=True`` installing only downloaded states most of the swarm holds (:class:`VerifiedDownloads`:
+    its ``votes`` are set by the loop, which has the key to sign this peer's vote with).
 
     A state is served as a copy taken while no optimizer step runs, labelled with the epoch whose update its
     parameters hold, and not while a boundary's foreground parameter averaging is unapplied (a download waits up to
     :data:`SERVE_WAIT` seconds): hivemind 1.1.12 served live tensors with an epoch read apart from them. See
     docs/decisions.md, "Consistent state serving"."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, verify_downloads: bool = False, **kwargs: Any):
+        self.verify_downloads = verify_downloads
         self._label_lock = threading.Lock()
         self._epoch = 0
         self._steps_owed = 0  # epochs counted whose optimizer step has not run yet
@@ -108,6 +125,7 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
         self._no_boundary.set()
         # peers whose state a download tries first (base58, comma-separated), shared with the averager process
         self._preferred_sources = multiprocessing.Array(ctypes.c_char, PREFERRED_SOURCES_BYTES)
+        self._only_sources = multiprocessing.Array(ctypes.c_char, PREFERRED_SOURCES_BYTES)  # if set, no others
         super().__init__(*args, **kwargs)
         # _do sets this event right after the optimizer step, still holding lock_optimizer: the step is paid there
         self.finished_optimizer_step = _EventThatCalls(self._pay)
@@ -186,11 +204,17 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
 
     def prefer_sources(self, peers: Sequence[str]) -> None:
         """Make the next downloads try ``peers`` (base58 peer ids) before any other, as many as fit."""
-        chosen: list[str] = []
-        for peer in peers:
-            if len(",".join([*chosen, peer])) < PREFERRED_SOURCES_BYTES:
-                chosen.append(peer)
-        self._preferred_sources.value = ",".join(chosen).encode()
+        self._preferred_sources.value = _joined(peers)
+
+    def only_sources(self, peers: Sequence[str]) -> None:
+        """Make the next downloads try ``peers`` (base58 peer ids, as many as fit) and no other; none: any peer."""
+        self._only_sources.value = _joined(peers)
+
+    def _serving_peers(self) -> dict[str, float]:
+        """(A verified download's sources, :class:`VerifiedDownloads`) the preferred peers' priority raised too."""
+        preferred = _split(self._preferred_sources.value)
+        return {peer: priority + (PREFERRED_BOOST if peer in preferred else 0.0)
+                for peer, priority in super()._serving_peers().items()}
 
     async def _load_state_from_peers(self, future: Any, timeout: float | None = None) -> None:
         # (runs in the averager's process) hivemind tries the peers the DHT lists, highest priority first
@@ -201,10 +225,12 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
 
             def get_preferring(key: Any, *args: Any, **kwargs: Any) -> Any:
                 found = dht_get(key, *args, **kwargs)
-                preferred = {peer for peer in self._preferred_sources.value.decode().split(",") if peer}
-                if preferred and isinstance(key, str) and key.endswith(".all_averagers"):
-                    found = raise_priority(found, preferred)
-                return found
+                if not isinstance(key, str) or not key.endswith(".all_averagers"):
+                    return found
+                only, preferred = _split(self._only_sources.value), _split(self._preferred_sources.value)
+                if only:
+                    found = keep_only(found, only)
+                return raise_priority(found, preferred) if preferred else found
 
             self.dht.get, self._reads_preferring = get_preferring, True
         return await super()._load_state_from_peers(future, timeout)
@@ -218,3 +244,16 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
             # copies, taken now: on CPU, hivemind's tensors are the live ones (GPU ones were copied by .cpu())
             tensors = [t.detach().clone() if t.device.type == "cpu" else t.detach().cpu() for t in tensors]
         return dict(metadata, epoch=epoch), tensors, infos
+
+
+def _joined(peers: Sequence[str]) -> bytes:
+    """``peers`` comma-separated, as many as fit in :data:`PREFERRED_SOURCES_BYTES`."""
+    chosen: list[str] = []
+    for peer in peers:
+        if len(",".join([*chosen, peer])) < PREFERRED_SOURCES_BYTES:
+            chosen.append(peer)
+    return ",".join(chosen).encode()
+
+
+def _split(value: bytes) -> set[str]:
+    return {peer for peer in value.decode().split(",") if peer}

@@ -21,6 +21,7 @@ from collabopt.engine.lineage_check import (
     out_of_sync,
     serve_below_the_others,
     takes_part_in_lineage_check,
+    vote_for_parameters,
 )
 from collabopt.engine.loop import PeerLoop
 from collabopt.engine.sync_download import download_state
@@ -149,6 +150,8 @@ class SyncLoop(PeerLoop):
             if outcome is not None:
                 outcome = dataclasses.replace(outcome, parameters_averaged=averaged)
             self.tracker.update_epoch(new_epoch=self.local_epoch)
+            if parameter_round is None or averaged is not None:  # (else the round writes them in the background)
+                vote_for_parameters(self)
             self._exact_check_due = True
             self.reset_accumulation()
             if out_of_sync(self):

@@ -7,6 +7,7 @@ epoch, updated as it trains).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import random
@@ -153,6 +154,25 @@ def corrupt_reducer(scale: float) -> None:
     robust_averaging.ClippedPart.div_ = lambda self, denominator: honest(self, denominator) * scale
 
 
+def serve_altered(constant: float) -> None:
+    """Fault injection: this peer serves its parameters plus ``constant`` to those that download its state, and asks
+    to be their first source (its priority raised by 1e6); it trains, and votes (``aggregation="centered_clip"``),
+    with its real parameters, so its vote claims the honest peers' fingerprint (tests/swarm/test_download_votes.py)."""
+    from collabopt.engine.state import ConsistentStateAverager
+
+    honest = ConsistentStateAverager.get_current_state
+    priority = ConsistentStateAverager.state_sharing_priority
+
+    def get_current_state(self):
+        metadata, tensors, infos = honest(self)
+        count = sum(len(group["params"]) for group in self.optimizer.param_groups)
+        return metadata, [t + constant if i < count else t for i, t in enumerate(tensors)], infos
+
+    ConsistentStateAverager.get_current_state = get_current_state
+    ConsistentStateAverager.state_sharing_priority = property(
+        priority.fget, lambda self, value: priority.fset(self, value + 1e6))
+
+
 def target_epoch(cfg: dict, epochs: int) -> int:
     """``epochs``, or the number in ``cfg["epochs_file"]`` if set (a driver writes it when the run may end; no such
     file yet: train on)."""
@@ -218,6 +238,8 @@ def main(config_path: str) -> None:
     arm_stall = stall_reducer(cfg["stall_reducer"]["seconds"]) if cfg.get("stall_reducer") else None
     if cfg.get("attack", {}).get("reducer_scale"):  # a hostile reducer: what it sends back, times this
         corrupt_reducer(cfg["attack"]["reducer_scale"])
+    if cfg.get("serve_altered"):  # a hostile server: what it sends joiners, plus this
+        serve_altered(cfg["serve_altered"])
     # samples_dropped: fed in steps that contributed nothing and skipped nothing (hivemind dropped the step to
     # download the swarm's state first)
     result = {"samples_fed": 0, "samples_dropped": 0, "lrs": {}, "losses": [], "epochs_seen": [], "epoch_times": [],
@@ -321,4 +343,5 @@ if __name__ == "__main__":
     # like a script started from a terminal: a test run started in the background (``pytest &``) hands its children
     # SIGINT ignored, and the signal test would then wait for a Ctrl+C that cannot arrive
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to the log
     main(sys.argv[1])

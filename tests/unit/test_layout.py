@@ -14,7 +14,8 @@ STILL_OVER: dict[str, int] = {}
 # the engine's layers, lowest first: a module imports only modules of its own layer or below
 ENGINE_LAYERS = [
     {"compat", "dialback", "streams"},
-    {"p2p", "records", "replicas", "progress", "averaging", "robust_averaging", "state", "member_checks"},
+    {"p2p", "records", "replicas", "progress", "averaging", "robust_averaging", "state", "member_checks",
+     "download_votes"},
     {"loop"},
     {"lineage_check", "sync_download", "sync_round"},
     {"diloco_averaging", "diloco_round"},

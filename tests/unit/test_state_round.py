@@ -84,6 +84,7 @@ def sync_loop(num_peers: int = 3, local_epoch: int = 8, swarm_epoch: int = 8, gr
     loop.state_averager = SimpleNamespace(
         local_epoch=local_epoch, averaging_in_progress=False, main_parameters=(param,), state_sharing_priority=0,
         optimizer=SimpleNamespace(param_groups=[{"params": [param]}]), group_size_hint=None, step=state_step,
+        votes=None,  # (downloads not verified: aggregation="mean")
         schedule_parameter_round=lambda timeout: parameter_round or Control(group))
     loop.state_steps = state_steps
     loop.tracker = SimpleNamespace(global_epoch=swarm_epoch, global_progress=SimpleNamespace(num_peers=num_peers),

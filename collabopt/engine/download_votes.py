@@ -1,0 +1,180 @@
+"""Downloads of the state most of the swarm holds, and of no other (``aggregation="centered_clip"``; issue 35).
+
+hivemind downloads from the peer that stores the highest priority, and installs what it sends: one hostile member
+could hand every joiner a model of its own. Here each training peer *votes* for the state it serves: the epoch and
+its parameters' fingerprint (:func:`collabopt.lineage.fingerprint`), in a record signed by its key under
+``<run_id>_fingerprints`` (one vote per key; with a swarm key only members store records). A peer about to download
+reads the votes, tries first the peers whose vote is the fingerprint most voters hold (:func:`majority`), and
+installs a state only if its own parameters' fingerprint is the majority's at the epoch the state says it is
+(:func:`refusal`): a hostile server can lie in its vote, not in what it sends. A refused state is not installed;
+the next peer is tried. Without a majority (no votes yet: the swarm's first peer; two peers that disagree) the
+download is hivemind's, unverified, and the log says so in one line.
+
+The fingerprint is three sums: a server can craft other parameters with the same sums (docs/faults.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from hivemind.averaging import DecentralizedAverager
+from hivemind.p2p import PeerID
+from hivemind.utils import ValueWithExpiration
+
+from collabopt.engine.compat import dht_time
+from collabopt.engine.records import read_run_records
+from collabopt.lineage import fingerprint, same_fingerprint, valid_fingerprint
+
+logger = logging.getLogger(__name__)
+
+VOTE_TTL = 300.0  # seconds a vote lives on the DHT; renewed at half of that while its peer trains
+MIN_VOTES = 2  # one peer's fingerprint is no majority: it could be the hostile one's
+READ_TIMEOUT = 10.0  # seconds a read of the votes may take
+
+
+class Vote(NamedTuple):
+    """One peer's vote: it serves the state of ``epoch``, whose parameters have this ``fingerprint``."""
+
+    peer_id: str
+    epoch: int
+    fingerprint: list[float]
+
+
+def majority(votes: Sequence[Vote], epoch: int) -> list[float] | None:
+    """The fingerprint that more than half of the votes at ``epoch`` hold, at least :data:`MIN_VOTES` of them (None
+    if no fingerprint does)."""
+    at_epoch = [vote.fingerprint for vote in votes if vote.epoch == epoch]
+    for candidate in at_epoch:
+        holders = sum(same_fingerprint(candidate, other) for other in at_epoch)
+        if valid_fingerprint(candidate) and holders >= MIN_VOTES and 2 * holders > len(at_epoch):
+            return candidate
+    return None
+
+
+def newest_majority(votes: Sequence[Vote]) -> tuple[int, list[float]] | None:
+    """The newest epoch at which the votes have a :func:`majority`, and its fingerprint (None: no epoch has one)."""
+    for epoch in sorted({vote.epoch for vote in votes}, reverse=True):
+        found = majority(votes, epoch)
+        if found is not None:
+            return epoch, found
+    return None
+
+
+def sources(votes: Sequence[Vote], priorities: dict[str, float], epoch: int, expected: list[float],
+            me: str) -> list[str]:
+    """The peers to download from, in order: those that serve their state (``priorities``: hivemind's, by base58
+    peer id), but not ``me``; first those whose vote is ``expected`` at ``epoch``, each group by priority (a tie
+    drawn at random). A peer whose vote is another is still tried last: its state is checked as any other."""
+    claims = {vote.peer_id for vote in votes if vote.epoch == epoch and same_fingerprint(vote.fingerprint, expected)}
+    order = {peer: (peer in claims, priority, random.random()) for peer, priority in priorities.items() if peer != me}
+    return sorted(order, key=order.__getitem__, reverse=True)
+
+
+def refusal(metadata: Any, tensors: Sequence[Any], num_parameters: int, votes: Sequence[Vote]) -> str | None:
+    """Why a downloaded state (hivemind's ``metadata`` and tensors, the parameters first) must not be installed, or
+    None: its parameters' fingerprint is the :func:`majority` of the votes at the epoch the state says it is."""
+    epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+    if type(epoch) is not int:
+        return "its state names no epoch"
+    expected = majority(votes, epoch)
+    if expected is None:
+        return f"the swarm's votes hold no majority fingerprint at epoch {epoch}, the epoch of its state"
+    if len(tensors) < num_parameters:
+        return f"it sent {len(tensors)} tensors for {num_parameters} parameters"
+    if not same_fingerprint(fingerprint(tensors[:num_parameters]), expected):
+        return f"its parameters are not those most of the swarm holds at epoch {epoch} (another fingerprint)"
+    return None
+
+
+class DownloadVotes:
+    """This peer's vote (stored through ``records_dht``, signed with ``public_key``, the key of its progress
+    records) and everyone's (read from ``dht``) under ``<run_id>_fingerprints``."""
+
+    def __init__(self, dht: Any, records_dht: Any, run_id: str, public_key: bytes):
+        self.dht, self.records_dht, self.run_id, self.public_key = dht, records_dht, run_id, public_key
+        self.key = f"{run_id}_fingerprints"
+        self._last: tuple[int, list[float]] | None = None
+        self._voted_at = 0.0
+
+    def vote(self, epoch: int, value: Sequence[float]) -> None:
+        """Vote (without waiting for the store) for the state of ``epoch``, whose parameters' fingerprint is
+        ``value``."""
+        if type(epoch) is not int or epoch < 0 or not valid_fingerprint(list(value)):
+            raise ValueError(f"a vote needs an epoch (int >= 0) and a finite fingerprint, got {epoch!r}, {value!r}")
+        self._last, self._voted_at = (epoch, [float(x) for x in value]), time.monotonic()
+        record = dict(peer_id=self.dht.peer_id.to_base58(), epoch=epoch, fingerprint=self._last[1])
+        self.records_dht.store(key=self.key, subkey=self.public_key, value=record,
+                               expiration_time=dht_time() + VOTE_TTL, return_future=True)
+
+    def keep_alive(self) -> None:
+        """Store the last vote again once half of its life has passed (called at every local step)."""
+        if self._last is not None and time.monotonic() - self._voted_at > VOTE_TTL / 2:
+            self.vote(*self._last)
+
+    def read(self) -> list[Vote]:
+        """Every peer's newest vote, each record checked on its own (signature, size, schema)."""
+        records = read_run_records(self.dht, self.run_id, READ_TIMEOUT, kinds=("fingerprints",)).fingerprints
+        return [Vote(record["peer_id"], record["epoch"], record["fingerprint"])
+                for record, _expiration in records.values() if record is not None]
+
+
+class VerifiedDownloads(DecentralizedAverager):
+    """A mixin of the state averager, right after hivemind's ``TrainingStateAverager`` among its bases (so between
+    it and ``DecentralizedAverager``): it sees each downloaded state before ``TrainingStateAverager`` installs it,
+    and hands on only one that :func:`refusal` passes. Active once :attr:`votes` is set; the class it is mixed into
+    provides ``only_sources`` (the averager process downloads from those peers only)."""
+
+    votes: DownloadVotes | None = None
+
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
+        votes = self.votes
+        if votes is None:
+            return super().load_state_from_peers(wait=wait, timeout=timeout)  # type: ignore[misc]
+        if not wait:
+            raise ValueError("a verified download waits for the state (wait=True): it checks it before installing it")
+        ballot = votes.read()
+        newest = newest_majority(ballot)
+        if newest is None:
+            logger.info(f"collabopt: no fingerprint is held by most of the swarm's {len(ballot)} vote(s): this "
+                        f"download is not verified")
+            return super().load_state_from_peers(wait=True, timeout=timeout)  # type: ignore[misc]
+        num_parameters = sum(len(group["params"]) for group in self.optimizer.param_groups)  # type: ignore
+        for peer in sources(ballot, self._serving_peers(), *newest, me=self.dht.peer_id.to_base58()):  # type: ignore
+            self.only_sources([peer])  # type: ignore[attr-defined]
+            try:
+                loaded = super().load_state_from_peers(wait=True, timeout=timeout)  # type: ignore[misc]
+            finally:
+                self.only_sources([])  # type: ignore[attr-defined]
+            if loaded is None:
+                continue  # it served nothing: hivemind's loop found no other peer to try
+            epoch = loaded[0].get("epoch") if isinstance(loaded[0], dict) else None
+            if type(epoch) is int and majority(ballot, epoch) is None:  # the servers moved on: read their new votes
+                ballot = votes.read()
+            reason = refusal(*loaded, num_parameters, ballot)
+            if reason is None:
+                return loaded
+            logger.warning(f"collabopt: refused the state {peer} sent ({reason}): nothing of it is installed; "
+                           f"trying the next peer")
+        logger.warning(f"collabopt: no peer sent the state most of the swarm holds (epoch {newest[0]}): nothing "
+                       f"downloaded")
+        return None
+
+    def _serving_peers(self) -> dict[str, float]:
+        """The peers that serve their state, with the priority they store (hivemind's record, base58 ids)."""
+        found = self.dht.get(f"{self.prefix}.all_averagers", latest=True)  # type: ignore[attr-defined]
+        peers: dict[str, float] = {}
+        for subkey, info in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
+            try:
+                if isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int)):
+                    peers[PeerID(subkey).to_base58()] = float(info.value)
+            except Exception:  # (a malformed subkey: hivemind skips it too)
+                continue
+        return peers
+
+
+__all__ = ["MIN_VOTES", "VOTE_TTL", "DownloadVotes", "VerifiedDownloads", "Vote", "majority", "newest_majority",
+           "refusal", "sources"]

@@ -1,0 +1,95 @@
+"""A hostile member serves altered parameters and a late joiner arrives (issue 35, "A joiner downloads state only
+from a peer whose parameter fingerprint most of the swarm holds"; collabopt/engine/download_votes.py).
+
+3 honest peers and a hostile one train together; the hostile one serves its parameters plus 1000 to every
+download, asks to be the first source (priority raised) and votes with its real parameters' fingerprint, which is
+the honest peers'. Then a joiner arrives. With ``aggregation="centered_clip"`` it refuses the hostile state and
+holds the honest peers' parameters from its first step to the end; with ``"mean"`` (nothing verified) it starts
+from the hostile state, so the test can fail. Both swarms run at once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    finish,
+    finish_line,
+    max_param_diff,
+    read_params,
+    read_result,
+    start_bootstrap,
+    start_peer,
+    unique_run_id,
+)
+from helpers import wait_for_file as wait_for
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+
+HONEST = ("h0", "h1", "h2")
+ALTERED = 1000.0  # what the hostile peer adds to the parameters it serves
+SAME = 1e-6
+BASE = dict(target_batch_size=640, epochs=4, batch_sizes=[16], lr=0.05, step_sleep=0.05, max_seconds=60,
+            model_seed=0, save_epoch_params=True, options=dict(matchmaking_time=1.0, averaging_timeout=10.0))
+
+
+def start_swarm(tmp_path: Path, aggregation: str) -> dict:
+    """A bootstrap of its own (killing one swarm leaves the other's DHT alone); the honest peers and the hostile one
+    ("x") start together, the joiner once h0 is at epoch 2."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    bootstrap, initial_peers = start_bootstrap(tmp_path)
+    run_id = unique_run_id(f"votes_{aggregation}")
+    names = (*HONEST, "x", "late")
+    procs = {"bootstrap": bootstrap}
+    for index, name in enumerate(names):
+        config = dict(BASE, run_id=run_id, seed=index, options=dict(BASE["options"], aggregation=aggregation),
+                      finish_with=finish_line(tmp_path, *(other for other in names if other != name)))
+        if name == "late":
+            config.update(model_seed=7, start_after=dict(progress_file=str(tmp_path / "h0.progress"), epoch=2))
+        else:
+            config.update(wait_peers=4)
+        if name == "x":
+            config.update(serve_altered=ALTERED)
+        procs[name] = start_peer(tmp_path, name, config, initial_peers)
+    return procs
+
+
+def started_at(tmp_path: Path) -> int:
+    """The epoch the joiner started training at (after its download)."""
+    return json.loads((tmp_path / "late.started").read_text())["epoch"]
+
+
+def test_a_joiner_refuses_a_hostile_state_and_holds_the_honest_one(tmp_path):
+    began = time.monotonic()
+    clipped_path, plain_path = tmp_path / "centered_clip", tmp_path / "mean"
+    clipped = start_swarm(clipped_path, "centered_clip")
+    plain = start_swarm(plain_path, "mean")
+    try:  # with "mean" the joiner starts from the hostile state: nothing more is needed of that swarm
+        assert wait_for(plain_path / "late.started", 60), plain["late"].log()[-4000:]
+    finally:
+        for proc in plain.values():
+            proc.kill_tree()
+    bootstrap = clipped.pop("bootstrap")
+    try:
+        finish(clipped, 90)
+    finally:
+        bootstrap.kill_tree()
+    print(f"both swarms: {time.monotonic() - began:.1f} s")
+
+    # centered_clip: the joiner started from the honest peers' parameters of its first epoch, and ends with theirs
+    epoch, log = started_at(clipped_path), clipped["late"].log()
+    start = torch.load(clipped_path / "late.start.pt")
+    honest = [torch.load(clipped_path / f"{name}.epochs.pt").get(epoch) for name in HONEST]
+    assert epoch >= 2 and min(max_param_diff(start, params) for params in honest if params is not None) <= SAME, log
+    assert "refused the state" in log, log[-4000:]  # (the hostile peer was asked first and refused)
+    final = {name: read_params(clipped_path, name) for name in (*HONEST, "late")}
+    assert all(max_param_diff(final["late"], final[name]) <= SAME for name in HONEST)
+    assert read_result(clipped_path, "late")["final_epoch"] >= BASE["epochs"]
+
+    # mean: nothing is verified, and the joiner started from the hostile state (honest parameters are within 10)
+    plain_start = torch.load(plain_path / "late.start.pt")
+    assert all(float((value - ALTERED).abs().max()) < 10.0 for value in plain_start.values()), plain_start

@@ -1,0 +1,168 @@
+"""Downloads of the state most of the swarm holds (collabopt/engine/download_votes.py): the majority rule, the order
+of the sources, the check of a downloaded state, and a state averager that installs only a state that passes it
+(refused: its parameters stay as they were). The swarm test: tests/swarm/test_download_votes.py."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
+
+from collabopt.config import CollabConfig
+from collabopt.engine import lineage_check
+from collabopt.engine.download_votes import VerifiedDownloads, Vote, majority, newest_majority, refusal, sources
+from collabopt.errors import ConfigurationError
+from collabopt.lineage import fingerprint
+
+HONEST = [torch.ones(4), torch.full((2,), 3.0)]
+ALTERED = [t + 1000.0 for t in HONEST]
+H, X = fingerprint(HONEST), fingerprint(ALTERED)
+
+
+def votes(*entries: tuple[str, int, list[float]]) -> list[Vote]:
+    return [Vote(*entry) for entry in entries]
+
+
+def test_the_majority_is_more_than_half_of_the_votes_at_the_epoch_and_two_at_least():
+    assert majority(votes(("a", 5, H), ("b", 5, H), ("c", 5, H), ("x", 5, X)), 5) == H
+    assert majority(votes(("a", 5, H), ("b", 5, H), ("x", 5, X)), 5) == H
+    assert majority(votes(("a", 5, H), ("x", 5, X)), 5) is None  # two peers that disagree
+    assert majority(votes(("a", 5, H), ("b", 5, H), ("x", 5, X), ("y", 5, X)), 5) is None  # a tie
+    assert majority(votes(("x", 5, X)), 5) is None  # one peer alone: it could be the hostile one
+    assert majority([], 5) is None  # no votes yet (the swarm's first peer)
+    # votes at other epochs take no part; a non-finite fingerprint is never the majority's
+    assert majority(votes(("a", 5, H), ("b", 5, H), ("x", 4, X), ("y", 4, X), ("z", 4, X)), 5) == H
+    nan = [float("nan")] * 3
+    assert majority(votes(("a", 5, nan), ("b", 5, nan)), 5) is None
+
+
+def test_the_newest_epoch_with_a_majority_is_the_one_downloaded():
+    ballot = votes(("a", 5, H), ("b", 5, H), ("c", 6, H), ("x", 9, X))  # (one vote far ahead is no majority)
+    assert newest_majority(ballot) == (5, H)
+    assert newest_majority(votes(("a", 5, H), ("x", 5, X))) is None
+
+
+def test_sources_claiming_the_majority_come_first_by_priority_and_never_this_peer():
+    ballot = votes(("a", 5, H), ("b", 5, H), ("x", 5, X), ("me", 5, H))
+    priorities = {"x": 1e6, "a": 5.0, "b": 6.0, "me": 7.0, "plain": 5.0}  # ("plain" votes not: tried last)
+    order = sources(ballot, priorities, 5, H, "me")
+    assert order[:2] == ["b", "a"] and set(order[2:]) == {"x", "plain"} and order[2] == "x"
+    assert "c" not in sources(votes(("c", 5, H)), {"a": 1.0}, 5, H, "me")  # only peers that serve their state
+
+
+def test_a_state_passes_only_with_the_majoritys_fingerprint_at_its_own_epoch():
+    ballot = votes(("a", 5, H), ("b", 5, H), ("x", 5, H), ("a2", 6, X), ("b2", 6, X))
+    assert refusal({"epoch": 5}, [*HONEST, torch.zeros(3)], 2, ballot) is None  # (statistics after the parameters)
+    assert "another fingerprint" in refusal({"epoch": 5}, ALTERED, 2, ballot)  # x's vote lied
+    # a server that moved on: its state is checked against the majority of the epoch it says it is
+    assert refusal({"epoch": 6}, ALTERED, 2, ballot) is None
+    assert "no majority" in refusal({"epoch": 7}, HONEST, 2, ballot)
+    assert "no epoch" in refusal({"epoch": "5"}, HONEST, 2, ballot)
+    assert "no epoch" in refusal(None, HONEST, 2, ballot)
+    assert "1 tensors for 2" in refusal({"epoch": 5}, HONEST[:1], 2, ballot)
+
+
+class Averager(TrainingStateAverager, VerifiedDownloads):
+    """TrainingStateAverager's install on a downloaded state, with the check before it; the download itself is a
+    fake (what ``served`` maps each source to), no process, no DHT."""
+
+
+@pytest.fixture
+def averager(monkeypatch):
+    params = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2))]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    opt_metadata, opt_tensors = dump_optimizer_state(optimizer)
+    avg = Averager.__new__(Averager)
+    only: list[str] = []
+    served = {"x": ALTERED, "a": HONEST, "b": HONEST}
+    asked: list[str] = []
+
+    def download(self, wait=True, timeout=None):
+        if len(only) != 1 or only[0] not in served:
+            return None
+        asked.append(only[0])
+        return dict(epoch=5, optimizer_metadata=opt_metadata), [t.clone() for t in served[only[0]]] + opt_tensors
+
+    monkeypatch.setattr(DecentralizedAverager, "load_state_from_peers", download)
+    vars(avg).update(_parent_pid=-1, optimizer=optimizer, extra_tensors=(), lock_averaged_tensors=threading.Lock(),
+                     local_epoch=0,
+                     offload_optimizer=False, reuse_tensors=True, scheduler=None,
+                     dht=SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me")),
+                     only_sources=lambda peers: only.__init__(peers),
+                     _serving_peers=lambda: {"x": 1e6, "a": 5.0, "b": 5.0},
+                     votes=SimpleNamespace(read=lambda: votes(("a", 5, H), ("b", 5, H), ("x", 5, H))))
+    return SimpleNamespace(averager=avg, params=params, served=served, asked=asked)
+
+
+def test_a_hostile_state_is_refused_and_the_next_source_installed(averager, caplog):
+    averager.averager.load_state_from_peers(timeout=1.0)
+    assert averager.asked[0] == "x" and len(averager.asked) == 2  # the hostile peer first (its priority), refused
+    assert "refused the state x sent" in caplog.text
+    assert all(torch.equal(p, h) for p, h in zip(averager.params, HONEST, strict=True))
+    assert averager.averager.local_epoch == 5
+
+
+def test_a_refused_state_leaves_the_parameters_as_they_were(averager, caplog):
+    averager.served.update(a=ALTERED, b=ALTERED)  # every server sends another state than the votes' majority
+    averager.averager.load_state_from_peers(timeout=1.0)
+    assert sorted(averager.asked) == ["a", "b", "x"]
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in averager.params)
+    assert averager.averager.local_epoch == 0
+    assert "no peer sent the state most of the swarm holds" in caplog.text
+
+
+def test_without_a_majority_the_download_is_hivemind_s_and_says_so(averager, caplog, monkeypatch):
+    caplog.set_level("INFO")
+    averager.averager.votes = SimpleNamespace(read=lambda: votes(("a", 5, H), ("x", 5, X)))
+    monkeypatch.setattr(DecentralizedAverager, "load_state_from_peers", lambda self, wait=True, timeout=None: None)
+    assert averager.averager.load_state_from_peers(timeout=1.0) is None
+    assert "this download is not verified" in caplog.text
+    with pytest.raises(ValueError, match="wait=True"):
+        VerifiedDownloads.load_state_from_peers(averager.averager, wait=False)
+
+
+def test_the_lineage_check_reuses_the_vote_s_fingerprint_while_the_parameters_stay_as_they_were(monkeypatch):
+    params = [torch.nn.Parameter(torch.ones(3))]
+    voted: list = []
+    loop = SimpleNamespace(local_epoch=4, client_mode=False, sync_state=lineage_check.SyncState(checks_lineage=True),
+                           state_averager=SimpleNamespace(main_parameters=params,
+                                                          votes=SimpleNamespace(vote=lambda *a: voted.append(a))))
+    lineage_check.vote_for_parameters(loop)
+    assert voted == [(4, fingerprint(params))]
+    computed: list = []
+    monkeypatch.setattr(lineage_check.lineage, "fingerprint", lambda tensors: computed.append(1) or [0.0] * 3)
+    assert lineage_check.lineage_metadata(loop)["lineage"] == voted[0][1] and not computed  # reused
+    with torch.no_grad():
+        params[0].add_(1.0)  # (an in-place write: a download, an optimizer step)
+    assert lineage_check.lineage_metadata(loop)["lineage"] == [0.0] * 3 and computed  # computed again
+    loop.local_epoch = 5
+    computed.clear()
+    lineage_check.lineage_metadata(loop)
+    assert computed
+
+
+def test_centered_clip_refuses_a_lossy_state_compression():
+    from hivemind.compression import Float16Compression, NoCompression
+
+    options = dict(run_id="r", target_batch_size=8, aggregation="centered_clip")
+    with pytest.raises(ConfigurationError, match="load_state_compression"):
+        CollabConfig.from_options(**options, load_state_compression=Float16Compression())
+    CollabConfig.from_options(**options, load_state_compression=NoCompression())
+    config = CollabConfig.from_options(**options)
+    assert config.hivemind_arguments()["averager_opts"]["verify_downloads"] is True
+    assert "verify_downloads" not in (CollabConfig.from_options(run_id="r", target_batch_size=8)
+                                      .hivemind_arguments().get("averager_opts") or {})
+
+
+def test_a_re_synchronization_s_preferred_peers_come_first_among_those_that_claim_the_majority(monkeypatch):
+    from collabopt.engine.state import ConsistentStateAverager
+
+    avg = ConsistentStateAverager.__new__(ConsistentStateAverager)
+    vars(avg).update(_parent_pid=-1, _preferred_sources=SimpleNamespace(value=b"b"))
+    monkeypatch.setattr(VerifiedDownloads, "_serving_peers", lambda self: {"a": 6.0, "b": 5.0})
+    ballot = votes(("a", 5, H), ("b", 5, H))
+    assert sources(ballot, avg._serving_peers(), 5, H, "me") == ["b", "a"]
