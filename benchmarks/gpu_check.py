@@ -14,16 +14,20 @@ Three parts, each a ratio against a baseline of the same run on the same card (t
 
 With CUDA it writes ``benchmarks/results/gpu.md`` and ``gpu.json`` (or into ``--out``). Without CUDA it runs the
 **CPU smoke version** (tiny models, 2 peers, few steps, bf16 autocast standing in for fp16) and writes into a
-temporary folder (or ``--out``), never over the committed results; tests/swarm/test_gpu_check.py runs it.
+temporary folder (or ``--out``), never over the committed results; tests/swarm/test_gpu_check.py runs it. The smoke
+version runs its three parts at once (none of its figures is timed against another part's; on a GPU one part runs
+after the other, each with the card to itself).
 Exit status 1 if an AMP swarm check failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -197,14 +201,26 @@ def main(argv: list[str] | None = None) -> int:
     runs = {"swarms": lambda: run_swarms(work / "swarms", smoke, cases, 150 if smoke else 300),
             "step": lambda: gpu_step.run(work / "step", smoke),
             "memory": lambda: gpu_memory.run(work / "memory", smoke)}
-    for part, run in runs.items():
-        if part not in parts:
-            continue
-        result[part] = run()
-        result["seconds"] = time.monotonic() - started
-        write_json(out / "gpu.json", result)  # after each part: a run stopped later still leaves these
-        (out / "gpu.md").write_text(report(result))
-        print(f"gpu-check: {part} done after {result['seconds']:.0f} s", flush=True)
+    runs = {part: run for part, run in runs.items() if part in parts}
+    written = threading.Lock()
+
+    def run_part(part: str) -> None:
+        value = runs[part]()
+        with written:
+            result[part] = value
+            result["seconds"] = time.monotonic() - started
+            write_json(out / "gpu.json", result)  # after each part: a run stopped later still leaves these
+            (out / "gpu.md").write_text(report(result))
+            print(f"gpu-check: {part} done after {result['seconds']:.0f} s", flush=True)
+
+    if smoke:  # the parts at once: each is a few processes that mostly wait (no figure of the smoke version is timed
+        # against another part's), and the smoke is the swarm tests' (tests/swarm/test_gpu_check.py)
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(runs))) as pool:
+            for future in [pool.submit(run_part, part) for part in runs]:
+                future.result()
+    else:  # one part after the other: the step timings and the memory peaks must have the GPU to themselves
+        for part in runs:
+            run_part(part)
     print(report(result), flush=True)
     print(f"wrote {out / 'gpu.md'} and {out / 'gpu.json'}; working files in {work}", flush=True)
     return 0 if result["swarms"]["ok"] else 1

@@ -1,6 +1,7 @@
 """The CPU smoke version of ``python3 scripts/dev.py gpu-check`` (benchmarks/gpu_check.py), so that the script a lent
 GPU machine runs cannot rot between the times one is at hand: AMP swarms of 2 peer processes in every adapter (each
-peer injects one overflow), the local-step timing loop and the memory measurement on a tiny model."""
+peer injects one overflow), the local-step timing loop and the memory measurement on a tiny model. The smoke runs its
+three parts at once (benchmarks/gpu_check.py: on a GPU one after the other)."""
 
 from __future__ import annotations
 
