@@ -263,6 +263,7 @@ def main(config_path: str) -> None:
         result["lrs"][str(copt.local_epoch)] = copt.get_lr()[0]
         epoch_params = {}
         progress = {"epoch": copt.local_epoch, "in_sync": True}
+        write_json(progress_file, progress)  # (a joiner that starts at the last epoch takes no step that writes it)
         while (not at_finish_line(cfg, copt.local_epoch, target_epoch(cfg, epochs), progress["in_sync"])
                and time.monotonic() < deadline):
             step_samples = 0

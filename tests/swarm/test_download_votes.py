@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 HONEST = ("h0", "h1", "h2")
 ALTERED = 1000.0  # what the hostile peer adds to the parameters it serves
 SAME = 1e-6
-BASE = dict(target_batch_size=640, epochs=4, batch_sizes=[16], lr=0.05, step_sleep=0.05, max_seconds=60,
+BASE = dict(target_batch_size=640, epochs=5, batch_sizes=[16], lr=0.05, step_sleep=0.05, max_seconds=60,
             model_seed=0, save_epoch_params=True, options=dict(matchmaking_time=1.0, averaging_timeout=10.0))
 
 
