@@ -82,13 +82,12 @@ def test_accelerate_fp16_scaler_with_reused_buffers_equals_fp32_and_bf16_trains(
     through accelerate gives the fp32 update exactly; bf16 autocast trains and keeps ranks identical."""
     common = dict(target_batch_size=160, epochs=3, lr=0.5, gamma=GAMMA, reuse=True, clip=1e6, step_sleep=0.0,
                   exact_epochs=True)
+    # three lone nodes, each in a swarm of its own (its own run id), started together
     procs = {
         name: launch(tmp_path, name, dict(common, run_id=unique_run_id(f"acc_{name}"), **extra))
-        for name, extra in {"fp32": {}, "fp16": {"emulate_fp16": True}}.items()
+        for name, extra in {"fp32": {}, "fp16": {"emulate_fp16": True}, "bf16": {"mixed_precision": "bf16"}}.items()
     }
     finish(procs, timeout=150)
-    bf16 = launch(tmp_path, "bf16", dict(common, run_id=unique_run_id("acc_bf16"), mixed_precision="bf16"))
-    finish({"bf16": bf16}, timeout=120)
 
     params = {name: [read_params(tmp_path, f"{name}.rank{r}") for r in (0, 1)] for name in ("fp32", "fp16", "bf16")}
     for name, (a, b) in params.items():
