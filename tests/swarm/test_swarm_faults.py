@@ -37,9 +37,15 @@ def wait_for_epoch(tmp_path, proc, name, epoch, timeout=90.0) -> None:
         time.sleep(0.05)
 
 
+# The swarm fills these tests' epochs (480 samples) in about 0.5 s: with the harness's matchmaking_time of 2 s every
+# epoch waited about 1.5 s for its gradient round's group. What they check does not depend on how long a round
+# gathers its group, and groups of 2-3 peers on loopback form within a second, also in a fresh-clone suite
+FAST_ROUNDS = dict(matchmaking_time=1.0)
+
+
 def test_late_joiner_holds_swarm_parameters_before_first_contribution(tmp_path, bootstrap):
     base = dict(run_id=unique_run_id("late"), target_batch_size=480, epochs=6, lr=0.3, step_sleep=0.05,
-                save_epoch_params=True, finish_with=finish_line(tmp_path, "a", "b", "late"))
+                save_epoch_params=True, finish_with=finish_line(tmp_path, "a", "b", "late"), options=FAST_ROUNDS)
     procs = {
         "a": start_peer(tmp_path, "a", dict(base, seed=1, model_seed=1, wait_peers=2), bootstrap),
         "b": start_peer(tmp_path, "b", dict(base, seed=2, model_seed=2, wait_peers=2), bootstrap),
@@ -65,8 +71,12 @@ def test_late_joiner_holds_swarm_parameters_before_first_contribution(tmp_path, 
 
 
 def test_sigkill_one_of_three_peers_the_others_keep_training_in_sync(tmp_path, bootstrap):
+    # averaging_timeout 10 s, not 30 s: the killed peer's progress record counts it as present for a round
+    # (matchmaking_time + averaging_timeout, collabopt/engine/lineage_check.py present_peers), and until then every
+    # parameter round of the survivors waits out its matchmaking_time for it (the group size hint is off)
     base = dict(run_id=unique_run_id("kill"), target_batch_size=480, epochs=7, lr=0.3, step_sleep=0.05,
-                model_seed=0, wait_peers=3, finish_with=finish_line(tmp_path, "a", "b"))  # not c: it is killed
+                model_seed=0, wait_peers=3, finish_with=finish_line(tmp_path, "a", "b"),  # not c: it is killed
+                options=dict(FAST_ROUNDS, averaging_timeout=10.0))
     procs = {name: start_peer(tmp_path, name, dict(base, seed=i), bootstrap) for i, name in enumerate("abc")}
     wait_for_epoch(tmp_path, procs["a"], "a", 2)
     killed_at = progress_epoch(tmp_path, "c")
