@@ -36,6 +36,10 @@ MIN_VOTES = 2  # one peer's fingerprint is no majority: it could be the hostile 
 READ_TIMEOUT = 10.0  # seconds a read of the votes may take
 
 
+class VotesUnreadable(RuntimeError):
+    """The swarm's votes could not be read: the download is tried again rather than made unverified."""
+
+
 class Vote(NamedTuple):
     """One peer's vote: it serves the state of ``epoch``, whose parameters have this ``fingerprint``."""
 
@@ -116,10 +120,15 @@ class DownloadVotes:
             self.vote(*self._last)
 
     def read(self) -> list[Vote]:
-        """Every peer's newest vote, each record checked on its own (signature, size, schema)."""
-        records = read_run_records(self.dht, self.run_id, READ_TIMEOUT, kinds=("fingerprints",)).fingerprints
+        """Every peer's newest vote, each record checked on its own (signature, size, schema). Raises
+        :class:`VotesUnreadable` if no other DHT node answered within :data:`READ_TIMEOUT`: a read that failed is
+        not an empty ballot, which would let the download go unverified."""
+        found = read_run_records(self.dht, self.run_id, READ_TIMEOUT, kinds=("fingerprints",))
+        if found.sources == 0:
+            raise VotesUnreadable(f"no DHT node answered the read of {self.key} within {READ_TIMEOUT:.0f} s: the "
+                                  f"download waits for the swarm's votes (it tries again)")
         return [Vote(record["peer_id"], record["epoch"], record["fingerprint"])
-                for record, _expiration in records.values() if record is not None]
+                for record, _expiration in found.fingerprints.values() if record is not None]
 
 
 class VerifiedDownloads(DecentralizedAverager):
@@ -176,5 +185,5 @@ class VerifiedDownloads(DecentralizedAverager):
         return peers
 
 
-__all__ = ["MIN_VOTES", "VOTE_TTL", "DownloadVotes", "VerifiedDownloads", "Vote", "majority", "newest_majority",
-           "refusal", "sources"]
+__all__ = ["MIN_VOTES", "VOTE_TTL", "DownloadVotes", "VerifiedDownloads", "Vote", "VotesUnreadable", "majority",
+           "newest_majority", "refusal", "sources"]

@@ -80,7 +80,8 @@ def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
             except KeyboardInterrupt:
                 raise
             except BaseException as e:
-                logger.warning("collabopt: downloading the swarm's state failed (%r): trying again", e)
+                logger.warning("collabopt: downloading the swarm's state failed (%r): trying again in 1 s", e)
+                time.sleep(1.0)  # (a failure that came at once, e.g. no DHT node to ask, is not retried in a spin)
         after_download(optimizer)
 
 

@@ -166,3 +166,17 @@ def test_a_re_synchronization_s_preferred_peers_come_first_among_those_that_clai
     monkeypatch.setattr(VerifiedDownloads, "_serving_peers", lambda self: {"a": 6.0, "b": 5.0})
     ballot = votes(("a", 5, H), ("b", 5, H))
     assert sources(ballot, avg._serving_peers(), 5, H, "me") == ["b", "a"]
+
+
+def test_a_read_of_the_votes_that_no_node_answered_is_an_error_not_an_empty_ballot(monkeypatch):
+    """An empty ballot downloads unverified (the swarm's first votes); a failed read must not: it is retried."""
+    from collabopt.engine import download_votes
+    from collabopt.engine.records import RunRecords
+
+    answered = RunRecords()
+    monkeypatch.setattr(download_votes, "read_run_records", lambda *args, **kwargs: answered)
+    reader = download_votes.DownloadVotes(dht=None, records_dht=None, run_id="run", public_key=b"k")
+    with pytest.raises(download_votes.VotesUnreadable, match="run_fingerprints"):
+        reader.read()  # (no node answered: sources 0)
+    answered.sources = 2
+    assert reader.read() == []
