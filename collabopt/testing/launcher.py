@@ -33,9 +33,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MAX_LAUNCHERS", "PER_PROCESS", "PRELOAD", "Forked", "Launcher", "launcher_for", "spawn"]
+__all__ = ["IMPORT_LOCKS", "MAX_LAUNCHERS", "PER_PROCESS", "PRELOAD", "Forked", "Launcher", "launcher_for", "spawn"]
 
 PRELOAD = ("numpy", "torch", "hivemind")
+# (module, class, attribute) of the multiprocessing locks the preloaded modules make at import: semaphores a fork
+# shares with every sibling, so each child gets its own (:func:`_fresh_import_locks`)
+IMPORT_LOCKS = (("hivemind.utils.mpfuture", "SharedBytes", "_lock"),
+                ("hivemind.utils.mpfuture", "MPFuture", "_initialization_lock"),
+                ("hivemind.utils.mpfuture", "MPFuture", "_update_lock"),
+                ("hivemind.utils.asyncio", "_AsyncContextWrapper", "EXECUTOR_LOCK"))
 # variables no preloaded module reads at import: they may differ between a launcher's children
 PER_PROCESS = frozenset({"PYTHONPATH", "INITIAL_PEERS", "PYTEST_CURRENT_TEST"})
 MAX_LAUNCHERS = 6  # each holds ~300 MB: a variable that differs in every child must not start one per child
@@ -297,6 +303,7 @@ def _run(request: dict[str, Any], ready_w: int, base_path: list[str]) -> None:
         sys.modules["numpy.random"].seed()
     if "torch" in sys.modules:
         sys.modules["torch"].seed()
+    _fresh_import_locks()
     main = types.ModuleType("__main__")
     main.__builtins__, main.__annotations__ = builtins, {}
     sys.modules["__main__"] = main
@@ -313,6 +320,18 @@ def _run(request: dict[str, Any], ready_w: int, base_path: list[str]) -> None:
     main.__file__, main.__cached__ = path, None
     main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
     exec(compile(source, path, "exec"), main.__dict__)
+
+
+def _fresh_import_locks() -> None:
+    """In the child: new locks for :data:`IMPORT_LOCKS`, as a fresh import makes. The launcher's are shared by all
+    its children, and one killed while holding one (a test's SIGKILL) blocked every sibling at its next use: the
+    rest of a suite hung (reproduced with ``SharedBytes._lock``)."""
+    import multiprocessing
+
+    for module_name, owner, attribute in IMPORT_LOCKS:
+        module = sys.modules.get(module_name)
+        if module is not None:
+            setattr(getattr(module, owner), attribute, multiprocessing.Lock())
 
 
 def _main() -> None:

@@ -196,3 +196,52 @@ def test_one_launcher_serves_every_environment_that_differs_only_in_per_process_
     with pytest.raises(RuntimeError, match="COLLABOPT_TEST_VARIABLE"):
         for i in range(launcher.MAX_LAUNCHERS + 1):
             launcher.launcher_for(env(COLLABOPT_TEST_VARIABLE=str(i)))
+
+
+def test_every_multiprocessing_lock_hivemind_makes_at_import_is_made_anew_in_each_child():
+    """A semaphore made at import (by ``import hivemind``, as the launcher preloads it) is shared by all the
+    launcher's children: the list must hold every one (a new hivemind release may add some)."""
+    import multiprocessing.synchronize
+
+    import hivemind  # noqa: F401
+
+    found = set()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("hivemind"):
+            continue
+        for owner_name, owner in vars(module).items():
+            holders = [(None, owner)] + ([(owner_name, owner)] if isinstance(owner, type) else [])
+            for holder_name, holder in holders:
+                attributes = vars(holder) if holder_name else {owner_name: owner}
+                for attribute, value in attributes.items():
+                    if isinstance(value, multiprocessing.synchronize.SemLock) and getattr(
+                            holder, "__module__", name) == name:
+                        found.add((name, holder_name, attribute))
+    assert found == set(launcher.IMPORT_LOCKS)
+
+
+def test_a_child_killed_holding_an_import_lock_does_not_block_the_next_child(tmp_path, monkeypatch):
+    """The suite-wide hang: a peer SIGKILLed inside hivemind's SharedBytes lock left every later forked process
+    blocked at its first MPFuture."""
+    monkeypatch.setattr(launcher, "PRELOAD", ("hivemind",))
+    (tmp_path / "holder.py").write_text(
+        "import time\nfrom hivemind.utils.mpfuture import SharedBytes, MPFuture\n"
+        "from hivemind.utils.asyncio import _AsyncContextWrapper\n"
+        "for lock in (SharedBytes._lock, MPFuture._initialization_lock, MPFuture._update_lock,\n"
+        "             _AsyncContextWrapper.EXECUTOR_LOCK):\n"
+        "    lock.acquire()\n"
+        "print('holding', flush=True)\ntime.sleep(60)\n")
+    (tmp_path / "next.py").write_text(
+        "from hivemind.utils.mpfuture import MPFuture\nfrom hivemind.utils.asyncio import _AsyncContextWrapper\n"
+        "MPFuture()\n_AsyncContextWrapper.get_process_wide_executor()\nprint('done', flush=True)\n")
+    holder = processes.Process([sys.executable, str(tmp_path / "holder.py")], tmp_path / "holder.log",
+                               env=env(OMP_NUM_THREADS="1"), fork=True)
+    with holder:
+        deadline = time.monotonic() + 60
+        while "holding" not in holder.log():
+            assert holder.poll() is None and time.monotonic() < deadline, holder.log()
+            time.sleep(0.05)
+        holder.signal(signal.SIGKILL)
+        assert holder.wait(10) == -signal.SIGKILL
+    code = run([sys.executable, str(tmp_path / "next.py")], tmp_path / "next.log", True, env(OMP_NUM_THREADS="1"))
+    assert code == 0 and "done" in (tmp_path / "next.log").read_text()
