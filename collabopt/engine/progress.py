@@ -53,6 +53,22 @@ def _record_time(record: Any) -> float | None:
     return stamp if isinstance(stamp, float) else None
 
 
+def _newest_time_per_peer(metadata: dict) -> tuple[float, ...]:
+    """The ``time`` of each peer's newest record (by the record's ``peer_id``). A peer restarted with its identity
+    stores its record under a new key (hivemind signs with a key made per process), and the dead process's record
+    stays until it expires: counted apart, it made the peer look present twice (docs/decisions.md, "Group size
+    hint"). Only the times are merged: the records themselves count as hivemind counts them, as a record's
+    ``peer_id`` is not bound to its signer."""
+    newest: dict[Any, float] = {}
+    for key, record in metadata.items():
+        stamp = _record_time(record)
+        if stamp is not None:
+            peer = record.value.get("peer_id")
+            peer = peer if isinstance(peer, (bytes, str)) else key
+            newest[peer] = max(stamp, newest.get(peer, stamp))
+    return tuple(newest.values())
+
+
 def _record_not_older_than(record: Any, oldest: float) -> Any:
     """A progress record whose ``time`` is at least ``oldest``: as it was, or a copy with ``time = oldest``; anything
     else as it was (hivemind's parser skips what it cannot read)."""
@@ -270,7 +286,7 @@ class SwarmProgressTracker(ProgressTracker):
         extrapolation of idle peers"."""
         if isinstance(metadata, dict):
             metadata = self._with_own_progress_now(metadata)
-            self.record_times = tuple(t for t in map(_record_time, metadata.values()) if t is not None)
+            self.record_times = _newest_time_per_peer(metadata)
             oldest = get_dht_time() - self.extrapolation_limit()
             metadata = {key: _record_not_older_than(record, oldest) for key, record in metadata.items()}
         counted = self._capped(metadata) if self.cap_claims and isinstance(metadata, dict) else metadata

@@ -195,3 +195,19 @@ def test_a_view_counts_this_peers_own_samples_as_they_are_now_not_as_its_last_st
     # no record of this peer stored (hivemind's reporter skips a peer two epochs behind): none is made up
     view = tracker._parse_swarm_progress_data({b"other": record(age=0.0, samples=16, rate=320.0)})
     assert view.samples_accumulated == 16 and view.num_peers == 1
+
+
+def test_a_peer_restarted_with_its_identity_is_one_present_peer_not_two():
+    """hivemind signs each process's record with a key of its own: the dead process's record stays beside the new
+    one until it expires, and the group size hint counted the peer twice (churn: every parameter round then waited
+    out matchmaking_time)."""
+    def of(peer: bytes, age: float):
+        value = record(age=age, samples=16, rate=320.0)
+        return ValueWithExpiration(dict(value.value, peer_id=peer), value.expiration_time)
+
+    from hivemind.utils import get_dht_time
+
+    tracker = parsing_tracker()
+    tracker._parse_swarm_progress_data({b"key1": of(b"a", 20.0), b"key2": of(b"a", 0.1), b"key3": of(b"b", 0.2)})
+    assert len(tracker.record_times) == 2
+    assert all(get_dht_time() - stamp < 1.0 for stamp in tracker.record_times)  # peer a's newest record counts
