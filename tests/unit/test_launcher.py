@@ -193,9 +193,14 @@ def test_one_launcher_serves_every_environment_that_differs_only_in_per_process_
                    env(INITIAL_PEERS=str(i), PYTHONPATH=str(i))) == 0
         pids.add(launcher.launcher_for(env()).popen.pid)
     assert len(pids) == 1
-    with pytest.raises(RuntimeError, match="COLLABOPT_TEST_VARIABLE"):
-        for i in range(launcher.MAX_LAUNCHERS + 1):
-            launcher.launcher_for(env(COLLABOPT_TEST_VARIABLE=str(i)))
+    before = set(launcher._launchers)
+    try:
+        with pytest.raises(RuntimeError, match="COLLABOPT_TEST_VARIABLE"):
+            for i in range(launcher.MAX_LAUNCHERS + 1):
+                launcher.launcher_for(env(COLLABOPT_TEST_VARIABLE=str(i)))
+    finally:  # the launchers it filled up: the next tests need room for theirs
+        for key in set(launcher._launchers) - before:
+            launcher._launchers.pop(key).close()
 
 
 def test_every_multiprocessing_lock_hivemind_makes_at_import_is_made_anew_in_each_child():
