@@ -15,6 +15,7 @@ The fingerprint is three sums: a server can craft other parameters with the same
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -145,24 +146,30 @@ class VerifiedDownloads(DecentralizedAverager):
             return super().load_state_from_peers(wait=wait, timeout=timeout)  # type: ignore[misc]
         if not wait:
             raise ValueError("a verified download waits for the state (wait=True): it checks it before installing it")
-        ballot = votes.read()
+        try:
+            ballot = votes.read()
+        except VotesUnreadable as e:  # nothing downloaded: the caller's loop tries again later
+            logger.warning(f"collabopt: {e}")
+            return None
         newest = newest_majority(ballot)
         if newest is None:
-            logger.info(f"collabopt: no fingerprint is held by most of the swarm's {len(ballot)} vote(s): this "
-                        f"download is not verified")
-            return super().load_state_from_peers(wait=True, timeout=timeout)  # type: ignore[misc]
+            return self._without_majority(ballot, timeout)
         num_parameters = sum(len(group["params"]) for group in self.optimizer.param_groups)  # type: ignore
         for peer in sources(ballot, self._serving_peers(), *newest, me=self.dht.peer_id.to_base58()):  # type: ignore
             self.only_sources([peer])  # type: ignore[attr-defined]
             try:
                 loaded = super().load_state_from_peers(wait=True, timeout=timeout)  # type: ignore[misc]
+            except Exception as e:  # one peer's failure (a timeout, a broken stream): the next peer is tried
+                logger.warning(f"collabopt: downloading the state from {peer} failed ({e!r}): trying the next peer")
+                continue
             finally:
                 self.only_sources([])  # type: ignore[attr-defined]
             if loaded is None:
                 continue  # it served nothing: hivemind's loop found no other peer to try
             epoch = loaded[0].get("epoch") if isinstance(loaded[0], dict) else None
             if type(epoch) is int and majority(ballot, epoch) is None:  # the servers moved on: read their new votes
-                ballot = votes.read()
+                with contextlib.suppress(VotesUnreadable):
+                    ballot = votes.read()
             reason = refusal(*loaded, num_parameters, ballot)
             if reason is None:
                 return loaded
@@ -170,6 +177,19 @@ class VerifiedDownloads(DecentralizedAverager):
                            f"trying the next peer")
         logger.warning(f"collabopt: no peer sent the state most of the swarm holds (epoch {newest[0]}): nothing "
                        f"downloaded")
+        return None
+
+    def _without_majority(self, ballot: Sequence[Vote], timeout: float | None) -> Any:
+        """A download where no fingerprint has a majority. With fewer than :data:`MIN_VOTES` votes (the swarm's
+        first epochs, one server) it is hivemind's, unverified; with more, nothing is downloaded now: votes that
+        disagree are a handover between epochs or a hostile vote, and an unverified install would let a hostile
+        server's state win the next majority (the installer votes for it)."""
+        if len(ballot) < MIN_VOTES:
+            logger.warning(f"collabopt: {len(ballot)} vote(s) of the swarm's fingerprint, fewer than {MIN_VOTES}: "
+                           f"this download is not verified")
+            return super().load_state_from_peers(wait=True, timeout=timeout)  # type: ignore[misc]
+        logger.warning(f"collabopt: the swarm's {len(ballot)} votes hold no fingerprint most of them share: nothing "
+                       f"downloaded now (tried again later)")
         return None
 
     def _serving_peers(self) -> dict[str, float]:

@@ -45,6 +45,10 @@ class SyncLoop(PeerLoop):
         self._exact_check_due = True  # once an epoch, a fresh view of the swarm must show this peer's epoch exactly
         super().__init__(**kwargs)
         self.sync_state.checks_lineage = takes_part_in_lineage_check(self)
+        if self.state_averager.votes is not None and not self.sync_state.checks_lineage and not self.auxiliary:
+            logger.warning("collabopt: with these options (use_local_updates, delay_optimizer_step, "
+                           "delay_grad_averaging or delay_state_averaging) a peer casts no vote for the state it "
+                           "serves, so downloads are not verified against the swarm's majority (docs/faults.md)")
 
     def _make_gradient_averager(self, factory: Any, **kwargs: Any) -> Any:
         averager = super()._make_gradient_averager(factory, **kwargs)

@@ -115,14 +115,45 @@ def test_a_refused_state_leaves_the_parameters_as_they_were(averager, caplog):
     assert "no peer sent the state most of the swarm holds" in caplog.text
 
 
-def test_without_a_majority_the_download_is_hivemind_s_and_says_so(averager, caplog, monkeypatch):
-    caplog.set_level("INFO")
+def test_without_a_majority_only_a_swarm_of_one_vote_downloads_unverified(averager, caplog, monkeypatch):
+    """Votes that disagree download nothing (an unverified install would make a hostile server's state the next
+    majority); fewer than two votes (the swarm's first epochs, one server) download as hivemind does, logged."""
+    calls = []
+    monkeypatch.setattr(DecentralizedAverager, "load_state_from_peers",
+                        lambda self, wait=True, timeout=None: calls.append(1))
     averager.averager.votes = SimpleNamespace(read=lambda: votes(("a", 5, H), ("x", 5, X)))
-    monkeypatch.setattr(DecentralizedAverager, "load_state_from_peers", lambda self, wait=True, timeout=None: None)
-    assert averager.averager.load_state_from_peers(timeout=1.0) is None
-    assert "this download is not verified" in caplog.text
+    assert averager.averager.load_state_from_peers(timeout=1.0) is None and calls == []
+    assert "hold no fingerprint most of them share: nothing downloaded" in caplog.text
+    averager.averager.votes = SimpleNamespace(read=lambda: votes(("a", 5, H)))
+    averager.averager.load_state_from_peers(timeout=1.0)
+    assert calls == [1] and "this download is not verified" in caplog.text
     with pytest.raises(ValueError, match="wait=True"):
         VerifiedDownloads.load_state_from_peers(averager.averager, wait=False)
+
+
+def test_a_failed_read_or_source_downloads_nothing_unverified_and_the_next_source_is_tried(averager, caplog,
+                                                                                           monkeypatch):
+    from collabopt.engine.download_votes import VotesUnreadable
+
+    def unreadable():
+        raise VotesUnreadable("no DHT node answered")
+
+    honest_votes = averager.averager.votes
+    averager.averager.votes = SimpleNamespace(read=unreadable)
+    assert averager.averager.load_state_from_peers(timeout=1.0) is None and averager.asked == []
+    averager.averager.votes = honest_votes
+    download = DecentralizedAverager.load_state_from_peers
+
+    def first_fails(self, wait=True, timeout=None):
+        if not averager.asked:
+            averager.asked.append("timed out")
+            raise TimeoutError("a slow stream")
+        return download(self, wait=wait, timeout=timeout)
+
+    monkeypatch.setattr(DecentralizedAverager, "load_state_from_peers", first_fails)
+    averager.averager.load_state_from_peers(timeout=1.0)
+    assert "failed (TimeoutError" in caplog.text and len(averager.asked) == 2
+    assert all(torch.equal(p, h) for p, h in zip(averager.params, HONEST, strict=True))
 
 
 def test_the_lineage_check_reuses_the_vote_s_fingerprint_while_the_parameters_stay_as_they_were(monkeypatch):
