@@ -97,6 +97,12 @@ def write_json(path: str | Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
+def fork(netns: str | None = None) -> bool:
+    """Whether to fork a benchmark process from a launcher (:mod:`collabopt.testing.launcher`): only where
+    COLLABOPT_BENCHMARK_FORK=1 (the swarm tests set it; a user's run starts each process fresh), never into a netns."""
+    return os.environ.get("COLLABOPT_BENCHMARK_FORK") == "1" and netns is None
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for benchmark subprocesses: the harness's (one intra-op thread, no inherited peers), quiet
     hivemind, and the repository on PYTHONPATH (``python -m benchmarks.peer``)."""
@@ -105,12 +111,14 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def run_module(module: str, config: dict[str, Any], workdir: Path, timeout: float, name: str) -> dict[str, Any]:
-    """Run ``python -m <module> <config.json>`` in a fresh process; return the JSON it wrote to ``config['out']``."""
+    """Run ``python -m <module> <config.json>`` in a process of its own (:func:`fork`); return the JSON it wrote to
+    ``config['out']``."""
     config = dict(config, out=str(workdir / f"{name}.json"))
     config_path = workdir / f"{name}.config.json"
     write_json(config_path, config)
     log_path = workdir / f"{name}.log"
-    with Process([sys.executable, "-m", module, str(config_path)], log_path, env=child_env(), cwd=ROOT) as proc:
+    with Process([sys.executable, "-m", module, str(config_path)], log_path, env=child_env(), cwd=ROOT,
+                 fork=fork()) as proc:
         code = proc.wait(timeout)  # leaving the block kills what is left (stray hivemind children: p2pd, averagers)
     if code is None:
         raise RuntimeError(f"{module} ({name}) ran past {timeout:.0f} s; log: {log_path}")

@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 
 from benchmarks import scale_report
-from benchmarks.common import ROOT, child_env, machine_info, write_json
+from benchmarks.common import ROOT, child_env, fork, machine_info, write_json
 from benchmarks.swarmrun import start_bootstrap
 from collabopt.testing.processes import Process
 
@@ -49,7 +49,7 @@ def _start(workdir: Path, name: str, config: dict[str, Any]) -> Process:
     path = workdir / f"{name}.config.json"
     write_json(path, config)
     return Process([sys.executable, "-m", "benchmarks.scale_peer", str(path)], workdir / f"{name}.log",
-                   env=child_env(), cwd=ROOT)
+                   env=child_env(), cwd=ROOT, fork=fork())
 
 
 def _wait(paths: list[Path], procs: list[Process], timeout: float) -> bool:

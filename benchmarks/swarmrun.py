@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, child_env, median, write_json
+from benchmarks.common import ROOT, child_env, fork, median, write_json
 from collabopt.testing import processes
 from collabopt.testing.processes import Process
 
@@ -17,7 +17,7 @@ from collabopt.testing.processes import Process
 def start_bootstrap(workdir: Path, host: str = "127.0.0.1", netns: str | None = None) -> tuple[Process, str]:
     """Start ``collabopt dht`` (no relay) listening on ``host``; return it and its INITIAL_PEERS value."""
     return processes.start_bootstrap(workdir, name=f"bootstrap_{netns or 'lo'}", host=host, dht_args=["--no-relay"],
-                                     env=child_env(), cwd=ROOT, netns=netns)
+                                     env=child_env(), cwd=ROOT, netns=netns, fork=fork(netns))
 
 
 def run_peers(workdir: Path, name: str, configs: list[dict[str, Any]], timeout: float,
@@ -40,7 +40,8 @@ def run_peers(workdir: Path, name: str, configs: list[dict[str, Any]], timeout: 
                                          launched=time.time()))
             ns = netns[i] if netns else None
             procs.append(Process([sys.executable, "-m", "benchmarks.peer", str(config_path)],
-                                 workdir / f"{name}_{i}.log", env=child_env(), cwd=ROOT, netns=ns))
+                                 workdir / f"{name}_{i}.log", env=child_env(), cwd=ROOT, netns=ns,
+                                 fork=fork(ns)))
             outs.append(out)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not all(r.exists() or p.poll() is not None

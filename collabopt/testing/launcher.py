@@ -43,7 +43,7 @@ IMPORT_LOCKS = (("hivemind.utils.mpfuture", "SharedBytes", "_lock"),
                 ("hivemind.utils.mpfuture", "MPFuture", "_update_lock"),
                 ("hivemind.utils.asyncio", "_AsyncContextWrapper", "EXECUTOR_LOCK"))
 # variables no preloaded module reads at import: they may differ between a launcher's children
-PER_PROCESS = frozenset({"PYTHONPATH", "INITIAL_PEERS", "PYTEST_CURRENT_TEST"})
+PER_PROCESS = frozenset({"PYTHONPATH", "INITIAL_PEERS", "PYTEST_CURRENT_TEST", "COLLABOPT_BENCHMARK_FORK"})
 MAX_LAUNCHERS = 6  # each holds ~300 MB: a variable that differs in every child must not start one per child
 _MESSAGE = 1 << 20
 _launchers: dict[tuple[object, ...], Launcher] = {}

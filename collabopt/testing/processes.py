@@ -6,8 +6,9 @@ file that only the child holds open.
 
 A process is started fresh with ``subprocess`` unless ``fork=True``: then it is forked from a launcher that imported
 torch, numpy and hivemind once (:mod:`collabopt.testing.launcher`), which saves each process those imports (1.5 s of
-CPU). The tests fork their peers; the demo and the benchmarks start them fresh, as a user would, and so does a
-process in a network namespace (``ip netns exec`` is a process of its own).
+CPU). The tests fork their peers (and the benchmarks' under the swarm tests: ``benchmarks.common.fork``); the demo
+and the benchmarks start them fresh, as a user would, and so does a process in a network namespace (``ip netns exec``
+is a process of its own).
 
 Standard library only: ``collabopt demo`` uses it, so it must not need the test or benchmark dependencies.
 """

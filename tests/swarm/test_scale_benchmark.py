@@ -17,10 +17,11 @@ from benchmarks.scale_report import CPU_KINDS, FIGURES, NOTES, value
 pytestmark = pytest.mark.swarm
 
 
-def test_smoke_run_reports_every_figure_for_2_and_4_peers(tmp_path):
+def test_smoke_run_reports_every_figure_for_2_and_4_peers(tmp_path, monkeypatch):
     """Each size's row holds the DHT bytes (by key), the CPU seconds by process, the boundary time, the group sizes
     and the joiners' download times, all measured (finite); the fits and the tables are in scale.md."""
     out = tmp_path / "results"
+    monkeypatch.setenv("COLLABOPT_BENCHMARK_FORK", "1")  # its processes forked from a launcher
     proc = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--smoke", "--out", str(out),
                            "--workdir", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
