@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks import gpu_memory, gpu_step
-from benchmarks.common import ROOT, child_env, machine_info, write_json
+from benchmarks.common import ROOT, child_env, fork, machine_info, write_json
 from benchmarks.gpu_swarm import CASES, slug
 from collabopt.testing import processes
 
@@ -63,7 +63,7 @@ def run_swarms(workdir: Path, smoke: bool, cases: list[str], timeout: float) -> 
     settings = dict(SWARM_SETTINGS["smoke" if smoke else "gpu"])
     workdir.mkdir(parents=True, exist_ok=True)
     env = child_env()
-    bootstrap, initial_peers = processes.start_bootstrap(workdir, env=env, cwd=ROOT)
+    bootstrap, initial_peers = processes.start_bootstrap(workdir, env=env, cwd=ROOT, fork=fork())
     peers: list[tuple[processes.Process, dict[str, Any]]] = []
     codes: list[int | None] = []
     run_prefix = f"gpucheck_{uuid.uuid4().hex[:8]}"  # a new run id per case and run: stale DHT records confuse peers
@@ -73,7 +73,8 @@ def run_swarms(workdir: Path, smoke: bool, cases: list[str], timeout: float) -> 
             path = workdir / f"peer{index}.config.json"
             write_json(path, cfg)
             proc = processes.Process([sys.executable, "-m", "benchmarks.gpu_swarm", str(path)],
-                                     workdir / f"peer{index}.log", env=dict(env, INITIAL_PEERS=initial_peers), cwd=ROOT)
+                                     workdir / f"peer{index}.log", env=dict(env, INITIAL_PEERS=initial_peers), cwd=ROOT,
+                                     fork=fork())
             peers.append((proc, cfg))
         deadline = time.monotonic() + timeout
         codes = [proc.wait(max(0.1, deadline - time.monotonic())) for proc, _ in peers]

@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,12 +48,18 @@ PER_PROCESS = frozenset({"PYTHONPATH", "INITIAL_PEERS", "PYTEST_CURRENT_TEST", "
 MAX_LAUNCHERS = 6  # each holds ~300 MB: a variable that differs in every child must not start one per child
 _MESSAGE = 1 << 20
 _launchers: dict[tuple[object, ...], Launcher] = {}
+_launchers_lock = threading.Lock()  # threads that start children at once (the GPU check's parts) share one
 
 
 def launcher_for(env: dict[str, str]) -> Launcher:
     """The running launcher (of the modules in :data:`PRELOAD`) for children with environment ``env``; started on
     first use, closed at exit."""
     key = (PRELOAD, *sorted((k, v) for k, v in env.items() if k not in PER_PROCESS))
+    with _launchers_lock:
+        return _launcher(key, env)
+
+
+def _launcher(key: tuple[object, ...], env: dict[str, str]) -> Launcher:
     if key not in _launchers:
         if len(_launchers) >= MAX_LAUNCHERS:
             first = next(iter(_launchers.values())).env

@@ -4,6 +4,7 @@ is gone is an error, never a silent fallback."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -201,6 +202,13 @@ def test_one_launcher_serves_every_environment_that_differs_only_in_per_process_
     finally:  # the launchers it filled up: the next tests need room for theirs
         for key in set(launcher._launchers) - before:
             launcher._launchers.pop(key).close()
+
+
+def test_threads_that_ask_at_once_for_a_new_environment_get_one_launcher(light):
+    """The GPU check's parts start their processes from threads at once: one launcher per environment still."""
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        found = list(pool.map(lambda _: launcher.launcher_for(env(COLLABOPT_TEST_THREADS="1")), range(4)))
+    assert len({id(one) for one in found}) == 1
 
 
 def test_every_multiprocessing_lock_hivemind_makes_at_import_is_made_anew_in_each_child():
