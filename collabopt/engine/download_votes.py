@@ -6,11 +6,13 @@ its parameters' fingerprint (:func:`collabopt.lineage.fingerprint`), in a record
 ``<run_id>_fingerprints`` (one vote per key; with a swarm key only members store records). A peer about to download
 reads the votes, tries first the peers whose vote is the fingerprint most voters hold (:func:`majority`), and
 installs a state only if its own parameters' fingerprint is the majority's at the epoch the state says it is
-(:func:`refusal`): a hostile server can lie in its vote, not in what it sends. A refused state is not installed;
-the next peer is tried. Without a majority (no votes yet: the swarm's first peer; two peers that disagree) the
-download is hivemind's, unverified, and the log says so in one line.
+(:func:`refusal`): a hostile server can lie in its vote; what it sends is checked. A refused state is not
+installed; the next peer is tried. With fewer than :data:`MIN_VOTES` votes (the swarm's first epochs) the download
+is hivemind's, unverified, and the log says so; votes that disagree download nothing
+(:meth:`VerifiedDownloads._without_majority`).
 
-The fingerprint is three sums: a server can craft other parameters with the same sums (docs/faults.md).
+The fingerprint is three sums: a server can craft other parameters with the same sums, a permutation of the honest
+ones among them (docs/faults.md).
 """
 
 from __future__ import annotations

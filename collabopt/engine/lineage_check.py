@@ -45,7 +45,6 @@ class SyncState:
     apart: bool = False  # its last gradient round was partial: its parameters are its own
     resync: Resync | None = None  # a re-synchronization it owes (the lineage check found it on another lineage)
     before_averaging: Callable[[], None] | None = None  # the core's last look at the accumulation at a boundary
-    fingerprint: tuple[Any, list[float]] | None = None  # the last vote's: ((epoch, version counters), fingerprint)
 
 
 def takes_part_in_lineage_check(optimizer: Any) -> bool:
@@ -58,34 +57,21 @@ def takes_part_in_lineage_check(optimizer: Any) -> bool:
 
 def lineage_metadata(optimizer: Any) -> dict[str, Any]:
     return {"epoch": int(optimizer.local_epoch), "serves": not optimizer.client_mode,
-            "apart": bool(optimizer.sync_state.apart), "lineage": parameters_fingerprint(optimizer)}
-
-
-def parameters_fingerprint(optimizer: Any) -> list[float]:
-    """The fingerprint of this peer's parameters: the one its last vote (:func:`vote_for_parameters`) computed
-    while the epoch and the parameters' version counters are still those it was computed at, else computed now."""
-    cached = optimizer.sync_state.fingerprint
-    if cached is not None and cached[0] == _fingerprint_key(optimizer):
-        return cached[1]
-    return lineage.fingerprint(optimizer.state_averager.main_parameters)
+            "apart": bool(optimizer.sync_state.apart),
+            "lineage": lineage.fingerprint(optimizer.state_averager.main_parameters)}
 
 
 def vote_for_parameters(optimizer: Any) -> None:
     """At the end of a boundary whose parameters are final (no parameter round goes on in the background), where
-    downloads are verified (:mod:`collabopt.engine.download_votes`): vote for the state this peer serves now. The
-    fingerprint is kept for the next gradient round's lineage metadata: every in-place write of this process bumps
-    a parameter's version counter, and no round writes them from the averager's process until the next boundary."""
+    downloads are verified (:mod:`collabopt.engine.download_votes`): vote for the state this peer serves now. (The
+    lineage metadata computes its own: a cached one went stale where a parameter round wrote the parameters from
+    the averager's process, which bumps no version counter of this one.)"""
     votes = optimizer.state_averager.votes
     if votes is None or not optimizer.sync_state.checks_lineage:
         return
     value = lineage.fingerprint(optimizer.state_averager.main_parameters)
-    optimizer.sync_state.fingerprint = (_fingerprint_key(optimizer), value)
     if lineage.valid_fingerprint(value):  # (non-finite parameters: no vote)
         votes.vote(int(optimizer.local_epoch), value)
-
-
-def _fingerprint_key(optimizer: Any) -> tuple[int, tuple[int, ...]]:
-    return int(optimizer.local_epoch), tuple(p._version for p in optimizer.state_averager.main_parameters)
 
 
 def out_of_sync(optimizer: Any) -> bool:
