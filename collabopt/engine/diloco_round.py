@@ -191,9 +191,9 @@ class DiLoCoLoop(PeerLoop):
         with self.tracker.pause_updates():
             progress, since = self.diloco.progress_to_keep(self)
             epoch, anchor = self.local_epoch, diloco_module.fingerprint(self.anchors)
-            downloaded = True
             try:
                 self.state_averager.load_state_from_peers(timeout=self.load_state_timeout)
+                downloaded = self.state_averager.handed_on  # (False: nobody served it, or its state was refused)
             except Exception as e:  # nobody could serve it now: the next step tries again
                 logger.warning("collabopt: downloading the swarm's state failed: %r", e)
                 downloaded = False

@@ -6,29 +6,35 @@ its parameters' fingerprint (:func:`collabopt.lineage.fingerprint`), in a record
 ``<run_id>_fingerprints`` (one vote per key; with a swarm key only members store records). A peer about to download
 reads the votes, tries first the peers whose vote is the fingerprint most voters hold (:func:`majority`), and
 installs a state only if its own parameters' fingerprint is the majority's at the epoch the state says it is
-(:func:`refusal`): a hostile server can lie in its vote; what it sends is checked. A refused state is not
-installed; the next peer is tried. With fewer than :data:`MIN_VOTES` votes (the swarm's first epochs) the download
-is hivemind's, unverified, and the log says so; votes that disagree download nothing
-(:meth:`VerifiedDownloads._without_majority`).
-
-The fingerprint is three sums: a server can craft other parameters with the same sums, a permutation of the honest
-ones among them (docs/faults.md).
+(:func:`refusal`) and it passes a secret challenge (:mod:`collabopt.engine.download_challenge`): other voters of
+that fingerprint answer random projections of what they serve. A hostile server can lie in its vote, and craft a
+state with the public fingerprint's three sums (a permutation of the honest parameters); not one that agrees with
+projections drawn after it was sent. A refused state is not installed; the next peer is tried, and a source refused
+for what it sent is tried last in the next :data:`REMEMBERED_DOWNLOADS` downloads. With fewer than
+:data:`MIN_VOTES` votes (the swarm's first epochs) the download is hivemind's, unverified, and the log says so; votes
+that disagree download nothing (:meth:`VerifiedDownloads._without_majority`).
 """
-
 from __future__ import annotations
 
 import contextlib
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
-from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import PeerID
 from hivemind.utils import ValueWithExpiration
 
 from collabopt.engine.compat import dht_time
+from collabopt.engine.download_challenge import (
+    CHALLENGE_TIMEOUT,
+    MAX_ANSWERERS,
+    ProjectionChallenges,
+    challenge_refusal,
+    new_seed,
+    projection,
+)
 from collabopt.engine.records import read_run_records
 from collabopt.lineage import fingerprint, same_fingerprint, valid_fingerprint
 
@@ -37,6 +43,7 @@ logger = logging.getLogger(__name__)
 VOTE_TTL = 300.0  # seconds a vote lives on the DHT; renewed at half of that while its peer trains
 MIN_VOTES = 2  # one peer's fingerprint is no majority: it could be the hostile one's
 READ_TIMEOUT = 10.0  # seconds a read of the votes may take
+REMEMBERED_DOWNLOADS = 3  # downloads after this one that try last a source whose state was refused
 
 
 class VotesUnreadable(RuntimeError):
@@ -71,13 +78,20 @@ def newest_majority(votes: Sequence[Vote]) -> tuple[int, list[float]] | None:
     return None
 
 
+def voters_of(votes: Sequence[Vote], epoch: int, expected: list[float]) -> set[str]:
+    """The peers whose vote is ``expected`` at ``epoch``."""
+    return {vote.peer_id for vote in votes if vote.epoch == epoch and same_fingerprint(vote.fingerprint, expected)}
+
+
 def sources(votes: Sequence[Vote], priorities: dict[str, float], epoch: int, expected: list[float],
-            me: str) -> list[str]:
+            me: str, avoid: Collection[str] = ()) -> list[str]:
     """The peers to download from, in order: those that serve their state (``priorities``: hivemind's, by base58
     peer id), but not ``me``; first those whose vote is ``expected`` at ``epoch``, each group by priority (a tie
-    drawn at random). A peer whose vote is another is still tried last: its state is checked as any other."""
-    claims = {vote.peer_id for vote in votes if vote.epoch == epoch and same_fingerprint(vote.fingerprint, expected)}
-    order = {peer: (peer in claims, priority, random.random()) for peer, priority in priorities.items() if peer != me}
+    drawn at random). A peer whose vote is another is still tried last: its state is checked as any other. Peers in
+    ``avoid`` (whose state was refused lately) come after all others."""
+    claims = voters_of(votes, epoch, expected)
+    order = {peer: (peer not in avoid, peer in claims, priority, random.random())
+             for peer, priority in priorities.items() if peer != me}
     return sorted(order, key=order.__getitem__, reverse=True)
 
 
@@ -134,15 +148,23 @@ class DownloadVotes:
                 for record, _expiration in found.fingerprints.values() if record is not None]
 
 
-class VerifiedDownloads(DecentralizedAverager):
+class VerifiedDownloads(ProjectionChallenges):
     """A mixin of the state averager, right after hivemind's ``TrainingStateAverager`` among its bases (so between
     it and ``DecentralizedAverager``): it sees each downloaded state before ``TrainingStateAverager`` installs it,
-    and hands on only one that :func:`refusal` passes. Active once :attr:`votes` is set; the class it is mixed into
-    provides ``only_sources`` (the averager process downloads from those peers only)."""
+    and hands on only one that :func:`refusal` and the challenge pass. Active once :attr:`votes` is set; the class
+    it is mixed into provides ``only_sources`` (the averager process downloads from those peers only).
+    :attr:`handed_on`: whether the last download handed a state on to be installed."""
 
     votes: DownloadVotes | None = None
+    handed_on = False
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
+        self.handed_on = False
+        loaded = self._load_verified(wait, timeout)
+        self.handed_on = loaded is not None
+        return loaded
+
+    def _load_verified(self, wait: bool, timeout: float | None) -> Any:
         votes = self.votes
         if votes is None:
             return super().load_state_from_peers(wait=wait, timeout=timeout)  # type: ignore[misc]
@@ -157,7 +179,12 @@ class VerifiedDownloads(DecentralizedAverager):
         if newest is None:
             return self._without_majority(ballot, timeout)
         num_parameters = sum(len(group["params"]) for group in self.optimizer.param_groups)  # type: ignore
-        for peer in sources(ballot, self._serving_peers(), *newest, me=self.dht.peer_id.to_base58()):  # type: ignore
+        me = self.dht.peer_id.to_base58()  # type: ignore[attr-defined]
+        refused = vars(self).setdefault("_refused_sources", {})  # peer -> downloads it is still tried last in
+        avoid = set(refused)
+        self._refused_sources = {peer: left - 1 for peer, left in refused.items() if left > 1}
+        unanswered = refused_any = False
+        for peer in sources(ballot, self._serving_peers(), *newest, me=me, avoid=avoid):
             self.only_sources([peer])  # type: ignore[attr-defined]
             try:
                 loaded = super().load_state_from_peers(wait=True, timeout=timeout)  # type: ignore[misc]
@@ -172,14 +199,42 @@ class VerifiedDownloads(DecentralizedAverager):
             if type(epoch) is int and majority(ballot, epoch) is None:  # the servers moved on: read their new votes
                 with contextlib.suppress(VotesUnreadable):
                     ballot = votes.read()
-            reason = refusal(*loaded, num_parameters, ballot)
+            reason, no_answer = refusal(*loaded, num_parameters, ballot), False
+            if reason is None:
+                reason, no_answer = self._challenge(peer, loaded, ballot, num_parameters, me)
             if reason is None:
                 return loaded
+            if no_answer:  # (the others moved on an epoch: its source may be honest, and is not remembered)
+                if not unanswered:
+                    logger.info(f"collabopt: the state {peer} sent is not installed: {reason}; trying the next "
+                                f"peer (the download is tried again)")
+                unanswered = True
+                continue
+            self._refused_sources[peer], refused_any = REMEMBERED_DOWNLOADS, True
             logger.warning(f"collabopt: refused the state {peer} sent ({reason}): nothing of it is installed; "
                            f"trying the next peer")
-        logger.warning(f"collabopt: no peer sent the state most of the swarm holds (epoch {newest[0]}): nothing "
-                       f"downloaded")
+        level = logging.INFO if unanswered and not refused_any else logging.WARNING  # (INFO: the swarm moved on)
+        logger.log(level, f"collabopt: no peer sent the state most of the swarm holds (epoch {newest[0]}): nothing "
+                          f"downloaded")
         return None
+
+    def _challenge(self, source: str, loaded: Any, ballot: Sequence[Vote], num_parameters: int,
+                   me: str) -> tuple[str | None, bool]:
+        """The secret challenge of a state ``source`` sent whose fingerprint passed (:func:`challenge_refusal`):
+        other voters of the majority's fingerprint at its epoch, never ``source``, answer projections of what they
+        serve. Returns the reason to refuse it (None: accepted), and whether that is a want of answers."""
+        epoch = loaded[0]["epoch"]
+        others = sorted(voters_of(ballot, epoch, majority(ballot, epoch) or []) - {source, me})
+        asked = random.sample(others, min(MAX_ANSWERERS, len(others)))
+        seed = new_seed()
+        pending = self.ask_projections(asked, seed, epoch) if asked else None  # (answered while this one computes)
+        own = projection(loaded[1][:num_parameters], seed)
+        try:
+            answers = {} if pending is None else pending.result(timeout=CHALLENGE_TIMEOUT + 5.0)
+        except Exception as e:  # (the averager's process did not answer: no answers)
+            logger.debug(f"collabopt: the download challenge got no answers ({e!r})")
+            answers = dict.fromkeys(asked)
+        return challenge_refusal(answers, epoch, own)
 
     def _without_majority(self, ballot: Sequence[Vote], timeout: float | None) -> Any:
         """A download where no fingerprint has a majority. With fewer than :data:`MIN_VOTES` votes (the swarm's
@@ -207,5 +262,5 @@ class VerifiedDownloads(DecentralizedAverager):
         return peers
 
 
-__all__ = ["MIN_VOTES", "VOTE_TTL", "DownloadVotes", "VerifiedDownloads", "Vote", "VotesUnreadable", "majority",
-           "newest_majority", "refusal", "sources"]
+__all__ = ["MIN_VOTES", "REMEMBERED_DOWNLOADS", "VOTE_TTL", "DownloadVotes", "VerifiedDownloads", "Vote",
+           "VotesUnreadable", "majority", "newest_majority", "refusal", "sources", "voters_of"]

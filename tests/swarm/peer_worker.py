@@ -154,8 +154,9 @@ def corrupt_reducer(scale: float) -> None:
     robust_averaging.ClippedPart.div_ = lambda self, denominator: honest(self, denominator) * scale
 
 
-def serve_altered(constant: float) -> None:
-    """Fault injection: this peer serves its parameters plus ``constant`` to those that download its state, and asks
+def serve_altered(constant: float | str) -> None:
+    """Fault injection: this peer serves its parameters plus ``constant`` (``"permuted"``: each tensor's values in
+    reverse order, whose fingerprint is the honest one) to those that download its state, and asks
     to be their first source (its priority raised by 1e6); it trains, and votes (``aggregation="centered_clip"``),
     with its real parameters, so its vote claims the honest peers' fingerprint (tests/swarm/test_download_votes.py)."""
     from collabopt.engine.state import ConsistentStateAverager
@@ -166,6 +167,9 @@ def serve_altered(constant: float) -> None:
     def get_current_state(self):
         metadata, tensors, infos = honest(self)
         count = sum(len(group["params"]) for group in self.optimizer.param_groups)
+        if constant == "permuted":  # the honest values, each tensor's in another order: the same three sums
+            return metadata, [t.reshape(-1).flip(0).reshape(t.shape) if i < count else t
+                              for i, t in enumerate(tensors)], infos
         return metadata, [t + constant if i < count else t for i, t in enumerate(tensors)], infos
 
     ConsistentStateAverager.get_current_state = get_current_state

@@ -1,11 +1,14 @@
 """A hostile member serves altered parameters and a late joiner arrives (issue 35, "A joiner downloads state only
-from a peer whose parameter fingerprint most of the swarm holds"; collabopt/engine/download_votes.py).
+from a peer whose parameter fingerprint most of the swarm holds"; collabopt/engine/download_votes.py and
+download_challenge.py).
 
-3 honest peers and a hostile one train together; the hostile one serves its parameters plus 1000 to every
-download, asks to be the first source (priority raised) and votes with its real parameters' fingerprint, which is
-the honest peers'. Then a joiner arrives. With ``aggregation="centered_clip"`` it refuses the hostile state and
-holds the honest peers' parameters from its first step to the end; with ``"mean"`` (nothing verified) it starts
-from the hostile state, so the test can fail. Both swarms run at once.
+3 honest peers and a hostile one train together; the hostile one serves altered parameters to every download, asks
+to be the first source (priority raised) and votes with its real parameters' fingerprint, which is the honest peers'.
+Then a joiner arrives. With ``aggregation="centered_clip"`` the hostile peer serves a permutation of its parameters
+(each tensor's values reversed: the fingerprint's three sums are the honest ones, so only the secret challenge tells
+it apart); the joiner refuses it and holds the honest peers' parameters from its first step to the end. With
+``"mean"`` (nothing verified) it serves its parameters plus 1000, and the joiner starts from that state, so the test
+can fail. Both swarms run at once.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def start_swarm(tmp_path: Path, aggregation: str) -> dict:
         else:
             config.update(wait_peers=4)
         if name == "x":
-            config.update(serve_altered=ALTERED)
+            config.update(serve_altered="permuted" if aggregation == "centered_clip" else ALTERED)
         procs[name] = start_peer(tmp_path, name, config, initial_peers)
     return procs
 
@@ -85,7 +88,8 @@ def test_a_joiner_refuses_a_hostile_state_and_holds_the_honest_one(tmp_path):
     start = torch.load(clipped_path / "late.start.pt")
     honest = [torch.load(clipped_path / f"{name}.epochs.pt").get(epoch) for name in HONEST]
     assert epoch >= 2 and min(max_param_diff(start, params) for params in honest if params is not None) <= SAME, log
-    assert "refused the state" in log, log[-4000:]  # (the hostile peer was asked first and refused)
+    # (the hostile peer was asked first; its fingerprint passed, the other voters' answers refused it)
+    assert "refused the state" in log and "secret challenge: 0 answer(s) agree" in log, log[-4000:]
     final = {name: read_params(clipped_path, name) for name in (*HONEST, "late")}
     assert all(max_param_diff(final["late"], final[name]) <= SAME for name in HONEST)
     assert read_result(clipped_path, "late")["final_epoch"] >= BASE["epochs"]

@@ -5,6 +5,7 @@ of the sources, the check of a downloaded state, and a state averager that insta
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
@@ -14,11 +15,13 @@ from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_
 
 from collabopt.config import CollabConfig
 from collabopt.engine import lineage_check
+from collabopt.engine.download_challenge import projection
 from collabopt.engine.download_votes import VerifiedDownloads, Vote, majority, newest_majority, refusal, sources
 from collabopt.errors import ConfigurationError
 from collabopt.lineage import fingerprint
 
-HONEST = [torch.ones(4), torch.full((2,), 3.0)]
+HONEST = list(torch.randn(72, generator=torch.Generator().manual_seed(0)).split([64, 8]))
+PERMUTED = list(HONEST[0].roll(1).split([64])) + [HONEST[1].flip(0)]  # the same three sums
 ALTERED = [t + 1000.0 for t in HONEST]
 H, X = fingerprint(HONEST), fingerprint(ALTERED)
 
@@ -73,13 +76,22 @@ class Averager(TrainingStateAverager, VerifiedDownloads):
 
 @pytest.fixture
 def averager(monkeypatch):
-    params = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2))]
+    params = [torch.nn.Parameter(torch.zeros(64)), torch.nn.Parameter(torch.zeros(8))]
     optimizer = torch.optim.SGD(params, lr=0.1)
     opt_metadata, opt_tensors = dump_optimizer_state(optimizer)
     avg = Averager.__new__(Averager)
     only: list[str] = []
     served = {"x": ALTERED, "a": HONEST, "b": HONEST}
     asked: list[str] = []
+    challenged: list[list[str]] = []
+    epochs = {"x": 5, "a": 5, "b": 5}  # the epoch each peer serves when a challenge comes
+
+    def ask_projections(peers, seed, epoch):  # (each peer answers for what it serves, as the averager process does)
+        challenged.append(sorted(peers))
+        answers = {peer: dict(epoch=epochs[peer], projection=projection(served[peer], seed).values) for peer in peers}
+        future = Future()
+        future.set_result(answers)
+        return future
 
     def download(self, wait=True, timeout=None):
         if len(only) != 1 or only[0] not in served:
@@ -92,10 +104,11 @@ def averager(monkeypatch):
                      local_epoch=0,
                      offload_optimizer=False, reuse_tensors=True, scheduler=None,
                      dht=SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me")),
-                     only_sources=lambda peers: only.__init__(peers),
+                     only_sources=lambda peers: only.__init__(peers), ask_projections=ask_projections,
                      _serving_peers=lambda: {"x": 1e6, "a": 5.0, "b": 5.0},
                      votes=SimpleNamespace(read=lambda: votes(("a", 5, H), ("b", 5, H), ("x", 5, H))))
-    return SimpleNamespace(averager=avg, params=params, served=served, asked=asked)
+    return SimpleNamespace(averager=avg, params=params, served=served, asked=asked, challenged=challenged,
+                           epochs=epochs)
 
 
 def test_a_hostile_state_is_refused_and_the_next_source_installed(averager, caplog):
@@ -204,3 +217,64 @@ def test_a_read_of_the_votes_that_no_node_answered_is_an_error_not_an_empty_ball
         reader.read()  # (no node answered: sources 0)
     answered.sources = 2
     assert reader.read() == []
+
+
+def test_a_permutation_passes_the_fingerprint_and_is_refused_by_the_secret_challenge(averager, caplog):
+    """The hostile source sends a permutation of the honest parameters (its three sums are theirs); the other voters'
+    answers refuse it, and the next source, whose answers agree, is installed. A source is never its own answerer."""
+    assert refusal({"epoch": 5}, PERMUTED, 2, votes(("a", 5, H), ("b", 5, H))) is None  # (the fingerprint's gap)
+    averager.served["x"] = PERMUTED
+    averager.averager.load_state_from_peers(timeout=1.0)
+    assert averager.averager.handed_on and averager.asked[0] == "x" and len(averager.asked) == 2
+    assert averager.challenged == [["a", "b"], sorted({"a", "b", "x"} - {averager.asked[1]})]
+    assert "refused the state x sent" in caplog.text
+    assert "secret challenge: 0 answer(s) agree, 2 disagree" in caplog.text
+    assert all(torch.equal(p, h) for p, h in zip(averager.params, HONEST, strict=True))
+
+
+def test_a_refused_source_is_tried_last_in_the_next_downloads(averager):
+    averager.served["x"] = PERMUTED
+    for attempt in range(5):
+        averager.asked.clear()
+        averager.averager.load_state_from_peers(timeout=1.0)
+        assert (averager.asked[0] == "x") == (attempt in (0, 4)), attempt  # (x's priority is the highest)
+
+
+def test_without_answers_at_the_states_epoch_nothing_is_installed_and_the_source_is_not_remembered(averager, caplog):
+    """The other voters moved on an epoch: their answers (at epoch 6) are no answers; each state is not installed, the
+    log says so once (INFO), and the download is tried again, with the same order of sources."""
+    averager.served["x"] = HONEST
+    averager.epochs.update(x=6, a=6, b=6)
+    caplog.set_level("INFO", logger="collabopt")
+    assert averager.averager.load_state_from_peers(timeout=1.0) is None and not averager.averager.handed_on
+    assert averager.asked[0] == "x" and sorted(averager.asked) == ["a", "b", "x"]
+    assert caplog.text.count("answered its challenge") == 1 and averager.averager._refused_sources == {}
+    assert "WARNING" not in caplog.text  # (a retry the swarm's pace causes, not a fault)
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in averager.params)
+    averager.epochs.update(a=5)  # one voter of epoch 5 answers: it agrees
+    averager.asked.clear()
+    averager.averager.load_state_from_peers(timeout=1.0)
+    assert averager.asked == ["x"] and all(torch.equal(p, h) for p, h in zip(averager.params, HONEST, strict=True))
+
+
+def test_a_diloco_peer_counts_a_refused_download_as_not_done(monkeypatch):
+    """DiLoCo keeps what a PartialRound must decide (``delivered``) until a state is installed: a download whose
+    state was refused (nothing handed on) is not one."""
+    import contextlib
+
+    from collabopt.engine.diloco_round import DiLoCoLoop
+
+    restored = []
+    loop = DiLoCoLoop.__new__(DiLoCoLoop)
+    state_averager = SimpleNamespace(step=lambda **kwargs: None, handed_on=True, local_epoch=3)
+    state_averager.load_state_from_peers = lambda timeout=None: vars(state_averager).update(handed_on=False)
+    vars(loop).update(
+        land=lambda wait: None, scheduled_grads=None, state_averager=state_averager, anchors=(torch.zeros(2),),
+        load_state_timeout=1.0, _share_state=lambda: None,
+        grad_averager=SimpleNamespace(reset_accumulated_grads_=lambda: None),
+        tracker=SimpleNamespace(pause_updates=contextlib.nullcontext, report_local_progress=lambda **kwargs: None),
+        diloco=SimpleNamespace(progress_to_keep=lambda swarm: ([], None), needs_sync=True, resyncs=0,
+                               restore_after_download=lambda *args: restored.append(args[3])))
+    monkeypatch.setattr(DiLoCoLoop, "local_epoch", property(lambda self: 3), raising=False)
+    loop.load_state_from_peers()
+    assert restored == [False]
