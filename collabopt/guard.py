@@ -36,7 +36,7 @@ import threading
 import time
 import types
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -122,10 +122,12 @@ class NonFiniteGuard:
 
     # ------------------------------------------------------------------ incoming
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, keep_snapshot: bool) -> None:
-        """Make ``optimizer.step()`` refuse non-finite gradients until :meth:`unwrap`. With ``keep_snapshot`` the
-        parameters after each step are kept (one copy in host memory, until :meth:`release`) so that a non-finite
-        averaging result can be undone. The step stays a bound method (torch's LR schedulers wrap it)."""
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, keep_snapshot: bool | Callable[[], bool]) -> None:
+        """Make ``optimizer.step()`` refuse non-finite gradients until :meth:`unwrap`. Where ``keep_snapshot`` (or
+        what it returns at a step) is true, the parameters after the step are kept (one copy in host memory, until
+        :meth:`release`) so that a non-finite averaging result can be undone: only a step that a parameter round
+        follows needs one (on a GPU the copy costs a synchronizing transfer of every parameter). The step stays a
+        bound method (torch's LR schedulers wrap it)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         step = optimizer.step
         guard = self
@@ -139,7 +141,8 @@ class NonFiniteGuard:
             else:
                 guard.refused_updates += 1
                 guard._report("optimizer steps with non-finite averaged gradients were refused")
-            if keep_snapshot:  # the parameters to keep if the averaging that follows brings non-finite ones
+            wanted = keep_snapshot() if callable(keep_snapshot) else keep_snapshot
+            if wanted:  # the parameters to keep if the averaging that follows brings non-finite ones
                 with torch.no_grad():
                     guard._snapshot = [p.detach().to("cpu", copy=True) for p in params]
             return result

@@ -48,7 +48,8 @@ class NonFiniteHandling:
             # use_local_updates steps on the local gradients step() has just checked: a second pass over them would
             # cost as much again at every step. DiLoCo's inner steps are not wrapped: its parameters are checked
             # (_check_diloco_parameters)
-            self._guard.wrap_optimizer(peer.optimizer, keep_snapshot=not config.updates_in_background)
+            self._guard.wrap_optimizer(peer.optimizer, keep_snapshot=(
+                False if config.updates_in_background else lambda: peer.parameter_round_due))
         if self.diloco is not None:
             self._guard_checks = "parameters"
         elif config.auxiliary or peer.accumulators() is None:

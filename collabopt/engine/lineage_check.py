@@ -45,6 +45,7 @@ class SyncState:
     apart: bool = False  # its last gradient round was partial: its parameters are its own
     resync: Resync | None = None  # a re-synchronization it owes (the lineage check found it on another lineage)
     before_averaging: Callable[[], None] | None = None  # the core's last look at the accumulation at a boundary
+    parameter_round_due: bool = False  # the boundary being stepped runs a parameter round (set by end_epoch)
 
 
 def takes_part_in_lineage_check(optimizer: Any) -> bool:

@@ -91,6 +91,12 @@ class HivemindPeer:
         (it may drop them: :meth:`drop_accumulated`; the peer then takes part with weight 0)."""
         self.loop.sync_state.before_averaging = callback
 
+    @property
+    def parameter_round_due(self) -> bool:
+        """Whether the optimizer step in progress is followed by a parameter round (which may bring non-finite
+        parameters: the non-finite guard keeps a copy of the step's result only then)."""
+        return self.loop.sync_state.parameter_round_due
+
     def drop_accumulated(self) -> None:
         """Forget the gradients and samples accumulated toward the next global epoch."""
         self.loop.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)

@@ -140,6 +140,7 @@ class SyncLoop(PeerLoop):
             delay_averaging = self.delay_state_averaging and not self.auxiliary
             parameter_round = (self.state_averager.schedule_parameter_round(self.averaging_timeout)
                                if average_state and not delay_averaging else None)
+            self.sync_state.parameter_round_due = average_state
             try:
                 self.state_averager.step(
                     increment_epoch=True, wait_for_trigger=in_background, optimizer_step=optimizer_step,
@@ -150,6 +151,8 @@ class SyncLoop(PeerLoop):
                 if parameter_round is not None:
                     parameter_round.cancel()
                 raise
+            finally:
+                self.sync_state.parameter_round_due = False
             averaged = self._parameter_round_ended(parameter_round) if parameter_round is not None else None
             if outcome is not None:
                 outcome = dataclasses.replace(outcome, parameters_averaged=averaged)
@@ -260,10 +263,26 @@ class SyncLoop(PeerLoop):
                         param.grad.copy_(gradient, non_blocking=True)
         self.grad_averager.notify_used_averaged_gradients()
 
+    @torch.no_grad()
     def _load_local_gradients(self) -> None:
-        """This peer's own mean gradient of the epoch into the round's buffers, then into the optimizer."""
-        self.grad_averager.load_accumulators_into_averager_()
-        self._load_averaged_gradients()
+        """This peer's own mean gradient of the epoch into the optimizer. Straight from the accumulators where they
+        and the optimizer's parameters are apart from the round's (host) buffers: on a GPU, a trip through the
+        buffers moved the gradients to the host and back at every boundary a peer stepped alone."""
+        averager = self.grad_averager
+        if self.offload_optimizer or averager.accumulates_in_place:
+            averager.load_accumulators_into_averager_()  # (offloaded: the buffers are the optimizer's gradients)
+            self._load_averaged_gradients()
+            return
+        times = averager.local_times_accumulated
+        scale = 1.0 / times if times else 0.0
+        for param, accumulated in zip(self.optimized_parameters(), averager._grad_accumulators(), strict=True):
+            if param.grad is None:
+                param.grad = accumulated * scale
+            else:
+                if param.grad is not accumulated:  # (reuse_grad_buffers: the accumulators are param.grad)
+                    param.grad.copy_(accumulated)
+                param.grad.mul_(scale)
+        averager.notify_used_averaged_gradients()
 
     def load_state_from_peers(self) -> None:
         download_state(self)

@@ -86,3 +86,45 @@ def test_gradients_accumulate_in_the_rounds_buffers_where_the_round_runs_inside_
         assert (round_buffer_pointers(opt) == (buffers, buffers)) is in_place
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("mode", ["separate_accumulators", "reuse_grad_buffers"])
+def test_a_lone_peer_steps_with_its_own_gradients_without_a_trip_through_the_rounds_buffers(mode, monkeypatch):
+    """Where the accumulators are not the round's buffers (on a GPU they never are), a boundary with no gradient round
+    loads the epoch's mean gradient straight into the optimizer: the buffers live in host memory, and the trip moved
+    every gradient to the host and back (B2 on a GPU). The sentinel in the buffers must survive, the update be plain
+    SGD's."""
+    from collabopt import CollaborativeOptimizer
+    from collabopt.engine import averaging
+
+    monkeypatch.setattr(averaging, "ACCUMULATE_IN_PLACE", False)  # (CPU tensors: as on a GPU)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    reference.load_state_dict(model.state_dict())
+    opt = CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 run_id=unique_run_id("lone_gradients"), target_batch_size=16, batch_size=4,
+                                 matchmaking_time=1.0, averaging_timeout=2.0, print_join_message=False,
+                                 handle_signals=False, reuse_grad_buffers=mode == "reuse_grad_buffers")
+    try:
+        averager = opt.loop.grad_averager
+        accumulators, buffers = round_buffer_pointers(opt)
+        assert accumulators != buffers
+        with averager.get_tensors() as tensors:
+            for tensor in tensors:
+                tensor.fill_(float("nan"))
+        x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+        for _ in range(4):  # one epoch of a lone peer: the same batch 4 times, so its mean gradient is this one
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            if mode != "reuse_grad_buffers":
+                opt.zero_grad()
+        assert opt.local_epoch == 1
+        F.cross_entropy(reference(x), y).backward()
+        torch.optim.SGD(reference.parameters(), lr=0.1).step()
+        for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
+        with averager.get_tensors() as tensors:
+            assert all(torch.isnan(tensor).all() for tensor in tensors), "the boundary went through the buffers"
+    finally:
+        opt.close()

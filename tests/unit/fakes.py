@@ -106,6 +106,10 @@ class FakePeer:
     def set_before_averaging(self, callback: Any) -> None:
         self.before_averaging = callback
 
+    @property
+    def parameter_round_due(self) -> bool:  # every boundary of the fake averages its parameters (see poison)
+        return True
+
     def _reset(self) -> None:
         self.accumulated_samples = self.accumulated_steps = 0
         self._accumulators = None

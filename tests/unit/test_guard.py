@@ -193,3 +193,31 @@ def test_close_gives_the_optimizer_its_step_back():
     assert opt.step.__func__.__name__ == "guarded_step"
     copt.close()
     assert opt.step == original and "step" not in opt.__dict__
+
+
+def test_a_copy_of_the_step_is_kept_only_where_a_parameter_round_follows_it():
+    """Only averaging can bring non-finite parameters after a finite step: a boundary with no parameter round (a
+    lone peer, or average_state_every) keeps no copy, which on a GPU cost a synchronizing transfer of every
+    parameter to the host (B2 on a GPU)."""
+    model, opt = model_and_optimizer()
+    due = [False]
+    nonfinite = guard.NonFiniteGuard()
+    nonfinite.wrap_optimizer(opt, keep_snapshot=lambda: due[0])
+    params = list(model.parameters())
+    for round_follows in (False, True):
+        due[0] = round_follows
+        backward(model, 8)
+        opt.step()
+        after_step = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p in params:
+                p.fill_(float("nan"))  # what a poisoned parameter round would bring
+        assert nonfinite.restore_parameters(params) is round_follows
+        if round_follows:
+            assert all(torch.equal(p, q) for p, q in zip(params, after_step, strict=True))
+        else:
+            with torch.no_grad():
+                for p, q in zip(params, after_step, strict=True):
+                    p.copy_(q)
+        nonfinite.release()
+        opt.zero_grad()
