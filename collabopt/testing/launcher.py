@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import os
 import selectors
@@ -353,6 +354,7 @@ def _main() -> None:
         sys.exit(f"importing {sys.argv[1:]} started {len(threads) - 1} threads (OMP_NUM_THREADS is "
                  f"{os.environ.get('OMP_NUM_THREADS')!r}; set it to 1): a fork would copy a process whose other "
                  "threads are gone")
+    gc.freeze()  # children neither scan nor write (copy) the preloaded objects: see docs/decisions.md, "Exit"
     ctrl = socket.socket(fileno=os.dup(0))  # the harness's end, handed over as stdin; the children's is /dev/null
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

@@ -28,7 +28,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from collabopt.integrations.pytorch import collaborate
-from peer_worker import at_finish_line, batch_size_sequence, full_loss, make_data, make_model, target_epoch, write_json
+from peer_worker import (
+    at_finish_line,
+    batch_size_sequence,
+    exit_now,
+    full_loss,
+    make_data,
+    make_model,
+    target_epoch,
+    write_json,
+)
 
 from collabopt import CollaborativeOptimizer
 
@@ -204,3 +213,4 @@ def inject_failure(copt: CollaborativeOptimizer, round_index: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()

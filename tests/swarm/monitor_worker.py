@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from peer_worker import at_finish_line, make_data, make_model, progress_of, write_json
+from peer_worker import at_finish_line, exit_now, make_data, make_model, progress_of, write_json
 
 from collabopt import CollaborativeOptimizer
 from collabopt.engine.compat import dht_time
@@ -77,3 +77,4 @@ def main(config_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()

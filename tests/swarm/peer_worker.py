@@ -7,6 +7,7 @@ epoch, updated as it trains).
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
@@ -55,6 +56,16 @@ def batch_size_sequence(spec, rng: random.Random):
 def write_json(path: str, value) -> None:
     Path(path + ".tmp").write_text(json.dumps(value))
     os.replace(path + ".tmp", path)
+
+
+def exit_now() -> None:
+    """End this worker once its results are written and its swarm left: atexit handlers and stdio flushed, then
+    ``os._exit(0)``. It skips the interpreter's teardown (finalizers, which Python does not promise at exit), which
+    writes to every object a forked worker inherited from the launcher (docs/decisions.md, "Exit")."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def progress_of(copt) -> dict:
@@ -350,3 +361,4 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to the log
     main(sys.argv[1])
+    exit_now()

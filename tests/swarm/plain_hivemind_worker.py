@@ -15,7 +15,7 @@ from pathlib import Path
 
 import hivemind
 import torch
-from peer_worker import make_model, write_json
+from peer_worker import exit_now, make_model, write_json
 
 
 def main(config_path: str) -> None:
@@ -39,3 +39,4 @@ def main(config_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()

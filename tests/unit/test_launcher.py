@@ -258,3 +258,23 @@ def test_a_child_killed_holding_an_import_lock_does_not_block_the_next_child(tmp
         assert holder.wait(10) == -signal.SIGKILL
     code = run([sys.executable, str(tmp_path / "next.py")], tmp_path / "next.log", True, env(OMP_NUM_THREADS="1"))
     assert code == 0 and "done" in (tmp_path / "next.log").read_text()
+
+
+def test_a_child_finds_the_launchers_objects_frozen(tmp_path, light):
+    """Frozen before the fork (gc.freeze): a child's collections and exit leave the inherited objects alone."""
+    (tmp_path / "script.py").write_text("import gc\nprint(gc.get_freeze_count())\n")
+    assert run([sys.executable, str(tmp_path / "script.py")], tmp_path / "out.log", True, env()) == 0
+    assert int((tmp_path / "out.log").read_text()) > 0
+
+
+def test_a_worker_that_exits_now_runs_its_atexit_handlers_and_flushes_its_output(tmp_path):
+    """``peer_worker.exit_now``: what the teardown it skips would not have done anyway is done."""
+    (tmp_path / "script.py").write_text(
+        "import atexit, sys\nfrom pathlib import Path\nfrom peer_worker import exit_now\n"
+        f"atexit.register(Path({str(tmp_path / 'atexit')!r}).touch)\n"
+        "sys.stdout = open(sys.stdout.fileno(), 'w', buffering=1 << 16, closefd=False)\n"
+        "print('buffered', end='')\nexit_now()\nprint('never')\n")
+    environ = env(PYTHONPATH=str(Path(__file__).resolve().parents[1] / "swarm"))
+    assert run([sys.executable, str(tmp_path / "script.py")], tmp_path / "out.log", False, environ) == 0
+    assert (tmp_path / "out.log").read_text() == "buffered"
+    assert (tmp_path / "atexit").exists()
