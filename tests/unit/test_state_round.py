@@ -241,6 +241,9 @@ def test_an_averager_that_accumulates_its_own_way_is_checked_at_every_step():
         def accumulate_grads_(self, batch_size: int) -> None:  # e.g. compresses as it accumulates
             pass
 
+        def __del__(self) -> None:  # (never initialized: hivemind's __del__ would raise when it is collected)
+            pass
+
     peer = object.__new__(engine_peer.HivemindPeer)
     peer.loop = SimpleNamespace(grad_averager=object.__new__(OwnAccumulation))
     assert peer.accumulators() is None
