@@ -232,17 +232,23 @@ class DiLoCoLoop(PeerLoop):
             result = e
             if not control.done():
                 control.cancel()
-        if self._sharing_paused:  # this peer's epoch and anchor agree again: serve them
-            self._sharing_paused = False
-            self.state_averager.allow_state_sharing = True
         if not apply:
             self.diloco.pending = None
+            self._resume_sharing()
             return
         outcome = self.diloco.land_round(self, result)
+        self._resume_sharing()  # (only now: before the outer step, the old anchor would be served as the new epoch's)
         self._share_state()
         if not outcome.applied:
             self._fetch_progress_now()
         logger.log(self.status_loglevel, f"DiLoCo round landed at epoch {self.local_epoch}: {outcome}")
+
+    def _resume_sharing(self) -> None:
+        """Serve this peer's state again once its epoch and anchor agree (sharing paused while a round was in
+        flight: :meth:`_start_overlapped_round`)."""
+        if self._sharing_paused:
+            self._sharing_paused = False
+            self.state_averager.allow_state_sharing = True
 
     def _start_overlapped_round(self) -> None:
         """Start the all-reduce of this round in the background and move to the next epoch at once."""

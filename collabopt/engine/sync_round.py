@@ -140,7 +140,8 @@ class SyncLoop(PeerLoop):
             delay_averaging = self.delay_state_averaging and not self.auxiliary
             parameter_round = (self.state_averager.schedule_parameter_round(self.averaging_timeout)
                                if average_state and not delay_averaging else None)
-            self.sync_state.parameter_round_due = average_state
+            # (a parameter round still running from an earlier boundary may write its result during this one too)
+            self.sync_state.parameter_round_due = average_state or self.state_averager.averaging_in_progress
             try:
                 self.state_averager.step(
                     increment_epoch=True, wait_for_trigger=in_background, optimizer_step=optimizer_step,
@@ -269,7 +270,7 @@ class SyncLoop(PeerLoop):
         and the optimizer's parameters are apart from the round's (host) buffers: on a GPU, a trip through the
         buffers moved the gradients to the host and back at every boundary a peer stepped alone."""
         averager = self.grad_averager
-        if self.offload_optimizer or averager.accumulates_in_place:
+        if self.offload_optimizer or getattr(averager, "accumulates_in_place", False):  # (a user's averager: False)
             averager.load_accumulators_into_averager_()  # (offloaded: the buffers are the optimizer's gradients)
             self._load_averaged_gradients()
             return

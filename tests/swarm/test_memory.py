@@ -88,7 +88,7 @@ def test_gradients_accumulate_in_the_rounds_buffers_where_the_round_runs_inside_
         opt.close()
 
 
-@pytest.mark.parametrize("mode", ["separate_accumulators", "reuse_grad_buffers"])
+@pytest.mark.parametrize("mode", ["separate_accumulators", "reuse_grad_buffers", "users_grad_averager"])
 def test_a_lone_peer_steps_with_its_own_gradients_without_a_trip_through_the_rounds_buffers(mode, monkeypatch):
     """Where the accumulators are not the round's buffers (on a GPU they never are), a boundary with no gradient round
     loads the epoch's mean gradient straight into the optimizer: the buffers live in host memory, and the trip moved
@@ -98,6 +98,11 @@ def test_a_lone_peer_steps_with_its_own_gradients_without_a_trip_through_the_rou
     from collabopt.engine import averaging
 
     monkeypatch.setattr(averaging, "ACCUMULATE_IN_PLACE", False)  # (CPU tensors: as on a GPU)
+    users_averager = {}
+    if mode == "users_grad_averager":  # hivemind's own class: none of collabopt's attributes
+        from hivemind.optim.grad_averager import GradientAverager
+
+        users_averager = dict(grad_averager_factory=GradientAverager)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
@@ -105,7 +110,8 @@ def test_a_lone_peer_steps_with_its_own_gradients_without_a_trip_through_the_rou
     opt = CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  run_id=unique_run_id("lone_gradients"), target_batch_size=16, batch_size=4,
                                  matchmaking_time=1.0, averaging_timeout=2.0, print_join_message=False,
-                                 handle_signals=False, reuse_grad_buffers=mode == "reuse_grad_buffers")
+                                 handle_signals=False, reuse_grad_buffers=mode == "reuse_grad_buffers",
+                                 **users_averager)
     try:
         averager = opt.loop.grad_averager
         accumulators, buffers = round_buffer_pointers(opt)

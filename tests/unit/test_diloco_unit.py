@@ -727,3 +727,29 @@ def test_a_member_whose_anchor_is_not_its_groups_is_judged_so_before_the_all_red
     assert not _member_agrees(group(dict(ours, epoch=2), ours), "me", MSGPackSerializer)  # an older epoch
     assert _member_agrees(group(None, ours), "me", MSGPackSerializer)  # it cannot tell: the round judges
     assert _member_agrees(SimpleNamespace(peer_ids=("me",), gathered=[b"junk"]), "me", MSGPackSerializer)
+
+
+def test_an_overlapped_round_lands_before_the_peer_serves_its_state_again():
+    """(helper-25's review) While a round is in flight the peer's epoch is the next one and its anchor the last one's,
+    so it serves nothing. Sharing resumes after the outer step moved the anchor, never before: a download in between
+    would get the old anchor labelled with the new epoch."""
+    from types import SimpleNamespace
+
+    from collabopt.engine.diloco_round import DiLoCoLoop
+    from collabopt.interface import RoundOutcome
+
+    loop = DiLoCoLoop.__new__(DiLoCoLoop)
+    state_averager = SimpleNamespace(allow_state_sharing=False, local_epoch=5)
+    sharing_while_landing = []
+
+    def land_round(swarm, result):
+        sharing_while_landing.append(state_averager.allow_state_sharing)
+        return RoundOutcome(True, "averaged")
+
+    control = SimpleNamespace(done=lambda: True, result=lambda timeout: {"a": {}, "b": {}})
+    vars(loop).update(_in_flight=control, _sharing_paused=True, state_averager=state_averager, averaging_timeout=1.0,
+                      grad_averager=SimpleNamespace(notify_used_averaged_gradients=lambda: None),
+                      diloco=SimpleNamespace(land_round=land_round), _share_state=lambda: None,
+                      status_loglevel=10)
+    loop.land(wait=True)
+    assert sharing_while_landing == [False] and state_averager.allow_state_sharing is True
