@@ -12,6 +12,7 @@ noise of a shared machine cancels as far as it can. See the README section "Benc
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import sys
 import tempfile
@@ -51,7 +52,7 @@ FULL: dict[str, Any] = {
                       for factor in (4, 8) for peers in (3, 4) for variant in ("default", "overlap")]),
 }
 QUICK: dict[str, Any] = {
-    "b1": dict(FULL["b1"], params=100_000, width=256, epoch_seconds=3, matchmaking_time=1.0, rounds_per_session=1,
+    "b1": dict(FULL["b1"], params=100_000, width=256, epoch_seconds=2, matchmaking_time=1.0, rounds_per_session=1,
                sessions=1, max_seconds=60),
     "b2": dict(FULL["b2"], params=300_000, width=256, steps_per_epoch=16, rounds=2,
                variants=["plain torch", "collabopt", "collabopt reuse"]),
@@ -59,35 +60,49 @@ QUICK: dict[str, Any] = {
     "b3": dict(FULL["b3"], compute_seconds=0.05, steps_per_epoch=30, warmup_epochs=1, measure_seconds=4,
                max_seconds=60, cases=[dict(peers=2, mbit=100, params=200_000, variant="no overlap")]),
     "b5": dict(FULL["b5"], params=100_000, width=256, compute_seconds=0.05, matchmaking_time=1.0, measure_epochs=2,
-               max_seconds=90,
+               max_seconds=90, at_once=True,
                cases=[dict(peers=3, variant=variant, epoch_factor=2) for variant in ("default", "overlap")]),
 }
 
 
 def run_all(which: list[str], quick: bool, workdir: Path, log: Any = print) -> dict[str, Any]:
-    """Run the selected benchmarks; return everything the report needs."""
+    """Run the selected benchmarks; return everything the report needs. One after the other (each needs the machine to
+    itself); the quick run (figures mean little, none timed against another's) at once, each in a folder of its own."""
     from benchmarks import boundary, overhead, wan
 
     cfg = QUICK if quick else FULL
     results: dict[str, Any] = {"machine": machine_info(), "quick": quick, "config": {k: cfg[k] for k in which}}
-    for name in which:
+
+    def run_one(name: str) -> None:
         log(f"running {name.upper()} ...")
         start = time.monotonic()
+        where = workdir / name if quick else workdir
+        where.mkdir(parents=True, exist_ok=True)
         try:
             if name == "b1":
-                results[name] = overhead.run(cfg[name], workdir)
+                result = overhead.run(cfg[name], where)
             elif name == "b2":
-                results[name] = run_module("benchmarks.local_step", cfg[name], workdir, timeout=900, name="b2")
+                result = run_module("benchmarks.local_step", cfg[name], where, timeout=900, name="b2")
             elif name == "b3":
-                results[name] = wan.run(cfg[name], workdir, log=log)
+                result = wan.run(cfg[name], where, log=log)
             elif name == "b4":
-                results[name] = run_module("benchmarks.memory", cfg[name], workdir, timeout=600, name="b4")
-            elif name == "b5":
-                results[name] = boundary.run(cfg[name], workdir, log=log)
+                result = run_module("benchmarks.memory", cfg[name], where, timeout=600, name="b4")
+            else:
+                result = boundary.run(cfg[name], where, log=log)
         except Exception as e:  # report the failure, keep the other benchmarks
-            results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-        results[name]["seconds"] = round(time.monotonic() - start, 1)
-        log(f"{name.upper()} done in {results[name]['seconds']} s")
+            result = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        result["seconds"] = round(time.monotonic() - start, 1)
+        results[name] = result
+        log(f"{name.upper()} done in {result['seconds']} s")
+
+    if quick:
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(which))) as pool:
+            for future in [pool.submit(run_one, name) for name in which]:
+                future.result()
+        results.update({name: results.pop(name) for name in which})  # in the report's order
+    else:
+        for name in which:
+            run_one(name)
     results["machine"]["load_avg_1m_at_end"] = round(__import__("os").getloadavg()[0], 2)
     return results
 

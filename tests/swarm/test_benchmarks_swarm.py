@@ -13,8 +13,9 @@ from helpers import ROOT
 @pytest.mark.swarm
 def test_quick_run_writes_every_table(tmp_path, monkeypatch):
     """B1 (two swarms side by side), B2, B4 and B5 (boundary idle time, default and overlap) at tiny sizes through
-    the real runner, in one run: every row is measured from the peers' records and hivemind's status lines (no
-    timing asserted). B3 and B6 need network namespaces; their tables are checked in tests/unit."""
+    the real runner, in one run (the quick run runs them at once): every row is measured from the peers' records and
+    hivemind's status lines (no timing asserted). B3 and B6 need network namespaces; their tables are checked in
+    tests/unit."""
     out = tmp_path / "results"
     monkeypatch.setenv("COLLABOPT_BENCHMARK_FORK", "1")  # its processes forked from a launcher
     proc = subprocess.run(
