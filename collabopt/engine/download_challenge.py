@@ -10,8 +10,10 @@ answerers' agree with their answers (:func:`agrees`; the tolerance's scale: docs
 epoch than the state's counts as none. :func:`challenge_refusal` accepts when more answers agree than disagree, at
 least one, or one against one (with at most one hostile member a hostile source gets no agreeing answer).
 
-The answer is computed from what :meth:`get_current_state` serves (a synchronous peer's parameters, a DiLoCo peer's
-anchor: what it votes for), in the averager's process, off its event loop; with a swarm key only a member whose
+The answer is computed from a copy of the parameters this peer serves (a synchronous peer's parameters, a DiLoCo
+peer's anchor: what its vote fingerprints; no optimizer state), taken in the host process without waiting for a
+boundary (:meth:`challenge_state`), projected in the averager's process off its event loop. None while its state is
+not shared or a boundary is under way; one challenge at a time per caller; with a swarm key only a member whose
 download the member check passes gets one (:meth:`ProjectionChallenges._challenge_refusal`).
 """
 
@@ -21,7 +23,10 @@ import asyncio
 import contextlib
 import logging
 import math
+import multiprocessing
 import secrets
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -38,9 +43,11 @@ logger = logging.getLogger(__name__)
 CHALLENGE_VECTORS = 4  # dot products per challenge
 MAX_VECTORS = 16  # the most a request may ask for
 MAX_ANSWERERS = 4  # peers asked at once
-CHALLENGE_TIMEOUT = 15.0  # seconds a downloader waits for the answers
+CHALLENGE_TIMEOUT = 15.0  # seconds a downloader waits for the answers, plus PER_PARAMETER_WAIT per parameter
+PER_PARAMETER_WAIT = 5e-8  # s; a projection took 0.22-0.26 s per 20M parameters (1.1-1.3e-8 s each): docs/faults.md
+HOST_WAIT = 10.0  # seconds an answer waits for the host process's copy of the parameters
 PROJECTION_TOLERANCE = 1e-5  # of the parameters' L2 norm (docs/decisions.md, "Downloads: a secret challenge")
-MAX_WAITING = 4  # challenges a peer holds at once (one computed at a time); more are answered "busy"
+MAX_WAITING = 4  # challenges a peer holds at once (one computed at a time, one per caller); more are "busy"
 _CHUNK = 1 << 18  # elements per pass: the vectors' temporaries stay a few MB
 _MAX_MESSAGE = 4096
 ANSWER_READ_WAIT = 10.0  # seconds an answering peer keeps its end open for the caller to read the answer
@@ -73,6 +80,11 @@ def projection(tensors: Sequence[torch.Tensor], seed: int, vectors: int = CHALLE
             values += levels.to(torch.float64).sub_(127.5).div_(127.5) @ x
             squares += x.square().sum()
     return Projection([float(v) for v in values.tolist()], math.sqrt(float(squares)))
+
+
+def challenge_timeout(num_parameters: int) -> float:
+    """Seconds a downloader waits for the answers to a challenge of ``num_parameters`` parameters."""
+    return CHALLENGE_TIMEOUT + PER_PARAMETER_WAIT * num_parameters
 
 
 def agrees(answer: Sequence[float], own: Projection, tolerance: float = PROJECTION_TOLERANCE) -> bool:
@@ -111,6 +123,20 @@ class ProjectionChallenges(DecentralizedAverager):
 
     _challenges_waiting = 0
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        # (before the averager's process forks) the pipe its answers ask the host process's parameters through
+        reader = None
+        if getattr(self, "verify_downloads", False):
+            reader, self._challenge_requests = multiprocessing.Pipe(duplex=False)
+        super().__init__(*args, **kwargs)
+        if reader is not None:
+            threading.Thread(target=_copy_in_host, args=(reader, weakref.WeakMethod(self.challenge_state)),
+                             name="collabopt.ProjectionChallenges", daemon=True).start()
+
+    def challenge_state(self) -> tuple[int, list[torch.Tensor]] | None:
+        """(host process) The epoch and a copy of the parameters this peer serves, or None (not now)."""
+        raise NotImplementedError
+
     @property
     def challenge_protocol(self) -> str:
         return f"{self.prefix}::collabopt.ProjectionChallenge"
@@ -118,19 +144,21 @@ class ProjectionChallenges(DecentralizedAverager):
     async def add_p2p_handlers(self, p2p: Any, *args: Any, **kwargs: Any) -> None:
         await super().add_p2p_handlers(p2p, *args, **kwargs)
         if getattr(self, "verify_downloads", False):
-            self._challenge_slot = asyncio.Lock()
+            self._challenge_slot, self._challengers = asyncio.Lock(), set()
             await p2p.add_binary_stream_handler(self.challenge_protocol, self._serve_challenge)
 
-    def ask_projections(self, peers: Sequence[str], seed: int, epoch: int) -> Any:
+    def ask_projections(self, peers: Sequence[str], seed: int, epoch: int, timeout: float = CHALLENGE_TIMEOUT) -> Any:
         """Ask ``peers`` (base58) at once for the projection of the state they serve (``seed``; ``epoch``: the
         downloaded state's); returns a future of their answers (peer -> answer, None where a peer gave none within
-        :data:`CHALLENGE_TIMEOUT`)."""
+        ``timeout``: :func:`challenge_timeout`)."""
         future = MPFuture()
         request = dict(seed=seed, epoch=epoch, vectors=CHALLENGE_VECTORS)
-        self._outer_pipe.send(("_ask_projections", [], dict(peers=list(peers), request=request, future=future)))
+        self._outer_pipe.send(("_ask_projections", [], dict(peers=list(peers), request=request, future=future,
+                                                            timeout=timeout)))
         return future
 
-    async def _ask_projections(self, peers: list[str], request: dict, future: MPFuture) -> None:
+    async def _ask_projections(self, peers: list[str], request: dict, future: MPFuture,
+                               timeout: float = CHALLENGE_TIMEOUT) -> None:
         async def ask(peer: str) -> Any:
             writer = None
             try:
@@ -144,7 +172,7 @@ class ProjectionChallenges(DecentralizedAverager):
 
         async def answer_of(peer: str) -> Any:
             try:
-                return await asyncio.wait_for(ask(peer), CHALLENGE_TIMEOUT)
+                return await asyncio.wait_for(ask(peer), timeout)
             except Exception as e:
                 logger.debug(f"collabopt: {peer} gave no answer to a download challenge ({e!r})")
                 return None
@@ -178,21 +206,28 @@ class ProjectionChallenges(DecentralizedAverager):
         if refused is not None:
             logger.warning(f"collabopt: refused a download challenge of {PeerID(caller)}: {refused}")
             return dict(refused=refused)
-        if self._challenges_waiting >= MAX_WAITING:
+        if not self.allow_state_sharing:  # (a DiLoCo round in flight: its epoch and anchor disagree)
+            return dict(shared=False)
+        if self._challenges_waiting >= MAX_WAITING or caller in self._challengers:  # (one per caller)
             return dict(busy=True)
         self._challenges_waiting += 1
+        self._challengers.add(caller)
         try:
             async with self._challenge_slot:
-                metadata, tensors, _infos = await self._get_current_state_from_host_process()
-                epoch = self.serializer.loads(metadata).get("epoch")
-                if epoch != request["epoch"]:
-                    return dict(epoch=epoch)
-                count = sum(len(group["params"]) for group in self.optimizer.param_groups)  # type: ignore
+                state = await self._challenge_state_from_host()
+                if state is None or state[0] != request["epoch"]:  # (mid-boundary: never waited for)
+                    return dict(epoch=None if state is None else state[0])
                 found = await asyncio.get_running_loop().run_in_executor(
-                    None, projection, tensors[:count], request["seed"], request["vectors"])
-                return dict(epoch=epoch, projection=found.values)
+                    None, projection, state[1], request["seed"], request["vectors"])
+                return dict(epoch=state[0], projection=found.values)
         finally:
             self._challenges_waiting -= 1
+            self._challengers.discard(caller)
+
+    async def _challenge_state_from_host(self) -> tuple[int, list[torch.Tensor]] | None:
+        future = MPFuture()
+        self._challenge_requests.send(future)
+        return await asyncio.wait_for(future, HOST_WAIT)
 
     async def _challenge_refusal(self, caller: bytes) -> str | None:
         """With a swarm key, why ``caller`` gets no answer: the state-download member check (its token, stored in
@@ -201,5 +236,22 @@ class ProjectionChallenges(DecentralizedAverager):
         return None if key is None else await self._download_refusal(key, caller)  # type: ignore[attr-defined]
 
 
+def _copy_in_host(requests: Any, challenge_state: weakref.WeakMethod) -> None:
+    """(a thread of the host process) Answer each request of the averager's process with :meth:`challenge_state`."""
+    while True:
+        try:
+            future = requests.recv()
+        except BaseException:  # (the pipe closed: the averager is gone)
+            return
+        method = challenge_state()
+        if method is None:
+            return
+        try:
+            future.set_result(method())
+        except BaseException as e:
+            future.set_exception(e)
+        del method
+
+
 __all__ = ["CHALLENGE_TIMEOUT", "CHALLENGE_VECTORS", "MAX_ANSWERERS", "PROJECTION_TOLERANCE", "Projection",
-           "ProjectionChallenges", "agrees", "challenge_refusal", "new_seed", "projection"]
+           "ProjectionChallenges", "agrees", "challenge_refusal", "challenge_timeout", "new_seed", "projection"]

@@ -10,7 +10,9 @@ installs a state only if its own parameters' fingerprint is the majority's at th
 that fingerprint answer random projections of what they serve. A hostile server can lie in its vote, and craft a
 state with the public fingerprint's three sums (a permutation of the honest parameters); not one that agrees with
 projections drawn after it was sent. A refused state is not installed; the next peer is tried, and a source refused
-for what it sent is tried last in the next :data:`REMEMBERED_DOWNLOADS` downloads. With fewer than
+for what it sent is tried last in the next :data:`REMEMBERED_DOWNLOADS` downloads. Each vote is its signing key's
+(one vote per key) and names one canonical peer id: a peer is a source or an answerer only through a vote naming it,
+never an answerer for a source whose vote its key signed (:func:`sources`, :func:`voters_of`). With fewer than
 :data:`MIN_VOTES` votes (the swarm's first epochs) the download is hivemind's, unverified, and the log says so; votes
 that disagree download nothing (:meth:`VerifiedDownloads._without_majority`).
 """
@@ -28,10 +30,10 @@ from hivemind.utils import ValueWithExpiration
 
 from collabopt.engine.compat import dht_time
 from collabopt.engine.download_challenge import (
-    CHALLENGE_TIMEOUT,
     MAX_ANSWERERS,
     ProjectionChallenges,
     challenge_refusal,
+    challenge_timeout,
     new_seed,
     projection,
 )
@@ -56,6 +58,20 @@ class Vote(NamedTuple):
     peer_id: str
     epoch: int
     fingerprint: list[float]
+    key: bytes | None = None  # the key that signed it (None: its peer id stands for it)
+
+
+def canonical(peer_id: str) -> bool:
+    """Whether ``peer_id`` is a base58 peer id as it is written back: ``PeerID.from_base58`` strips whitespace, so
+    "X " dials X but is another name."""
+    try:
+        return PeerID.from_base58(peer_id).to_base58() == peer_id
+    except Exception:
+        return False
+
+
+def signer(vote: Vote) -> bytes | str:
+    return vote.key if vote.key is not None else vote.peer_id
 
 
 def majority(votes: Sequence[Vote], epoch: int) -> list[float] | None:
@@ -78,20 +94,22 @@ def newest_majority(votes: Sequence[Vote]) -> tuple[int, list[float]] | None:
     return None
 
 
-def voters_of(votes: Sequence[Vote], epoch: int, expected: list[float]) -> set[str]:
-    """The peers whose vote is ``expected`` at ``epoch``."""
-    return {vote.peer_id for vote in votes if vote.epoch == epoch and same_fingerprint(vote.fingerprint, expected)}
+def voters_of(votes: Sequence[Vote], epoch: int, expected: list[float], keys: Collection[Any] = ()) -> set[str]:
+    """The peers (canonical ids) whose vote is ``expected`` at ``epoch``, but no vote signed by ``keys``."""
+    return {vote.peer_id for vote in votes if vote.epoch == epoch and same_fingerprint(vote.fingerprint, expected)
+            and canonical(vote.peer_id) and signer(vote) not in keys}
 
 
 def sources(votes: Sequence[Vote], priorities: dict[str, float], epoch: int, expected: list[float],
             me: str, avoid: Collection[str] = ()) -> list[str]:
     """The peers to download from, in order: those that serve their state (``priorities``: hivemind's, by base58
-    peer id), but not ``me``; first those whose vote is ``expected`` at ``epoch``, each group by priority (a tie
-    drawn at random). A peer whose vote is another is still tried last: its state is checked as any other. Peers in
-    ``avoid`` (whose state was refused lately) come after all others."""
-    claims = voters_of(votes, epoch, expected)
+    peer id) and that a vote names (its key's role: no vote, no source), but not ``me``; first those whose vote is
+    ``expected`` at ``epoch``, each group by priority (a tie drawn at random). A peer whose vote is another is still
+    tried last: its state is checked as any other. Peers in ``avoid`` (whose state was refused lately) come after
+    all others."""
+    claims, voters = voters_of(votes, epoch, expected), {vote.peer_id for vote in votes if canonical(vote.peer_id)}
     order = {peer: (peer not in avoid, peer in claims, priority, random.random())
-             for peer, priority in priorities.items() if peer != me}
+             for peer, priority in priorities.items() if peer != me and peer in voters}
     return sorted(order, key=order.__getitem__, reverse=True)
 
 
@@ -121,9 +139,13 @@ class DownloadVotes:
         self._last: tuple[int, list[float]] | None = None
         self._voted_at = 0.0
 
+    serves = True  # False (a client-mode peer): it serves no state nor answers challenges, so it never votes
+
     def vote(self, epoch: int, value: Sequence[float]) -> None:
         """Vote (without waiting for the store) for the state of ``epoch``, whose parameters' fingerprint is
-        ``value``."""
+        ``value``; nothing where this peer does not serve its state."""
+        if not self.serves:
+            return
         if type(epoch) is not int or epoch < 0 or not valid_fingerprint(list(value)):
             raise ValueError(f"a vote needs an epoch (int >= 0) and a finite fingerprint, got {epoch!r}, {value!r}")
         self._last, self._voted_at = (epoch, [float(x) for x in value]), time.monotonic()
@@ -144,8 +166,8 @@ class DownloadVotes:
         if found.sources == 0:
             raise VotesUnreadable(f"no DHT node answered the read of {self.key} within {READ_TIMEOUT:.0f} s: the "
                                   f"download waits for the swarm's votes (it tries again)")
-        return [Vote(record["peer_id"], record["epoch"], record["fingerprint"])
-                for record, _expiration in found.fingerprints.values() if record is not None]
+        return [Vote(record["peer_id"], record["epoch"], record["fingerprint"], key)
+                for key, (record, _expiration) in found.fingerprints.items() if record is not None]
 
 
 class VerifiedDownloads(ProjectionChallenges):
@@ -184,7 +206,8 @@ class VerifiedDownloads(ProjectionChallenges):
         avoid = set(refused)
         self._refused_sources = {peer: left - 1 for peer, left in refused.items() if left > 1}
         unanswered = refused_any = False
-        for peer in sources(ballot, self._serving_peers(), *newest, me=me, avoid=avoid):
+        serving = self._serving_peers()
+        for peer in sources(ballot, serving, *newest, me=me, avoid=avoid):
             self.only_sources([peer])  # type: ignore[attr-defined]
             try:
                 loaded = super().load_state_from_peers(wait=True, timeout=timeout)  # type: ignore[misc]
@@ -201,7 +224,7 @@ class VerifiedDownloads(ProjectionChallenges):
                     ballot = votes.read()
             reason, no_answer = refusal(*loaded, num_parameters, ballot), False
             if reason is None:
-                reason, no_answer = self._challenge(peer, loaded, ballot, num_parameters, me)
+                reason, no_answer = self._challenge(peer, loaded, ballot, num_parameters, me, serving)
             if reason is None:
                 return loaded
             if no_answer:  # (the others moved on an epoch: its source may be honest, and is not remembered)
@@ -218,19 +241,21 @@ class VerifiedDownloads(ProjectionChallenges):
                           f"downloaded")
         return None
 
-    def _challenge(self, source: str, loaded: Any, ballot: Sequence[Vote], num_parameters: int,
-                   me: str) -> tuple[str | None, bool]:
+    def _challenge(self, source: str, loaded: Any, ballot: Sequence[Vote], num_parameters: int, me: str,
+                   serving: Collection[str]) -> tuple[str | None, bool]:
         """The secret challenge of a state ``source`` sent whose fingerprint passed (:func:`challenge_refusal`):
-        other voters of the majority's fingerprint at its epoch, never ``source``, answer projections of what they
-        serve. Returns the reason to refuse it (None: accepted), and whether that is a want of answers."""
+        other voters of the majority's fingerprint at its epoch that serve their state (``serving``; clients answer
+        nothing), never ``source`` nor a vote its key signed, answer projections of what they serve. Returns the
+        reason to refuse it (None: accepted), and whether that is a want of answers."""
         epoch = loaded[0]["epoch"]
-        others = sorted(voters_of(ballot, epoch, majority(ballot, epoch) or []) - {source, me})
+        keys = {signer(vote) for vote in ballot if vote.peer_id == source}  # (one key, one role)
+        others = sorted(voters_of(ballot, epoch, majority(ballot, epoch) or [], keys) & set(serving) - {source, me})
         asked = random.sample(others, min(MAX_ANSWERERS, len(others)))
-        seed = new_seed()
-        pending = self.ask_projections(asked, seed, epoch) if asked else None  # (answered while this one computes)
+        seed, timeout = new_seed(), challenge_timeout(sum(t.numel() for t in loaded[1][:num_parameters]))
+        pending = self.ask_projections(asked, seed, epoch, timeout) if asked else None  # (answered meanwhile)
         own = projection(loaded[1][:num_parameters], seed)
         try:
-            answers = {} if pending is None else pending.result(timeout=CHALLENGE_TIMEOUT + 5.0)
+            answers = {} if pending is None else pending.result(timeout=timeout + 5.0)
         except Exception as e:  # (the averager's process did not answer: no answers)
             logger.debug(f"collabopt: the download challenge got no answers ({e!r})")
             answers = dict.fromkeys(asked)
@@ -263,4 +288,4 @@ class VerifiedDownloads(ProjectionChallenges):
 
 
 __all__ = ["MIN_VOTES", "REMEMBERED_DOWNLOADS", "VOTE_TTL", "DownloadVotes", "VerifiedDownloads", "Vote",
-           "VotesUnreadable", "majority", "newest_majority", "refusal", "sources", "voters_of"]
+           "VotesUnreadable", "majority", "canonical", "newest_majority", "refusal", "sources", "voters_of"]

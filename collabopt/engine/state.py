@@ -100,6 +100,7 @@ def keep_only(found: Any, only: set[str]) -> Any:
 
 
 SERVE_WAIT = 30.0  # seconds a download waits for a boundary's averaging to be applied (hivemind's default timeout)
+STEP_WAIT = 1.0  # seconds a challenge's copy of the parameters waits for an optimizer step to end
 
 
 class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, TrainingStateAverager,
@@ -244,6 +245,22 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
             # copies, taken now: on CPU, hivemind's tensors are the live ones (GPU ones were copied by .cpu())
             tensors = [t.detach().clone() if t.device.type == "cpu" else t.detach().cpu() for t in tensors]
         return dict(metadata, epoch=epoch), tensors, infos
+
+
+    def challenge_state(self) -> tuple[int, list[torch.Tensor]] | None:
+        """(host process; a download's secret challenge) The epoch and a copy of the parameters this peer serves
+        (the optimizer's: what its vote fingerprints; no optimizer state). None mid-boundary, rather than wait for
+        it (a challenge has its own timeout), or if an optimizer step holds them over :data:`STEP_WAIT`."""
+        if not self._no_boundary.is_set() or not self.lock_optimizer.acquire(timeout=STEP_WAIT):
+            return None
+        try:
+            with self._label_lock:
+                epoch = self._epoch - self._steps_owed
+            with self.lock_averaged_tensors:  # (as a download's copy: DiLoCo writes its anchors under it)
+                return epoch, [p.detach().clone() if p.device.type == "cpu" else p.detach().cpu()
+                               for group in self.optimizer.param_groups for p in group["params"]]
+        finally:
+            self.lock_optimizer.release()
 
 
 def _joined(peers: Sequence[str]) -> bytes:

@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any
 
+from hivemind.averaging import DecentralizedAverager
 from hivemind.utils import get_dht_time
 
 from collabopt import lineage
@@ -74,7 +75,7 @@ def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
         while True:
             try:
                 optimizer.state_averager.load_state_from_peers(timeout=optimizer.load_state_timeout, **kwargs)
-                if optimizer.grad_averager is not None:
+                if installs_a_download(optimizer.grad_averager):
                     optimizer.grad_averager.load_state_from_peers(timeout=optimizer.load_state_timeout, **kwargs)
                 break
             except KeyboardInterrupt:
@@ -83,6 +84,14 @@ def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
                 logger.warning("collabopt: downloading the swarm's state failed (%r): trying again in 1 s", e)
                 time.sleep(1.0)  # (a failure that came at once, e.g. no DHT node to ask, is not retried in a spin)
         after_download(optimizer)
+
+
+def installs_a_download(grad_averager: Any) -> bool:
+    """Whether ``grad_averager`` installs what it downloads (PowerSGD's: its Q matrices). hivemind's
+    ``DecentralizedAverager.load_state_from_peers`` installs nothing: downloading a whole state for it only costs
+    bandwidth (unbounded and unverified: the highest-priority peer's)."""
+    return grad_averager is not None and (type(grad_averager).load_state_from_peers
+                                          is not DecentralizedAverager.load_state_from_peers)
 
 
 def after_download(optimizer: Any) -> None:

@@ -14,6 +14,7 @@ can fail. Both swarms run at once.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -36,7 +37,9 @@ pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 HONEST = ("h0", "h1", "h2")
 ALTERED = 1000.0  # what the hostile peer adds to the parameters it serves
 SAME = 1e-6
-BASE = dict(target_batch_size=640, epochs=5, batch_sizes=[16], lr=0.05, step_sleep=0.05, max_seconds=60,
+# (1280 samples: epochs of about 2 s, the parameter averaging about 0.2 s of it; a joiner's download and challenge
+# take about 0.3 s, so the answerers rarely move on meanwhile)
+BASE = dict(target_batch_size=1280, epochs=5, batch_sizes=[16], lr=0.05, step_sleep=0.05, max_seconds=60,
             model_seed=0, save_epoch_params=True, options=dict(matchmaking_time=1.0, averaging_timeout=10.0))
 
 
@@ -88,8 +91,11 @@ def test_a_joiner_refuses_a_hostile_state_and_holds_the_honest_one(tmp_path):
     start = torch.load(clipped_path / "late.start.pt")
     honest = [torch.load(clipped_path / f"{name}.epochs.pt").get(epoch) for name in HONEST]
     assert epoch >= 2 and min(max_param_diff(start, params) for params in honest if params is not None) <= SAME, log
-    # (the hostile peer was asked first; its fingerprint passed, the other voters' answers refused it)
-    assert "refused the state" in log and "secret challenge: 0 answer(s) agree" in log, log[-4000:]
+    # (the hostile peer was asked first; its fingerprint passed, and at least one challenge of it was answered and
+    # refused it: no answer agreed, at least one disagreed. Where the answerers had moved on, another attempt says
+    # "not installed: no other voter ... answered" first; the hostile state is never installed either way)
+    assert re.search(r"refused the state \S+ sent \(its parameters are not those the other voters of epoch \d+ "
+                     r"serve \(secret challenge: 0 answer\(s\) agree, [1-9]", log), log[-4000:]
     final = {name: read_params(clipped_path, name) for name in (*HONEST, "late")}
     assert all(max_param_diff(final["late"], final[name]) <= SAME for name in HONEST)
     assert read_result(clipped_path, "late")["final_epoch"] >= BASE["epochs"]

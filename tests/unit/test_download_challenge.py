@@ -16,6 +16,7 @@ from collabopt.engine.download_challenge import (
     ProjectionChallenges,
     agrees,
     challenge_refusal,
+    challenge_timeout,
     new_seed,
     projection,
 )
@@ -110,17 +111,16 @@ class Server(ProjectionChallenges):
 
 def server(epoch, tensors, refusal=None):
     avg = Server.__new__(Server)
-    state = (MSGPackSerializer.dumps(dict(epoch=epoch)), [*tensors, torch.ones(3)], None)
 
-    async def current_state():
-        return state
+    async def current_state():  # (the host's copy of the parameters it serves: no optimizer state)
+        return None if epoch is None else (epoch, list(tensors))
 
     async def download_refusal(key, caller):
         return refusal
 
-    vars(avg).update(_parent_pid=-1, serializer=MSGPackSerializer, _challenge_slot=asyncio.Lock(),
-                     _get_current_state_from_host_process=current_state, _download_refusal=download_refusal,
-                     optimizer=SimpleNamespace(param_groups=[dict(params=tensors)]))
+    vars(avg).update(_parent_pid=-1, serializer=MSGPackSerializer, _challenge_slot=asyncio.Lock(), _challengers=set(),
+                     _challenge_state_from_host=current_state, _download_refusal=download_refusal,
+                     _allow_state_sharing=SimpleNamespace(value=True))
     return avg
 
 
@@ -135,3 +135,64 @@ def test_a_peer_answers_for_the_parameters_it_serves_at_the_epoch_it_serves(key,
     assert "refused" in asyncio.run(server(5, PARAMS)._answer(dict(request, seed=-1), b"caller"))
     outsider = asyncio.run(server(5, PARAMS, refusal="it stored no member token")._answer(request, b"caller"))
     assert outsider == (dict(refused="it stored no member token") if key else answer)
+
+
+def test_a_peer_that_does_not_share_its_state_or_is_mid_boundary_answers_none_at_once():
+    """A DiLoCo round in flight pauses sharing: no projection; mid-boundary the host gives no copy (None) rather than
+    wait for the boundary: the answer names no epoch."""
+    request = dict(seed=11, epoch=5, vectors=4)
+    paused = server(5, PARAMS)
+    paused._allow_state_sharing.value = False
+    assert "projection" not in asyncio.run(paused._answer(request, b"caller"))
+    assert asyncio.run(server(None, PARAMS)._answer(request, b"caller")) == dict(epoch=None)
+
+
+def test_one_challenge_at_a_time_per_caller():
+    """A caller that keeps a challenge open holds no second one (others are answered): one hostile member cannot
+    fill an honest peer's slots."""
+    avg, release = server(5, PARAMS), asyncio.Event()
+    copy = avg._challenge_state_from_host
+
+    async def slow_copy():
+        await release.wait()
+        return await copy()
+
+    avg._challenge_state_from_host = slow_copy
+    request = dict(seed=11, epoch=5, vectors=4)
+
+    async def run():
+        first = asyncio.create_task(avg._answer(request, b"hostile"))
+        await asyncio.sleep(0.01)
+        second = await asyncio.wait_for(avg._answer(request, b"hostile"), 2.0)  # (at once)
+        other = asyncio.create_task(avg._answer(request, b"honest"))
+        await asyncio.sleep(0.01)
+        release.set()
+        return await first, second, await other
+
+    first, second, other = asyncio.run(run())
+    assert second == dict(busy=True) and "projection" in first and "projection" in other
+    assert avg._challengers == set()
+
+
+def test_the_host_copies_only_the_served_parameters_and_never_waits_for_a_boundary():
+    import threading
+    import time
+
+    from collabopt.engine.state import ConsistentStateAverager
+
+    avg = ConsistentStateAverager.__new__(ConsistentStateAverager)
+    boundary = threading.Event()
+    vars(avg).update(_parent_pid=-1, _no_boundary=boundary, lock_optimizer=threading.Lock(),
+                     lock_averaged_tensors=threading.Lock(),
+                     _label_lock=threading.Lock(), _epoch=6, _steps_owed=1,
+                     optimizer=SimpleNamespace(param_groups=[dict(params=PARAMS)]))
+    started = time.monotonic()
+    assert avg.challenge_state() is None and time.monotonic() - started < 0.5  # mid-boundary: at once
+    boundary.set()
+    epoch, tensors = avg.challenge_state()
+    assert epoch == 5 and all(torch.equal(a, b) for a, b in zip(tensors, PARAMS, strict=True))
+    assert tensors[0].data_ptr() != PARAMS[0].data_ptr()  # (a copy)
+
+
+def test_the_downloaders_wait_grows_with_the_parameters():
+    assert challenge_timeout(0) == 15.0 and challenge_timeout(100_000_000) == pytest.approx(20.0)

@@ -51,9 +51,9 @@ def test_the_newest_epoch_with_a_majority_is_the_one_downloaded():
 
 def test_sources_claiming_the_majority_come_first_by_priority_and_never_this_peer():
     ballot = votes(("a", 5, H), ("b", 5, H), ("x", 5, X), ("me", 5, H))
-    priorities = {"x": 1e6, "a": 5.0, "b": 6.0, "me": 7.0, "plain": 5.0}  # ("plain" votes not: tried last)
+    priorities = {"x": 1e6, "a": 5.0, "b": 6.0, "me": 7.0, "nv": 9.0}  # ("nv" votes not: never a source)
     order = sources(ballot, priorities, 5, H, "me")
-    assert order[:2] == ["b", "a"] and set(order[2:]) == {"x", "plain"} and order[2] == "x"
+    assert order == ["b", "a", "x"]  # (x votes another fingerprint: tried last)
     assert "c" not in sources(votes(("c", 5, H)), {"a": 1.0}, 5, H, "me")  # only peers that serve their state
 
 
@@ -86,7 +86,7 @@ def averager(monkeypatch):
     challenged: list[list[str]] = []
     epochs = {"x": 5, "a": 5, "b": 5}  # the epoch each peer serves when a challenge comes
 
-    def ask_projections(peers, seed, epoch):  # (each peer answers for what it serves, as the averager process does)
+    def ask_projections(peers, seed, epoch, timeout=None):  # (each peer answers for what it serves, as the averager)
         challenged.append(sorted(peers))
         answers = {peer: dict(epoch=epochs[peer], projection=projection(served[peer], seed).values) for peer in peers}
         future = Future()
@@ -278,3 +278,72 @@ def test_a_diloco_peer_counts_a_refused_download_as_not_done(monkeypatch):
     monkeypatch.setattr(DiLoCoLoop, "local_epoch", property(lambda self: 3), raising=False)
     loop.load_state_from_peers()
     assert restored == [False]
+
+
+def test_a_whitespace_alias_of_the_hostile_peer_is_neither_its_answerer_nor_a_source(averager, caplog):
+    """x votes as "x " (PeerID.from_base58 strips it: it dials x): before, the joiner refused a (0-1 against "x ")
+    and then installed x's permutation (1-1: a against, "x " = x for). A vote names a canonical id or no one."""
+    averager.served["x"] = PERMUTED
+    averager.averager.votes = SimpleNamespace(read=lambda: votes(("a", 5, H), ("x ", 5, H)))
+    averager.averager._serving_peers = lambda: {"x": 1e6, "a": 5.0}
+    assert averager.averager.load_state_from_peers(timeout=1.0) is None  # (1 vs 1: nothing can be verified)
+    assert averager.asked == ["a"] and averager.challenged == []  # x: no vote names it; "x ": no one
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in averager.params)
+
+
+def test_a_second_identity_under_the_hostile_key_never_answers_for_it(averager):
+    """x's key votes for y, a second identity x controls, serving x's permutation: x itself (no vote) is no source,
+    and y as source is challenged by a alone (before: x source, a and y answered, 1-1, installed)."""
+    averager.served.update(x=PERMUTED, y=PERMUTED)
+    averager.epochs["y"] = 5
+    averager.averager.votes = SimpleNamespace(read=lambda: [Vote("a", 5, H, b"ka"), Vote("y", 5, H, b"kx")])
+    averager.averager._serving_peers = lambda: {"x": 1e6, "y": 1e5, "a": 5.0}
+    assert averager.averager.load_state_from_peers(timeout=1.0) is None
+    assert averager.asked == ["y", "a"] and averager.challenged == [["a"], ["y"]]
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in averager.params)
+
+
+def test_no_vote_its_sources_key_signed_answers_for_a_source(averager):
+    """One key, one role: votes of the source's key never answer for it (two such votes: x and y under kx)."""
+    averager.served.update(x=PERMUTED, y=PERMUTED)
+    averager.epochs["y"] = 5
+    averager.averager.votes = SimpleNamespace(read=lambda: [Vote("a", 5, H, b"ka"), Vote("x", 5, H, b"kx"),
+                                                            Vote("y", 5, H, b"kx")])
+    averager.averager._serving_peers = lambda: {"x": 1e6, "y": 1e5, "a": 5.0}
+    averager.averager.load_state_from_peers(timeout=1.0)
+    assert averager.challenged[:2] == [["a"], ["a"]]  # (x's and y's states: a alone answers, against)
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in averager.params)
+
+
+def test_client_voters_are_never_asked_and_clients_do_not_vote(averager):
+    """Client-mode peers serve no state and register no handler: only voters that serve are asked. A client's
+    DownloadVotes stores no vote (a swarm of one server and clients: one vote, the download is hivemind's)."""
+    averager.averager.votes = SimpleNamespace(read=lambda: votes(("a", 5, H), ("b", 5, H), ("c", 5, H), ("d", 5, H)))
+    averager.averager._serving_peers = lambda: {"a": 6.0, "b": 5.0}  # (c and d: clients)
+    averager.averager.load_state_from_peers(timeout=1.0)
+    assert averager.asked == ["a"] and averager.challenged == [["b"]]
+    assert all(torch.equal(p, h) for p, h in zip(averager.params, HONEST, strict=True))
+    from collabopt.engine.download_votes import DownloadVotes
+
+    stored = []
+    client = DownloadVotes(SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "c")),
+                           SimpleNamespace(store=lambda **kwargs: stored.append(kwargs)), "run", b"k")
+    client.serves = False
+    client.vote(5, H)
+    assert stored == []
+    client.serves = True
+    client.vote(5, H)
+    assert len(stored) == 1
+
+
+def test_the_votes_read_carry_their_signing_key(monkeypatch):
+    from collabopt.engine import download_votes
+    from collabopt.engine.records import RunRecords
+
+    found = RunRecords()
+    found.sources = 1
+    found.fingerprints = {b"kx": (dict(peer_id="x ", epoch=5, fingerprint=H), 1.0), b"kb": (None, 1.0)}
+    monkeypatch.setattr(download_votes, "read_run_records", lambda *args, **kwargs: found)
+    reader = download_votes.DownloadVotes(dht=None, records_dht=None, run_id="run", public_key=b"k")
+    assert reader.read() == [Vote("x ", 5, H, b"kx")]
+    assert download_votes.voters_of(reader.read(), 5, H) == set()  # (not canonical)

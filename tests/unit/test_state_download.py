@@ -112,3 +112,22 @@ def test_a_state_two_epochs_old_is_not_relabelled(monkeypatch):
     optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[3] * 100, averaging_timeout=5.0)
     sync_download.download_state(optimizer)
     assert optimizer.local_epoch == 3
+
+
+def test_only_a_gradient_averager_that_installs_a_download_downloads(monkeypatch):
+    """hivemind's GradientAverager installs nothing it downloads (a whole unverified state for nothing); PowerSGD's
+    installs its Q matrices."""
+    from hivemind.optim.grad_averager import GradientAverager
+    from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
+
+    from collabopt.engine.averaging import GradientAveragerThatTellsGaps
+
+    def instance(cls):
+        averager = cls.__new__(cls)
+        averager._parent_pid = -1
+        return averager
+
+    assert not sync_download.installs_a_download(None)
+    assert not sync_download.installs_a_download(instance(GradientAverager))
+    assert not sync_download.installs_a_download(instance(GradientAveragerThatTellsGaps))
+    assert sync_download.installs_a_download(instance(PowerSGDGradientAverager))
