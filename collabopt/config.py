@@ -198,6 +198,28 @@ class CollabConfig(DhtOptions):
                                      f"{self.aggregation!r}: a downloaded state is checked against the fingerprint "
                                      f"most of the swarm holds, which a lossy {type(compression).__name__} changes",
                                      "drop load_state_compression, or pass aggregation='mean'")
+        if self.aggregation != "mean" and self.outer_optimizer is None:  # (DiLoCo: every member gets the average)
+            self._check_exact_parameters()
+
+    def _check_exact_parameters(self) -> None:
+        """Verified downloads need honest peers to serve the same parameters (to 1e-5). hivemind's all-reduce leaves
+        each member its own tensor plus a compressed difference: a lossy parameter round leaves them apart by its
+        error at once, and lossy gradient rounds do between parameter rounds (docs/faults.md)."""
+        for name in ("state_averaging_compression", "grad_compression"):
+            compression = self.hivemind_options.get(name)
+            if compression is None or type(compression) is NoCompression:
+                continue
+            if name == "state_averaging_compression":
+                raise ConfigurationError(name, f"cannot be combined with aggregation={self.aggregation!r}: a lossy "
+                                         f"{type(compression).__name__} leaves honest peers with parameters apart "
+                                         "by its error, and verified downloads would refuse their states",
+                                         "drop state_averaging_compression, or pass aggregation='mean'")
+            if self.average_state_every > 1:
+                raise ConfigurationError(name, f"a lossy {type(compression).__name__} cannot be combined with "
+                                         f"aggregation={self.aggregation!r} and average_state_every="
+                                         f"{self.average_state_every}: honest peers' parameters drift apart by its "
+                                         "error until a parameter round, and verified downloads would refuse "
+                                         "their states", "pass average_state_every=1, or drop grad_compression")
 
     # ------------------------------------------------------------------ what the config builds
 

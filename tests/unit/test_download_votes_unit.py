@@ -191,6 +191,23 @@ def test_centered_clip_refuses_a_lossy_state_compression():
     CollabConfig.from_options(**options, load_state_compression=NoCompression())
     config = CollabConfig.from_options(**options)
     assert config.hivemind_arguments()["averager_opts"]["verify_downloads"] is True
+
+
+def test_centered_clip_refuses_what_leaves_honest_parameters_apart():
+    """hivemind's all-reduce leaves each member its own tensor plus a compressed difference: lossy parameter rounds,
+    or lossy gradient rounds between parameter rounds, leave honest peers apart, and verified downloads (1e-5)
+    would refuse them. DiLoCo's rounds answer with the average itself: its fp16 default stays."""
+    from hivemind.compression import Float16Compression
+
+    options = dict(run_id="r", target_batch_size=8, aggregation="centered_clip")
+    with pytest.raises(ConfigurationError, match="state_averaging_compression"):
+        CollabConfig.from_options(**options, state_averaging_compression=Float16Compression())
+    with pytest.raises(ConfigurationError, match="average_state_every=1"):
+        CollabConfig.from_options(**options, grad_compression=Float16Compression(), average_state_every=2)
+    CollabConfig.from_options(**options, grad_compression=Float16Compression())  # a parameter round every epoch
+    CollabConfig.from_options(run_id="r", target_batch_size=8, state_averaging_compression=Float16Compression())
+    CollabConfig.from_options(**options, outer_optimizer=lambda params: torch.optim.SGD(params, lr=0.7),
+                              grad_compression=Float16Compression())
     assert "verify_downloads" not in (CollabConfig.from_options(run_id="r", target_batch_size=8)
                                       .hivemind_arguments().get("averager_opts") or {})
 
