@@ -192,8 +192,8 @@ class CollabConfig(DhtOptions):
             raise ConfigurationError("grad_averager_factory", f"cannot be combined with aggregation="
                                      f"{self.aggregation!r} (collabopt's averager aggregates robustly)",
                                      "drop grad_averager_factory, or pass aggregation='mean'")
-        compression = self.hivemind_options.get("load_state_compression")
-        if self.aggregation != "mean" and compression is not None and type(compression) is not NoCompression:
+        compression = self._lossy_compression("load_state_compression")
+        if self.aggregation != "mean" and compression is not None:
             raise ConfigurationError("load_state_compression", f"cannot be combined with aggregation="
                                      f"{self.aggregation!r}: a downloaded state is checked against the fingerprint "
                                      f"most of the swarm holds, which a lossy {type(compression).__name__} changes",
@@ -206,8 +206,8 @@ class CollabConfig(DhtOptions):
         each member its own tensor plus a compressed difference: a lossy parameter round leaves them apart by its
         error at once, and lossy gradient rounds do between parameter rounds (docs/faults.md)."""
         for name in ("state_averaging_compression", "grad_compression"):
-            compression = self.hivemind_options.get(name)
-            if compression is None or type(compression) is NoCompression:
+            compression = self._lossy_compression(name)
+            if compression is None:
                 continue
             if name == "state_averaging_compression":
                 raise ConfigurationError(name, f"cannot be combined with aggregation={self.aggregation!r}: a lossy "
@@ -220,6 +220,11 @@ class CollabConfig(DhtOptions):
                                          f"{self.average_state_every}: honest peers' parameters drift apart by its "
                                          "error until a parameter round, and verified downloads would refuse "
                                          "their states", "pass average_state_every=1, or drop grad_compression")
+
+    def _lossy_compression(self, name: str) -> Any:
+        """The compression given as hivemind option ``name`` if it is lossy (anything but ``NoCompression``)."""
+        compression = self.hivemind_options.get(name)
+        return None if compression is None or type(compression) is NoCompression else compression
 
     # ------------------------------------------------------------------ what the config builds
 
