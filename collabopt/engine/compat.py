@@ -7,6 +7,8 @@ written against the versions below. A hivemind upgrade starts here: add the vers
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib
 import inspect
 import platform
 from typing import Any
@@ -23,8 +25,74 @@ except ImportError:  # pragma: no cover - older layouts
 SUPPORTED_HIVEMIND = ("1.1.12",)
 HIVEMIND_REQUEST_TIMEOUT = 3.0  # hivemind's default averager request_timeout (seconds)
 
-__all__ = ["HIVEMIND_REQUEST_TIMEOUT", "SUPPORTED_HIVEMIND", "Multiaddr", "SameHandlers", "check_compression",
-           "dht_time", "hivemind_supported", "is_dht", "is_hivemind_object", "optimizer_parameter_names", "versions"]
+# The seams: every hivemind method that a class of collabopt's overrides, or that reads a module global which
+# collabopt's averager processes replace (marked "reads"), with the SHA-256 (first 12 hex digits) of its source in
+# the supported versions. tests/unit/test_seams.py checks that the list is complete and that the installed hivemind's
+# sources still hash to these: a release that changes one names it here, and collabopt's override is reviewed
+# against the new source before the digest is updated (docs/development.md, "Upgrading hivemind").
+SEAMS: dict[str, str] = {
+    "hivemind.averaging.allreduce.AllReduceRunner.__init__": "597a0c8dbbea",
+    "hivemind.averaging.allreduce.AllReduceRunner._accumulate_parts_streaming": "6c5a3c726606",
+    "hivemind.averaging.allreduce.AllReduceRunner._communicate_with_peer": "d910885e9727",
+    "hivemind.averaging.allreduce.AllReduceRunner.run": "d145a0e368a5",
+    "hivemind.averaging.averager.DecentralizedAverager.__init__": "6180e0f134f0",
+    "hivemind.averaging.averager.DecentralizedAverager._aggregate_with_group": "c297d8a435ce",
+    "hivemind.averaging.averager.DecentralizedAverager._load_state_from_peers": "fe7b419d01ce",
+    "hivemind.averaging.averager.DecentralizedAverager._run_allreduce_inplace_": "914d57cffc7d",
+    "hivemind.averaging.averager.DecentralizedAverager._run_internal": "8f85686e1ccd",
+    "hivemind.averaging.averager.DecentralizedAverager._step": "dfbb4416e9eb",
+    "hivemind.averaging.averager.DecentralizedAverager.load_state_from_peers": "973fae40a3d1",
+    "hivemind.averaging.averager.DecentralizedAverager.rpc_aggregate_part": "06ad9597d588",
+    "hivemind.averaging.averager.DecentralizedAverager.rpc_download_state": "fd2f6f19e7d2",
+    "hivemind.averaging.averager.DecentralizedAverager.run": "56590878daa9",
+    "hivemind.averaging.key_manager.GroupKeyManager.__init__": "853cbc97b338",
+    "hivemind.averaging.key_manager.GroupKeyManager.declare_averager": "3df3ecf507a8",
+    "hivemind.averaging.matchmaking.Matchmaking.__init__": "40dea3076c71",
+    "hivemind.averaging.matchmaking.Matchmaking._check_reasons_to_reject": "c694e8194862",
+    "hivemind.averaging.partition.TensorPartReducer.finalize": "dded462a1187",
+    "hivemind.averaging.partition.TensorPartReducer.reset_accumulators": "5d3dc36f344a",
+    "hivemind.dht.validation.RecordValidatorBase.merge_with": "c98abae78e86",
+    "hivemind.dht.validation.RecordValidatorBase.priority": "5daab08584a8",
+    "hivemind.dht.validation.RecordValidatorBase.validate": "c9c52593d961",
+    "hivemind.optim.grad_averager.GradientAverager.__init__": "9f7a702bd6f3",
+    "hivemind.optim.grad_averager.GradientAverager._grads_from_parameters": "9ff5a4ecb27e",
+    "hivemind.optim.grad_averager.GradientAverager.accumulate_grads_": "67d8ddf5c3e9",
+    "hivemind.optim.grad_averager.GradientAverager.load_accumulators_into_averager_": "916123f43baf",
+    "hivemind.optim.grad_averager.GradientAverager.reset_accumulated_grads_": "9222c7c084c9",
+    "hivemind.optim.grad_averager.GradientAverager.step": "9d556a76d4a8",
+    "hivemind.optim.progress_tracker.ProgressTracker.__init__": "55e199febc14",
+    "hivemind.optim.progress_tracker.ProgressTracker._get_local_progress": "f6a5b2405a9c",
+    "hivemind.optim.progress_tracker.ProgressTracker._parse_swarm_progress_data": "1b5ad87469d3",
+    "hivemind.optim.progress_tracker.ProgressTracker._progress_fetcher": "ed4589425190",
+    "hivemind.optim.progress_tracker.ProgressTracker.pause_updates": "338872130506",
+    "hivemind.optim.progress_tracker.ProgressTracker.report_local_progress": "9bf530c8bc98",
+    "hivemind.optim.progress_tracker.ProgressTracker.run": "03c219906d62",
+    "hivemind.optim.progress_tracker.ProgressTracker.shutdown": "56a92c00f0cd",
+    "hivemind.optim.progress_tracker.ProgressTracker.update_epoch": "5b02797fba6b",
+    "hivemind.optim.state_averager.TrainingStateAverager.__init__": "97f573400a46",
+    "hivemind.optim.state_averager.TrainingStateAverager._apply_averaging_results_": "32b49f6bd708",
+    "hivemind.optim.state_averager.TrainingStateAverager._do": "0b1896170cc6",
+    "hivemind.optim.state_averager.TrainingStateAverager.get_current_state": "d2ee431a0a4b",
+    "hivemind.optim.state_averager.TrainingStateAverager.step": "c68d9335d0cc",
+    "hivemind.p2p.servicer.ServicerBase._get_handle_name": "d3e13c74c5e5",
+    "hivemind.p2p.servicer.ServicerBase.add_p2p_handlers": "eecfb3552f2d",
+    "hivemind.p2p.servicer.ServicerBase.get_stub": "f3e329ffb8ac",
+    "hivemind.utils.auth.AuthorizerBase.sign_request": "7490d0f663d0",
+    "hivemind.utils.auth.AuthorizerBase.sign_response": "9b9de6bf394d",
+    "hivemind.utils.auth.AuthorizerBase.validate_request": "e22167cf5320",
+    "hivemind.utils.auth.AuthorizerBase.validate_response": "2b380d477608",
+}
+# the seams that collabopt reads rather than overrides: the hivemind method, the module global it reads
+SEAM_READS: dict[str, str] = {
+    "hivemind.averaging.allreduce.AllReduceRunner.__init__": "allreduce.TensorPartReducer",
+    "hivemind.averaging.averager.DecentralizedAverager._run_allreduce_inplace_": "averager.AllReduceRunner",
+    "hivemind.averaging.averager.DecentralizedAverager._run_internal": "averager.Matchmaking",
+    "hivemind.averaging.matchmaking.Matchmaking.__init__": "matchmaking.GroupKeyManager",
+}
+
+__all__ = ["HIVEMIND_REQUEST_TIMEOUT", "SEAMS", "SEAM_READS", "SUPPORTED_HIVEMIND", "Multiaddr", "SameHandlers",
+           "changed_seams", "check_compression", "dht_time", "hivemind_supported", "is_dht", "is_hivemind_object",
+           "optimizer_parameter_names", "seam_digest", "versions"]
 
 
 def hivemind_supported(version: str | None = None) -> bool:
@@ -36,6 +104,27 @@ def hivemind_supported(version: str | None = None) -> bool:
 def optimizer_parameter_names() -> frozenset[str]:
     """Names of ``hivemind.Optimizer.__init__``'s arguments."""
     return frozenset(inspect.signature(hivemind.Optimizer.__init__).parameters) - {"self"}
+
+
+def seam_digest(name: str) -> str | None:
+    """The digest (as in :data:`SEAMS`) of the installed hivemind's source of ``name``, "module.Class.method";
+    None where it has no such method."""
+    module_name, class_name, attribute = name.rsplit(".", 2)
+    try:
+        function = vars(getattr(importlib.import_module(module_name), class_name))[attribute]
+    except (ImportError, AttributeError, KeyError):
+        return None
+    function = function.fget if isinstance(function, property) else getattr(function, "__func__", function)
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return None
+    return hashlib.sha256(source.encode()).hexdigest()[:12]
+
+
+def changed_seams() -> dict[str, str | None]:
+    """The seams whose source differs in the installed hivemind: each name with its digest now (None: gone)."""
+    return {name: now for name, digest in SEAMS.items() if (now := seam_digest(name)) != digest}
 
 
 def is_dht(obj: Any) -> bool:
