@@ -77,6 +77,7 @@ def run(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
                             matchmaking_time=cfg["matchmaking_time"], averaging_timeout=cfg["averaging_timeout"],
                             warmup_epochs=cfg["warmup_epochs"],
                             measure_seconds=(cfg["rounds_per_session"] + 1) * cfg["epoch_seconds"] * 1.3,
+                            measure_epochs=cfg.get("measure_epochs"),  # (if set: whole epochs, not seconds)
                             max_seconds=cfg["max_seconds"],
                             # the same config on both sides, spelled out: hivemind's default background averaging
                             options=dict(delay_state_averaging=True))
