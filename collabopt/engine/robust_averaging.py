@@ -161,6 +161,13 @@ def cap_gathered_bandwidths(gathered: Sequence[bytes], serializer: Any = MSGPack
                  for data, entry, bandwidth in zip(gathered, entries, capped, strict=True))
 
 
+# The fewest members of a centered_clip round: CenteredClip bounds a hostile member only where honest members outnumber
+# it, and in a group of 2 the hostile one pulls as hard as the honest one. hivemind's matchmaking then forms no smaller
+# group, and a peer whose gradient round found none steps with its own gradients (a 4-peer swarm split 2 + 2 under CPU
+# load let a hostile member into a pair: docs/faults.md).
+MIN_CLIPPED_GROUP = 3
+
+
 def aggregation_options(aggregation: str) -> dict[str, Any]:
     """The keyword arguments every collabopt averager (:class:`~collabopt.engine.averaging.ShieldedReducers`) of a
     peer gets for ``aggregation``: none for ``"mean"`` (hivemind's weighted mean, collabopt's shielded reducer, the
@@ -171,4 +178,5 @@ def aggregation_options(aggregation: str) -> dict[str, Any]:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
     if aggregation == "mean":
         return {}
-    return dict(part_reducer=ClippingTensorPartReducer, cap_gathered=cap_gathered_bandwidths)
+    return dict(part_reducer=ClippingTensorPartReducer, cap_gathered=cap_gathered_bandwidths,
+                min_group_size=MIN_CLIPPED_GROUP)
