@@ -26,10 +26,10 @@ SUPPORTED_HIVEMIND = ("1.1.12",)
 HIVEMIND_REQUEST_TIMEOUT = 3.0  # hivemind's default averager request_timeout (seconds)
 
 # The seams: every hivemind method that a class of collabopt's overrides, or that reads a module global which
-# collabopt's averager processes replace (marked "reads"), with the SHA-256 (first 12 hex digits) of its source in
-# the supported versions. tests/unit/test_seams.py checks that the list is complete and that the installed hivemind's
-# sources still hash to these: a release that changes one names it here, and collabopt's override is reviewed
-# against the new source before the digest is updated (docs/development.md, "Upgrading hivemind").
+# collabopt's averager processes replace (those also in SEAM_READS), with the SHA-256 (first 12 hex digits) of its
+# source in the supported versions. tests/unit/test_seams.py checks that the list is complete and that the installed
+# hivemind's sources still hash to these: a release that changes one names it here, and collabopt's override is
+# reviewed against the new source before the digest is updated (docs/development.md, "Upgrading hivemind").
 SEAMS: dict[str, str] = {
     "hivemind.averaging.allreduce.AllReduceRunner.__init__": "597a0c8dbbea",
     "hivemind.averaging.allreduce.AllReduceRunner._accumulate_parts_streaming": "6c5a3c726606",

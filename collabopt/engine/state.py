@@ -181,6 +181,8 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
         configured = self.matchmaking_kwargs.get("target_group_size")
         if configured is not None:
             size = configured if size is None else min(size, configured)
+        if size is not None:  # (a full group assembles at once: never one smaller than min_group_size allows)
+            size = max(size, self.matchmaking_kwargs.get("min_group_size", 2))
         self._outer_pipe.send(("_set_target_group_size", [size], {}))  # before the step's own message
 
     async def _set_target_group_size(self, size: int | None) -> None:

@@ -294,15 +294,16 @@ def test_the_state_round_expects_the_gradient_group_when_it_held_the_swarm_prese
     assert optimizer.state_averager.group_size_hint == expected
 
 
-@pytest.mark.parametrize(("hint", "configured", "expected"), [
-    ((5, 3), None, 3), ((4, 3), None, None), (None, None, None),
-    ((5, 3), 2, 2), ((5, 3), 8, 3), (None, 8, 8),  # a target_group_size of the user's stays the upper bound
+@pytest.mark.parametrize(("hint", "configured", "minimum", "expected"), [
+    ((5, 3), None, 2, 3), ((4, 3), None, 2, None), (None, None, 2, None),
+    ((5, 3), 2, 2, 2), ((5, 3), 8, 2, 3), (None, 8, 2, 8),  # a target_group_size of the user's stays the upper bound
+    ((5, 2), None, 3, 3), ((5, 3), 2, 3, 3), (None, None, 3, None),  # centered_clip's min_group_size the lower one
 ])
-def test_a_hint_sizes_only_the_state_round_of_its_epoch(hint, configured, expected):
+def test_a_hint_sizes_only_the_state_round_of_its_epoch(hint, configured, minimum, expected):
     cls = state.ConsistentStateAverager
     sent = []
     averager = SimpleNamespace(group_size_hint=hint, local_epoch=5, _outer_pipe=SimpleNamespace(send=sent.append),
-                               matchmaking_kwargs=dict(target_group_size=configured))
+                               matchmaking_kwargs=dict(target_group_size=configured, min_group_size=minimum))
     cls._size_next_group(averager)
     assert sent == [("_set_target_group_size", [expected], {})]
     assert averager.group_size_hint is None  # used once
