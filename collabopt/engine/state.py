@@ -9,9 +9,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import logging
 import multiprocessing
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,9 +22,11 @@ from hivemind.p2p import PeerID
 from hivemind.utils import ValueWithExpiration
 
 from collabopt.engine.averaging import ShieldedReducers
-from collabopt.engine.compat import SameHandlers
+from collabopt.engine.compat import HIVEMIND_REQUEST_TIMEOUT, SameHandlers
 from collabopt.engine.download_votes import VerifiedDownloads
 from collabopt.engine.member_checks import MemberChecks
+
+logger = logging.getLogger(__name__)
 
 # Parameter averaging in place: where the round runs inside step() on float32 CPU parameters, nothing else touches
 # them during the round, so the averager averages the parameters themselves (hivemind's reuse_tensors) instead of a
@@ -99,7 +103,8 @@ def keep_only(found: Any, only: set[str]) -> Any:
     return ValueWithExpiration(kept, found.expiration_time)
 
 
-SERVE_WAIT = 30.0  # seconds a download waits for a boundary's averaging to be applied (hivemind's default timeout)
+SERVE_WAIT_SHARE = 0.5  # of the downloader's chunk timeout (taken as this peer's), a download waits out a boundary
+DECLINED: tuple[dict, list, list] = ({}, [], [])  # no tensors: hivemind sends nothing, the next peer is tried
 STEP_WAIT = 1.0  # seconds a challenge's copy of the parameters waits for an optimizer step to end
 
 
@@ -110,9 +115,11 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
     its ``votes`` are set by the loop, which has the key to sign this peer's vote with).
 
     A state is served as a copy taken while no optimizer step runs, labelled with the epoch whose update its
-    parameters hold, and not while a boundary's foreground parameter averaging is unapplied (a download waits up to
-    :data:`SERVE_WAIT` seconds): hivemind 1.1.12 served live tensors with an epoch read apart from them. See
-    docs/decisions.md, "Consistent state serving"."""
+    parameters hold: hivemind 1.1.12 served live tensors with an epoch read apart from them. It is not served during
+    a boundary (:meth:`closed_for_downloads`, and a step's foreground parameter averaging): that state is about to be
+    an epoch old. A download waits for the boundary's end for a share (:data:`SERVE_WAIT_SHARE`) of the chunk
+    timeout, which is how long the downloader waits for the first part, then gets an empty answer and tries the next
+    peer. See docs/decisions.md, "Consistent state serving"."""
 
     def __init__(self, *args: Any, verify_downloads: bool = False, **kwargs: Any):
         self.verify_downloads = verify_downloads
@@ -124,6 +131,11 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
         self._paying = False  # the _do running now pays one when its optimizer step runs
         self._no_boundary = threading.Event()  # cleared while a boundary's foreground averaging is unfinished
         self._no_boundary.set()
+        self._open_for_downloads = threading.Event()  # cleared while the loop ends an epoch (closed_for_downloads)
+        self._open_for_downloads.set()
+        chunk_timeout = kwargs.get("next_chunk_timeout")  # (hivemind's, in the averager's process only)
+        self._chunk_timeout = chunk_timeout if chunk_timeout is not None else kwargs.get(
+            "request_timeout", HIVEMIND_REQUEST_TIMEOUT)
         # peers whose state a download tries first (base58, comma-separated), shared with the averager process
         self._preferred_sources = multiprocessing.Array(ctypes.c_char, PREFERRED_SOURCES_BYTES)
         self._only_sources = multiprocessing.Array(ctypes.c_char, PREFERRED_SOURCES_BYTES)  # if set, no others
@@ -238,8 +250,31 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
             self.dht.get, self._reads_preferring = get_preferring, True
         return await super()._load_state_from_peers(future, timeout)
 
+    @contextlib.contextmanager
+    def closed_for_downloads(self) -> Iterator[None]:
+        """Serve no download while the loop ends an epoch (from its gradient round to its parameter round): a state
+        served then is the epoch about to end, and its downloader, having missed that round, downloads again."""
+        self._open_for_downloads.clear()
+        try:
+            yield
+        finally:
+            self._open_for_downloads.set()
+
+    def serve_wait(self) -> float:
+        """Seconds a download waits for a boundary to end (see the class)."""
+        return SERVE_WAIT_SHARE * self._chunk_timeout
+
     def get_current_state(self) -> Any:
-        self._no_boundary.wait(SERVE_WAIT)  # (runs in hivemind's thread that serves downloads)
+        # (runs in hivemind's thread that serves downloads)
+        deadline = time.monotonic() + self.serve_wait()
+        if not (self._open_for_downloads.wait(self.serve_wait())
+                and self._no_boundary.wait(max(0.0, deadline - time.monotonic()))):
+            logger.debug("collabopt: a download came during a boundary that outlasted its wait: declined")
+            return DECLINED
+        return self.state_copy()
+
+    def state_copy(self) -> Any:
+        """The state served, as hivemind's ``get_current_state``: a copy taken while no optimizer step runs."""
         with self.lock_optimizer:  # no optimizer step runs meanwhile
             with self._label_lock:
                 epoch = self._epoch - self._steps_owed
@@ -247,7 +282,6 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
             # copies, taken now: on CPU, hivemind's tensors are the live ones (GPU ones were copied by .cpu())
             tensors = [t.detach().clone() if t.device.type == "cpu" else t.detach().cpu() for t in tensors]
         return dict(metadata, epoch=epoch), tensors, infos
-
 
     def challenge_state(self) -> tuple[int, list[torch.Tensor]] | None:
         """(host process; a download's secret challenge) The epoch and a copy of the parameters this peer serves

@@ -47,15 +47,17 @@ def _download_until_current(optimizer: Any, **kwargs: Any) -> None:
         swarm_epoch = optimizer.tracker.global_epoch
         if optimizer.local_epoch >= swarm_epoch or time.monotonic() >= deadline:
             break
-        logging.getLogger(__name__).log(
-            optimizer.status_loglevel, "collabopt: the state downloaded is epoch %d's, the swarm's is %d: downloading "
-            "again", optimizer.local_epoch, swarm_epoch)
+        if optimizer.state_averager.handed_on:
+            logger.log(optimizer.status_loglevel, "collabopt: the state downloaded is epoch %d's, the swarm's is %d: "
+                       "downloading again", optimizer.local_epoch, swarm_epoch)
+        else:  # (each peer asked was ending an epoch, or had nothing to send: see ConsistentStateAverager)
+            logger.log(optimizer.status_loglevel, "collabopt: no peer sent its state now: downloading again in 1 s")
         with optimizer.tracker.pause_updates():  # fetch the swarm's progress now, then look again
             optimizer.tracker.global_progress.next_fetch_time = get_dht_time()
         optimizer.tracker.global_state_updated.set()
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
     if optimizer.local_epoch == optimizer.tracker.global_epoch - 1:  # hivemind's rule, as a last resort
-        logging.getLogger(__name__).warning(
+        logger.warning(
             "collabopt: no peer served the swarm's epoch %d within %.0f s; continuing from epoch %d's state as epoch "
             "%d", optimizer.tracker.global_epoch, optimizer.averaging_timeout, optimizer.local_epoch,
             optimizer.tracker.global_epoch)
@@ -66,7 +68,6 @@ def _download_until_current(optimizer: Any, **kwargs: Any) -> None:
 
 def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
     """One download of the state (and of the gradient averager's, if it serves one); retried until one succeeds."""
-    logger = logging.getLogger(__name__)
     control, optimizer.scheduled_grads = optimizer.scheduled_grads, None
     if control is not None and not control.done():
         optimizer.tag_along(control)  # its group may have formed: leaving would make the others match again

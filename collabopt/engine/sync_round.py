@@ -123,7 +123,7 @@ class SyncLoop(PeerLoop):
         if self.sync_state.before_averaging is not None and self.grad_averager is not None:
             self.sync_state.before_averaging()  # the non-finite guard's last look at the accumulation
         logger.log(self.status_loglevel, "collabopt: epoch %d ends", epoch)
-        with self.tracker.pause_updates():
+        with self.tracker.pause_updates(), self.state_averager.closed_for_downloads():
             in_background = None
             if self.grad_averager is None:  # use_local_updates: parameters are averaged, gradients never
                 outcome = RoundOutcome(True, "averaged" if num_peers > 1 else "alone", num_peers=num_peers,

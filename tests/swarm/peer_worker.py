@@ -167,16 +167,18 @@ def corrupt_reducer(scale: float) -> None:
 
 def serve_altered(constant: float | str) -> None:
     """Fault injection: this peer serves its parameters plus ``constant`` (``"permuted"``: each tensor's values in
-    reverse order, whose fingerprint is the honest one) to those that download its state, and asks
+    reverse order, whose fingerprint is the honest one) to those that download its state, never declines one, and asks
     to be their first source (its priority raised by 1e6); it trains, and votes (``aggregation="centered_clip"``),
     with its real parameters, so its vote claims the honest peers' fingerprint (tests/swarm/test_download_votes.py)."""
     from collabopt.engine.state import ConsistentStateAverager
 
-    honest = ConsistentStateAverager.get_current_state
     priority = ConsistentStateAverager.state_sharing_priority
 
     def get_current_state(self):
-        metadata, tensors, infos = honest(self)
+        # it answers every download at once, also while it ends an epoch (an honest peer declines then), with the
+        # parameters its vote names: it waits only for a parameter round to be applied
+        self._no_boundary.wait(30.0)
+        metadata, tensors, infos = self.state_copy()
         count = sum(len(group["params"]) for group in self.optimizer.param_groups)
         if constant == "permuted":  # the honest values, each tensor's in another order: the same three sums
             return metadata, [t.reshape(-1).flip(0).reshape(t.shape) if i < count else t

@@ -28,15 +28,16 @@ class SlowSGD(torch.optim.SGD):
             p.add_(p.grad, alpha=-1.0)
 
 
-def snapshot_during(averager, action, delay: float) -> tuple[int, list[torch.Tensor]]:
+def snapshot_during(averager, action, delay: float) -> tuple[int | dict, list[torch.Tensor]]:
     """Run ``action`` (a state-averager step) and serve a state ``delay`` seconds into it, as hivemind serves a
-    download; the tensors are copied at once, as they would stream out."""
+    download; the tensors are copied at once, as they would stream out. The epoch served, or (declined) the
+    metadata."""
     taken: list = []
 
     def serve() -> None:
         time.sleep(delay)
         metadata, tensors, _ = averager.get_current_state()
-        taken.append((metadata["epoch"], [t.clone() for t in tensors]))
+        taken.append((metadata.get("epoch", metadata), [t.clone() for t in tensors]))
 
     thread = threading.Thread(target=serve)
     thread.start()
@@ -84,16 +85,17 @@ def test_a_download_during_a_boundary_gets_an_epoch_and_the_parameters_of_that_e
         assert averager.get_current_state()[0]["epoch"] == averager.local_epoch == 3
 
         # 4. a download during the boundary's parameter averaging (here: alone, it looks for a group for 6 s, then
-        # fails) waits until the averaging is over: served earlier, it got the next epoch's label with parameters
-        # the averaging had not moved yet
-        finished = []
+        # fails) waits for it for half the chunk timeout (3 s: 1.5 s), then is declined with an empty state, before
+        # the downloader's own timeout: served earlier, it got the next epoch's label with parameters the averaging
+        # had not moved yet; waited for, its downloader timed out and hivemind logged an ERROR
+        assert averager.serve_wait() == pytest.approx(1.5)
+        finished, served_at = [], []
 
         def boundary() -> None:
             averager.step(increment_epoch=True, optimizer_step=True, averaging_round=True,
                           averaging_opts=dict(timeout=6.0))
             finished.append(time.monotonic())
 
-        served_at = []
         original = averager.get_current_state
 
         def timed_state():
@@ -102,10 +104,26 @@ def test_a_download_during_a_boundary_gets_an_epoch_and_the_parameters_of_that_e
             return state
 
         averager.get_current_state = timed_state
-        epoch, tensors = snapshot_during(averager, boundary, delay=1.3)  # after the 1 s optimizer step
-        assert served_at[0] >= finished[0], "served while the boundary's averaging was still running"
-        assert epoch == averager.local_epoch == 4
+        began = time.monotonic()
+        metadata, tensors = snapshot_during(averager, boundary, delay=1.3)  # after the 1 s optimizer step
+        assert (metadata, tensors) == ({}, []), "served while the boundary's averaging was still running"
+        assert served_at[0] - began == pytest.approx(1.3 + 1.5, abs=0.4) and served_at[0] < finished[0]
+        assert averager.get_current_state()[0]["epoch"] == averager.local_epoch == 4  # (once it is over)
+
+        # 5. while the loop ends an epoch (closed_for_downloads) a download waits for the end, and is served then
+        # with the new epoch; one that would wait past its share of the timeout is declined
+        def short_boundary() -> None:
+            with averager.closed_for_downloads():
+                time.sleep(0.5)
+                averager.step(increment_epoch=True, optimizer_step=True)
+
+        epoch, tensors = snapshot_during(averager, short_boundary, delay=0.2)
+        assert epoch == averager.local_epoch == 5
         assert all(torch.equal(a, p) for a, p in zip(tensors[:len(served)], served, strict=True))
+        with averager.closed_for_downloads():
+            began = time.monotonic()
+            assert averager.get_current_state() == ({}, [], [])
+            assert time.monotonic() - began == pytest.approx(1.5, abs=0.3)
     finally:
         averager.shutdown()
         dht.shutdown()

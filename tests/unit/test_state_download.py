@@ -26,7 +26,7 @@ class Progress:  # the fields of hivemind's GlobalTrainingProgress that the down
 
 
 class StandIn:
-    """A SyncLoop as download_state sees it; each download serves the next epoch of ``served``."""
+    """A SyncLoop as download_state sees it; each download serves the next epoch of ``served`` (None: nothing)."""
 
     def __init__(self, local_epoch: int, swarm_epoch: int, served: list[int], averaging_timeout: float = 5.0):
         self.served, self.downloads = list(served), 0
@@ -47,8 +47,12 @@ class StandIn:
         self.state_averager.state_sharing_priority = self.local_epoch
 
     def _serve(self, timeout: float) -> None:
+        """The next epoch of ``served``; None: every peer declined (each was ending an epoch)."""
         self.downloads += 1
-        self.state_averager.local_epoch = self.served.pop(0) if self.served else self.state_averager.local_epoch
+        epoch = self.served.pop(0) if self.served else None
+        self.state_averager.handed_on = epoch is not None
+        if epoch is not None:
+            self.state_averager.local_epoch = epoch
 
     @property
     def local_epoch(self) -> int:
@@ -83,6 +87,14 @@ def test_a_state_one_epoch_old_is_downloaded_again_not_relabelled():
     assert optimizer.local_epoch == 5
     assert optimizer.tracker.reported == [4, 5] and optimizer.state_averager.state_sharing_priority == 5
     assert optimizer.tracker.global_state_updated.is_set()  # it asked for a fresh view of the swarm in between
+
+
+def test_a_download_every_peer_declined_is_tried_again_and_says_so(caplog):
+    optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[None, None, 5])
+    with caplog.at_level(logging.INFO, logger="collabopt.engine.sync_download"):
+        sync_download.download_state(optimizer)
+    assert (optimizer.downloads, optimizer.local_epoch) == (3, 5)
+    assert caplog.text.count("no peer sent its state now") == 2 and "the state downloaded is" not in caplog.text
 
 
 def test_a_state_as_new_as_the_swarms_is_downloaded_once():

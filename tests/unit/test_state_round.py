@@ -75,9 +75,18 @@ def sync_loop(num_peers: int = 3, local_epoch: int = 8, swarm_epoch: int = 8, gr
     loop = object.__new__(sync_round.SyncLoop)
     param = torch.nn.Parameter(torch.zeros(2))
     state_steps: list[dict] = []
+    closed: list[bool] = []  # True while the loop has the state averager closed for downloads
+
+    @contextlib.contextmanager
+    def closed_for_downloads():
+        closed.append(True)
+        try:
+            yield
+        finally:
+            closed.append(False)
 
     def state_step(**kwargs):
-        state_steps.append(kwargs)
+        state_steps.append(dict(kwargs, closed_for_downloads=bool(closed) and closed[-1]))
         if kwargs.get("averaging_control") is not None:
             kwargs["averaging_control"].allow_allreduce()  # (hivemind's step triggers the round and waits for it)
 
@@ -85,8 +94,9 @@ def sync_loop(num_peers: int = 3, local_epoch: int = 8, swarm_epoch: int = 8, gr
         local_epoch=local_epoch, averaging_in_progress=False, main_parameters=(param,), state_sharing_priority=0,
         optimizer=SimpleNamespace(param_groups=[{"params": [param]}]), group_size_hint=None, step=state_step,
         votes=None,  # (downloads not verified: aggregation="mean")
-        schedule_parameter_round=lambda timeout: parameter_round or Control(group))
-    loop.state_steps = state_steps
+        schedule_parameter_round=lambda timeout: parameter_round or Control(group),
+        closed_for_downloads=closed_for_downloads)
+    loop.state_steps, loop.closed = state_steps, closed
     loop.tracker = SimpleNamespace(global_epoch=swarm_epoch, global_progress=SimpleNamespace(num_peers=num_peers),
                                    pause_updates=contextlib.nullcontext, update_epoch=lambda new_epoch: None,
                                    record_times=(get_dht_time(),) * num_peers, extrapolation_limit=lambda: 1.0)
@@ -160,6 +170,8 @@ def test_a_whole_round_steps_with_the_average_then_averages_parameters():
     assert loop.last_round == RoundOutcome(True, "averaged", 2, num_peers=2, epoch=8, parameters_averaged=True)
     assert "load_accumulators_into_averager_" not in loop.grad_averager.calls  # (the round's average, not its own)
     assert [(s["optimizer_step"], s["averaging_round"]) for s in loop.state_steps] == [(True, True)]
+    # the boundary serves no download, from its gradient round to the step's parameter round, and then does again
+    assert loop.state_steps[0]["closed_for_downloads"] and loop.closed == [True, False]
 
 
 class RoundStillRunning(Control):
