@@ -49,6 +49,24 @@ async def _download(handle: str, peer_id, _dht, node) -> int:
     return len([message async for message in stream])
 
 
+def _within(seconds: float, condition) -> bool:
+    """Whether ``condition()`` holds within ``seconds``, looked at again every 0.2 s."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _logged(proc, text: str) -> bool:
+    return text in proc.log()
+
+
+def _sends_state(node, handle: str, peer_id) -> bool:
+    return node.run_coroutine(functools.partial(_download, handle, peer_id)) > 0
+
+
 async def _store(key: str, peer_id, _dht, node) -> list[bool] | None:
     """A direct store of a record under ``key`` on ``peer_id``'s node; None where it refused."""
     from hivemind.dht.routing import DHTID
@@ -131,15 +149,20 @@ def test_only_members_train_read_and_download(tmp_path, monkeypatch):
                             subkey=member.peer_id.to_bytes())
         # each member's address, as its join message printed it: the averaging services are open to anyone who can
         # connect, whatever the DHT's authorizer
-        addresses = {}
+        addresses, names = {}, {}
         for name in MEMBERS:
             for maddr in re.findall(r"INITIAL_PEERS=(\S+)", procs[name].log())[0].split(","):
                 addresses[maddr.rsplit("/p2p/", 1)[1]] = maddr
+                names[maddr.rsplit("/p2p/", 1)[1]] = name
         for peer in peers:
             for node in (outsider, member):
                 node.run_coroutine(functools.partial(_connect, addresses[peer.to_base58()]))
             assert outsider.run_coroutine(functools.partial(_download, handle, peer)) == 0, "sent to an outsider"
-            assert member.run_coroutine(functools.partial(_download, handle, peer)) > 0, "refused to a member"
+            refused = f"refused to send this peer's state to {outsider.peer_id}"
+            assert _within(10, functools.partial(_logged, procs[names[peer.to_base58()]], refused)), \
+                "the outsider's download was not refused as an outsider's"
+            # (a member ending an epoch declines any download for a moment, with the same empty answer: ask again)
+            assert _within(30, functools.partial(_sends_state, member, handle, peer)), "refused to a member"
             assert outsider.run_coroutine(functools.partial(_store, f"{run_id}_progress", peer)) is None
         assert outsider.get(f"{run_id}_progress") is None
         assert all(proc.poll() is None for proc in procs.values()), "a member left before the outsider was tried"
