@@ -266,8 +266,9 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
 
     def get_current_state(self) -> Any:
         # (runs in hivemind's thread that serves downloads)
-        deadline = time.monotonic() + self.serve_wait()
-        if not (self._open_for_downloads.wait(self.serve_wait())
+        wait = self.serve_wait()
+        deadline = time.monotonic() + wait
+        if not (self._open_for_downloads.wait(wait)
                 and self._no_boundary.wait(max(0.0, deadline - time.monotonic()))):
             logger.debug("collabopt: a download came during a boundary that outlasted its wait: declined")
             return DECLINED
