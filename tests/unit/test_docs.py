@@ -119,3 +119,19 @@ def test_options_page_matches_the_config() -> None:
     constructor = {"scheduler", "scheduler_fn", "optimizer_factory", "model", "dht", "grad_scaler", "config"}
     unknown = sorted(listed - option_names() - constructor)
     assert not unknown, f"docs/options.md lists names no constructor accepts: {unknown}"
+
+
+def test_development_page_maps_every_module() -> None:
+    """docs/development.md's layout and engine tables name every module of collabopt/ and integrations/."""
+    page = (ROOT / "docs" / "development.md").read_text(encoding="utf-8")
+    engine = page[page.index("## The engine"):]
+    missing = []
+    for path in sorted((ROOT / "collabopt").rglob("*.py")) + sorted((ROOT / "integrations").glob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative.startswith("collabopt/engine/"):
+            found = path.name == "__init__.py" or f"`{path.name}`" in engine
+        else:
+            found = f"`{relative}`" in page or (path.name == "__main__.py" and "`__main__.py`" in page)
+        if not found:
+            missing.append(relative)
+    assert not missing, f"modules missing from docs/development.md's tables: {missing}"
