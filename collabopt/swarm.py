@@ -243,17 +243,85 @@ def _is_loopback(maddr: str) -> bool:
     return False
 
 
-def command_line(argv: Sequence[str] | None = None) -> str:
-    """The command that started this process, ready to copy (``python train.py --lr 0.1``); a generic one when the
-    process was not started from a script."""
-    argv = list(sys.argv if argv is None else argv)
-    if not argv or not argv[0] or argv[0] in ("-c", "-m") or not argv[0].endswith(".py"):
-        return "python your_script.py"
-    script = argv[0]
+# modules whose ``python -m`` launch is no training command to repeat (a notebook's kernel)
+NOT_A_COMMAND = ("ipykernel_launcher", "ipykernel", "IPython", "jupyter", "colab_kernel_launcher")
+
+
+def command_line(orig_argv: Sequence[str] | None = None, executable: str | None = None) -> str:
+    """The command that started this process, ready to paste into a shell of a machine set up the same way.
+
+    The interpreter is the one running (``sys.executable``, a virtual environment's included: the paste needs no
+    activated environment), with its options, then the script (``python train.py --lr 0.1``), the module
+    (``python -m pkg.train``) or, for a console script with a ``#!`` line, the script alone. Paths are relative to
+    the working directory when under it (a clone at another path works from its root), else absolute; every word
+    is quoted for a POSIX shell. A process started otherwise (``-c``, stdin, a notebook) gets
+    ``<interpreter> your_script.py``.
+
+    >>> command_line(["python3", "train.py", "--lr", "0.1"], executable="/usr/bin/python3")
+    '/usr/bin/python3 train.py --lr 0.1'
+    """
+    if orig_argv is None:
+        orig_argv = getattr(sys, "orig_argv", None) or [sys.executable or "python", *sys.argv]
+    interpreter = _path_to_paste(executable if executable is not None else sys.executable or "python", run=True)
+    launch = _launch(list(orig_argv))
+    if launch is None:
+        return shlex.join([interpreter, "your_script.py"])
+    options, module, script, args = launch
+    if module is not None:
+        if module.split(".")[0] in NOT_A_COMMAND:
+            return shlex.join([interpreter, "your_script.py"])
+        return shlex.join([interpreter, *options, "-m", module, *args])
+    if not options and _runs_itself(script):  # a console script: its #! line names the interpreter
+        return shlex.join([_path_to_paste(script, run=True), *args])
+    return shlex.join([interpreter, *options, _path_to_paste(script), *args])
+
+
+def _launch(orig_argv: list[str]) -> tuple[list[str], str | None, str, list[str]] | None:
+    """``(interpreter options, module, script, arguments)`` of an interpreter's command line, or None for ``-c``,
+    stdin or an interactive interpreter."""
+    options, i = [], 1
+    while i < len(orig_argv):
+        word = orig_argv[i]
+        if word in ("-W", "-X", "--check-hash-based-pycs"):  # an option with a separate value
+            options += orig_argv[i:i + 2]
+            i += 2
+        elif word == "-m" or (word.startswith("-m") and not word.startswith("--")):
+            module = word[2:] or (orig_argv[i + 1] if i + 1 < len(orig_argv) else "")
+            rest = orig_argv[i + (1 if word[2:] else 2):]
+            return (options, module, "", rest) if module else None
+        elif word.startswith("-c") or word in ("-", "--") or word.startswith("-i"):
+            return None  # a command string, stdin, or interactive: nothing to repeat
+        elif word.startswith("-"):
+            options.append(word)
+            i += 1
+        else:
+            return options, None, word, orig_argv[i + 1:]
+    return None
+
+
+def _path_to_paste(path: str, run: bool = False) -> str:
+    """``path`` relative to the working directory when it lies under it, else absolute (``./`` before a file that
+    the shell is to ``run`` from the working directory); a bare name that is no file here (found on PATH) as it
+    is."""
+    if os.path.basename(path) == path and not os.path.exists(path):
+        return path
+    absolute = os.path.abspath(path)
     with contextlib.suppress(ValueError):  # another drive on Windows
-        relative = os.path.relpath(script)
-        script = relative if not relative.startswith("..") else script
-    return shlex.join(["python", script, *argv[1:]])
+        relative = os.path.relpath(absolute)
+        if not relative.startswith(".."):
+            return os.path.join(".", relative) if run and os.path.basename(relative) == relative else relative
+    return absolute
+
+
+def _runs_itself(path: str) -> bool:
+    """Whether ``path`` is an executable file starting with ``#!`` (a console script), which a shell runs as it is."""
+    if path.endswith(".py") or not os.access(path, os.X_OK) or not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as file:
+            return file.read(2) == b"#!"
+    except OSError:
+        return False
 
 
 OPEN_SWARM = ("open swarm: anyone with an initial peer's address and the run_id can join, read the model and "
