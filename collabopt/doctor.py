@@ -3,7 +3,8 @@
 Checks, in order: the installed versions (hivemind must be the tested 1.1.12); the addresses given (initial peers,
 ``--host-maddrs``, ``--announce-maddrs``); each initial peer (a libp2p connection and a DHT ping, with their times
 and the clock difference hivemind tolerates); and whether this machine accepts incoming connections, which decides
-whether it can join as a full peer or needs ``client_mode=True`` or a relay (``relay_peers=[...]``).
+whether it can join as a full peer or needs client mode (``--client-mode`` with the examples, ``client_mode=True``)
+or, where no training peer accepts connections, a relay (``--relay-peers``, ``relay_peers=[...]``).
 
 The last check cannot be made from this machine alone: libp2p reuses the connection this machine opened, so an
 initial peer that "pings back" proves nothing. Every collabopt DHT (``collabopt dht`` and every training peer that
@@ -58,15 +59,20 @@ MAX_CLOCK_OFFSET = 3.0  # hivemind's MAX_DHT_TIME_DISCREPANCY_SECONDS: a larger 
 
 PASS, FAIL, WARN, SKIP, UNKNOWN = "PASS", "FAIL", "WARN", "SKIP", "UNKNOWN"
 
-RELAY_OR_CLIENT_FIX = (
-    "join with client_mode=True (it trains and averages through the connections it opens; others never connect "
-    "to it), or through a relay: relay_peers=['<initial peer address>'] (any public collabopt peer relays unless "
-    "started with --no-relay; others, behind NATs of their own too, then reach it through that peer; hivemind "
-    "1.1.12 relays 128 KiB per connection, so for small models only). To accept "
-    "connections directly, forward a fixed TCP port to this machine, listen on it "
-    "(host_maddrs=['/ip4/0.0.0.0/tcp/31337']), announce it (announce_maddrs=['/ip4/<public IP>/tcp/31337']) "
-    "and run collabopt doctor again with --host-maddrs/--announce-maddrs"
-)
+# What to pass, as a switch of the examples (collabopt.network_args; `collabopt doctor`'s where it has one) and as
+# the option of a script of one's own. Client mode first: behind NAT its traffic takes direct connections (tests/net);
+# a relay is needed only where no training peer accepts connections, and hivemind 1.1.12's p2pd limits what it carries.
+CLIENT_MODE_FIX = ("join in client mode: --client-mode with the examples, client_mode=True in your own script (it "
+                   "trains and averages through the connections it opens; it needs one training peer that "
+                   "accepts connections, and its address cannot serve as INITIAL_PEERS)")
+FORWARD_FIX = ("to accept connections instead, forward a fixed TCP port to this machine and pass --port 31337 "
+               "--announce-maddrs /ip4/<public IP>/tcp/31337 (host_maddrs=['/ip4/0.0.0.0/tcp/31337'], "
+               "announce_maddrs=['/ip4/<public IP>/tcp/31337']), then run collabopt doctor again with "
+               "--host-maddrs /ip4/0.0.0.0/tcp/31337 --announce-maddrs /ip4/<public IP>/tcp/31337")
+RELAY_FIX = ("where no training peer accepts connections, a relay: --relay-peers <initial peer address> "
+             "(relay_peers=['<initial peer address>']); hivemind 1.1.12 relays 128 KiB per connection, so for "
+             "small models only")
+RELAY_OR_CLIENT_FIX = f"{CLIENT_MODE_FIX}; {FORWARD_FIX}; {RELAY_FIX}"
 
 
 @dataclass
@@ -324,7 +330,9 @@ def _connect_fix(error: str) -> str:
         return ("a different peer answers at that address: the peer restarted with a new identity; copy the address "
                 "it printed this time (start it with --identity-path to keep one)")
     return ("check that the peer is still running, that the address (IP, port, peer id) is the one it printed, and "
-            "that its port is open to this machine (a firewall, or a loopback/private IP used from another network)")
+            "that its port is open to this machine (a firewall, or a loopback/private IP used from another network; "
+            "start it with --port 31337, host_maddrs=['/ip4/0.0.0.0/tcp/31337'] in your own script, to open a "
+            "fixed port)")
 
 
 def _incoming_check(results: list[_PeerResult], listening: list[str], options: DoctorOptions) -> Check:
@@ -362,10 +370,11 @@ def _incoming_check(results: list[_PeerResult], listening: list[str], options: D
         return Check(name, WARN, detail, RELAY_OR_CLIENT_FIX)
     detail = f"{seen}; initial peers could not connect back to {failures}: this machine is {behind}"
     if options.client_mode:
-        return Check(name, PASS, detail + "; fine with client_mode=True (you passed --client-mode)")
+        return Check(name, PASS, detail + "; fine with client_mode=True (you passed --client-mode: pass it, or "
+                                          "client_mode=True, to the peer too)")
     if options.use_auto_relay:
         return Check(name, WARN, detail + "; use_auto_relay=True alone finds a relay only once it knows 4 candidate "
                                           "relays or after 3 minutes, and announces relays with public addresses only",
-                     "name the relay: relay_peers=['<initial peer address>'] (or join with client_mode=True)")
+                     f"{CLIENT_MODE_FIX}; {RELAY_FIX}")
     return Check(name, FAIL, detail + ": not reachable from outside", RELAY_OR_CLIENT_FIX)
 

@@ -147,6 +147,35 @@ def test_verdict_mixed_is_a_warning():
     assert check.status == "WARN" and "only some peers" in check.detail
 
 
+def test_the_advice_names_the_examples_switch_and_the_scripts_option_for_each_way_in():
+    """Each way in (client mode, a forwarded port, a relay) as the switch a user of the examples passes and the
+    option of a script of one's own; client mode first, auto-relay nowhere (it finds no relay with hivemind 1.1.12)."""
+    fix = _incoming_check([answered(("203.0.113.7:4001", False))], LISTENING, DoctorOptions()).fix
+    for switch, option in (("--client-mode", "client_mode=True"), ("--port 31337", "host_maddrs="),
+                           ("--announce-maddrs", "announce_maddrs="), ("--relay-peers", "relay_peers=")):
+        assert switch in fix and option in fix, (switch, option, fix)
+    assert fix.index("--client-mode") < fix.index("--port") < fix.index("--relay-peers")
+    assert "auto_relay" not in fix and "auto-relay" not in fix
+    auto = _incoming_check([answered(("203.0.113.7:4001", False))], LISTENING, DoctorOptions(use_auto_relay=True))
+    assert "--client-mode" in auto.fix and "auto_relay" not in auto.fix
+
+
+def test_every_switch_the_advice_names_is_one_the_examples_take_and_every_option_is_collabopts():
+    import argparse
+    import re
+
+    from collabopt.config import option_names
+    from collabopt.network_args import add_network_arguments
+
+    advice = " ".join([doctor.RELAY_OR_CLIENT_FIX, doctor._connect_fix("connection refused")])
+    switches = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", advice))
+    assert {"--client-mode", "--port", "--announce-maddrs", "--relay-peers"} <= switches
+    taken = {s for action in add_network_arguments(argparse.ArgumentParser())._actions for s in action.option_strings}
+    assert switches <= taken, switches - taken
+    options = set(re.findall(r"\b([a-z_]+)=", advice))
+    assert options and options <= option_names(), options - option_names()
+
+
 def test_a_peer_with_a_skewed_clock_fails():
     check = doctor._peer_check(_PeerResult(PEER, connect_s=0.01, ping_s=0.01, clock_offset=-7.5))
     assert check.status == "FAIL" and "-7.5 s" in check.detail and "clock" in check.fix
