@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import re
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -24,6 +25,7 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.p2p import PeerID
 from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer
+from hivemind.utils.crypto import RSAPublicKey
 from pydantic.v1 import StrictBool, StrictFloat, confloat, conint, conlist, constr, create_model
 
 
@@ -33,7 +35,7 @@ def reader_validators() -> list:
 
     Readers do not need them: :func:`read_run_records` checks every record itself.
     """
-    return [RSASignatureValidator()]
+    return [RSASignatureValidator(), OwnerKeyValidator()]
 
 
 MAX_RECORD_BYTES = 4096  # a real progress record takes ~150 bytes, a metrics record ~600: bigger ones are refused
@@ -96,15 +98,41 @@ def metrics_fields() -> list[str]:
 
 
 def metrics_validators(run_id: str) -> list:
-    """What a peer's DHT checks records under ``<run_id>_metrics`` with: signed by the key in the subkey, and the
-    schema of :func:`metrics_fields` (as hivemind's tracker does for ``<run_id>_progress``)."""
-    return [SchemaValidator(_record_models()["MetricsSchema"], prefix=run_id), RSASignatureValidator()]
+    """What a peer's DHT checks records under ``<run_id>_metrics`` with: signed by the key in the subkey (a key:
+    :class:`OwnerKeyValidator`), and the schema of :func:`metrics_fields` (as hivemind's tracker does for
+    ``<run_id>_progress``)."""
+    return [SchemaValidator(_record_models()["MetricsSchema"], prefix=run_id), RSASignatureValidator(),
+            OwnerKeyValidator()]
 
 
 def votes_validators(run_id: str) -> list:
     """What a peer's DHT checks votes under ``<run_id>_fingerprints`` with (:mod:`collabopt.engine.download_votes`):
     signed by the key in the subkey, and their schema."""
-    return [SchemaValidator(_record_models()["VotesSchema"], prefix=run_id), RSASignatureValidator()]
+    return [SchemaValidator(_record_models()["VotesSchema"], prefix=run_id), RSASignatureValidator(),
+            OwnerKeyValidator()]
+
+
+class OwnerKeyValidator(RecordValidatorBase):
+    """Refuses a record whose key or subkey names an owner (``[owner:...]``) that is not a public key. hivemind's
+    ``RSASignatureValidator`` raises on one (``ValueError``), so a store of it failed with an error in the storing
+    node's handler instead of being refused; checked before the signature (the same for every key: merges into one)."""
+
+    _OWNER = re.compile(re.escape(RSASignatureValidator.PUBLIC_KEY_FORMAT).replace(b"_key_", rb"(.+?)"))
+
+    def validate(self, record: Any) -> bool:
+        for owner in self._OWNER.findall(record.key) + self._OWNER.findall(record.subkey or b""):
+            try:
+                RSAPublicKey.from_bytes(owner)
+            except Exception:  # (what cryptography raises on a key it cannot load varies)
+                return False
+        return True
+
+    @property
+    def priority(self) -> int:
+        return 15  # before RSASignatureValidator's 10 (higher runs first), after the size check's 20
+
+    def merge_with(self, other: Any) -> bool:
+        return isinstance(other, OwnerKeyValidator)
 
 
 class RecordSizeValidator(RecordValidatorBase):

@@ -21,8 +21,8 @@ oversized             signed by the rogue's own key, a well-formed record with a
 ====================  =====================================================================  ===============
 
 and then, once ``<out>.phase2`` exists, one plain value (no subkeys) under ``<run_id>_progress`` (malformed).
-``<out>.json``: what it wrote and, per DHT node it wrote to, how many records that node accepted, refused or
-failed on.
+``<out>.json``: what it wrote and, per DHT node it wrote to, how many records that node accepted or refused (answered
+False), and which it did neither with (``failed``: no answer, or what the store raised).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import sys
 import time
@@ -49,24 +50,27 @@ from collabopt.engine.records import _find_raw
 EPOCH = 1_000_000
 
 
-async def write_raw(items: list[tuple[str, object, bytes, float]], _dht, node) -> dict[str, dict[str, int]]:
-    """In the rogue's DHT process: store each (key, subkey or None, value bytes, expiration) as it is, on the nodes
-    nearest to the key and locally; per node, how many it accepted, refused, failed on."""
-    results: dict[str, dict[str, int]] = {}
-    for key, subkey, value, expiration in items:
+async def write_raw(items: list[tuple[str, str, object, bytes, float]], _dht, node) -> dict[str, dict]:
+    """In the rogue's DHT process: store each (name, key, subkey or None, value bytes, expiration) as it is, on the
+    nodes nearest to the key and locally; per node, how many it accepted or refused (answered False: a validator's
+    rejection), and the names of those it did neither with (``failed``, with what happened: no answer, which
+    hivemind's ``call_store`` gives on any error, or what the store raised)."""
+    results: dict[str, dict] = {}
+    for name, key, subkey, value, expiration in items:
         value = value() if callable(value) else value  # big values are made here: hivemind's pipe chokes on them
         key_id = DHTID.generate(source=key)
         node.protocol.storage.store(key_id, value, expiration, subkey=subkey)
         nearest = await node.find_nearest_nodes([key_id], k_nearest=16, exclude_self=True)
         for peer_id in nearest[key_id].values():
-            counts = results.setdefault(peer_id.to_base58(), dict(accepted=0, refused=0, failed=0))
+            counts = results.setdefault(peer_id.to_base58(), dict(accepted=0, refused=0, failed=[]))
             try:
                 ok = await node.protocol.call_store(peer_id, [key_id], [value], [expiration],
                                                     subkeys=[subkey] if subkey is not None else None)
-            except Exception:
-                ok = None
-            if ok is None:
-                counts["failed"] += 1  # the node answered with an error (or not at all)
+            except Exception as e:  # (not a refusal: the test fails on it)
+                counts["failed"].append(f"{name}: {e!r}")
+                continue
+            if ok is None:  # the node answered with an error (or not at all): not a refusal either
+                counts["failed"].append(f"{name}: no answer")
             else:
                 counts["accepted" if ok[0] else "refused"] += 1
     return results
@@ -107,6 +111,7 @@ def oversized(kind: str, owner: bytes, key: RSAPrivateKey, key_id: bytes, subkey
 def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
     out, run_id = cfg["out"], cfg["run_id"]
+    logging.getLogger("hivemind.dht.protocol").setLevel(logging.DEBUG)  # why a store failed, in the log
     dht = hivemind.DHT(initial_peers=os.environ["INITIAL_PEERS"].split(","), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                        start=True)
     keys = {"progress": f"{run_id}_progress", "metrics": f"{run_id}_metrics"}
@@ -144,7 +149,7 @@ def main(config_path: str) -> None:
         records.append(("oversized", owner_subkey(own[3]), functools.partial(
             oversized, kind, dht.peer_id.to_bytes(), own[3], key_id, owner_subkey(own[3]), expiration), "oversized"))
         for name, subkey, value, reason in records:
-            items.append((key, subkey, value, expiration))
+            items.append((f"{kind}/{name}", key, subkey, value, expiration))
             written.append(dict(kind=kind, name=name, reason=reason))
     stores = dht.run_coroutine(functools.partial(write_raw, items))
     result = dict(peer_id=dht.peer_id.to_base58(), written=written, stores=stores, written_at=get_dht_time())
@@ -155,7 +160,8 @@ def main(config_path: str) -> None:
         time.sleep(0.2)
     plain = MSGPackSerializer.dumps(claims("progress", dht.peer_id))
     # a plain value replaces a dictionary only with a later expiration than the dictionary's newest record
-    phase2 = dht.run_coroutine(functools.partial(write_raw, [(keys["progress"], None, plain, expiration + 300)]))
+    plain_item = ("progress/plain", keys["progress"], None, plain, expiration + 300)
+    phase2 = dht.run_coroutine(functools.partial(write_raw, [plain_item]))
     result.update(phase2=phase2, phase2_at=get_dht_time())
     Path(out + ".json.tmp").write_text(json.dumps(result))
     os.replace(out + ".json.tmp", out + ".json")

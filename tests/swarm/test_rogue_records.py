@@ -3,9 +3,10 @@ keys while a 2-peer swarm trains and ``collabopt monitor --serve`` reads the run
 
 The rogue (``rogue_worker.py``) is a plain hivemind DHT node without validators, with keys of its own; it writes
 straight through hivemind's DHT protocol to every node near the keys. Checked: the peers' DHT nodes refuse every
-rogue record; the peers keep training together (two more global epochs after the rogue wrote, parameters equal) and
-never take the rogue's claims for the swarm's (epoch 1,000,000, a third peer); the monitor shows exactly the two
-peers with their own epochs, and counts each rogue record once, by reason, in ``/api/state`` and ``/metrics``.
+rogue record (each store answered False by their validators; an error or no answer fails the test); the peers keep
+training together (two more global epochs after the rogue wrote, parameters equal) and never take the rogue's claims
+for the swarm's (epoch 1,000,000, a third peer); the monitor shows exactly the two peers with their own epochs, and
+counts each rogue record once, by reason, in ``/api/state`` and ``/metrics``.
 """
 
 from __future__ import annotations
@@ -76,12 +77,14 @@ def test_rogue_records_are_ignored_and_counted(tmp_path):
     assert metrics["collabopt_global_epoch", frozenset({("run_id", run_id)})] == state["global_epoch"]
     assert metrics["collabopt_peers", frozenset({("run_id", run_id)})] == 2
 
-    # the peers' DHT nodes refused every rogue record (only the bootstrap, which has no validators, kept them)
+    # the peers' DHT nodes refused every rogue record, each with an answer (False: their validators rejected it), none
+    # by an error or silence (only the bootstrap, which has no validators, kept them)
     peer_ids = {f["peer_id"] for f in finals.values()}
-    for node, counts in list(rogue["stores"].items()) + list(rogue["phase2"].items()):
-        if node in peer_ids:
-            assert counts["accepted"] == 0, (node, counts)
-    assert peer_ids <= set(rogue["stores"]), "the rogue wrote to the peers' nodes too"
+    assert peer_ids <= set(rogue["stores"]) and peer_ids <= set(rogue["phase2"]), "the rogue wrote to the peers' nodes"
+    for phase, written in (("stores", 16), ("phase2", 1)):
+        for node in peer_ids:
+            counts = rogue[phase][node]
+            assert counts == dict(accepted=0, refused=written, failed=[]), (phase, node, counts)
 
     # the peers: never misled (epoch, peer count), trained after the rogue wrote, in sync
     for name in PEERS:
