@@ -46,15 +46,11 @@ def diff(a: dict, b: dict) -> float:
 
 
 def results_cut(tmp_path: Path, name: str) -> int:
-    """How many of this peer's all-reduces lost one member's results (hivemind: "Averaging: received 99.4% results",
-    then "N values were not averaged").
-
-    Seen on loopback in about one in ten runs of these tests beside other swarms (fresh-clone suites #52 and a
-    sequence of test files here; stop 28's CI failed the missed-round test in a way that fits it too): a member's
-    stream of results from one reducer ended one part short ("peer X sent 2 parts, but we expected 3") while that
-    reducer had every sender's part and finished its round; the others applied the round. Not reproduced with three
-    bare averagers (360 rounds) nor with the tests alone; the cause is not found. The peer's round is not applied,
-    it downloads the swarm's state and takes part again, which these tests check in place of that one round."""
+    """How many of this peer's all-reduces lost part of their results (hivemind: "Averaging: received 99.4% results",
+    then "N values were not averaged"). Without an injected fault (``cut_results_round``, ``fail_round``) there is
+    none, and a test fails on one: the loss once seen here with no fault (a reducer's stream of results ending one part
+    short) was p2pd's close race, which collabopt's streams avoid (the side that reads last closes first:
+    :mod:`collabopt.engine.streams`, docs/decisions.md "Results lost with no fault")."""
     return (tmp_path / f"{name}.log").read_text(errors="replace").count("Averaging: received")
 
 
@@ -84,25 +80,22 @@ def test_three_peers_with_different_batch_sizes_are_equal_after_every_round(tmp_
     results, params = run_swarm(tmp_path, bootstrap, configs)
 
     cut = {name: results_cut(tmp_path, name) for name in names}
-    assert sum(cut.values()) <= 1, cut  # (see results_cut)
+    assert not any(cut.values()), cut  # no fault injected: every all-reduce whole (see results_cut)
     for epoch in range(1, 5):
         rounds = {name: rounds_by_epoch(results[name]).get(epoch, {}) for name in names}
-        whole = [name for name in names if rounds[name].get("applied")]
         why = (epoch, {n: results[n]["rounds"] for n in names}, {n: log_tail(tmp_path, n) for n in names})
-        # a peer misses a round only where its all-reduce lost results (results_cut); it then re-synchronized
-        assert all(cut[n] and results[n]["resyncs"] >= 1 for n in names if n not in whole), why
-        assert len(whole) >= 2 and all(rounds[n]["group_size"] == 3 for n in whole), why
-        after = {name: params[name]["after"][epoch] for name in whole}
-        before = {name: params[name]["before"][epoch] for name in whole}
-        for x, y in itertools.combinations(whole, 2):
+        assert all(rounds[n].get("applied") and rounds[n]["group_size"] == 3 for n in names), why
+        after = {name: params[name]["after"][epoch] for name in names}
+        before = {name: params[name]["before"][epoch] for name in names}
+        for x, y in itertools.combinations(names, 2):
             assert diff(after[x], after[y]) <= EQUAL, (epoch, x, y)
             assert diff(before[x], before[y]) > 1e-3, (epoch, x, y)  # local steps between rounds
-        reference = whole[0]
-        previous = params[reference]["after"].get(epoch - 1, params[reference]["start"])
-        assert diff(after[reference], previous) > 1e-3  # the round moved the parameters
+        previous = params["a"]["after"].get(epoch - 1, params["a"]["start"])
+        assert diff(after["a"], previous) > 1e-3  # the round moved the parameters
     for name in names:  # every sample since the last round counted in each round's weight
+        assert results[name]["resyncs"] == 0, (name, results[name]["rounds"])
         for r in results[name]["rounds"]:
-            if r["applied"]:  # (a peer that lost results weighs only what came after: diloco_worker)
+            if r["applied"]:  # (rounds past epoch 4, at the finish line, may find the others gone)
                 assert r["weight"] == r["fed_since_anchor"], (name, r)
         assert results[name]["final_loss"] < results[name]["start_loss"]
         assert results[name]["metrics_interval"] == DILOCO_PUBLISH_INTERVAL  # (DHT traffic: see collabopt.metrics)
@@ -122,16 +115,15 @@ def test_three_peers_started_together_apply_every_round_together(tmp_path, boots
     results, params = run_swarm(tmp_path, bootstrap, configs)
 
     cut = {name: results_cut(tmp_path, name) for name in names}
-    assert sum(cut.values()) <= 1, cut  # (see results_cut: a member that lost results downloads, as it should)
-    whole = [name for name in names if not cut[name]]
+    assert not any(cut.values()), cut  # no fault injected: every all-reduce whole (see results_cut)
     why = ({n: results[n]["rounds"] for n in names}, {n: log_tail(tmp_path, n) for n in names})
-    for name in whole:
+    for name in names:
         rounds = rounds_by_epoch(results[name])
         assert all(rounds.get(epoch, {}).get("group_size") == 3 for epoch in range(1, 5)), (name, why)
         assert results[name]["resyncs"] == 0 and "Downloading parameters" not in (tmp_path / f"{name}.log").read_text(
             errors="replace"), (name, why)
     for epoch in range(1, 5):
-        for x, y in itertools.combinations(whole, 2):
+        for x, y in itertools.combinations(names, 2):
             assert diff(params[x]["after"][epoch], params[y]["after"][epoch]) <= EQUAL, (epoch, x, y)
 
 
@@ -224,20 +216,14 @@ def test_a_peer_that_misses_a_round_keeps_its_progress_and_resyncs(tmp_path, boo
     assert diff(params["c"]["after"][caught_up], kept) <= EQUAL
     assert diff(params["c"]["before"][caught_up], anchor_old) > 1e-3  # there was progress to keep
     # the next round: everyone again, equal; C's weight counts every sample since its last round (before the fault)
-    # (a round that a peer missed because its all-reduce lost results does not count: see results_cut)
     cut = {name: results_cut(tmp_path, name) for name in names}
+    assert not any(cut.values()), (cut, why)  # the injected fault fails C's round, not part of an all-reduce
     following = caught_up + 1
-    def missed(epoch: int) -> list[str]:
-        return [n for n in names if not rounds[n].get(epoch, {}).get("applied")]
-
-    while any(cut.values()) and missed(following) and following < max(rounds["a"]):
-        assert all(cut[n] for n in missed(following)), (following, why)
-        following += 1
     for name in names:
         assert rounds[name][following]["applied"] and rounds[name][following]["group_size"] == 3, (name, why)
         assert diff(params[name]["after"][following], params["a"]["after"][following]) <= EQUAL
         for r in results[name]["rounds"]:
-            if r["applied"]:  # (a peer that lost results weighs only what came after: diloco_worker)
+            if r["applied"]:
                 assert r["weight"] == r["fed_since_anchor"], (name, r)
     assert results["c"]["rounds_failed"] >= 1 and results["c"]["resyncs"] >= 1
 
@@ -377,10 +363,11 @@ def test_a_late_joiner_downloads_the_anchor_and_the_outer_momentum(tmp_path, boo
     assert diff(params["d"]["start"], params["a"]["after"][late["start_epoch"]]) <= EQUAL
     joined = [r["epoch"] for r in late["rounds"] if r["applied"]]
     assert joined, late["rounds"]
-    for epoch in joined:  # equal to every other peer whose round at that epoch was applied (a round that failed
-        # for one of them, e.g. a partial all-reduce, keeps its own progress by design: fresh-clone suite #27's A)
+    cut = {name: results_cut(tmp_path, name) for name in procs}
+    assert not any(cut.values()), cut  # no fault injected: every all-reduce whole (see results_cut)
+    for epoch in joined:  # A and B applied that round too, and all three are equal
         applied = [name for name in "ab" if any(r["epoch"] == epoch and r["applied"] for r in results[name]["rounds"])]
-        assert applied, (epoch, results["a"]["rounds"], results["b"]["rounds"])
+        assert applied == ["a", "b"], (epoch, results["a"]["rounds"], results["b"]["rounds"])
         for name in applied:
             assert diff(params["d"]["after"][epoch], params[name]["after"][epoch]) <= EQUAL, (epoch, name)
 
