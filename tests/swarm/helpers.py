@@ -214,3 +214,24 @@ def train_node_with_peer(tmp_path: Path, node: Process, *, run_id: str, target_b
     assert max_param_diff(p0, pp) <= SWARM_ROUNDING
     assert max_param_diff(p0, torch.load(tmp_path / "peer.start.pt")) > 1e-3
     return r0, r1, peer_result
+
+
+def read_epoch_params(tmp_path: Path, name: str) -> dict[int, dict]:
+    """Peer ``name``'s parameters right after each epoch change (its config needs ``save_epoch_params``)."""
+    import torch
+
+    return torch.load(tmp_path / f"{name}.epochs.pt")
+
+
+def diffs_at_common_epochs(tmp_path: Path, names: list[str] | tuple[str, ...], since: int = 0,
+                           results: dict[str, dict] | None = None) -> dict[int, float]:
+    """At every epoch ``>= since`` that every peer of ``names`` recorded (``save_epoch_params``), the largest
+    parameter difference between any of them and the first. With ``results`` (the peers' ``<name>.json``), an epoch
+    a peer reached by a state download (``downloaded_epochs``) is left out: the state served with delayed updates is
+    one update ahead of the servers' own parameters (see test_swarm_schedules)."""
+    params = {name: read_epoch_params(tmp_path, name) for name in names}
+    skip = set().union(*(results[name].get("downloaded_epochs", ()) for name in names)) if results else set()
+    common = sorted(set.intersection(*(set(p) for p in params.values())) - skip)
+    first = params[names[0]]
+    return {epoch: max(max_param_diff(first[epoch], params[name][epoch]) for name in names[1:])
+            for epoch in common if epoch >= since}

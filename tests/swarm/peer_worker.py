@@ -260,7 +260,8 @@ def main(config_path: str) -> None:
     # samples_dropped: fed in steps that contributed nothing and skipped nothing (hivemind dropped the step to
     # download the swarm's state first)
     result = {"samples_fed": 0, "samples_dropped": 0, "lrs": {}, "losses": [], "epochs_seen": [], "epoch_times": [],
-              "rounds": []}  # each round's outcome (copt.last_round)
+              "rounds": [],  # each round's outcome (copt.last_round)
+              "downloaded_epochs": []}  # epochs reached by a state download
     sizes = batch_size_sequence(cfg.get("batch_sizes", [16]), rng)
     with CollaborativeOptimizer(
         optimizer,
@@ -306,7 +307,7 @@ def main(config_path: str) -> None:
                 kwargs["batch"] = (x, y) if accumulate == 1 else None
             elif count_mode == "batch_size":
                 kwargs["batch_size"] = step_samples
-            before = copt.local_epoch
+            before, downloaded = copt.local_epoch, False
             if scaler is not None:
                 if cfg.get("unscale_first"):
                     scaler.unscale_(copt)
@@ -316,6 +317,7 @@ def main(config_path: str) -> None:
                 outcome = copt.step(**kwargs)
                 if outcome.samples == 0 and outcome.skipped == 0:
                     result["samples_dropped"] += step_samples
+                    downloaded = True  # (hivemind dropped the step to download the swarm's state first)
             copt.zero_grad()
             last_round = copt.last_round
             if last_round is not None and (not result["rounds"] or result["rounds"][-1]["at"] != id(last_round)):
@@ -323,6 +325,9 @@ def main(config_path: str) -> None:
                                              reason=last_round.reason, resync=last_round.resync,
                                              group_size=last_round.group_size))
             if copt.local_epoch != before:
+                if downloaded or (last_round is not None and last_round.reason == "behind"
+                                  and last_round.epoch == before):
+                    result["downloaded_epochs"].append(copt.local_epoch)  # reached by a download, not a round
                 result["epochs_seen"].append(copt.local_epoch)
                 result["epoch_times"].append(time.time())
                 result["max_peers_seen"] = max(result.get("max_peers_seen", 0), copt.num_peers)
