@@ -13,6 +13,9 @@ Every other machine (same command, with the address the first one printed)::
 
     INITIAL_PEERS=/ip4/.../tcp/.../p2p/... python examples/lightning_train.py
 
+Network switches (each also an environment variable): ``--port`` (a fixed port to open in a firewall),
+``--announce-maddrs``, ``--client-mode`` (behind NAT), ``--relay-peers``; ``--help`` lists them.
+
 Several local processes acting as ONE peer (DDP inside the machine, one swarm member)::
 
     python examples/lightning_train.py --devices 2
@@ -34,6 +37,8 @@ except ImportError:  # the standalone package works too
     import pytorch_lightning as pl
 
 from collabopt.integrations.lightning import CollaborativeStrategy
+
+from collabopt.network_args import add_network_arguments, network_options
 
 
 def digits() -> tuple[TensorDataset, TensorDataset]:
@@ -95,8 +100,8 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1, help="local processes acting as one peer")
     parser.add_argument("--precision", default="32-true", help="e.g. bf16-mixed, or 16-mixed on a GPU")
     parser.add_argument("--accelerator", default="cpu")
-    parser.add_argument("--host-maddrs", nargs="*", default=None, help="listen addresses (default: all interfaces)")
     parser.add_argument("--offload-optimizer", action="store_true")
+    add_network_arguments(parser)  # --initial-peers, --port, --announce-maddrs, --client-mode, ...
     args = parser.parse_args()
 
     pl.seed_everything(0, verbose=False)
@@ -105,8 +110,8 @@ def main() -> None:
     strategy = CollaborativeStrategy(
         target_batch_size=args.target_batch_size,
         run_id=args.run_id,
-        host_maddrs=args.host_maddrs,
         offload_optimizer=args.offload_optimizer,
+        **network_options(args),
     )
     trainer = pl.Trainer(
         strategy=strategy,

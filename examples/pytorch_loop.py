@@ -1,12 +1,19 @@
 """A plain PyTorch training loop that trains together with every other copy of itself.
 
-First machine (starts a new swarm and prints how to join it):
+First machine (starts a new swarm and prints how to join it, as a command to paste):
 
-    python examples/pytorch_loop.py --run-id digits
+    .venv/bin/python examples/pytorch_loop.py --run-id digits
 
-Every other machine (copy the INITIAL_PEERS value the first one printed):
+Every other machine (the command the first one printed, its INITIAL_PEERS included):
 
-    INITIAL_PEERS=/ip4/203.0.113.5/tcp/41235/p2p/12D3KooW... python examples/pytorch_loop.py --run-id digits
+    INITIAL_PEERS=/ip4/203.0.113.5/tcp/41235/p2p/12D3KooW... .venv/bin/python examples/pytorch_loop.py --run-id digits
+
+Network switches (each also an environment variable): --port to listen on a fixed port (to open it in a firewall),
+--announce-maddrs behind port forwarding, --client-mode behind NAT (what `collabopt doctor` says to do).
+
+The defaults make an epoch last longer than matchmaking_time with up to 3 peers (collabopt warns when the swarm fills
+an epoch faster): this tiny model's steps are timed by --compute-delay, so a peer feeds at most
+--batch-size / --compute-delay = 640 samples/s, and 3 peers fill an epoch in 6.4 s or more.
 
 Needs scikit-learn for its bundled digits dataset (`pip install 'collabopt[demo]'`).
 """
@@ -24,17 +31,18 @@ from collabopt.integrations.pytorch import collaborate
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
-from collabopt import CollaborativeError, wait_for_peers
+from collabopt import CollaborativeError
+from collabopt.network_args import add_network_arguments, network_options
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-id", default="digits_example")
-    parser.add_argument("--target-batch-size", type=int, default=1024, help="samples per global step")
+    parser.add_argument("--target-batch-size", type=int, default=12288, help="samples per global step")
+    parser.add_argument("--matchmaking-time", type=float, default=5.0,
+                        help="seconds peers spend forming an averaging group at the end of an epoch")
     parser.add_argument("--batch-size", type=int, default=32, help="local batch size")
     parser.add_argument("--epochs", type=int, default=20, help="stop after this many global epochs")
-    parser.add_argument("--initial-peers", default=None, help="default: $INITIAL_PEERS; none starts a new swarm")
-    parser.add_argument("--host-maddrs", nargs="*", default=None, help="e.g. /ip4/0.0.0.0/tcp/31337")
     parser.add_argument("--checkpoint", type=Path, default=None, help="resume from / save to this file")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-peers", type=int, default=1,
@@ -42,9 +50,11 @@ def main() -> None:
     parser.add_argument("--compute-delay", type=float, default=0.05,
                         help="seconds of simulated compute per step: this tiny model is so fast that a global epoch "
                              "would end before other peers can join it; a real model needs none")
+    add_network_arguments(parser)  # --initial-peers, --port, --announce-maddrs, --client-mode, ...
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # a tiny model needs one thread, and copies that share a machine then share its cores
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y = torch.tensor(digits.target)
@@ -57,13 +67,14 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=args.epochs + 1)
 
     with collaborate(model, optimizer, run_id=args.run_id, target_batch_size=args.target_batch_size,
-                     scheduler=scheduler, initial_peers=args.initial_peers, host_maddrs=args.host_maddrs) as copt:
+                     scheduler=scheduler, matchmaking_time=args.matchmaking_time,
+                     **network_options(args)) as copt:
         if args.checkpoint is not None and args.checkpoint.exists():
             saved = torch.load(args.checkpoint)
             model.load_state_dict(saved["model"])
             copt.load_state_dict(saved["optimizer"])
             print(f"resumed from {args.checkpoint} at epoch {copt.local_epoch}")
-        if args.min_peers > 1 and not wait_for_peers(copt, args.min_peers, timeout=120):
+        if args.min_peers > 1 and not copt.wait_for_peers(args.min_peers, timeout=120):
             print(f"fewer than {args.min_peers} peers after 2 minutes: training with {copt.num_peers}")
         epoch = copt.local_epoch
         while copt.local_epoch < args.epochs:
