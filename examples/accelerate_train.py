@@ -11,9 +11,6 @@ It is a plain Accelerate script with two lines changed: the import of ``Accelera
 The first peer prints how others join; on another machine (or in another terminal)::
 
     INITIAL_PEERS=/ip4/.../p2p/... accelerate launch ... examples/accelerate_train.py --cpu
-
-Network switches (each also an environment variable): ``--port`` (a fixed port to open in a firewall),
-``--announce-maddrs``, ``--client-mode`` (behind NAT), ``--relay-peers``; ``--help`` lists them.
 """
 
 from __future__ import annotations
@@ -25,8 +22,6 @@ import torch.nn.functional as F
 from collabopt.integrations.accelerate import CollaborativeAccelerator as Accelerator
 from sklearn.datasets import load_digits
 
-from collabopt.network_args import add_network_arguments, network_options
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,11 +30,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--cpu", action="store_true", help="train on CPU (gloo) even if a GPU is present")
     parser.add_argument("--checkpoint-dir", default=None, help="save_state here after every data epoch")
-    add_network_arguments(parser)  # --initial-peers, --port, --announce-maddrs, --client-mode, ...
     args = parser.parse_args()
 
-    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=args.cpu, run_id="acc_digits", target_batch_size=512,
-                              **network_options(args))
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=args.cpu, run_id="acc_digits", target_batch_size=512)
 
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0

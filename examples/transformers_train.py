@@ -10,9 +10,6 @@ The first peer prints how others join; in another terminal (or on another machin
 
     INITIAL_PEERS=/ip4/.../p2p/... python examples/transformers_train.py
 
-Network switches (each also an environment variable): ``--port`` (a fixed port to open in a firewall),
-``--announce-maddrs``, ``--client-mode`` (behind NAT), ``--relay-peers``; ``--help`` lists them.
-
 ``--max-steps`` counts global epochs (swarm-wide optimizer steps of ``target_batch_size`` samples), and so does the
 LR schedule. Several processes of one machine are one peer:
 ``torchrun --nproc_per_node 2 examples/transformers_train.py`` (or ``accelerate launch``).
@@ -28,8 +25,6 @@ import os
 import torch
 from collabopt.integrations.transformers import CollaborativeTrainer as Trainer
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
-
-from collabopt.network_args import add_network_arguments, network_options
 
 MODULES = ("argparse", "collections", "functools", "itertools", "json", "logging", "pathlib", "re", "subprocess",
            "threading", "unittest", "urllib.request", "zipfile", "asyncio", "dataclasses", "inspect")
@@ -57,7 +52,6 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="per_device_train_batch_size")
     parser.add_argument("--output-dir", default="transformers_train_output")
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
-    add_network_arguments(parser)  # --initial-peers, --port, --announce-maddrs, --client-mode, ...
     args = parser.parse_args()
 
     data = chunks(stdlib_text(), length=64)
@@ -73,7 +67,7 @@ def main() -> None:
         weight_decay=0.01, logging_steps=10, save_steps=100, save_total_limit=2, report_to=[], use_cpu=True,
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=test,
-                      run_id="hf_charlm", target_batch_size=256, **network_options(args))
+                      run_id="hf_charlm", target_batch_size=256)
     before = trainer.evaluate()["eval_loss"]
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     after = trainer.evaluate()["eval_loss"]
