@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import (
     SWARM_ROUNDING,
+    diffs_at_common_epochs,
     finish,
     finish_line,
     max_param_diff,
@@ -27,9 +28,12 @@ def run_swarm(tmp_path, initial_peers, configs: dict[str, dict], timeout: float 
 def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
     run_id = unique_run_id("three")
     # matchmaking_time 1 s, not the harness's 2 s: the swarm fills an epoch in under a second, and every epoch waited
-    # out the rest of the 2 s for its gradient round's group (what is checked does not depend on it)
+    # out the rest of the 2 s for its gradient round's group (what is checked does not depend on it).
+    # next_chunk_timeout 5 s: by default matchmaking_time for a model this small, and a member paused 1 s on a busy
+    # machine would be left out of a round's part (a fault this test does not inject)
     base = dict(run_id=run_id, target_batch_size=768, epochs=5, model_seed=0, lr=0.8, step_sleep=0.05,
-                finish_with=finish_line(tmp_path, "a", "b", "c"), wait_peers=3, options=dict(matchmaking_time=1.0))
+                finish_with=finish_line(tmp_path, "a", "b", "c"), wait_peers=3, save_epoch_params=True,
+                options=dict(matchmaking_time=1.0, next_chunk_timeout=5.0))
     configs = {
         "a": dict(base, seed=1, batch_sizes={"random": [8, 24]}),
         "b": dict(base, seed=2, batch_sizes=[5, 17, 32], count="batch"),
@@ -39,18 +43,18 @@ def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
     params = {name: read_params(tmp_path, name) for name in configs}
     for name, result in results.items():
         assert result["final_epoch"] >= 5, (name, result["final_epoch"])
-        # every sample fed was counted, but for a step hivemind dropped to download the swarm's state first: that
-        # happens only to re-synchronize after a partial round (a member's share arrived late; on a loaded machine,
-        # e.g. a fresh-clone suite: C got 24.3% of a gradient round, downloaded, and its next step's 56 samples went)
-        assert result["samples_reported"] + result["samples_dropped"] == result["samples_fed"], (name, result)
-        if result["samples_dropped"]:
-            assert "re-synchronized with its gradient round's parameters" in (tmp_path / f"{name}.log").read_text(), (
-                name, result)
+        # every sample fed was counted: every round whole, no download (no fault is injected; the partial rounds
+        # once seen here, "received 24.3% results", were p2pd's close race: docs/decisions.md, "Results lost with no
+        # fault")
+        assert result["samples_reported"] == result["samples_fed"] and not result["samples_dropped"], (name, result)
+        assert "% results" not in (tmp_path / f"{name}.log").read_text(), name
         assert result["final_loss"] < 0.85 * result["start_loss"], (name, result["start_loss"], result["final_loss"])
     # the same epoch, or one apart: hivemind may count a round one epoch later on a peer (see at_finish_line)
     assert max(r["final_epoch"] for r in results.values()) - min(r["final_epoch"] for r in results.values()) <= 1
     assert max_param_diff(params["a"], params["b"]) <= SWARM_ROUNDING
     assert max_param_diff(params["a"], params["c"]) <= SWARM_ROUNDING
+    apart = diffs_at_common_epochs(tmp_path, ["a", "b", "c"])  # and at every epoch they all reached
+    assert len(apart) >= 5 and max(apart.values()) <= SWARM_ROUNDING, apart
     # the peers really trained: parameters moved away from the common initialization
     start = torch.load(tmp_path / "a.start.pt")
     assert max_param_diff(params["a"], start) > 1e-3
@@ -68,7 +72,7 @@ def test_in_overlap_mode_a_peer_that_first_sees_the_swarm_an_epoch_ahead_joins_i
     second)."""
     # alone, A ends an epoch in 1.2 s, B in 9.6 s
     base = dict(run_id=unique_run_id("overlap_view"), target_batch_size=768, epochs=3, model_seed=0, lr=0.3,
-                step_sleep=0.05, finish_with=finish_line(tmp_path, "a", "b"), max_seconds=60)
+                step_sleep=0.05, finish_with=finish_line(tmp_path, "a", "b"), max_seconds=60, save_epoch_params=True)
     # next_chunk_timeout: by default matchmaking_time for a model this small: a member paused 1 s on a busy
     # machine would be left out of a round's part, which the test below counts as a failure
     # averaging_timeout: at the finish line A may end one epoch more than B, whose round then finds nobody
@@ -89,3 +93,7 @@ def test_in_overlap_mode_a_peer_that_first_sees_the_swarm_an_epoch_ahead_joins_i
     assert all(r["group_size"] == 2 and r["reason"] == "averaged" for r in first.values()), first
     for name, result in results.items():
         assert result["final_epoch"] >= 3, (name, result["final_epoch"])
+    # with every update delayed, the parameters at each epoch both reached are equal (each peer took the same
+    # background updates: see test_swarm_schedules)
+    apart = diffs_at_common_epochs(tmp_path, ["a", "b"])
+    assert len(apart) >= 2 and max(apart.values()) <= SWARM_ROUNDING, apart
