@@ -13,9 +13,9 @@ MAX_LINES = 400
 STILL_OVER: dict[str, int] = {}
 # the engine's layers, lowest first: a module imports only modules of its own layer or below
 ENGINE_LAYERS = [
-    {"compat", "dialback", "streams"},
+    {"compat", "dialback", "streams", "clipping", "part_reducer"},
     {"p2p", "records", "replicas", "progress", "averaging", "robust_averaging", "state", "member_checks",
-     "download_votes", "download_challenge"},
+     "download_votes", "download_challenge", "allreduce", "averager"},
     {"loop"},
     {"lineage_check", "sync_download", "sync_round"},
     {"diloco_averaging", "diloco_round"},
