@@ -3,6 +3,7 @@
 A framework-agnostic wrapper around hivemind. See :class:`CollaborativeOptimizer`.
 """
 
+from collabopt import _quiet_imports  # noqa: F401  (first: hivemind's import without its warnings)
 from collabopt.batch_size import ForwardSampleCounter, infer_batch_size
 from collabopt.config import CollabConfig
 from collabopt.errors import CollaborativeError, ConfigurationError, SwarmConnectionError, SwarmKeyError

@@ -1,5 +1,10 @@
+"""``python -m collabopt``: the collabopt command (:mod:`collabopt.cli`)."""
+
 import sys
 
-from collabopt.cli import main
+try:
+    from collabopt.cli import main
+except KeyboardInterrupt:  # Ctrl+C while importing (torch, hivemind: a second or two): 130, as in every command
+    sys.exit(130)
 
 sys.exit(main())

@@ -6,7 +6,8 @@
   collabopt monitor --run-id RUN          show the live state of a run
   collabopt keygen                        print a new swarm key (members only: every peer passes the same)
 
-Run `collabopt COMMAND --help` for a command's options.
+Run `collabopt COMMAND --help` for a command's options. Exit status: 0 done (or help), 1 a runtime error (one
+line; --log-level DEBUG adds its traceback), 2 a usage error (a bad option or value), 130 interrupted (Ctrl+C).
 """
 
 from __future__ import annotations
@@ -14,29 +15,65 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from collabopt.errors import CollaborativeError, ConfigurationError
+from collabopt.version import __version__
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def _add_swarm_args(parser: argparse.ArgumentParser, identity: bool = True) -> None:
-    """The DHT options; ``identity=False`` leaves out --identity-path and --use-ipfs (a command that is no peer)."""
-    parser.add_argument("--initial-peers", nargs="*", default=None,
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default at the end of its help, unless its help states the default itself or there is none
+    to state (a flag, or None: the help says what an absent option means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.nargs == 0 or "default" in text or action.default is None
+                or action.default is argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
+class _TopHelpFormatter(_HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The top-level help keeps the module docstring's layout (its table of commands)."""
+
+
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=None, metavar="LEVEL",
+                        help=f"log level of collabopt and hivemind, one of {', '.join(LOG_LEVELS)} "
+                             "(default: $HIVEMIND_LOGLEVEL, else INFO); DEBUG also shows an error's traceback")
+
+
+def _swarm_args(peer: bool) -> argparse.ArgumentParser:
+    """The DHT options; ``peer=False`` (the monitor, a read-only client) leaves out those only a peer that others
+    reach uses: --announce-maddrs and --use-auto-relay."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--initial-peers", nargs="*", default=None,
                         help="multiaddrs of a running swarm (default: $INITIAL_PEERS)")
-    parser.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"],
+    parent.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"],
                         help="addresses to listen on (default: all IPv4 interfaces, any free port)")
-    parser.add_argument("--announce-maddrs", nargs="*", default=None, help="addresses to announce to others")
-    if identity:
-        parser.add_argument("--identity-path", default=None, help="private key file: makes the peer id stable")
-        parser.add_argument("--use-ipfs", action="store_true", help="find initial peers through IPFS")
-    parser.add_argument("--no-relay", dest="use_relay", action="store_false", help="disable libp2p circuit relay")
-    parser.add_argument("--use-auto-relay", action="store_true", help="look for relays when behind NAT")
-    parser.add_argument("--swarm-key-file", default=None, metavar="PATH",
+    if peer:
+        parent.add_argument("--announce-maddrs", nargs="*", default=None, help="addresses to announce to others")
+    parent.add_argument("--no-relay", dest="use_relay", action="store_false", help="disable libp2p circuit relay")
+    if peer:
+        parent.add_argument("--use-auto-relay", action="store_true", help="look for relays when behind NAT")
+    parent.add_argument("--swarm-key-file", default=None, metavar="PATH",
                         help="the swarm's key (from collabopt keygen): members only (default: $COLLABOPT_SWARM_KEY, "
                              "else an open swarm)")
+    return parent
+
+
+def _identity_args() -> argparse.ArgumentParser:
+    """Options of a peer that others find again (the bootstrap peer)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--identity-path", default=None, help="private key file: makes the peer id stable")
+    parent.add_argument("--use-ipfs", action="store_true", help="find initial peers through IPFS")
+    return parent
 
 
 def _swarm_key(args: argparse.Namespace):
@@ -52,11 +89,11 @@ def _swarm_options(args: argparse.Namespace):
     options = SwarmOptions(
         initial_peers=parse_initial_peers(args.initial_peers),
         host_maddrs=validate_listen_maddrs(args.host_maddrs, "--host-maddrs"),
-        announce_maddrs=validate_listen_maddrs(args.announce_maddrs, "--announce-maddrs"),
-        identity_path=args.identity_path,
-        use_ipfs=args.use_ipfs,
+        announce_maddrs=validate_listen_maddrs(getattr(args, "announce_maddrs", None), "--announce-maddrs"),
+        identity_path=getattr(args, "identity_path", None),
+        use_ipfs=getattr(args, "use_ipfs", False),
         use_relay=args.use_relay,
-        use_auto_relay=args.use_auto_relay,
+        use_auto_relay=getattr(args, "use_auto_relay", False),
         swarm_key=_swarm_key(args),
     )
     options.validate()
@@ -64,7 +101,8 @@ def _swarm_options(args: argparse.Namespace):
 
 
 def run_dht(args: argparse.Namespace) -> int:
-    """A standalone bootstrap peer: prints the INITIAL_PEERS value and serves until Ctrl+C / SIGTERM."""
+    """A standalone bootstrap peer: prints the INITIAL_PEERS value and serves until Ctrl+C (exit 130) or SIGTERM
+    (exit 0: how a service manager stops it)."""
     from collabopt.lifecycle import SigtermHandler, preserved_sigint
     from collabopt.swarm import membership_line, start_dht
 
@@ -84,14 +122,10 @@ def run_dht(args: argparse.Namespace) -> int:
         if args.peers_file:
             with open(args.peers_file + ".tmp", "w") as f:
                 f.write(value)
-            import os
-
             os.replace(args.peers_file + ".tmp", args.peers_file)
         while dht.is_alive():
             time.sleep(0.5)
-        return 1
-    except KeyboardInterrupt:
-        return 0
+        raise CollaborativeError("the DHT process stopped (the lines above may say why)")
     except SystemExit as e:
         return 0 if e.code in (None, 0, 128 + signal.SIGTERM) else int(e.code)
     finally:
@@ -101,8 +135,6 @@ def run_dht(args: argparse.Namespace) -> int:
 
 def run_doctor(args: argparse.Namespace) -> int:
     """Check this machine against the initial peers; exit status 1 when a check fails."""
-    import os
-
     from collabopt.doctor import DoctorOptions, format_report, report_json, run_checks
     from collabopt.swarm import INITIAL_PEERS_ENV
 
@@ -145,8 +177,6 @@ def run_monitor(args: argparse.Namespace) -> int:
             if args.count <= 0 or rounds < args.count:
                 time.sleep(args.interval)
         return 0
-    except KeyboardInterrupt:
-        return 0
     finally:
         dht.shutdown()
 
@@ -157,6 +187,12 @@ def run_keygen(_args: argparse.Namespace) -> int:
 
     print(new_swarm_key(), flush=True)
     return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from collabopt.demo import run_demo as demo
+
+    return demo(args)
 
 
 def report_text(report: dict) -> str:
@@ -180,79 +216,122 @@ def report_text(report: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="collabopt", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="collabopt", description=__doc__, formatter_class=_TopHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"collabopt {__version__}")
+    # the commands are listed once, in the description's table (a subparser given no help= is not listed again)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands",
+                                help="one of the commands above")
 
-    demo = sub.add_parser("demo", help="train a small model with a local swarm of peer processes")
-    demo.add_argument("--peers", type=int, default=3, help="number of training peers (default 3)")
-    demo.add_argument("--epochs", type=int, default=12, help="global epochs to train (default 12)")
-    demo.add_argument("--target-batch-size", type=int, default=1024, help="samples per global epoch (default 1024)")
+    def command(name: str, description: str, *parents: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        return sub.add_parser(name, description=description, parents=list(parents), formatter_class=_HelpFormatter)
+
+    demo = command("demo", "Train a digits classifier with a local swarm: a bootstrap DHT and --peers peer processes "
+                           "on this machine, a live progress bar, and a summary (global epochs, held-out accuracy, "
+                           "the largest parameter difference between peers). Exit status 1 when a peer fails, the "
+                           "peers diverge or the demo times out.")
+    demo.add_argument("--peers", type=int, default=3, help="number of training peers")
+    demo.add_argument("--epochs", type=int, default=12, help="global epochs to train")
+    demo.add_argument("--target-batch-size", type=int, default=1024, help="samples per global epoch")
     demo.add_argument("--run-id", default=None, help="run id (default: a fresh random one)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
-    demo.add_argument("--timeout", type=float, default=110.0, help="give up after this many seconds")
+    demo.add_argument("--timeout", type=float, default=110.0,
+                      help="seconds each peer trains at most; the demo gives up 30 s after")
     demo.add_argument("--serve", metavar="HOST:PORT", default=None,
                       help="also serve the run's status page there, as collabopt monitor --serve does")
 
-    dht = sub.add_parser("dht", help="run a standalone bootstrap peer and print INITIAL_PEERS",
-                         description="Run a bootstrap peer (a DHT node that trains nothing) until Ctrl+C, and print "
-                                     "the INITIAL_PEERS value that training peers and collabopt doctor/monitor take.")
-    _add_swarm_args(dht)
+    dht = command("dht", "Run a bootstrap peer (a DHT node that trains nothing) until Ctrl+C, and print the "
+                         "INITIAL_PEERS value that training peers and collabopt doctor/monitor take.",
+                  _swarm_args(peer=True), _identity_args())
     dht.add_argument("--peers-file", default=None, help="also write the INITIAL_PEERS value to this file")
 
-    doctor = sub.add_parser(
-        "doctor", help="check that this machine can join a swarm (addresses, peers, incoming connections)",
-        description="Check that this machine can join the swarm of --initial-peers: versions, addresses, each "
-                    "initial peer (connection, DHT ping, clock) and whether other machines can connect to this one "
-                    "(if not: client_mode=True or relay_peers=[...]). Exit status 1 when a check fails.")
-    _add_swarm_args(doctor, identity=False)
+    doctor = command("doctor", "Check that this machine can join the swarm of --initial-peers: versions, addresses, "
+                               "each initial peer (connection, DHT ping, clock) and whether other machines can "
+                               "connect to this one (if not: client_mode=True or relay_peers=[...]). Exit status 1 "
+                               "when a check fails.", _swarm_args(peer=True))
     doctor.add_argument("--client-mode", action="store_true",
                         help="you will join with client_mode=True (then not accepting connections is fine)")
-    doctor.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each peer (default 10)")
+    doctor.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each peer")
     doctor.add_argument("--json", action="store_true", help="the checks as one JSON object")
 
-    monitor = sub.add_parser("monitor", help="show the live state of a run read from the DHT")
-    _add_swarm_args(monitor)
+    monitor = command("monitor", "Show the live state of a run, read from the progress records its peers publish "
+                                 "to the DHT: joins as a read-only client (trains nothing, accepts no connections).",
+                      _swarm_args(peer=False))
     monitor.add_argument("--run-id", required=True, help="the run_id the peers train with (in their join message)")
-    monitor.add_argument("--interval", type=float, default=2.0, help="seconds between two reports (default 2)")
-    monitor.add_argument("--count", type=int, default=0, help="number of reports (default: until Ctrl+C)")
+    monitor.add_argument("--interval", type=float, default=2.0, help="seconds between two reports")
+    monitor.add_argument("--count", type=int, default=0, help="number of reports; 0: until Ctrl+C")
     monitor.add_argument("--json", action="store_true", help="one JSON object per report")
     monitor.add_argument("--serve", metavar="HOST:PORT", default=None,
                          help="serve a status page (/), its state (/api/state) and Prometheus metrics (/metrics)")
     monitor.add_argument("--stall-after", type=float, default=60.0,
                          help="with --serve: seconds without progress before the run counts as stalled")
 
-    sub.add_parser("keygen", help="print a new swarm key: only peers given it can join the swarm",
-                   description="Print a new random swarm key (256 bits, text). Every member passes the same key: "
-                               "swarm_key=..., $COLLABOPT_SWARM_KEY, or --swarm-key-file for collabopt dht/monitor/"
-                               "doctor (collabopt keygen > swarm.key). Peers without it cannot join, read or count.")
+    command("keygen", "Print a new random swarm key (256 bits, text). Every member passes the same key: "
+                      "swarm_key=..., $COLLABOPT_SWARM_KEY, or --swarm-key-file for collabopt dht/monitor/doctor "
+                      "(collabopt keygen > swarm.key). Peers without it cannot join, read or count.")
+    for each in sub.choices.values():  # last in each command's help: the same in every command
+        _add_log_level(each)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    if not (sys.argv[1:] if argv is None else argv):  # a bare `collabopt`: what it can do, not an error
-        parser.print_help()
-        return 2
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "dht":
-            return run_dht(args)
-        if args.command == "monitor":
-            return run_monitor(args)
-        if args.command == "doctor":
-            return run_doctor(args)
-        if args.command == "keygen":
-            return run_keygen(args)
-        from collabopt.demo import run_demo
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "demo": run_demo, "dht": run_dht, "doctor": run_doctor, "monitor": run_monitor, "keygen": run_keygen}
 
-        return run_demo(args)
-    except CollaborativeError as e:
-        print(f"collabopt {args.command}: {e}", file=sys.stderr)
-        return 2
+
+def set_log_level(level: str | None) -> None:
+    """``--log-level``: the level of hivemind's and collabopt's loggers here, and (through $HIVEMIND_LOGLEVEL) of
+    the processes this command starts. None keeps hivemind's own choice ($HIVEMIND_LOGLEVEL, else INFO)."""
+    if level is None:
+        return
+    import logging
+
+    import hivemind.utils.logging as hivemind_logging
+
+    os.environ["HIVEMIND_LOGLEVEL"] = level
+    hivemind_logging.loglevel = level
+    hivemind_logging.get_logger("hivemind").setLevel(level)
+    logging.getLogger("collabopt").setLevel(level)
+
+
+def _one_line(error: BaseException) -> str:
+    """An error as one line: collabopt's own say what to do; any other is named by its type."""
+    text = " ".join(str(error).split())
+    if isinstance(error, CollaborativeError):
+        return text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command and return its exit status (it never raises SystemExit): 0 done or help, 1 a runtime error
+    (printed as one line; with --log-level DEBUG after its traceback), 2 a usage error (argparse's, or a
+    :class:`ConfigurationError`: a bad option value), 130 Ctrl+C. The same in every command, so that scripts and
+    service managers can tell them apart."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:  # a bare `collabopt`: what it can do, not an error
+        parser.print_help()
+        return 0
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version (0) or a usage error (2): argparse printed what to say
+        return e.code if isinstance(e.code, int) else 2
+    set_log_level(args.log_level)
+    try:
+        return COMMANDS[args.command](args)
     except KeyboardInterrupt:  # Ctrl+C: what the command started has been stopped on the way out
         print(f"\ncollabopt {args.command}: interrupted", file=sys.stderr)
         return 130
+    except ConfigurationError as e:
+        print(f"collabopt {args.command}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        level = args.log_level or os.environ.get("HIVEMIND_LOGLEVEL", "INFO")
+        if level.upper() == "DEBUG":
+            import traceback
+
+            traceback.print_exc()
+        hint = "" if isinstance(e, CollaborativeError) else " (--log-level DEBUG shows the traceback)"
+        print(f"collabopt {args.command}: {_one_line(e)}{hint}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from collabopt.errors import ConfigurationError
+from collabopt.errors import CollaborativeError, ConfigurationError
 
 BATCH_SIZES = ([16, 24, 32], [32, 48], [8, 16, 24, 40])  # per peer: varying batch sizes, cycled
 
@@ -26,10 +26,9 @@ def _require_demo_extras() -> None:
     try:
         import sklearn  # noqa: F401
         import tqdm  # noqa: F401
-    except ImportError as e:
-        raise ConfigurationError(
-            "collabopt demo", f"needs the demo extras ({e.name} is missing)", "pip install 'collabopt[demo]'"
-        ) from None
+    except ImportError as e:  # the environment, not the command line: a runtime error (exit status 1)
+        raise CollaborativeError(
+            f"needs the demo extras ({e.name} is missing). Fix: pip install 'collabopt[demo]'") from None
 
 
 def load_digits_split(seed: int = 0):
@@ -130,6 +129,9 @@ def run_demo(args: argparse.Namespace) -> int:
     _require_demo_extras()
     if args.peers < 1 or args.epochs < 1 or args.target_batch_size < 1:
         raise ConfigurationError("--peers/--epochs/--target-batch-size", "must be positive", "e.g. --peers 3")
+    if not args.timeout > 0:
+        raise ConfigurationError("--timeout", f"must be a positive number of seconds, got {args.timeout}",
+                                 "e.g. --timeout 300")
     from tqdm import tqdm
 
     from collabopt.lifecycle import preserved_sigint
@@ -166,8 +168,10 @@ def run_demo(args: argparse.Namespace) -> int:
                        disable=args.no_progress, dynamic_ncols=True)
             all_joined = False
             while any(p.poll() is None for p in procs):
-                if time.monotonic() - start > args.timeout + 30:
-                    raise TimeoutError(f"the demo did not finish within {args.timeout:.0f} s")
+                if time.monotonic() - start > args.timeout + 30:  # one line, no traceback (exit status 1)
+                    raise CollaborativeError(
+                        f"the peers did not finish within {args.timeout + 30:.0f} s. Fix: on a busy or slow machine, "
+                        f"give them longer (--timeout {max(300, 2 * args.timeout):.0f}) or fewer epochs (--epochs)")
                 report = read_swarm_progress(dht, run_id)
                 if not all_joined:
                     all_joined = report["num_peers"] >= args.peers

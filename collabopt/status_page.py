@@ -233,9 +233,7 @@ def serve(options: Any, run_id: str, address: str, interval: float = 2.0, stall_
             time.sleep(0.5)
         print("collabopt monitor: the DHT client stopped", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 0
-    except SystemExit as e:
+    except SystemExit as e:  # SIGTERM: a service manager's stop (Ctrl+C propagates: collabopt's exit status 130)
         return 0 if e.code in (None, 0, 143) else int(e.code)
     finally:
         if server is not None:

@@ -10,7 +10,14 @@
 
 Only Python >= 3.10 is needed. torch is installed pinned (TORCH_SPEC, default torch==2.13.0) when the
 environment has none; set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu to get the CPU-only build
-on a machine where pip would otherwise pull a large CUDA build.
+on a machine where pip would otherwise pull a large CUDA build. COLLABOPT_VENV names another environment
+(default .venv): with TORCH_SPEC, that runs the tests on another torch without touching .venv, e.g. the unit
+tests on torch 2.14.1 (the CI and .venv use 2.13.0; both pass):
+
+    COLLABOPT_VENV=/tmp/venv214 TORCH_SPEC=torch==2.14.1 python3 scripts/dev.py test -m "not swarm and not net"
+
+A TORCH_SPEC of the form torch==X that the environment's torch does not match is an error, not a silent run on
+the other version.
 
 gpu-check and gpu-wheels never create or install anything: they run with .venv's Python when there is a .venv, else
 with the Python running this script. The lent GPU machine has no network and no .venv (it is git-ignored and not
@@ -41,6 +48,19 @@ def has_module(module: str) -> bool:
     return subprocess.run([str(PYTHON), "-c", f"import {module}"], capture_output=True).returncode == 0
 
 
+def check_torch(spec: str) -> None:
+    """Exit when TORCH_SPEC pins torch==X and the environment holds another torch (installed before, by another
+    spec): the run would not test the version asked for."""
+    wanted = spec.replace(" ", "").partition("torch==")[2]
+    if not spec.replace(" ", "").startswith("torch==") or not wanted:
+        return
+    found = subprocess.run([str(PYTHON), "-c", "import importlib.metadata as m; print(m.version('torch'))"],
+                           capture_output=True, text=True).stdout.strip()
+    if found.split("+")[0] != wanted.split("+")[0]:
+        sys.exit(f"TORCH_SPEC={spec} but {VENV} holds torch {found}: set COLLABOPT_VENV to a new directory for "
+                 f"an environment with torch {wanted}, or remove {VENV}")
+
+
 def ensure_env(extra: str) -> None:
     if sys.version_info < (3, 10):  # noqa: UP036 - this script runs before anything is installed
         sys.exit(f"collabopt needs Python >= 3.10, this is {sys.version.split()[0]}")
@@ -51,6 +71,7 @@ def ensure_env(extra: str) -> None:
     if not has_module("torch"):
         index = os.environ.get("TORCH_INDEX_URL")
         run(*pip, os.environ.get("TORCH_SPEC", "torch==2.13.0"), *(["--index-url", index] if index else []))
+    check_torch(os.environ.get("TORCH_SPEC", ""))
     stamp = VENV / f".collabopt-{extra}-installed"
     pyproject = ROOT / "pyproject.toml"
     if not stamp.exists() or stamp.stat().st_mtime < pyproject.stat().st_mtime:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 from helpers import ROOT, SWARM_ROUNDING, child_env, start_bootstrap, start_peer, unique_run_id, wait_for_file
+
+from collabopt.testing.processes import Process
 
 pytestmark = pytest.mark.swarm
 
@@ -93,3 +96,24 @@ def test_doctor_passes_against_a_collabopt_bootstrap(tmp_path):
     assert f"FAIL     initial peer {dead}: unreachable" in failing.stdout, failing.stdout
     assert "fix: check that the peer is still running" in failing.stdout
 
+
+
+def test_ctrl_c_ends_dht_and_monitor_with_exit_status_130(tmp_path):
+    """Ctrl+C (SIGINT) ends `collabopt dht` and `collabopt monitor` with 130, as every command: starting hivemind's
+    DHT sets SIGINT to ignored in the process, and the commands put Python's handler back."""
+    bootstrap, initial_peers = start_bootstrap(tmp_path)
+    monitor = Process([sys.executable, "-m", "collabopt", "monitor", "--run-id", unique_run_id("ctrl_c"),
+                       "--initial-peers", initial_peers, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--interval", "0.5"],
+                      tmp_path / "monitor.log", env=child_env())
+    try:
+        deadline = time.monotonic() + 60
+        while "0 peers" not in monitor.log():  # its first report: it serves, between two reads
+            assert monitor.poll() is None and time.monotonic() < deadline, monitor.log()[-3000:]
+            time.sleep(0.2)
+        for proc, name in ((monitor, "monitor"), (bootstrap, "dht")):
+            proc.signal(signal.SIGINT)
+            assert proc.wait(30) == 130, proc.log()[-3000:]
+            assert f"collabopt {name}: interrupted" in proc.log() and "Traceback" not in proc.log(), proc.log()[-3000:]
+    finally:
+        monitor.kill_tree()
+        bootstrap.kill_tree()

@@ -20,6 +20,7 @@ from collabopt.testing import launcher, processes
 
 PROBE = '''
 import json, multiprocessing, os, signal, sys, threading
+import collabopt  # first, as in a peer: hivemind's import then warns nothing (on stderr, in the log read as JSON)
 import hivemind, numpy, torch
 import hivemind.utils.logging as hivemind_logging
 main = sys.modules["__main__"]
