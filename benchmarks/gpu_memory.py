@@ -73,7 +73,7 @@ def measure(mode: str, cfg: dict[str, Any], device: str) -> dict[str, Any]:
     options = MODES[mode]
     if options is not None:
         opt = CollaborativeOptimizer(opt, run_id=f"gpu_b4_{uuid.uuid4().hex[:8]}", batch_size=cfg["model"]["batch"],
-                                     target_batch_size=cfg["model"]["batch"] * k, grad_scaler=scaler,
+                                     target_batch_size=cfg["model"]["batch"] * k, scaler=scaler,
                                      host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=cfg["matchmaking_time"],
                                      print_join_message=False, handle_signals=False, **options)
     try:

@@ -62,7 +62,7 @@ class Variant:
         elif self.impl == "collabopt":
             from collabopt import CollaborativeOptimizer
 
-            self.opt = CollaborativeOptimizer(opt, batch_size=batch, grad_scaler=self.scaler, print_join_message=False,
+            self.opt = CollaborativeOptimizer(opt, batch_size=batch, scaler=self.scaler, print_join_message=False,
                                               handle_signals=False, host_maddrs=["/ip4/127.0.0.1/tcp/0"], **common,
                                               **options)
         else:

@@ -53,6 +53,10 @@ class CatchUp:
 
         On return, this peer's own view of the swarm includes the others, so its first global step is taken
         together with them rather than alone.
+
+        This method is the one public form: every collaborative optimizer has it (the core, a
+        :class:`~collabopt.node.NodeOptimizer`, what each adapter hands you), so it needs no import and works the same
+        on each; the function ``collabopt.wait_for_peers(copt, n)`` is a deprecated alias.
         """
         self._check_open()
         positive_int("num_peers", num_peers, "2")

@@ -4,8 +4,9 @@ Where it sits: :class:`~collabopt.CollaborativeOptimizer` (the core), :class:`~c
 ranks as one peer) and every adapter (``collabopt.integrations.*``) turn their keyword arguments into a
 :class:`CollabConfig` with :meth:`CollabConfig.from_options`; its :data:`OPTION_NAMES` are the names they accept.
 The config builds hivemind's arguments (:meth:`CollabConfig.hivemind_arguments`) and the DHT's
-(:meth:`CollabConfig.swarm_options`). Objects (optimizer, scheduler, model, dht) are checked by the ``check_*``
-functions here and stay arguments of the constructors.
+(:meth:`CollabConfig.swarm_options`). The rules between options, each refusal with a fix that leads to a config
+that is accepted, are in :mod:`collabopt.option_rules`. Objects (optimizer, scheduler, model, dht) are checked by the
+``check_*`` functions here and stay arguments of the constructors.
 
     >>> config = CollabConfig.from_options(run_id="demo", target_batch_size=4096, matchmaking_time=2.0)
     >>> config.hivemind_arguments()["averager_opts"]
@@ -15,24 +16,22 @@ functions here and stay arguments of the constructors.
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hivemind.compression import NoCompression
 
-from collabopt import diloco_options
+from collabopt import option_rules
 from collabopt.engine import compat
 from collabopt.engine.averaging import gradient_averager_factory
-from collabopt.engine.robust_averaging import AGGREGATIONS, aggregation_options
-from collabopt.errors import ConfigurationError
+from collabopt.engine.robust_averaging import aggregation_options
+from collabopt.errors import DROP, ConfigurationError
 from collabopt.membership import swarm_key_from
+from collabopt.option_rules import positive_int, positive_number
 from collabopt.swarm import DhtOptions, SwarmOptions, parse_initial_peers, validate_listen_maddrs
 
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 DEFAULT_NODE_TIMEOUT = 24 * 3600.0  # seconds other ranks of a node may wait for rank 0 (matchmaking, download)
 # hivemind.Optimizer arguments collabopt sets itself (never accepted from users)
 _MANAGED_BY_COLLABOPT = frozenset({"dht", "run_id", "target_batch_size", "batch_size_per_step", "optimizer", "params",
@@ -40,17 +39,6 @@ _MANAGED_BY_COLLABOPT = frozenset({"dht", "run_id", "target_batch_size", "batch_
 # DHT options (cannot be combined with a dht= the caller owns)
 _SWARM_FIELDS = ("initial_peers", "host_maddrs", "announce_maddrs", "identity_path", "client_mode", "use_ipfs",
                  "bootstrap_timeout", "relay_peers", "swarm_key")
-
-
-def positive_number(name: str, value: Any, example: str, allow_zero: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        raise ConfigurationError(name, f"must be a positive number, got {value!r}", f"pass e.g. {name}={example}")
-
-
-def positive_int(name: str, value: Any, example: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigurationError(name, f"must be a positive integer, got {value!r}", f"pass e.g. {name}={example}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,37 +85,15 @@ class CollabConfig(DhtOptions):
         extra = {name: value for name, value in options.items() if name not in own}
         for name in extra:
             if name not in hivemind_option_names():
-                raise ConfigurationError(
-                    name, "is not an argument of collabopt or hivemind.Optimizer",
-                    f"check the spelling; accepted options: {', '.join(sorted(option_names()))}",
-                )
-        for name in ("run_id", "target_batch_size"):
+                raise option_rules.unknown_option(name, options[name], option_names())
+        for name, example in (("run_id", "my_experiment"), ("target_batch_size", 4096)):
             if name not in mine:
-                raise ConfigurationError(name, "is required", f"pass {name}=...")
+                raise ConfigurationError(name, "is required", f"pass e.g. {name}={example!r}",
+                                         fixes=[{name: example}])
         return cls(**mine, hivemind_options=extra)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id):
-            raise ConfigurationError(
-                "run_id", f"must be 1-128 characters of letters, digits, '_', '-', '.', got {self.run_id!r}",
-                "pass e.g. run_id='my_experiment'",
-            )
-        if not self.auxiliary:
-            positive_int("target_batch_size", self.target_batch_size, "4096")
-        if self.batch_size is not None:
-            positive_int("batch_size", self.batch_size, "32")
-        for name, example in (("matchmaking_time", "5.0"), ("averaging_timeout", "30.0"),
-                              ("load_state_timeout", "600.0"), ("node_timeout", "86400")):
-            positive_number(name, getattr(self, name), example)
-        positive_int("average_state_every", self.average_state_every, "1")
-        self._check_modes()
-        self._check_hivemind_options()
-        self._check_aggregation()
-        if self.outer_optimizer is not None:
-            diloco_options.check_config(self)
-        elif self.overlap_rounds:
-            raise ConfigurationError("overlap_rounds", "applies to DiLoCo mode only",
-                                     f"pass outer_optimizer= as well (e.g. {diloco_options.OUTER_EXAMPLE}), or drop it")
+        option_rules.check(self.option_values(), _defaults())  # each error with a fix that leads to a valid config
         # DHT options: parsed now (bad addresses fail here), normalized in place
         if self.initial_peers is not None:  # the environment variable is read when a DHT is started
             object.__setattr__(self, "initial_peers", parse_initial_peers(self.initial_peers, env_vars=()))
@@ -137,94 +103,10 @@ class CollabConfig(DhtOptions):
         object.__setattr__(self, "swarm_key", swarm_key_from(self.swarm_key, environment=False))
         self.validate()  # the DHT options
 
-    def _check_modes(self) -> None:
-        if self.delay_grad_averaging and not self.delay_optimizer_step:
-            raise ConfigurationError(
-                "delay_grad_averaging",
-                "requires delay_optimizer_step=True (the delayed averaging result is applied by a delayed step)",
-                "pass delay_optimizer_step=True and offload_optimizer=True as well",
-            )
-        if self.delay_optimizer_step and not self.offload_optimizer:
-            raise ConfigurationError(
-                "delay_optimizer_step",
-                "requires offload_optimizer=True (otherwise a background step would race with your backward pass)",
-                "pass offload_optimizer=True",
-            )
-        if self.delay_optimizer_step and not self.delay_state_averaging:
-            raise ConfigurationError(
-                "delay_optimizer_step",
-                "requires delay_state_averaging=True (hivemind runs the delayed step inside the background averaging)",
-                "pass delay_state_averaging=True as well",
-            )
-        if self.use_local_updates and (self.reuse_grad_buffers or self.delay_grad_averaging):
-            name = "reuse_grad_buffers" if self.reuse_grad_buffers else "delay_grad_averaging"
-            raise ConfigurationError(
-                name, "has no effect with use_local_updates=True (gradients are not accumulated)", f"drop {name}"
-            )
-        if self.client_mode and self.auxiliary:
-            raise ConfigurationError("auxiliary", "client-mode peers cannot serve as auxiliaries",
-                                     "pass client_mode=False")
-        if self.auxiliary and self.batch_size is not None:
-            raise ConfigurationError("batch_size", "auxiliary peers do not train", "drop batch_size")
-
-    def _check_hivemind_options(self) -> None:
-        options = self.hivemind_options
-        for name in ("grad_compression", "state_averaging_compression"):
-            if name in options and not compat.check_compression(options[name]):
-                raise ConfigurationError(
-                    name, f"expected a hivemind compression instance, got {type(options[name]).__name__}",
-                    "pass e.g. hivemind.Float16Compression() or hivemind.Uniform8BitQuantization()",
-                )
-        averager_opts = options.get("averager_opts")
-        if averager_opts is not None and not isinstance(averager_opts, dict):
-            raise ConfigurationError("averager_opts", f"expected a dict, got {type(averager_opts).__name__}",
-                                     "pass e.g. averager_opts=dict(request_timeout=1.0)")
-        if self.use_local_updates and options.get("grad_averager_factory") is not None:
-            raise ConfigurationError("grad_averager_factory", "is not used with use_local_updates=True",
-                                     "drop one of them")
-
-    def _check_aggregation(self) -> None:
-        if self.aggregation not in AGGREGATIONS:
-            raise ConfigurationError("aggregation", f"must be one of {', '.join(map(repr, AGGREGATIONS))}, got "
-                                     f"{self.aggregation!r}", "pass aggregation='mean' (the default) or "
-                                     "aggregation='centered_clip' (robust to a hostile member; every peer the same)")
-        if self.aggregation != "mean" and self.hivemind_options.get("grad_averager_factory") is not None:
-            raise ConfigurationError("grad_averager_factory", f"cannot be combined with aggregation="
-                                     f"{self.aggregation!r} (collabopt's averager aggregates robustly)",
-                                     "drop grad_averager_factory, or pass aggregation='mean'")
-        compression = self._lossy_compression("load_state_compression")
-        if self.aggregation != "mean" and compression is not None:
-            raise ConfigurationError("load_state_compression", f"cannot be combined with aggregation="
-                                     f"{self.aggregation!r}: a downloaded state is checked against the fingerprint "
-                                     f"most of the swarm holds, which a lossy {type(compression).__name__} changes",
-                                     "drop load_state_compression, or pass aggregation='mean'")
-        if self.aggregation != "mean" and self.outer_optimizer is None:  # (DiLoCo: every member gets the average)
-            self._check_exact_parameters()
-
-    def _check_exact_parameters(self) -> None:
-        """Verified downloads need honest peers to serve the same parameters (to 1e-5). hivemind's all-reduce leaves
-        each member its own tensor plus a compressed difference: a lossy parameter round leaves them apart by its
-        error at once, and lossy gradient rounds do between parameter rounds (docs/faults.md)."""
-        for name in ("state_averaging_compression", "grad_compression"):
-            compression = self._lossy_compression(name)
-            if compression is None:
-                continue
-            if name == "state_averaging_compression":
-                raise ConfigurationError(name, f"cannot be combined with aggregation={self.aggregation!r}: a lossy "
-                                         f"{type(compression).__name__} leaves honest peers with parameters apart "
-                                         "by its error, and verified downloads would refuse their states",
-                                         "drop state_averaging_compression, or pass aggregation='mean'")
-            if self.average_state_every > 1:
-                raise ConfigurationError(name, f"a lossy {type(compression).__name__} cannot be combined with "
-                                         f"aggregation={self.aggregation!r} and average_state_every="
-                                         f"{self.average_state_every}: honest peers' parameters drift apart by its "
-                                         "error until a parameter round, and verified downloads would refuse "
-                                         "their states", "pass average_state_every=1, or drop grad_compression")
-
-    def _lossy_compression(self, name: str) -> Any:
-        """The compression given as hivemind option ``name`` if it is lossy (anything but ``NoCompression``)."""
-        compression = self.hivemind_options.get(name)
-        return None if compression is None or type(compression) is NoCompression else compression
+    def option_values(self) -> dict[str, Any]:
+        """Every option by name: the fields and the other ``hivemind.Optimizer`` arguments (what the rules read)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "hivemind_options"}
+        return {**self.hivemind_options, **fields}
 
     # ------------------------------------------------------------------ what the config builds
 
@@ -290,6 +172,11 @@ class CollabConfig(DhtOptions):
             verbose=self.verbose,
             **extra,
         )
+
+
+def _defaults() -> dict[str, Any]:
+    """The default of every option that has one (what a fix that drops an option leaves)."""
+    return {f.name: f.default for f in dataclasses.fields(CollabConfig) if f.default is not dataclasses.MISSING}
 
 
 REFERENCE_LINK_BYTES_PER_SECOND = 10e6 / 8  # 10 Mbit/s: a slow home uplink (sizes next_chunk_timeout)
@@ -366,11 +253,12 @@ def check_dht(dht: Any, config: CollabConfig) -> None:
         raise ConfigurationError(
             ", ".join(given), "swarm options were given together with a dht you own",
             "configure the DHT you create, or pass no dht= and let collabopt start one",
+            fixes=[{name: DROP for name in given}, {"dht": DROP}],
         )
 
 
 # constructor arguments of the core that are objects, not options (a node hands them to rank 0's core)
-CORE_OBJECTS = ("optimizer_factory", "dht", "grad_scaler", "peer")
+CORE_OBJECTS = ("optimizer_factory", "dht", "scaler", "peer")
 
 
 def make_config(config: CollabConfig | None, options: dict[str, Any]) -> CollabConfig:
@@ -388,8 +276,23 @@ def make_config(config: CollabConfig | None, options: dict[str, Any]) -> CollabC
     return config
 
 
+def renamed_argument(arguments: dict[str, Any], old: str, new: str, value: Any, where: str) -> Any:
+    """The value of argument ``new`` (given as ``value``), or of its deprecated name ``old`` taken out of
+    ``arguments``: the old name still works, with one ``DeprecationWarning`` pointing at the caller of ``where``;
+    both names at once are refused (which one should win is not ours to guess)."""
+    if old not in arguments:
+        return value
+    old_value = arguments.pop(old)
+    if value is not None:
+        raise ConfigurationError(f"{new}, {old}", f"are the same argument ({old} is its deprecated name)",
+                                 f"pass only {new}=", fixes=[{old: DROP}])
+    warnings.warn(f"{where}({old}=...) is deprecated: pass {new}=... instead (the same object)", DeprecationWarning,
+                  stacklevel=3)
+    return old_value
+
+
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
 __all__ = ["CORE_OBJECTS", "DEFAULT_NODE_TIMEOUT", "CollabConfig", "OptimizerFactory", "check_callable", "check_dht",
            "check_model", "check_optimizer", "hivemind_option_names", "make_config", "option_names", "positive_int",
-           "positive_number"]
+           "positive_number", "renamed_argument"]

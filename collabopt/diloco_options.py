@@ -1,7 +1,8 @@
 """DiLoCo mode's options: the outer optimizer a peer is given, and the options that cannot be combined with it.
 
-:class:`~collabopt.config.CollabConfig` runs :func:`check_config` when ``outer_optimizer`` is set, before any network
-starts, so that a misconfigured peer fails with the option's name and a fix rather than inside a round.
+:class:`~collabopt.config.CollabConfig` checks these when ``outer_optimizer`` is set (:mod:`collabopt.option_rules`,
+each error with a fix that is complete), before any network starts, so that a misconfigured peer fails with the
+option's name and a fix rather than inside a round.
 
     >>> import functools, torch
     >>> check_outer_optimizer(functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
@@ -57,7 +58,8 @@ def check_outer_optimizer(outer_optimizer: Any) -> None:
 
 
 def check_config(config: Any) -> None:
-    """The checks of a :class:`~collabopt.config.CollabConfig` with ``outer_optimizer`` set."""
+    """The checks of a :class:`~collabopt.config.CollabConfig` with ``outer_optimizer`` set, for callers that hold a
+    config-like object (a config itself is checked when built, by :mod:`collabopt.option_rules`)."""
     check_outer_optimizer(config.outer_optimizer)
     for name, why in INCOMPATIBLE.items():
         if getattr(config, name):

@@ -113,6 +113,15 @@ def swarm_snapshot(optimizer: SwarmOptimizer) -> dict[str, float]:
     return dict({name: getattr(optimizer, name) for name in SNAPSHOT_FIELDS}, lr=optimizer.get_lr()[0])
 
 
+def swarm_metrics(optimizer: SwarmOptimizer | None) -> dict[str, float]:
+    """The metrics every adapter logs: ``metrics()`` named ``swarm/<name>`` (``swarm/num_peers``,
+    ``swarm/local_epoch``, ``swarm/samples_per_second``, ``swarm/lr``, ...), each name that of the optimizer's
+    attribute. Built here once, so that the adapters' names cannot drift apart. Empty without an open optimizer."""
+    if optimizer is None or optimizer.closed:
+        return {}
+    return {f"swarm/{name}": float(value) for name, value in optimizer.metrics().items()}
+
+
 @runtime_checkable
 class SwarmOptimizer(Protocol):
     """The API of a collaborative optimizer (:class:`~collabopt.CollaborativeOptimizer` and
@@ -223,4 +232,4 @@ def is_collaborative_state(state: Any) -> bool:
 
 
 __all__ = ["STATE_FORMAT", "SNAPSHOT_FIELDS", "SwarmOptimizerBase", "StepResult", "SwarmOptimizer", "check_state",
-           "is_collaborative_state", "pack_state", "swarm_snapshot"]
+           "is_collaborative_state", "pack_state", "swarm_metrics", "swarm_snapshot"]

@@ -55,6 +55,7 @@ from collabopt.config import (
     make_config,
     positive_int,
     positive_number,
+    renamed_argument,
 )
 from collabopt.errors import ConfigurationError
 from collabopt.grads import scale_grads, zero_grads
@@ -76,6 +77,13 @@ def is_node_job() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _take_scaler(options: dict[str, Any], where: str) -> None:
+    """``options`` with the scaler under its name ``scaler`` (``grad_scaler``, its deprecated name, warns)."""
+    scaler = renamed_argument(options, "grad_scaler", "scaler", options.pop("scaler", None), where)
+    if scaler is not None:
+        options["scaler"] = scaler
+
+
 def collaborative_optimizer(
     optimizer: torch.optim.Optimizer, *, model: torch.nn.Module | None = None, **kwargs: Any
 ) -> CollaborativeOptimizer | NodeOptimizer:
@@ -84,6 +92,7 @@ def collaborative_optimizer(
 
     ``kwargs`` are those of ``CollaborativeOptimizer`` (``node_timeout`` is used by a node only).
     """
+    _take_scaler(kwargs, "collaborative_optimizer")
     if is_node_job():
         return NodeOptimizer(optimizer, model=model, **kwargs)
     return CollaborativeOptimizer(optimizer, model=model, **kwargs)
@@ -99,6 +108,8 @@ class NodeOptimizer(NodeView):
         optimizer: the rank's torch optimizer over the (DDP-wrapped) model's parameters.
         model: count each rank's samples from this module's forward calls in training mode.
         scheduler: LR scheduler on ``optimizer``; advanced once per global epoch, identically on every rank.
+        scaler: the ``torch.amp.GradScaler`` you use (rank 0's core needs it as the core does); ``grad_scaler=``
+            is its deprecated name.
         config: a ready :class:`~collabopt.config.CollabConfig` instead of options.
         core_factory: builds rank 0's core (``CollaborativeOptimizer``; tests pass one over a fake peer).
         **options: every other ``CollaborativeOptimizer`` option; ``batch_size`` counts *per rank*;
@@ -113,11 +124,15 @@ class NodeOptimizer(NodeView):
         *,
         model: torch.nn.Module | None = None,
         scheduler: Any = None,
+        scaler: Any = None,
         config: CollabConfig | None = None,
         core_factory: Callable[..., CollaborativeOptimizer] = CollaborativeOptimizer,
         **options: Any,
     ):
         self._closed = True
+        scaler = renamed_argument(options, "grad_scaler", "scaler", scaler, "NodeOptimizer")
+        if scaler is not None:  # (rank 0's core takes it)
+            options["scaler"] = scaler
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigurationError(
                 "torch.distributed", "is not initialised", "call torch.distributed.init_process_group() first, or "

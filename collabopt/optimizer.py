@@ -34,7 +34,9 @@ from collabopt.config import (
     check_model,
     check_optimizer,
     make_config,
+    renamed_argument,
 )
+from collabopt.engine.model_check import parameter_names
 from collabopt.engine.p2p import log_like_hivemind
 from collabopt.engine.peer import DiLoCoPeer, HivemindPeer
 from collabopt.errors import ConfigurationError
@@ -86,8 +88,9 @@ class CollaborativeOptimizer(PeerViews, NonFiniteHandling, Checkpointing, CatchU
             rebuilt from ``optimizer.defaults``.
         model: if given, samples are counted from its forward calls in training mode.
         dht: a running ``hivemind.DHT`` you own (then no DHT options may be given; it is not shut down here).
-        grad_scaler: the ``torch.amp.GradScaler`` you use, needed only with ``reuse_grad_buffers=True`` when you
-            call ``scaler.unscale_()`` before stepping (e.g. for gradient clipping).
+        scaler: the ``torch.amp.GradScaler`` you use, needed only with ``reuse_grad_buffers=True`` when you
+            call ``scaler.unscale_()`` before stepping (e.g. for gradient clipping). ``grad_scaler=`` is its
+            deprecated name.
         config: a ready :class:`~collabopt.config.CollabConfig` instead of ``run_id``/``target_batch_size``/options.
         peer: for tests: an object with :class:`~collabopt.engine.peer.HivemindPeer`'s interface; no DHT is started.
         **options: every other option of :class:`~collabopt.config.CollabConfig` (``initial_peers``,
@@ -108,7 +111,7 @@ class CollaborativeOptimizer(PeerViews, NonFiniteHandling, Checkpointing, CatchU
         optimizer_factory: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
         model: torch.nn.Module | None = None,
         dht: Any = None,
-        grad_scaler: Any = None,
+        scaler: Any = None,
         config: CollabConfig | None = None,
         peer: Any = None,
         **options: Any,
@@ -116,6 +119,7 @@ class CollaborativeOptimizer(PeerViews, NonFiniteHandling, Checkpointing, CatchU
         # ---- validation: everything here runs before any process or socket is started ----
         self._closed = True
         self._peer: Any = None
+        scaler = renamed_argument(options, "grad_scaler", "scaler", scaler, "CollaborativeOptimizer")
         check_optimizer(optimizer)
         config = make_config(config, dict(options, run_id=run_id, target_batch_size=target_batch_size))
         if isinstance(scheduler, CollaborativeScheduler):  # an adapter wrapped it before the swarm was joined
@@ -128,13 +132,15 @@ class CollaborativeOptimizer(PeerViews, NonFiniteHandling, Checkpointing, CatchU
         check_dht(dht, config)
         arguments = peer_arguments(config, optimizer, optimizer_factory)
         self._owns_dht = dht is None and peer is None
-        self._remember(config, optimizer, model, dht, grad_scaler, scheduler)
+        self._remember(config, optimizer, model, dht, scaler, scheduler)
 
         # ---- start the network ----
         self._closed = False
         try:
             self._peer = peer if peer is not None else self._start_peer(arguments)
             if isinstance(self._peer, HivemindPeer):  # publishes this peer's metrics record (collabopt.metrics)
+                # (a model of other shapes than the swarm's is named in the error: collabopt.engine.model_check)
+                self._peer.loop.state_averager.parameter_names = parameter_names(self._peer.parameters, model)
                 self._reporter = MetricsReporter(
                     self, self._peer, interval=PUBLISH_INTERVAL if self.diloco is None else DILOCO_PUBLISH_INTERVAL)
             self._wire_guard()
@@ -151,12 +157,12 @@ class CollaborativeOptimizer(PeerViews, NonFiniteHandling, Checkpointing, CatchU
             raise
 
     def _remember(self, config: CollabConfig, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
-                  dht: Any, grad_scaler: Any, scheduler: Any) -> None:
+                  dht: Any, scaler: Any, scheduler: Any) -> None:
         """The accepted configuration and this peer's counters, before anything starts."""
         self.config = config
         self.run_id, self.target_batch_size = config.run_id, config.target_batch_size
         self.user_optimizer = optimizer
-        self.grad_scaler = grad_scaler
+        self.scaler = scaler
         self.samples_reported = 0  # samples this peer passed to the swarm
         self._samples_skipped = 0  # samples of steps skipped because of inf/nan gradients (see samples_skipped)
         self.local_steps = 0
@@ -297,14 +303,14 @@ class CollaborativeOptimizer(PeerViews, NonFiniteHandling, Checkpointing, CatchU
         scale_grads(self._peer.parameters, factor)
 
     def _known_scale(self) -> float:
-        if self.grad_scaler is not None:
-            return float(self.grad_scaler.get_scale())
+        if self.scaler is not None:
+            return float(self.scaler.get_scale())
         if self._grad_units is not None:
             return self._grad_units
         raise ConfigurationError(
-            "grad_scaler",
+            "scaler",
             "with reuse_grad_buffers=True, scaler.unscale_() before step() needs the scaler's current scale",
-            "pass grad_scaler=scaler to CollaborativeOptimizer",
+            "pass scaler=scaler to CollaborativeOptimizer",
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -380,9 +386,8 @@ class CollaborativeOptimizer(PeerViews, NonFiniteHandling, Checkpointing, CatchU
 
 
 def wait_for_peers(copt: Any, num_peers: int, timeout: float = 60.0) -> bool:
-    """Block until the swarm has ``num_peers`` peers, ``copt``'s own included; return whether it did in time.
-
-    Same as ``copt.wait_for_peers(num_peers, timeout)``, for a :class:`CollaborativeOptimizer` or a
-    :class:`~collabopt.node.NodeOptimizer` (call it on every rank of a node).
-    """
+    """Deprecated: call ``copt.wait_for_peers(num_peers, timeout)``, the one public form (see
+    :meth:`CollaborativeOptimizer.wait_for_peers`). This function forwards to it, with a ``DeprecationWarning``."""
+    warnings.warn("collabopt.wait_for_peers(copt, n) is deprecated: call copt.wait_for_peers(n) (the same wait)",
+                  DeprecationWarning, stacklevel=2)
     return copt.wait_for_peers(num_peers, timeout)

@@ -1,5 +1,6 @@
-"""The swarm's state in Lightning's progress bar and loggers: ``swarm/peers``, ``swarm/epoch``,
-``swarm/samples_per_s``, logged by global rank 0 after every training batch."""
+"""The swarm's state in Lightning's loggers (every ``swarm/<name>`` of :func:`collabopt.interface.swarm_metrics`, the
+names every adapter logs) and progress bar (``swarm/num_peers``, ``swarm/local_epoch``, ``swarm/samples_per_second``),
+logged by global rank 0 after every training batch."""
 
 from __future__ import annotations
 
@@ -8,16 +9,8 @@ from typing import Any
 
 from collabopt.integrations._lightning_compat import Callback, LightningModule, Trainer
 
-
-def swarm_metrics_of(copt: Any) -> dict[str, float]:
-    """The metrics of ``copt`` (a collaborative optimizer or node) while it is open; empty otherwise."""
-    if copt is None or copt.closed:
-        return {}
-    return {
-        "swarm/peers": float(max(1, copt.num_peers)),  # this peer trains even before its record is seen
-        "swarm/epoch": float(copt.local_epoch),
-        "swarm/samples_per_s": float(copt.samples_per_second),
-    }
+# shown in the progress bar (it has room for a few); the loggers get every swarm metric
+PROGRESS_BAR = ("swarm/num_peers", "swarm/local_epoch", "swarm/samples_per_second")
 
 
 class SwarmMetricsCallback(Callback):
@@ -30,6 +23,8 @@ class SwarmMetricsCallback(Callback):
         if not trainer.is_global_zero:
             return
         metrics = self.metrics()
-        if metrics:
-            pl_module.log_dict(metrics, prog_bar=True, logger=bool(trainer.loggers), on_step=True, on_epoch=False,
-                               batch_size=1, rank_zero_only=True)
+        for prog_bar in (True, False):
+            part = {name: value for name, value in metrics.items() if (name in PROGRESS_BAR) == prog_bar}
+            if part:
+                pl_module.log_dict(part, prog_bar=prog_bar, logger=bool(trainer.loggers), on_step=True,
+                                   on_epoch=False, batch_size=1, rank_zero_only=True)

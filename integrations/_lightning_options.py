@@ -11,6 +11,7 @@ from typing import Any
 
 from collabopt.config import CollabConfig, option_names
 from collabopt.errors import ConfigurationError
+from collabopt.option_rules import unknown_option
 from collabopt.scheduling import is_scheduler
 from collabopt.swarm import parse_initial_peers
 
@@ -19,7 +20,7 @@ CONFIG_ARGUMENTS = ("delay_state_averaging", "delay_grad_averaging", "reuse_grad
                     "averaging_timeout", "verbose", "host_maddrs", "initial_peers", "use_ipfs", "wait_timeout",
                     "bootstrap_timeout", "use_relay", "use_auto_relay", "identity_path")
 # options the strategy sets itself (from the Trainer, the module, or its own arguments)
-MANAGED_HERE = {"optimizer", "scheduler", "model", "batch_size", "grad_scaler", "initial_peers_env", "dht"}
+MANAGED_HERE = {"optimizer", "scheduler", "model", "batch_size", "scaler", "grad_scaler", "initial_peers_env", "dht"}
 
 
 def accepted_option_names() -> set[str]:
@@ -39,10 +40,8 @@ def strategy_options(arguments: dict[str, Any], initial_peers_env: tuple[str, ..
     accepted = accepted_option_names()
     for name in optimizer_kwargs:
         if name not in accepted:
-            raise ConfigurationError(
-                name, "is not an argument of CollaborativeStrategy, CollaborativeOptimizer or hivemind.Optimizer",
-                f"check the spelling; accepted extra options: {', '.join(sorted(accepted))}",
-            )
+            raise unknown_option(name, optimizer_kwargs[name], accepted, "is not an argument of "
+                                 "CollaborativeStrategy, CollaborativeOptimizer or hivemind.Optimizer")
     if scheduler_fn is not None and not callable(scheduler_fn) and not is_scheduler(scheduler_fn):
         raise ConfigurationError("scheduler_fn", f"expected a callable(optimizer) -> scheduler, got "
                                  f"{type(scheduler_fn).__name__}", "return the scheduler from configure_optimizers")

@@ -25,7 +25,8 @@ What changes under the hood:
   ``optimizer.param_groups`` show the learning rate in use.
 * the prepared optimizer shows the swarm's state: ``optimizer.local_epoch``, ``optimizer.num_peers``,
   ``optimizer.metrics()``, ...
-* ``accelerator.log(values)`` adds the swarm's metrics (``swarm/num_peers``, ``swarm/local_epoch``, ...).
+* ``accelerator.log(values)`` adds the swarm's metrics (``swarm/num_peers``, ``swarm/local_epoch``, ...), the names
+  every adapter logs.
 * the loss passed to ``accelerator.backward(loss)`` is reported to the swarm's monitor (``collabopt monitor``).
 * ``accelerator.end_training()`` (or process exit) leaves the swarm.
 
@@ -46,7 +47,7 @@ from accelerate.utils import DistributedType
 
 from collabopt.config import CollabConfig, option_names
 from collabopt.errors import ConfigurationError
-from collabopt.interface import SwarmOptimizer
+from collabopt.interface import SwarmOptimizer, swarm_metrics
 from collabopt.node import collaborative_optimizer
 from collabopt.scheduling import CollaborativeScheduler, check_scheduler, is_scheduler
 
@@ -58,7 +59,7 @@ _UNSUPPORTED = {
 }
 _PLUGINS = {"deepspeed_plugin": "DeepSpeed", "fsdp_plugin": "FSDP", "megatron_lm_plugin": "Megatron-LM"}
 # set by prepare() from the objects it is given
-_DERIVED = {"optimizer", "scheduler", "scheduler_fn", "model", "grad_scaler", "dht"}
+_DERIVED = {"optimizer", "scheduler", "scheduler_fn", "model", "scaler", "grad_scaler", "dht"}
 
 
 class CollaborativeAcceleratedOptimizer(AcceleratedOptimizer):
@@ -174,7 +175,7 @@ class CollaborativeAccelerator(Accelerator):
             )
         if self.device_placement and optimizer.state:
             optimizer.load_state_dict(move_to_device(optimizer.state_dict(), self.device))
-        copt = collaborative_optimizer(optimizer, model=model, scheduler=scheduler, grad_scaler=self.scaler,
+        copt = collaborative_optimizer(optimizer, model=model, scheduler=scheduler, scaler=self.scaler,
                                        **self.collab_options)
         self.collaborative_optimizer = copt
         atexit.register(copt.close)
@@ -185,16 +186,14 @@ class CollaborativeAccelerator(Accelerator):
     # ------------------------------------------------------------------ visibility and lifecycle
 
     def swarm_metrics(self) -> dict[str, float]:
-        """The swarm's state (``num_peers``, ``local_epoch``, ``samples_per_second``, ...); empty before prepare."""
-        copt = self.collaborative_optimizer
-        if copt is None or copt.closed:
-            return {}
-        return copt.metrics()
+        """``swarm/num_peers``, ``swarm/local_epoch``, ``swarm/samples_per_second``, ... (empty before prepare):
+        :func:`collabopt.interface.swarm_metrics`, the names every adapter logs."""
+        return swarm_metrics(self.collaborative_optimizer)
 
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
-        """``Accelerator.log`` plus the swarm metrics as ``swarm/<name>`` (unless ``log_swarm_metrics=False``)."""
+        """``Accelerator.log`` plus the swarm metrics (unless ``log_swarm_metrics=False``)."""
         if self.log_swarm_metrics:
-            values = {**{f"swarm/{k}": v for k, v in self.swarm_metrics().items()}, **values}
+            values = {**self.swarm_metrics(), **values}
         super().log(values, step=step, log_kwargs=log_kwargs)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

@@ -13,7 +13,8 @@ change the import. It is a thin adapter over :class:`collabopt.CollaborativeOpti
   (see :mod:`collabopt.node`);
 * checkpoints hold the collaborative optimizer state (optimizer statistics, scheduler, local epoch), restored by
   ``Trainer.fit(ckpt_path=...)``;
-* swarm metrics (``swarm/peers``, ``swarm/epoch``, ``swarm/samples_per_s``) go to the progress bar and loggers;
+* swarm metrics (``swarm/num_peers``, ``swarm/local_epoch``, ``swarm/samples_per_second``, ...) go to the progress
+  bar and loggers;
   the loss ``training_step`` returns goes to the swarm's monitor (``collabopt monitor``).
 
 Example::
@@ -41,12 +42,12 @@ from collabopt.integrations._lightning_compat import (
     is_overridden,
     rank_zero_warn,
 )
-from collabopt.integrations._lightning_metrics import SwarmMetricsCallback, swarm_metrics_of
+from collabopt.integrations._lightning_metrics import SwarmMetricsCallback
 from collabopt.integrations._lightning_options import strategy_options
 
 from collabopt.batch_size import infer_batch_size
 from collabopt.errors import ConfigurationError
-from collabopt.interface import is_collaborative_state
+from collabopt.interface import is_collaborative_state, swarm_metrics
 from collabopt.node import collaborative_optimizer
 from collabopt.scheduling import CollaborativeScheduler, is_scheduler
 from collabopt.swarm import print_join_message
@@ -78,7 +79,7 @@ class CollaborativeStrategy(DDPStrategy):
         matchmaking_time, averaging_timeout, verbose, averager_opts: hivemind options.
         host_maddrs, initial_peers, use_ipfs, wait_timeout, bootstrap_timeout, use_relay, use_auto_relay,
             identity_path: DHT options (``initial_peers`` defaults to ``$INITIAL_PEERS``, then ``$PL_INITIAL_PEERS``).
-        log_swarm_metrics: log ``swarm/peers``, ``swarm/epoch``, ``swarm/samples_per_s`` on every batch.
+        log_swarm_metrics: log the swarm's metrics (``swarm/num_peers``, ``swarm/local_epoch``, ...) on every batch.
         **optimizer_kwargs: any other argument of :class:`~collabopt.CollaborativeOptimizer` or
             ``hivemind.Optimizer`` (``grad_compression``, ``state_averaging_compression``,
             ``grad_averager_factory``, ``client_mode``, ``load_state_timeout``, ...).
@@ -375,8 +376,9 @@ class CollaborativeStrategy(DDPStrategy):
         return self._copt.local_epoch if self._copt is not None else 0
 
     def swarm_metrics(self) -> dict[str, float]:
-        """``swarm/peers``, ``swarm/epoch``, ``swarm/samples_per_s`` while fitting (empty otherwise)."""
-        return swarm_metrics_of(self._copt)
+        """``swarm/num_peers``, ``swarm/local_epoch``, ``swarm/samples_per_second``, ... while fitting (empty
+        otherwise): :func:`collabopt.interface.swarm_metrics`, the names every adapter logs."""
+        return swarm_metrics(self._copt)
 
 
 HivemindStrategy = CollaborativeStrategy

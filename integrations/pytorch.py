@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from collabopt import node
+from collabopt.config import renamed_argument
 from collabopt.errors import ConfigurationError
 from collabopt.node import NodeOptimizer
 from collabopt.optimizer import CollaborativeOptimizer
@@ -39,7 +40,8 @@ def collaborate(
 
     Samples are counted from ``model``'s forward calls in training mode (gradient accumulation and a short last
     batch are counted exactly). ``scheduler`` advances once per global epoch. ``scaler`` is your
-    ``torch.amp.GradScaler`` if you use one: keep calling ``scaler.step(copt); scaler.update()``.
+    ``torch.amp.GradScaler`` if you use one: keep calling ``scaler.step(copt); scaler.update()``
+    (``grad_scaler=`` is its deprecated name).
     Every other keyword argument goes to :class:`~collabopt.CollaborativeOptimizer`.
 
     Under ``torchrun`` (torch.distributed initialised, several processes): call it on every rank with the
@@ -74,6 +76,7 @@ def collaborate(
         raise ConfigurationError(
             "optimizer", "it holds none of the model's parameters", "create it from model.parameters()"
         )
+    scaler = renamed_argument(kwargs, "grad_scaler", "scaler", scaler, "collaborate")
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise ConfigurationError(
             "scaler", f"expected a torch.amp.GradScaler, got {type(scaler).__name__}",
@@ -85,7 +88,7 @@ def collaborate(
         target_batch_size=target_batch_size,
         scheduler=scheduler,
         model=model,
-        grad_scaler=scaler,
+        scaler=scaler,
         **kwargs,
     )
 

@@ -21,8 +21,9 @@ What it means in a swarm (docs/guides/transformers.md):
   ``optimizers=``, are wrapped when ``train()`` starts; the swarm is left when it returns.
 * **samples** are counted from the model's forward calls in training mode: ``per_device_train_batch_size``,
   ``gradient_accumulation_steps`` and a short last batch are counted exactly.
-* **logs** (progress bar, ``logging_steps``, every ``report_to`` logger) carry ``swarm/epoch``, ``swarm/peers`` and
-  ``swarm/samples_per_s``; the progress bar counts global epochs.
+* **logs** (progress bar, ``logging_steps``, every ``report_to`` logger) carry the swarm's metrics
+  (``swarm/num_peers``, ``swarm/local_epoch``, ``swarm/samples_per_second``, ...); the progress bar counts global
+  epochs.
 * **several processes** (``accelerate launch``, ``torchrun``) are ONE peer (:mod:`collabopt.node`).
 * **checkpoints** (``save_steps``) hold the collaborative optimizer's state; ``train(resume_from_checkpoint=...)``
   restores it, then downloads the swarm's state if the swarm is ahead.
@@ -55,14 +56,14 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from collabopt import CollabConfig, CollaborativeScheduler, ConfigurationError, collaborative_optimizer
 from collabopt.config import option_names
-from collabopt.interface import is_collaborative_state
+from collabopt.interface import is_collaborative_state, swarm_metrics
 from collabopt.scheduling import rebind_scheduler
 from collabopt.swarm import print_join_message
 
 LOCAL_STEP_LIMIT = 10**15
 """The Trainer's own ``max_steps`` while ``train()`` runs: the swarm's global epochs end training, not local steps."""
 # taken from the Trainer (its model, optimizer and scheduler) or refused (reuse_grad_buffers, see _refuse)
-_DERIVED = {"optimizer", "scheduler", "scheduler_fn", "model", "grad_scaler", "dht"}
+_DERIVED = {"optimizer", "scheduler", "scheduler_fn", "model", "scaler", "grad_scaler", "dht"}
 
 
 def swarm_epochs(max_steps: int, num_train_epochs: float, dataset_length: int | None, target_batch_size: int) -> int:
@@ -144,7 +145,8 @@ class CollaborativeTrainer(Trainer):
         *args: every ``Trainer`` argument (``model``, ``args``, ``train_dataset``, ``optimizers``, ...).
         run_id: name of the run; all its peers use the same one.
         target_batch_size: samples the swarm accumulates per global optimizer step (a global epoch).
-        log_swarm_metrics: logs carry ``swarm/epoch``, ``swarm/peers`` and ``swarm/samples_per_s`` (default True).
+        log_swarm_metrics: logs carry the swarm's metrics (``swarm/num_peers``, ``swarm/local_epoch``, ...; default
+            True).
         **kwargs: every other ``Trainer`` argument, and every :class:`~collabopt.CollaborativeOptimizer` /
             ``hivemind.Optimizer`` option (``initial_peers``, ``outer_optimizer``, ``matchmaking_time``, ...).
     """
@@ -219,7 +221,7 @@ class CollaborativeTrainer(Trainer):
         if not several:
             options["load_state_on_start"] = False  # after the checkpoint is restored, below
         scaler = getattr(self.accelerator, "scaler", None)
-        copt = collaborative_optimizer(optimizer, model=self.model, grad_scaler=scaler,
+        copt = collaborative_optimizer(optimizer, model=self.model, scaler=scaler,
                                        scheduler=CollaborativeScheduler(scheduler) if scheduler is not None else None,
                                        **options)
         self._copt, self._plain = copt, (prepared, scheduler)
@@ -275,12 +277,9 @@ class CollaborativeTrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)
 
     def swarm_metrics(self) -> dict[str, float]:
-        """``swarm/epoch``, ``swarm/peers``, ``swarm/samples_per_s`` while training (empty otherwise)."""
-        copt = self._copt
-        if copt is None or copt.closed:
-            return {}
-        return {"swarm/epoch": float(copt.local_epoch), "swarm/peers": float(copt.num_peers),
-                "swarm/samples_per_s": float(copt.samples_per_second)}
+        """``swarm/num_peers``, ``swarm/local_epoch``, ``swarm/samples_per_second``, ... while training (empty
+        otherwise): :func:`collabopt.interface.swarm_metrics`, the names every adapter logs."""
+        return swarm_metrics(self._copt)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """``Trainer.log`` with the swarm's metrics (unless ``log_swarm_metrics=False``)."""

@@ -36,7 +36,7 @@ def run(mode: dict) -> dict:
     with warnings.catch_warnings(record=True) as caught, CollaborativeOptimizer(
         opt, run_id=f"equiv_{uuid.uuid4().hex[:8]}", target_batch_size=TARGET, model=model,
         reuse_grad_buffers=mode.get("reuse", False), offload_optimizer=mode.get("offload", False),
-        grad_scaler=scaler, host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=1.0, print_join_message=False,
+        scaler=scaler, host_maddrs=["/ip4/127.0.0.1/tcp/0"], matchmaking_time=1.0, print_join_message=False,
     ) as copt:
         warnings.simplefilter("always")
         for i, (x, y) in enumerate(batches()):

@@ -144,7 +144,7 @@ class Recorder(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         copt = self.strategy.collaborative_optimizer
         epoch = copt.local_epoch
-        peers = trainer.progress_bar_metrics.get("swarm/peers")
+        peers = trainer.progress_bar_metrics.get("swarm/num_peers")
         if peers is not None:
             self.result["max_peers_logged"] = max(self.result["max_peers_logged"], int(peers))
             self.result["progress_bar_keys"] = sorted(trainer.progress_bar_metrics)

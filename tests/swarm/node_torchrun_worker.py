@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from collabopt.integrations.pytorch import collaborate
 from peer_worker import at_finish_line, make_data, make_model, progress_of, rank0_decides, write_json
 
-from collabopt import ConfigurationError, wait_for_peers
+from collabopt import ConfigurationError
 
 
 def main(config_path: str) -> None:
@@ -49,7 +49,7 @@ def main(config_path: str) -> None:
             Path(out + ".ready").write_text("ready")
         if cfg.get("wait_peers"):  # start once the other peer is there (a node alone would race through the epochs)
             # collective, in collabopt's long-timeout group: the default group times out after pg_timeout seconds
-            assert wait_for_peers(copt, cfg["wait_peers"], timeout=60), "no other peer"
+            assert copt.wait_for_peers(cfg["wait_peers"], timeout=60), "no other peer"
         if rank == 0 and cfg.get("rank0_delay_s"):  # simulate slow matchmaking inside rank 0's swarm step
             inner = copt.collaborative_optimizer
             original_step, delayed = inner.step, [False]

@@ -98,9 +98,9 @@ def test_two_trainers_train_in_sync_and_one_resumes_from_its_checkpoint(tmp_path
         assert r["eval_loss_after"] < r["eval_loss_before"] - 0.3, (name, r["eval_loss_before"], r["eval_loss_after"])
         assert r["predict"]["test_loss"] == pytest.approx(r["eval_loss_after"], rel=1e-6)  # predict() unchanged
         check_lrs(r, epochs)
-        assert max(entry["swarm/peers"] for entry in r["logs"]) == 2, r["logs"]
-        assert max(entry["swarm/epoch"] for entry in r["logs"]) >= epochs - 1
-        assert r["logs"][-1]["swarm/samples_per_s"] > 0
+        assert max(entry["swarm/num_peers"] for entry in r["logs"]) == 2, r["logs"]
+        assert max(entry["swarm/local_epoch"] for entry in r["logs"]) >= epochs - 1
+        assert r["logs"][-1]["swarm/samples_per_second"] > 0
     # reaching max_steps global epochs, B saved a last checkpoint, as a plain Trainer does at max_steps
     reached = min(step for epoch, step in results["b"]["local_steps_at"].items() if int(epoch) >= epochs)
     assert (tmp_path / "b_output" / f"checkpoint-{reached}" / "optimizer.pt").exists()
@@ -161,7 +161,7 @@ def test_trainer_in_diloco_mode_with_a_torchrun_node(tmp_path, bootstrap):
         assert r["start"]["diloco"] and r["final_epoch"] >= rounds, (name, r["final_epoch"])
         assert r["local_steps_at"]["1"] >= 3, r["local_steps_at"]  # inner steps before the first round
         assert r["eval_loss_after"] < r["eval_loss_before"] - 0.3, (name, r["eval_loss_before"], r["eval_loss_after"])
-        assert max(entry["swarm/peers"] for entry in r["logs"]) == 2, r["logs"]  # the node is one peer
+        assert max(entry["swarm/num_peers"] for entry in r["logs"]) == 2, r["logs"]  # the node is one peer
         check_lrs(r, rounds)
     assert results["a"]["samples_reported"] == samples_between(100, 8, 1, 0, results["a"]["global_step"])
     # the node: the samples of both ranks are counted (each trains on its share of every pass)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from accelerate.utils import DistributedType
 from collabopt.integrations.accelerate import CollaborativeAccelerator
 
 from collabopt import ConfigurationError
+from collabopt.interface import SNAPSHOT_FIELDS, swarm_metrics, swarm_snapshot
 from collabopt.node import NodeOptimizer, collaborative_optimizer, is_node_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +36,8 @@ def fresh_accelerate_state():
         (dict(megatron_lm_plugin=object()), ["megatron_lm_plugin", "Megatron-LM"]),
         (dict(scheduler=object()), ["scheduler", "prepare"]),
         (dict(model=torch.nn.Linear(2, 2)), ["model", "prepare"]),
+        (dict(scaler=object()), ["scaler", "prepare"]),
+        (dict(grad_scaler=object()), ["grad_scaler", "prepare"]),
         (dict(learning_rate=0.1), ["learning_rate", "spelling"]),
     ],
 )
@@ -65,6 +69,21 @@ def test_prepare_refuses_two_optimizers_and_a_lone_scheduler():
     with pytest.raises(ConfigurationError, match="different optimizer"):
         accelerator.prepare(model, opt_a, torch.optim.lr_scheduler.StepLR(other, 1))
     assert accelerator.collaborative_optimizer is None  # nothing joined a swarm
+
+
+def test_log_adds_the_swarm_metrics_under_the_names_every_adapter_logs(monkeypatch):
+    logged = []
+    monkeypatch.setattr(Accelerator, "log", lambda self, values, step=None, log_kwargs=None: logged.append(values))
+    accelerator = CollaborativeAccelerator(cpu=True, **SWARM)
+    accelerator.log({"loss": 1.0})
+    assert logged[-1] == {"loss": 1.0}  # before prepare: no swarm
+    fake = SimpleNamespace(closed=False, get_lr=lambda: [0.1], **dict(dict.fromkeys(SNAPSHOT_FIELDS, 0),
+                                                                          num_peers=2, local_epoch=3))
+    fake.metrics = lambda: swarm_snapshot(fake)
+    accelerator.collaborative_optimizer = fake
+    accelerator.log({"loss": 0.5})
+    assert logged[-1]["swarm/num_peers"] == 2.0 and logged[-1]["swarm/local_epoch"] == 3.0
+    assert logged[-1] == {**swarm_metrics(fake), "loss": 0.5} and "swarm/samples_per_second" in logged[-1]
 
 
 def test_node_needs_torch_distributed():

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import functools
+import itertools
+import warnings
 
 import pytest
 import torch
 from collabopt.integrations.pytorch import collaborate
+from hivemind.compression import Float16Compression
 
 import collabopt.optimizer as optimizer_module
 import collabopt.swarm as swarm_module
 from collabopt import CollabConfig, CollaborativeOptimizer, ConfigurationError
 from collabopt.engine import averaging
+from collabopt.errors import DROP, apply_fix
 
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWJ7CitovXMdKJp8FY7EcxfuMcxBHcQotgYjYMNxQAiAkX"
 
@@ -192,3 +196,139 @@ def test_next_chunk_timeout_grows_with_the_tensors(monkeypatch, width, options, 
         CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), run_id="chunks", target_batch_size=64,
                                **options)
     assert seen.get("next_chunk_timeout") == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------------- every suggested fix leads to a valid config
+
+FIX_BASE = dict(run_id="fixes", target_batch_size=64)
+MODE_FLAGS = ("reuse_grad_buffers", "offload_optimizer", "delay_optimizer_step", "delay_grad_averaging",
+              "delay_state_averaging", "use_local_updates", "auxiliary", "client_mode")
+
+
+def refused_then_fixed(options: dict) -> ConfigurationError | None:
+    """Build a config from ``options``; when refused, apply each fix the error gives (as data, not read from its
+    words) and build again: each must be accepted. Returns the error (None if ``options`` were accepted)."""
+    try:
+        CollabConfig.from_options(**options)
+        return None
+    except ConfigurationError as error:
+        assert error.fixes, f"{error} gives no fix as data"
+        for fix in error.fixes:
+            fixed = apply_fix(options, fix)
+            try:
+                CollabConfig.from_options(**fixed)
+            except ConfigurationError as second:
+                raise AssertionError(f"{options}: the fix {fix} of '{error}' leads to '{second}'") from None
+            for name in fix:  # the words say what the data does
+                assert name in str(error), (name, str(error))
+        return error
+
+
+def test_the_suggested_fix_for_delayed_gradient_averaging_is_complete():
+    error = refused_then_fixed(dict(FIX_BASE, delay_grad_averaging=True))
+    assert error.parameter == "delay_grad_averaging"
+    assert error.fixes[0] == dict(delay_optimizer_step=True, offload_optimizer=True, delay_state_averaging=True)
+    assert "delay_state_averaging=True" in error.fix
+
+
+@pytest.mark.parametrize("diloco", [False, True], ids=["synchronous", "diloco"])
+@pytest.mark.parametrize("batch_size", [None, 32])
+def test_every_fix_of_every_combination_of_modes_is_accepted(diloco, batch_size):
+    """All 256 combinations of hivemind's modes (with and without DiLoCo, with and without batch_size): whatever
+    error a combination gets, each of its fixes, applied as given, builds a config."""
+    refused = 0
+    for bits in itertools.product((False, True), repeat=len(MODE_FLAGS)):
+        options = dict(FIX_BASE, **{name: True for name, on in zip(MODE_FLAGS, bits, strict=True) if on})
+        if diloco:
+            options["outer_optimizer"] = functools.partial(torch.optim.SGD, lr=0.7)
+        if batch_size is not None:
+            options["batch_size"] = batch_size
+        refused += refused_then_fixed(options) is not None
+    assert refused > 200  # (most combinations are refused: the loop did check fixes)
+
+
+FIX_CASES = [
+    ("unknown option", dict(matchmaking_tmie=2.0)),
+    ("unknown option, nothing close", dict(zzz_unknown=1)),
+    ("missing run_id", dict(run_id=None)),
+    ("missing target_batch_size", dict(target_batch_size=None)),
+    ("bad run_id", dict(run_id="my run")),
+    ("zero matchmaking_time", dict(matchmaking_time=0)),
+    ("batch_size zero", dict(batch_size=0)),
+    ("batch_size zero on an auxiliary", dict(batch_size=0, auxiliary=True)),
+    ("auxiliary without a target", dict(target_batch_size=0, auxiliary=True, client_mode=True)),
+    ("bad node_timeout", dict(node_timeout=-1)),
+    ("bad average_state_every", dict(average_state_every=0)),
+    ("overlap without DiLoCo", dict(overlap_rounds=True)),
+    ("overlap without DiLoCo, delayed modes", dict(overlap_rounds=True, delay_grad_averaging=True)),
+    ("bad outer optimizer", dict(outer_optimizer=0.7)),
+    ("DiLoCo with a gradient averager", dict(outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7),
+                                             grad_averager_factory=object, offload_optimizer=True)),
+    ("bad compression", dict(grad_compression="fp16")),
+    ("bad compression, robust", dict(state_averaging_compression="fp16", aggregation="centered_clip")),
+    ("averager_opts not a dict", dict(averager_opts=[("request_timeout", 1.0)])),
+    ("local updates with an averager factory", dict(use_local_updates=True, grad_averager_factory=object)),
+    ("bad aggregation", dict(aggregation="median")),
+    ("robust with an averager factory", dict(aggregation="centered_clip", grad_averager_factory=object)),
+    ("robust with lossy downloads", dict(aggregation="centered_clip", load_state_compression=Float16Compression())),
+    ("robust with lossy parameter rounds", dict(aggregation="centered_clip",
+                                                state_averaging_compression=Float16Compression())),
+    ("robust with lossy gradients between parameter rounds", dict(
+        aggregation="centered_clip", grad_compression=Float16Compression(), average_state_every=4)),
+]
+
+
+@pytest.mark.parametrize("case, overrides", FIX_CASES, ids=[c[0] for c in FIX_CASES])
+def test_each_suggested_fix_builds_the_config(case, overrides):
+    options = {name: value for name, value in dict(FIX_BASE, **overrides).items() if value is not None}
+    assert refused_then_fixed(options) is not None, "these options were accepted"
+
+
+def test_an_unknown_option_gets_the_closest_names_and_the_options_page_not_every_name():
+    with pytest.raises(ConfigurationError) as info:
+        CollabConfig.from_options(run_id="cfg", target_batch_size=64, matchmaking_tmie=2.0)
+    assert "did you mean matchmaking_time?" in info.value.fix and "docs/options.md" in info.value.fix
+    assert "averaging_timeout" not in str(info.value) and len(str(info.value)) < 200
+    assert info.value.fixes[0] == {"matchmaking_tmie": DROP, "matchmaking_time": 2.0}
+
+
+# ---------------------------------------------------------------------- one name for the scaler: scaler=
+
+
+def test_scaler_is_the_name_everywhere_and_grad_scaler_still_works_with_one_warning():
+    from fakes import FakePeer
+
+    from collabopt.node import NodeOptimizer
+
+    model, opt = model_and_opt()
+    scaler = torch.amp.GradScaler("cpu")
+
+    def build(entry, **kwargs):
+        options = dict(run_id="scaler", target_batch_size=64, peer=FakePeer(opt, 64), handle_signals=False, **kwargs)
+        if entry == "collaborate":
+            return collaborate(model, opt, **options)
+        return CollaborativeOptimizer(opt, model=model, **options)
+
+    for entry in ("core", "collaborate"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            copt = build(entry, grad_scaler=scaler)
+        deprecated = [w for w in caught if w.category is DeprecationWarning and "grad_scaler" in str(w.message)]
+        assert len(deprecated) == 1, [str(w.message) for w in caught]
+        assert deprecated[0].filename == __file__ and "scaler=" in str(deprecated[0].message)  # the caller's line
+        assert copt.scaler is scaler
+        copt.close()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*grad_scaler", category=DeprecationWarning)
+            copt = build(entry, scaler=scaler)
+        assert copt.scaler is scaler
+        copt.close()
+        with pytest.raises(ConfigurationError, match="scaler, grad_scaler: are the same argument") as info:
+            build(entry, scaler=scaler, grad_scaler=scaler)
+        assert info.value.fixes == [{"grad_scaler": DROP}]
+    # the node (every rank): the same names, checked before torch.distributed is needed
+    with pytest.raises(ConfigurationError, match="same argument"):
+        NodeOptimizer(opt, model=model, run_id="scaler", target_batch_size=64, scaler=scaler, grad_scaler=scaler)
+    with pytest.warns(DeprecationWarning, match="NodeOptimizer\\(grad_scaler="), \
+            pytest.raises(ConfigurationError, match="init_process_group"):
+        NodeOptimizer(opt, model=model, run_id="scaler", target_batch_size=64, grad_scaler=scaler)

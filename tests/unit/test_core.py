@@ -171,6 +171,19 @@ def test_wait_for_peers_announces_until_counted():
     assert not copt.wait_for_peers(3, timeout=0)
 
 
+def test_wait_for_peers_is_a_method_and_the_function_is_a_deprecated_alias():
+    import collabopt
+
+    _, copt, peer = make_core()
+    peer.num_peers = 2
+    with pytest.warns(DeprecationWarning, match=r"copt\.wait_for_peers\(n\)") as caught:
+        assert collabopt.wait_for_peers(copt, 2, timeout=5)
+    assert len(caught) == 1 and caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert copt.wait_for_peers(2, timeout=5)
+
+
 def test_config_or_options_not_both():
     _, opt = model_and_optimizer()
     config = CollabConfig.from_options(run_id="unit", target_batch_size=8, handle_signals=False, batch_size=4)

@@ -116,7 +116,7 @@ def test_options_page_matches_the_config() -> None:
     assert not unlisted, f"options missing from docs/options.md: {unlisted}"
     first_column = [row.split("|")[1] for row in page.splitlines() if row.startswith("| `")]
     listed = {name for cell in first_column for name in re.findall(r"`(\w+)`", cell)}
-    constructor = {"scheduler", "scheduler_fn", "optimizer_factory", "model", "dht", "grad_scaler", "config"}
+    constructor = {"scheduler", "scheduler_fn", "optimizer_factory", "model", "dht", "scaler", "grad_scaler", "config"}
     unknown = sorted(listed - option_names() - constructor)
     assert not unknown, f"docs/options.md lists names no constructor accepts: {unknown}"
 

@@ -136,3 +136,30 @@ def test_schedule_steps_from_its_own_values_after_a_state_download():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.7**2, rel=1e-12)
     schedule.advance_to(3)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.7**3, rel=1e-12)
+
+
+def test_swarm_metrics_go_to_the_loggers_and_a_few_to_the_progress_bar():
+    """The strategy logs the names every adapter logs (collabopt.interface.swarm_metrics)."""
+    from types import SimpleNamespace
+
+    from collabopt.integrations._lightning_metrics import PROGRESS_BAR, SwarmMetricsCallback
+    from collabopt.integrations.lightning import CollaborativeStrategy
+
+    from collabopt.interface import SNAPSHOT_FIELDS, swarm_metrics, swarm_snapshot
+
+    strategy = CollaborativeStrategy(target_batch_size=64)
+    assert strategy.swarm_metrics() == {}  # not fitting
+    copt = SimpleNamespace(closed=False, get_lr=lambda: [0.1], **dict(dict.fromkeys(SNAPSHOT_FIELDS, 0),
+                                                                          num_peers=2, local_epoch=3))
+    copt.metrics = lambda: swarm_snapshot(copt)
+    strategy._copt = copt
+    assert strategy.swarm_metrics() == swarm_metrics(copt)
+    assert {"swarm/num_peers": 2.0, "swarm/local_epoch": 3.0}.items() <= strategy.swarm_metrics().items()
+    calls = []
+    module = SimpleNamespace(log_dict=lambda values, **kwargs: calls.append((values, kwargs["prog_bar"])))
+    SwarmMetricsCallback(strategy.swarm_metrics).on_train_batch_end(
+        SimpleNamespace(is_global_zero=True, loggers=[object()]), module)
+    bar = {name for values, prog_bar in calls if prog_bar for name in values}
+    logged = {name for values, _ in calls for name in values}
+    assert bar == set(PROGRESS_BAR) == {"swarm/num_peers", "swarm/local_epoch", "swarm/samples_per_second"}
+    assert logged == set(swarm_metrics(copt))

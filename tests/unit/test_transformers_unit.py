@@ -22,7 +22,7 @@ from collabopt.integrations.transformers import (  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa: E402
 
 from collabopt import ConfigurationError  # noqa: E402
-from collabopt.interface import pack_state  # noqa: E402
+from collabopt.interface import SNAPSHOT_FIELDS, pack_state, swarm_metrics, swarm_snapshot  # noqa: E402
 
 
 def tiny_model() -> GPT2LMHeadModel:
@@ -130,17 +130,26 @@ def test_a_collaborative_checkpoint_waits_for_the_swarm_a_plain_one_loads(tmp_pa
     assert trainer._saved_state is None and optimizer.param_groups[0]["lr"] == 0.123  # loaded as Trainer loads
 
 
+def swarm_optimizer(**values: float) -> SimpleNamespace:
+    """An open collaborative optimizer as far as its metrics go (``metrics()`` as the real ones build it)."""
+    fake = SimpleNamespace(closed=False, get_lr=lambda: [0.1], **dict(dict.fromkeys(SNAPSHOT_FIELDS, 0), **values))
+    fake.metrics = lambda: swarm_snapshot(fake)
+    return fake
+
+
 def test_logs_carry_the_swarm_state_while_training(tmp_path):
     trainer = make(tmp_path)
     trainer.log({"loss": 1.0})
-    assert "swarm/peers" not in trainer.state.log_history[-1]  # not in a swarm: nothing added
-    trainer._copt = SimpleNamespace(closed=False, local_epoch=3, num_peers=2, samples_per_second=12.5)
+    assert not any(name.startswith("swarm/") for name in trainer.state.log_history[-1])  # not in a swarm
+    trainer._copt = swarm_optimizer(local_epoch=3, num_peers=2, samples_per_second=12.5)
     trainer.log({"loss": 0.5})
-    expected = {"loss": 0.5, "swarm/epoch": 3.0, "swarm/peers": 2.0, "swarm/samples_per_s": 12.5}
+    expected = {"loss": 0.5, "swarm/local_epoch": 3.0, "swarm/num_peers": 2.0, "swarm/samples_per_second": 12.5}
     assert expected.items() <= trainer.state.log_history[-1].items()
+    # the names every adapter logs, from the core
+    assert trainer.swarm_metrics() == swarm_metrics(trainer._copt) and "swarm/lr" in trainer.swarm_metrics()
     trainer.log_swarm_metrics = False
     trainer.log({"loss": 0.25})
-    assert "swarm/peers" not in trainer.state.log_history[-1]
+    assert "swarm/num_peers" not in trainer.state.log_history[-1]
 
 
 def test_the_readme_diff_turns_the_example_into_a_plain_trainer_script():
