@@ -10,7 +10,8 @@ from collabopt.errors import CollaborativeError, ConfigurationError, SwarmConnec
 from collabopt.interface import RoundOutcome, StepResult, SwarmOptimizer
 from collabopt.lifecycle import Terminated
 from collabopt.node import NodeOptimizer, collaborative_optimizer
-from collabopt.optimizer import CollaborativeOptimizer, wait_for_peers
+from collabopt.optimizer import CollaborativeOptimizer
+from collabopt.optimizer import wait_for_peers as wait_for_peers  # deprecated: copt.wait_for_peers(n)
 from collabopt.scheduling import CollaborativeScheduler
 from collabopt.swarm import parse_initial_peers
 from collabopt.version import __version__
@@ -32,6 +33,5 @@ __all__ = [
     "collaborative_optimizer",
     "infer_batch_size",
     "parse_initial_peers",
-    "wait_for_peers",
     "__version__",
 ]

@@ -269,7 +269,7 @@ def main(config_path: str) -> None:
         target_batch_size=cfg["target_batch_size"],
         scheduler=scheduler,
         model=model if count_mode == "forward" else None,
-        grad_scaler=scaler,
+        scaler=scaler,
         **options,
     ) as copt:
         if cfg.get("wait_peers"):  # start together: a peer alone races through epochs the others then download
