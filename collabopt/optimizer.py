@@ -36,7 +36,6 @@ from collabopt.config import (
     make_config,
     renamed_argument,
 )
-from collabopt.engine.model_check import parameter_names
 from collabopt.engine.p2p import log_like_hivemind
 from collabopt.engine.peer import DiLoCoPeer, HivemindPeer
 from collabopt.errors import ConfigurationError
@@ -46,6 +45,7 @@ from collabopt.hivemind_arguments import peer_arguments
 from collabopt.interface import StepResult, SwarmOptimizerBase
 from collabopt.lifecycle import SigtermHandler, preserved_sigint
 from collabopt.metrics import DILOCO_PUBLISH_INTERVAL, PUBLISH_INTERVAL, MetricsReporter
+from collabopt.model_check import parameter_names
 from collabopt.nonfinite import NonFiniteHandling
 from collabopt.peer_views import PeerViews
 from collabopt.rounds import RoundWatch
@@ -139,7 +139,7 @@ class CollaborativeOptimizer(PeerViews, NonFiniteHandling, Checkpointing, CatchU
         try:
             self._peer = peer if peer is not None else self._start_peer(arguments)
             if isinstance(self._peer, HivemindPeer):  # publishes this peer's metrics record (collabopt.metrics)
-                # (a model of other shapes than the swarm's is named in the error: collabopt.engine.model_check)
+                # (a model of other shapes than the swarm's is named in the error: collabopt.model_check)
                 self._peer.loop.state_averager.parameter_names = parameter_names(self._peer.parameters, model)
                 self._reporter = MetricsReporter(
                     self, self._peer, interval=PUBLISH_INTERVAL if self.diloco is None else DILOCO_PUBLISH_INTERVAL)

@@ -14,6 +14,7 @@ from collabopt import diloco as diloco_module
 from collabopt.engine.diloco_averaging import raise_if_partial
 from collabopt.engine.loop import PeerLoop
 from collabopt.engine.progress import SwarmProgressTracker
+from collabopt.errors import ModelMismatchError
 from collabopt.lineage import valid_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -194,6 +195,8 @@ class DiLoCoLoop(PeerLoop):
             try:
                 self.state_averager.load_state_from_peers(timeout=self.load_state_timeout)
                 downloaded = self.state_averager.handed_on  # (False: nobody served it, or its state was refused)
+            except ModelMismatchError:  # (collabopt.model_check) this peer's model is not the swarm's
+                raise
             except Exception as e:  # nobody could serve it now: the next step tries again
                 logger.warning("collabopt: downloading the swarm's state failed: %r", e)
                 downloaded = False

@@ -39,6 +39,7 @@ from collabopt.engine.download_challenge import (
 )
 from collabopt.engine.records import read_run_records
 from collabopt.lineage import fingerprint, same_fingerprint, valid_fingerprint
+from collabopt.model_check import first_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -179,12 +180,37 @@ class VerifiedDownloads(ProjectionChallenges):
 
     votes: DownloadVotes | None = None
     handed_on = False
+    parameter_names: list[str] | None = None  # the model's names of the parameters (set by the optimizer)
+    installed_once = False  # whether a download ever handed a state on to be installed
+    holding_state = False  # True during a download before the first install: serve nothing (see model_check)
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
         self.handed_on = False
-        loaded = self._load_verified(wait, timeout)
+        # a peer that has installed no state of the swarm yet serves none while it downloads one: its model may be
+        # another (found only now), and a joiner must not take it for the swarm's
+        self.holding_state = not self.installed_once
+        try:
+            loaded = self._load_verified(wait, timeout)
+            if loaded is not None and self.votes is None:
+                self._check_model(loaded[1])
+        finally:
+            self.holding_state = False
         self.handed_on = loaded is not None
+        self.installed_once = self.installed_once or self.handed_on
         return loaded
+
+    def _check_model(self, tensors: Any, source: str = "the swarm's state") -> None:
+        """Raise :class:`~collabopt.errors.ModelMismatchError` unless the downloaded ``tensors`` begin with this
+        peer's parameters' (and extra tensors') shapes and dtypes, before anything of them is installed."""
+        local = [p for group in self.optimizer.param_groups for p in group["params"]]  # type: ignore[attr-defined]
+        names = self.parameter_names or [name for group in self.optimizer.param_groups  # type: ignore
+                                         for name in group.get("param_names", ())] or None
+        extras = list(getattr(self, "extra_tensors", ()))
+        if names is not None and extras:
+            names = [*names, *(f"extra tensor {i}" for i in range(len(extras)))]
+        mismatch = first_mismatch([*local, *extras], list(tensors) if tensors is not None else [], names, source)
+        if mismatch is not None:
+            raise mismatch
 
     def _load_verified(self, wait: bool, timeout: float | None) -> Any:
         votes = self.votes
@@ -218,6 +244,8 @@ class VerifiedDownloads(ProjectionChallenges):
                 self.only_sources([])  # type: ignore[attr-defined]
             if loaded is None:
                 continue  # it served nothing: hivemind's loop found no other peer to try
+            if peer in voters_of(ballot, *newest):  # the majority's state of other shapes: this peer is the odd one
+                self._check_model(loaded[1], f"the state of {peer}, which most of the swarm holds")
             epoch = loaded[0].get("epoch") if isinstance(loaded[0], dict) else None
             if type(epoch) is int and majority(ballot, epoch) is None:  # the servers moved on: read their new votes
                 with contextlib.suppress(VotesUnreadable):
@@ -269,7 +297,10 @@ class VerifiedDownloads(ProjectionChallenges):
         if len(ballot) < MIN_VOTES:
             logger.warning(f"collabopt: {len(ballot)} vote(s) of the swarm's fingerprint, fewer than {MIN_VOTES}: "
                            f"this download is not verified")
-            return super().load_state_from_peers(wait=True, timeout=timeout)  # type: ignore[misc]
+            loaded = super().load_state_from_peers(wait=True, timeout=timeout)  # type: ignore[misc]
+            if loaded is not None:
+                self._check_model(loaded[1])
+            return loaded
         logger.warning(f"collabopt: the swarm's {len(ballot)} votes hold no fingerprint most of them share: nothing "
                        f"downloaded now (tried again later)")
         return None

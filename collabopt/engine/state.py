@@ -266,6 +266,9 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
 
     def get_current_state(self) -> Any:
         # (runs in hivemind's thread that serves downloads)
+        if self.holding_state:  # (VerifiedDownloads) its first download runs: its model is not checked yet
+            logger.debug("collabopt: a download came while this peer downloads its first state: declined")
+            return DECLINED
         wait = self.serve_wait()
         deadline = time.monotonic() + wait
         if not (self._open_for_downloads.wait(wait)

@@ -13,6 +13,7 @@ from hivemind.utils import get_dht_time
 from collabopt import lineage
 from collabopt.engine.lineage_check import resync_outcome
 from collabopt.engine.progress import forget_stale_progress
+from collabopt.errors import ModelMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
                 if installs_a_download(optimizer.grad_averager):
                     optimizer.grad_averager.load_state_from_peers(timeout=optimizer.load_state_timeout, **kwargs)
                 break
+            except ModelMismatchError:  # (collabopt.model_check) another try would find the same shapes
+                raise
             except KeyboardInterrupt:
                 raise
             except BaseException as e:
