@@ -29,7 +29,7 @@ class ThrottledProgressTracker(SwarmProgressTracker):
     _last_round: float | None = None  # how long its last whole round took, seconds
 
     def __init__(self, *args: Any, max_fetch_period: float = float("inf"), **kwargs: Any):
-        self.max_fetch_period = max_fetch_period  # (set before hivemind's __init__ starts the fetcher)
+        self.max_fetch_period = max_fetch_period  # (set before __init__ counts the records found)
         super().__init__(*args, **kwargs)
 
     def report_period(self) -> float:
@@ -37,8 +37,8 @@ class ThrottledProgressTracker(SwarmProgressTracker):
 
     def _parse_swarm_progress_data(self, metadata: Any) -> Any:
         """It fetches the swarm's progress at least every ``max_fetch_period``, as the synchronous mode's tracker does
-        (``max_refresh_period`` stays hivemind's here: it also caps the report period). hivemind's period while the
-        throughput estimates warm up left peers counting only their own samples. See docs/decisions.md, "DiLoCo:
+        (``max_refresh_period`` keeps its default here: it also caps the report period). The ETA-based period while
+        the throughput estimates warm up left peers counting only their own samples. See docs/decisions.md, "DiLoCo:
         no round alone on an old view"."""
         progress = super()._parse_swarm_progress_data(metadata)
         progress.next_fetch_time = min(progress.next_fetch_time, get_dht_time() + self.max_fetch_period)

@@ -76,7 +76,7 @@ class PeerLoop:
             grad_averager_factory or GradientAverager, reuse_grad_buffers=reuse_grad_buffers,
             compression=grad_compression)
         if self.state_averager.verify_downloads:  # this peer's votes are signed with its progress records' key
-            self.state_averager.votes = DownloadVotes(dht, self.tracker.dht, run_id, self.tracker._local_public_key)
+            self.state_averager.votes = DownloadVotes(dht, self.tracker.dht, run_id, self.tracker.local_public_key)
             self.state_averager.votes.serves = not self.client_mode  # (a client can answer no challenge)
 
     # ---- building the services

@@ -190,7 +190,7 @@ class HivemindPeer:
     def publish_metrics(self, record: dict[str, Any] | None, expiration: float) -> None:
         """Store this peer's metrics record (``None``: it leaves) under its signed subkey, without waiting."""
         tracker = self.loop.tracker  # its DHT stores on the key's replicas (collabopt.engine.replicas)
-        tracker.dht.store(key=self.metrics_key, subkey=tracker._local_public_key, value=record,
+        tracker.dht.store(key=self.metrics_key, subkey=tracker.local_public_key, value=record,
                           expiration_time=expiration, return_future=True)
 
     def announce(self, timeout: float = 10.0) -> None:
@@ -201,7 +201,7 @@ class HivemindPeer:
         replaces it with its own reports as soon as this peer trains.
         """
         tracker = self.loop.tracker
-        future = tracker.dht.store(key=tracker.training_progress_key, subkey=tracker._local_public_key,
+        future = tracker.dht.store(key=tracker.training_progress_key, subkey=tracker.local_public_key,
                                    value=tracker.local_progress.dict(),
                                    expiration_time=dht_time() + tracker.metadata_expiration, return_future=True)
         with contextlib.suppress(FutureTimeout):  # not stored in time: the next call tries again

@@ -56,11 +56,11 @@ class EmulatedFp16Accelerator(CollaborativeAccelerator):
 
 
 def exact_epoch_boundaries() -> None:
-    """Test scaffolding for comparing two solo runs: hivemind also ends an epoch when its throughput estimate
+    """Test scaffolding for comparing two solo runs: the tracker also ends an epoch when its throughput estimate
     says the target is reached (timing-dependent); keep only the sample count so boundaries are reproducible."""
-    from hivemind.optim.progress_tracker import ProgressTracker
+    from collabopt.engine.progress import SwarmProgressTracker
 
-    ProgressTracker.ready_to_update_epoch = property(
+    SwarmProgressTracker.ready_to_update_epoch = property(
         lambda self: self.global_epoch > self.local_progress.epoch
         or self.global_progress.samples_accumulated >= self.target_batch_size
     )

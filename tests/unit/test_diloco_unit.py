@@ -548,7 +548,7 @@ def test_when_a_peer_downloads_the_swarms_state(overlap, needs_sync, local, glob
 
 
 def gate_only(kind: str):
-    """A progress tracker's gate alone (no DHT, no thread started), built as hivemind's __init__ builds it."""
+    """A progress tracker's gate alone (no DHT, no thread started), built as its __init__ builds it."""
     import threading
 
 
@@ -558,7 +558,7 @@ def gate_only(kind: str):
     threading.Thread.__init__(tracker)
     tracker.min_refresh_period, tracker.max_refresh_period, tracker._last_round = 60.0, 600.0, None
     tracker._report_lock = threading.RLock()
-    tracker_class.should_report_progress.fset(tracker, None)
+    tracker.should_report_progress = progress._GatedEvent(tracker._may_report)
     return tracker
 
 
@@ -617,11 +617,9 @@ def test_a_held_back_count_waits_for_the_period_of_an_epoch_change_sent_meanwhil
 def test_a_step_reports_at_once_only_a_new_epoch_or_a_smaller_count(monkeypatch):
     from types import SimpleNamespace
 
-    from hivemind.optim.progress_tracker import ProgressTracker
-
     tracker = gate_only("synchronous")
     seen = []
-    monkeypatch.setattr(ProgressTracker, "report_local_progress",
+    monkeypatch.setattr(progress.SwarmProgressTracker, "_record_local_progress",
                         lambda self, epoch, samples, update=True: seen.append(self._gated))
     tracker.local_progress = SimpleNamespace(epoch=3, samples_accumulated=64)
     for epoch, samples in ((3, 96), (4, 0), (3, 32)):

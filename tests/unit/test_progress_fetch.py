@@ -33,7 +33,7 @@ class SlowDHT:
 
 
 def tracker_without_network(dht: SlowDHT):
-    """A tracker as hivemind's __init__ leaves it, minus the DHT and the threads; each parse records its records."""
+    """A tracker as its __init__ leaves it, minus the DHT and the threads; each parse records its records."""
     tracker = object.__new__(progress.SwarmProgressTracker)
     threading.Thread.__init__(tracker)
     tracker.dht, tracker.training_progress_key, tracker.status_loglevel = dht, "run_progress", 10
@@ -41,7 +41,7 @@ def tracker_without_network(dht: SlowDHT):
     tracker.fetched_global_progress_this_epoch, tracker.shutdown_triggered = threading.Event(), threading.Event()
     tracker.global_progress = SimpleNamespace(next_fetch_time=0.0, applied=None)
     tracker.performance_ema = PerformanceEMA(alpha=0.1)
-    tracker._report_lock, tracker._local_public_key = threading.RLock(), b"[owner:me]"
+    tracker._report_lock, tracker.local_public_key = threading.RLock(), b"[owner:me]"
     tracker._parse_swarm_progress_data = lambda metadata: SimpleNamespace(next_fetch_time=0.0, applied=metadata)
     return tracker
 
@@ -117,7 +117,7 @@ def parsing_tracker(epoch: int = 3):
     del tracker._parse_swarm_progress_data  # the class's own
     tracker.prefix, tracker.target_batch_size = "run", 512
     tracker.min_refresh_period, tracker.max_refresh_period = 0.5, 1.0
-    tracker.expected_drift_peers, tracker.expected_drift_rate = 3, 0.2
+    tracker.expected_drift_peers, tracker.expected_drift_rate, tracker.default_refresh_period = 3, 0.2, 3.0
     tracker.local_progress = SimpleNamespace(epoch=epoch, samples_accumulated=0)
     tracker.performance_ema = PerformanceEMA(alpha=0.1)
     return tracker
@@ -185,12 +185,12 @@ def test_a_view_counts_this_peers_own_samples_as_they_are_now_not_as_its_last_st
     tracker.local_progress = LocalTrainingProgress(peer_id=b"me", epoch=3, samples_accumulated=480,
                                                    samples_per_second=320.0, time=get_dht_time(), client_mode=False)
     own_stale = record(age=0.3, samples=320, rate=320.0)  # stored two steps ago
-    found = {tracker._local_public_key: own_stale, b"other": record(age=0.0, samples=16, rate=320.0)}
+    found = {tracker.local_public_key: own_stale, b"other": record(age=0.0, samples=16, rate=320.0)}
     hivemind_view = ProgressTracker._parse_swarm_progress_data(parsing_tracker(), found)
     assert hivemind_view.samples_accumulated == 320 + 16  # the 160 samples since the store are lost
     view = tracker._parse_swarm_progress_data(found)
     assert view.samples_accumulated == 480 + 16 and view.num_peers == 2
-    assert found[tracker._local_public_key] is own_stale  # (the records fetched are not changed)
+    assert found[tracker.local_public_key] is own_stale  # (the records fetched are not changed)
 
     # no record of this peer stored (hivemind's reporter skips a peer two epochs behind): none is made up
     view = tracker._parse_swarm_progress_data({b"other": record(age=0.0, samples=16, rate=320.0)})
