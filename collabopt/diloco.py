@@ -40,7 +40,6 @@ measurements are in docs/decisions.md ("DiLoCo: faults").
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from collabopt.diloco_options import (  # re-exported: their import path before 
     check_config,
     check_outer_optimizer,
 )
+from collabopt.engine import protocol
 from collabopt.guard import NonFiniteGuard, all_finite
 from collabopt.interface import RoundOutcome
 from collabopt.lineage import fingerprint, same_fingerprint
@@ -164,26 +164,26 @@ class DiLoCo:
         weight = self._contribute(swarm)
         if num_peers == 1:
             swarm.skip_averaging()
-            if weight == 0:
-                return self._finish(RoundOutcome(False, "nothing to apply", weight=weight), epoch)
-            outcome = RoundOutcome(True, "alone", 1, weight, 1)
+            outcome = self._judge(swarm, epoch, num_peers, weight, {}, None, None).outcome
+            if not outcome.applied:
+                return self._finish(outcome)
         else:
             metadata = self.round_metadata(swarm)
             try:
-                gathered = swarm.average(weight)
+                gathered, error = swarm.average(weight), None
             except Exception as e:
-                if isinstance(e, PartialRound) and weight > 0:
-                    self._may_have_delivered([p.detach().clone() for p in swarm.parameters], weight)
-                return self._finish(RoundOutcome(False, "averaging failed", weight=weight,
-                                                 num_peers=num_peers, detail=repr(e)), epoch)
-            outcome = self._judge(swarm, gathered, metadata, weight, num_peers)
-            if not outcome.applied:  # (its progress, pseudo-gradient included, stays for its next round)
-                return self._finish(outcome, epoch)
+                gathered, error = None, e
+            decision = self._judge(swarm, epoch, num_peers, weight, metadata, gathered, error)
+            if decision.may_have_delivered:
+                self._may_have_delivered([p.detach().clone() for p in swarm.parameters], weight)
+            if not decision.outcome.applied:  # (its progress, pseudo-gradient included, stays for its next round)
+                return self._finish(decision.outcome)
+            outcome = decision.outcome
         swarm.outer_step()
         self.pending_samples = 0
         self.rounds_applied += 1
         self.swarm_writes += 1
-        return self._finish(outcome, epoch)
+        return self._finish(outcome)
 
     # ---- overlap: the all-reduce runs while inner steps go on, its result is applied when it arrives
 
@@ -205,26 +205,23 @@ class DiLoCo:
         otherwise the pseudo-gradient is kept for the next round (the anchor stays, the progress too)."""
         pending, self.pending = self.pending, None
         assert pending is not None, "no round in flight"
-        if isinstance(result, BaseException):
-            outcome = RoundOutcome(False, "averaging failed", weight=pending.weight,
-                                   num_peers=pending.num_peers, detail=repr(result))
-        else:
-            outcome = self._judge(swarm, result, pending.metadata, pending.weight, pending.num_peers)
-        if not outcome.applied:
+        gathered, error = (None, result) if isinstance(result, BaseException) else (result, None)
+        # (not applied: the epoch moved on when the round started, so it cannot tell whether the others applied the
+        # round: it downloads the state of the best peer, keeping its progress, pseudo-gradient included)
+        decision = self._judge(swarm, int(pending.metadata.get("epoch", -1)), pending.num_peers, pending.weight,
+                               pending.metadata, gathered, error, overlapped=True)
+        if not decision.outcome.applied:
             self.pending_samples += int(pending.weight)
-            # the epoch moved on when the round started, so it cannot tell whether the others applied the round:
-            # download the state of the best peer (keeping this peer's progress, pseudo-gradient included)
-            self.needs_sync = self.needs_sync or pending.num_peers > 1
-            if isinstance(result, PartialRound) and pending.weight > 0:
+            if decision.may_have_delivered:
                 self._may_have_delivered(pending.base, pending.weight)
-            return self._finish(outcome, int(pending.metadata.get("epoch", -1)))
+            return self._finish(decision.outcome)
         progress = progress_from(swarm.parameters, pending.base)
         swarm.outer_step(increment_epoch=False)
         for p, d in zip(swarm.parameters, progress, strict=True):
             p.add_(d)
         self.rounds_applied += 1
         self.swarm_writes += 1
-        return self._finish(outcome, int(pending.metadata.get("epoch", -1)))
+        return self._finish(decision.outcome)
 
     # ---- parts of a round
 
@@ -240,33 +237,25 @@ class DiLoCo:
             self.restart_from_last_round(swarm)
         return float(self.pending_samples) if finite else 0.0
 
-    def _judge(self, swarm: RoundSwarm, gathered: dict[Any, Any], metadata: dict[str, Any], weight: float,
-               num_peers: int) -> RoundOutcome:
-        """Whether an averaged round may be applied: a majority group, one anchor, a finite average. The anchor is
-        judged on what the group gathered from this peer (``metadata`` where that is missing), as its averager judged
-        it before the all-reduce: a peer whose anchor is not the group's takes part with weight 0
-        (:mod:`collabopt.engine.diloco_averaging`), so that a round holds only the pseudo-gradients of the members
-        that apply it."""
-        group_size = len(gathered)
-        me = getattr(swarm, "peer_id", None)
-        sent = [m for peer, m in gathered.items() if me is not None and peer == me]
-        if sent and isinstance(sent[0], dict) and "anchor" in sent[0]:
-            metadata = sent[0]
-        if 2 * group_size <= num_peers:
-            return RoundOutcome(False, "no quorum", group_size, weight, num_peers,
-                                detail=f"{group_size} of {num_peers} peers averaged")
-        if not agrees_with_group(metadata, list(gathered.values())):
-            self.needs_sync = True
-            return RoundOutcome(False, "anchor differs", group_size, weight, num_peers,
-                                detail="this peer's anchor differs from its group's")
-        with swarm.buffers() as buffers:
-            average_finite = all_finite(buffers)
-        if not average_finite:
-            if self.guard is not None:
-                self.guard.note_refusal("refused_updates", "rounds with a non-finite average pseudo-gradient "
-                                        "were not applied")
-            return RoundOutcome(False, "non-finite average", group_size, weight, num_peers)
-        return RoundOutcome(True, "averaged", group_size, weight, num_peers)
+    def _judge(self, swarm: RoundSwarm, epoch: int, num_peers: int, weight: float, metadata: dict[str, Any],
+               gathered: dict[Any, Any] | None, error: BaseException | None,
+               overlapped: bool = False) -> protocol.DiLoCoDecision:
+        """The round's decision (:func:`collabopt.engine.protocol.diloco_round`) on what it left: the group's
+        metadata (None: no all-reduce ran) or what the all-reduce raised, and whether its average is finite."""
+        average_finite = True
+        if gathered is not None and error is None:
+            with swarm.buffers() as buffers:
+                average_finite = all_finite(buffers)
+        decision = protocol.diloco_round(protocol.DiLoCoRoundEvidence(
+            epoch=epoch, num_peers=num_peers, weight=weight, sent=metadata, me=getattr(swarm, "peer_id", None),
+            group=gathered, error=repr(error) if error is not None else "",
+            partial=isinstance(error, PartialRound), average_finite=average_finite, needs_sync=self.needs_sync,
+            overlapped=overlapped))
+        self.needs_sync = decision.needs_sync
+        if decision.nonfinite_average and self.guard is not None:
+            self.guard.note_refusal("refused_updates", "rounds with a non-finite average pseudo-gradient "
+                                    "were not applied")
+        return decision
 
     def _may_have_delivered(self, base: list[torch.Tensor], weight: float) -> None:
         """A :class:`PartialRound`: this peer's pseudo-gradient (taken from ``base``, weighing ``weight``) may have
@@ -275,7 +264,7 @@ class DiLoCo:
         since ``base`` if the swarm's anchor moved (the round was applied), all of it otherwise. Contributing its
         pseudo-gradient again (hivemind retries a failed all-reduce) counted it twice."""
         self.delivered = (base, weight)
-        self.needs_sync = True
+        self.needs_sync = True  # (the protocol decided so too)
         logger.warning("collabopt: part of this DiLoCo round's average did not arrive; its pseudo-gradient may have "
                        "reached the others: this peer downloads the swarm's state before its next round (if the "
                        "others applied the round, it keeps only its progress made since)")
@@ -300,8 +289,7 @@ class DiLoCo:
         if downloaded:
             self.delivered = None
 
-    def _finish(self, outcome: RoundOutcome, epoch: int) -> RoundOutcome:
-        outcome = dataclasses.replace(outcome, epoch=epoch, resync=self.needs_sync)
+    def _finish(self, outcome: RoundOutcome) -> RoundOutcome:
         if not outcome.applied:
             self.rounds_failed += 1
             logger.warning("collabopt: DiLoCo round not applied (%s); %s", outcome.detail or outcome.reason, _KEPT.get(
@@ -330,21 +318,28 @@ class DiLoCo:
                                     "from the last round's parameters, contributing nothing of them")
 
 
+def step_decision(diloco: DiLoCo, local_epoch: int, global_epoch: int) -> protocol.StepDecision:
+    """Whether a peer downloads the swarm's state before its next step, and why
+    (:func:`collabopt.engine.protocol.diloco_step`): its anchor disagreed with its group's, or the swarm is past its
+    epoch, unless (``overlap_rounds``) the others started the round it trained toward."""
+    return protocol.diloco_step(protocol.DiLoCoStepEvidence(
+        protocol.SwarmView(local_epoch, global_epoch), needs_sync=diloco.needs_sync, overlap=diloco.overlap,
+        trained=diloco.pending_samples > 0))
+
+
 def should_download(diloco: DiLoCo, local_epoch: int, global_epoch: int) -> bool:
     """Whether a peer downloads the swarm's state before its next step: its anchor disagreed with its group's, or
     the swarm is past its epoch (hivemind tolerates one epoch; an anchor one round old is stale). With
     ``overlap_rounds`` the others' epoch moves when they *start* a round: a peer one epoch behind that trained
     toward that round starts it too (and joins their group) instead; if it missed the round, its own one fails and
-    it downloads then.
+    it downloads then. The rule: :func:`collabopt.engine.protocol.diloco_step`.
 
         >>> diloco = DiLoCo(torch.optim.SGD([torch.zeros(1)], lr=1.0), overlap=True)
         >>> diloco.pending_samples = 64
         >>> should_download(diloco, 3, 4)
         False
     """
-    behind = global_epoch - local_epoch
-    joins = diloco.overlap and diloco.pending_samples > 0
-    return diloco.needs_sync or behind > 1 or (behind == 1 and not joins)
+    return step_decision(diloco, local_epoch, global_epoch).download
 
 
 REPORT_SHARE = 0.1  # a DiLoCo peer stores its progress record at most once per this share of a round
@@ -383,4 +378,4 @@ def write_pseudo_gradients(anchors: Sequence[torch.Tensor], parameters: Sequence
 
 __all__ = ["DiLoCo", "INCOMPATIBLE", "INCOMPATIBLE_HIVEMIND", "OUTER_EXAMPLE", "PartialRound", "PendingRound",
            "RoundOutcome", "RoundSwarm", "agrees_with_group", "check_config", "check_outer_optimizer", "fingerprint",
-           "same_fingerprint", "should_download", "write_pseudo_gradients"]
+           "same_fingerprint", "should_download", "step_decision", "write_pseudo_gradients"]

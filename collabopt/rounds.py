@@ -4,12 +4,12 @@ set: peers then spend the boundary matching rather than training, and a peer tha
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Callable
 from typing import Any
 
+from collabopt.engine import protocol
 from collabopt.interface import RoundOutcome
 
 logger = logging.getLogger(__name__)
@@ -41,9 +41,9 @@ class RoundWatch:
         if outcome is None or outcome is self._seen:
             return None
         self._seen, refusals = outcome, self._guard_refusals()
-        if self.judges_average and refusals != self._refusals:
-            outcome = dataclasses.replace(outcome, applied=outcome.applied and refusals[0] == self._refusals[0],
-                                          reason="non-finite average")
+        if self.judges_average:
+            outcome = protocol.guard_amended(outcome, gradients_refused=refusals[0] != self._refusals[0],
+                                             parameters_restored=refusals[1] != self._refusals[1])
         self._refusals, self.last = refusals, outcome
         self._pace(samples_per_second())
         return outcome

@@ -117,10 +117,13 @@ class DiLoCoLoop(PeerLoop):
 
     # ---- the loop, DiLoCo's way
 
-    def should_download(self) -> bool:
+    def step_decision(self) -> Any:
         # the anchor of a peer one epoch behind is stale: catch up at once (hivemind tolerates one epoch), unless
         # (overlap_rounds) the others started the round it trained toward: their epoch moved when they did
-        return diloco_module.should_download(self.diloco, self.local_epoch, self.tracker.global_epoch)
+        return diloco_module.step_decision(self.diloco, self.local_epoch, self.tracker.global_epoch)
+
+    def should_download(self) -> bool:
+        return self.step_decision().download
 
     def schedule_rounds(self) -> None:
         """Start matchmaking for the round once the epoch's end is within a ``matchmaking_time``, with this peer's
@@ -217,9 +220,9 @@ class DiLoCoLoop(PeerLoop):
 
     # ---- overlap (overlap_rounds=True): the round's all-reduce runs while inner steps go on
 
-    def step(self, batch_size: int | None = None) -> None:
+    def step(self, batch_size: int | None = None) -> bool:
         self.land(wait=False)
-        super().step(batch_size)
+        return super().step(batch_size)
 
     def land(self, wait: bool, apply: bool = True) -> None:
         """Apply the result of the round in flight if it arrived (or, with ``wait``, once it arrives); with

@@ -1,5 +1,6 @@
-"""The lineage check of the synchronous mode: after a gradient round, a member whose parameters are not its group's
-canonical ones (:func:`collabopt.lineage.judge`) skips that boundary's parameter averaging and re-synchronizes.
+"""The lineage check of the synchronous mode, carried out: after a gradient round, a member whose parameters are not
+its group's canonical ones (:func:`collabopt.lineage.judge`, decided in :func:`collabopt.engine.protocol.sync_round`)
+skips that boundary's parameter averaging and re-synchronizes.
 
 Why it exists and what it caught: docs/decisions.md, "The lineage check".
 """
@@ -113,57 +114,27 @@ def finished_group(control: Any) -> Any:
     return control.result()
 
 
-def judge_lineage(optimizer: Any, control: Any) -> tuple[str, str] | None:
-    """After a gradient round (``control``): if this peer's parameters are not its group's canonical lineage (see
-    :func:`collabopt.lineage.judge`), plan a download from a peer that holds it (the reason, ``"apart"`` or
-    ``"behind"``, turns this boundary's parameter round off). Then note whether this round was partial (see
-    :class:`GradientAveragerThatTellsGaps`).
-
-    Returns the round's reason (one of :data:`collabopt.interface.ROUND_REASONS`: ``"averaged"``, ``"apart"``,
-    ``"behind"`` or ``"partial"``) and what the log says of it; None where the round gathered nothing to judge."""
-    group = finished_group(control)
-    me = optimizer.dht.peer_id
-    mine = group.get(me) if isinstance(group, dict) else None
-    if not isinstance(mine, dict) or not isinstance(mine.get("epoch"), int):
-        return None
-    outcome = ("averaged", "")
-    verdict = lineage.judge(group, me) if optimizer.sync_state.resync is None else None
-    if verdict is not None and verdict.reason == "holds":
+def follow_round_decision(optimizer: Any, decision: Any) -> None:
+    """Carry out what the protocol decided of a gradient round (:func:`collabopt.engine.protocol.sync_round`, a
+    :class:`~collabopt.engine.protocol.SyncDecision`): a peer that holds its group's lineage is no longer apart; one
+    that does not plans a download from a peer that holds it (and serves its own state below theirs); one whose
+    round was partial is apart until a round or a download says otherwise."""
+    if decision.holds:
         optimizer.sync_state.apart = False
-    elif verdict is not None:
-        text = _verdict_text(verdict, group, mine["epoch"])
-        logging.getLogger(__name__).warning("collabopt: %s: it downloads their state after this step", text)
-        outcome = ("behind" if verdict.reason == "behind" else "apart", text)
-        optimizer.sync_state.resync = Resync(peers=[str(peer) for peer in verdict.peers], epoch=mine["epoch"],
-                                            until=time.monotonic() + optimizer.averaging_timeout)
+    if decision.resync_from is not None:
+        logging.getLogger(__name__).warning("collabopt: %s: it downloads their state after this step",
+                                            decision.outcome.detail)
+        optimizer.sync_state.resync = Resync(peers=[str(peer) for peer in decision.resync_from],
+                                             epoch=decision.my_epoch,
+                                             until=time.monotonic() + optimizer.averaging_timeout)
         serve_below_the_others(optimizer)  # (and no parameter round at this boundary: it would mix the lineages)
-    received = mine.get("received", 1.0)
-    if isinstance(received, float) and received < 1.0:  # (a pending download clears it when it brings a state)
+    if decision.partial:  # (a pending download clears it when it brings a state)
         optimizer.sync_state.apart = True
         serve_below_the_others(optimizer)  # others' downloads should not fetch parameters only this peer holds
         logging.getLogger(__name__).warning(
             "collabopt: %.1f%% of this peer's gradient round at epoch %d arrived (hivemind used its own gradients for "
             "the rest): its parameters now differ from its group's; its next gradient round re-synchronizes it",
-            100 * received, mine["epoch"])
-        if outcome[0] == "averaged":
-            outcome = ("partial", f"{100 * received:.1f}% of the average arrived")
-    return outcome
-
-
-def _verdict_text(verdict: lineage.Verdict, group: dict, epoch: int) -> str:
-    newest = group[verdict.peers[0]]["epoch"]
-    if verdict.reason == "behind":
-        return (f"this peer is at epoch {epoch}, {len(verdict.peers)} peer(s) of its gradient round at epoch "
-                f"{newest} (it missed a round)")
-    if verdict.reason == "apart":
-        return (f"this peer's last gradient round was partial, so its parameters are its own; {len(verdict.peers)} "
-                f"peer(s) of its gradient round at epoch {epoch} hold the group's")
-    if verdict.reason == "nonfinite":
-        return (f"this peer's parameters are not finite; {len(verdict.peers)} peer(s) of its gradient round at epoch "
-                f"{epoch} hold the group's")
-    peers_at_epoch = sum(1 for m in group.values() if isinstance(m, dict) and m.get("epoch") == epoch)
-    return (f"this peer's parameters differ from those of {len(verdict.peers)} of the {peers_at_epoch} peers of its "
-            f"gradient round at epoch {epoch} (they trained apart, e.g. across a network partition)")
+            100 * decision.received, decision.my_epoch)
 
 
 def serve_below_the_others(optimizer: Any) -> None:

@@ -19,6 +19,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.compression import CompressionBase, NoCompression
 from hivemind.optim.grad_averager import GradientAverager
 
+from collabopt.engine import protocol
 from collabopt.engine.download_votes import DownloadVotes
 from collabopt.engine.progress import make_progress_tracker
 from collabopt.engine.state import ConsistentStateAverager, averages_parameters_in_place
@@ -108,23 +109,27 @@ class PeerLoop:
 
     # ---- the local step
 
-    def step(self, batch_size: int | None = None) -> None:
+    def step(self, batch_size: int | None = None) -> bool:
         """One local step of ``batch_size`` samples, whose gradients are in the parameters' ``.grad`` (``None``: an
-        auxiliary peer's turn, which only takes part in rounds)."""
+        auxiliary peer's turn, which only takes part in rounds). Returns whether the step's samples count
+        (:func:`~collabopt.engine.protocol.step_accepted`): False where it downloaded the swarm's state first and
+        dropped them, and for an auxiliary peer's turn."""
         self.state_averager.step(apply_delayed_updates=True)  # a delayed update that finished is applied now
         if self.state_averager.votes is not None:
             self.state_averager.votes.keep_alive()
         if not self.auxiliary:
             if batch_size is None:
                 raise ValueError("a training peer's step needs its batch size")
-            if self.should_download():
+            decision = self.step_decision()
+            if decision.download:
                 logger.log(self.status_loglevel, "collabopt: this peer is behind the swarm: downloading its state")
                 self.load_state_from_peers()
-                return  # this step's gradients came from the parameters just replaced
+                return protocol.step_accepted(decision, behind_after=self.local_epoch < self.tracker.global_epoch)
             self._accumulate(batch_size)
         self.schedule_rounds()
         if self.tracker.ready_to_update_epoch:
             self.end_epoch()
+        return not self.auxiliary
 
     def _accumulate(self, batch_size: int) -> None:
         if self.grad_averager is not None:
@@ -137,8 +142,9 @@ class PeerLoop:
         self.state_averager.step(increment_epoch=False, optimizer_step=True,
                                  delay_optimizer_step=self.delay_optimizer_step)
 
-    def should_download(self) -> bool:
-        """Whether this peer must download the swarm's state before its step counts (the mode's rule)."""
+    def step_decision(self) -> protocol.StepDecision:
+        """Whether this peer must download the swarm's state before its step counts, and why (the mode's rule, in
+        :mod:`collabopt.engine.protocol`)."""
         raise NotImplementedError
 
     def schedule_rounds(self) -> None:
@@ -169,11 +175,15 @@ class PeerLoop:
         if not control.done():
             try:
                 control.result(self.averaging_timeout)
-            except BaseException as e:
+            except Exception as e:
                 logger.log(self.status_loglevel, "collabopt: a round this peer took part in with nothing failed: %r",
                            e)
                 if not control.done():
                     control.cancel()
+            except BaseException:  # SIGTERM (collabopt.Terminated) or Ctrl+C: stop waiting, leave the round
+                if not control.done():
+                    control.cancel()
+                raise
 
     def reset_accumulation(self) -> None:
         """Start the next epoch's accumulation, and serve this peer's state with its epoch as priority."""

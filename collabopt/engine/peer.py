@@ -53,15 +53,12 @@ class HivemindPeer:
 
     def step(self, samples: int | None) -> bool:
         """One local step of ``samples`` samples (``None``: an auxiliary peer's step). Returns whether the loop
-        accepted the samples (False when it dropped the step to download the swarm's state first)."""
-        loop = self.loop
+        accepted the samples, as it says (:meth:`PeerLoop.step`): False when it dropped the step to download the
+        swarm's state first, also where that download moved this peer's epoch."""
         if samples is None:
-            loop.step()
+            self.loop.step()
             return False
-        reported_before = loop.tracker.local_progress.samples_accumulated
-        epoch_before = loop.local_epoch
-        loop.step(samples)
-        return loop.local_epoch != epoch_before or loop.tracker.local_progress.samples_accumulated != reported_before
+        return bool(self.loop.step(samples))
 
     @property
     def accumulated_steps(self) -> int:
@@ -236,13 +233,11 @@ class DiLoCoPeer(HivemindPeer):
         return DiLoCoLoop(dht=dht, diloco=self.diloco, **arguments)
 
     def step(self, samples: int | None) -> bool:
-        """A step that ended a round reported its samples before the round, also where the round then failed and
-        reset the count toward the next one to zero (the count alone cannot tell that step from a dropped one)."""
-        if samples is None:
-            return super().step(samples)
-        self.diloco.inner_step(samples)
-        round_before = self.diloco.last_round
-        return super().step(samples) or self.diloco.last_round is not round_before
+        """The inner optimizer applies the step at once; its samples count toward this peer's next round also where
+        the loop downloaded the swarm's state first (it keeps this peer's progress), unless nobody served it."""
+        if samples is not None:
+            self.diloco.inner_step(samples)
+        return super().step(samples)
 
     def accumulators(self) -> None:
         """None: the inner optimizer applies every step's gradients at once."""

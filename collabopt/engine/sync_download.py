@@ -68,7 +68,9 @@ def _download_until_current(optimizer: Any, **kwargs: Any) -> None:
 
 
 def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
-    """One download of the state (and of the gradient averager's, if it serves one); retried until one succeeds."""
+    """One download of the state (and of the gradient averager's, if it serves one); retried until one succeeds.
+    Only ordinary errors are retried: SIGTERM (:class:`collabopt.Terminated`, a ``SystemExit``) and Ctrl+C end the
+    wait at once."""
     control, optimizer.scheduled_grads = optimizer.scheduled_grads, None
     if control is not None and not control.done():
         optimizer.tag_along(control)  # its group may have formed: leaving would make the others match again
@@ -82,9 +84,7 @@ def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
                 break
             except ModelMismatchError:  # (collabopt.model_check) another try would find the same shapes
                 raise
-            except KeyboardInterrupt:
-                raise
-            except BaseException as e:
+            except Exception as e:
                 logger.warning("collabopt: downloading the swarm's state failed (%r): trying again in 1 s", e)
                 time.sleep(1.0)  # (a failure that came at once, e.g. no DHT node to ask, is not retried in a spin)
         after_download(optimizer)

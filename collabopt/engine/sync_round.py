@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
+from collabopt.engine import protocol
 from collabopt.engine.averaging import GradientAveragerThatTellsGaps, can_accumulate_in_place
 from collabopt.engine.compat import dht_time
 from collabopt.engine.lineage_check import (
     SyncState,
+    follow_round_decision,
     hint_state_group,
-    judge_lineage,
     lineage_metadata,
     out_of_sync,
     serve_below_the_others,
@@ -28,8 +29,6 @@ from collabopt.engine.sync_download import download_state
 from collabopt.interface import RoundOutcome
 
 logger = logging.getLogger(__name__)
-
-REFUSING_REASONS = ("apart", "behind")  # a gradient round's verdicts after which this peer averages no parameters
 
 
 class SyncLoop(PeerLoop):
@@ -60,37 +59,24 @@ class SyncLoop(PeerLoop):
 
     # ---- the local step
 
-    def should_download(self) -> bool:
-        """A pending re-synchronization is due; or, at the first fresh view of an epoch, the swarm is at another
-        epoch (but see :meth:`joins_the_round_under_way`); or, at any time, it is two or more epochs ahead (one
-        ahead: the others just ended the epoch this peer is about to end)."""
-        resync = self.sync_state.resync
-        if resync is not None and time.monotonic() >= resync.next_try:
-            return True  # this step's gradients came from the other lineage: start over after the download
-        joined, last = self._joined_epoch, self.last_round
-        if joined is not None and last is not None and last.epoch == joined:
-            self._joined_epoch = None  # the round it joined has ended: if its group had gone, it steps apart
-            if last.reason in ("no group", "alone"):
-                return True
-        if self._exact_check_due and self.tracker.fetched_global_progress_this_epoch.is_set():
-            self._exact_check_due = False
-            if self.local_epoch == self.tracker.global_epoch:
-                return False
-            if self.joins_the_round_under_way():
-                self._joined_epoch = self.local_epoch
-                return False
-            return True
-        return self.local_epoch < self.tracker.global_epoch - 1
+    def step_decision(self) -> protocol.StepDecision:
+        """Whether this step downloads first: :func:`collabopt.engine.protocol.sync_step` on what this peer knows
+        now. Its state moves on with the decision (the round under way it joined, the epoch's exact check)."""
+        resync, tracker = self.sync_state.resync, self.tracker
+        check_due = self._exact_check_due
+        decision = protocol.sync_step(protocol.SyncStepEvidence(
+            view=protocol.SwarmView(self.local_epoch, tracker.global_epoch),
+            resync_due=resync is not None and time.monotonic() >= resync.next_try,
+            fresh_view=check_due and tracker.fetched_global_progress_this_epoch.is_set(),
+            joined_epoch=self._joined_epoch, last_round=self.last_round,
+            accumulated_toward_round=(self.delay_grad_averaging and self.grad_averager is not None
+                                      and self.grad_averager.local_samples_accumulated > 0)))
+        self._joined_epoch = decision.joined_epoch
+        self._exact_check_due = check_due and not decision.view_checked
+        return decision
 
-    def joins_the_round_under_way(self) -> bool:
-        """With ``delay_grad_averaging`` the others announce the next epoch when they *start* the gradient round,
-        so a peer one epoch behind that accumulated toward the epoch ends it too and joins their group: its samples
-        were counted in it. A download would wait for a state they serve only once that round ends, and the round
-        for this peer (as DiLoCo's overlap rule, :func:`collabopt.diloco.should_download`). If the round it joined
-        finds no group (it had ended), the peer downloads then."""
-        return (self.delay_grad_averaging and self.grad_averager is not None
-                and self.tracker.global_epoch == self.local_epoch + 1
-                and self.grad_averager.local_samples_accumulated > 0)
+    def should_download(self) -> bool:
+        return self.step_decision().download
 
     def schedule_rounds(self) -> None:
         """Start matchmaking for the gradient round once the epoch's end is within a ``matchmaking_time``."""
@@ -112,12 +98,11 @@ class SyncLoop(PeerLoop):
         optimizer step and the parameter round, whose outcome is :attr:`last_round`."""
         epoch = self.boundary_epoch = self.local_epoch
         num_peers = self.tracker.global_progress.num_peers
-        if epoch < self.tracker.global_epoch - 1:
-            # the swarm is 2+ epochs ahead (a peer back from a cut link): its gradients and parameters are stale.
-            # See docs/decisions.md, "A peer two or more epochs behind downloads"
+        behind = protocol.sync_boundary(protocol.SwarmView(epoch, self.tracker.global_epoch, num_peers))
+        if behind is not None:
             logger.log(self.status_loglevel, "collabopt: the swarm is at epoch %d, this peer at %d: downloading its "
                        "state", self.tracker.global_epoch, epoch)
-            self.last_round = RoundOutcome(False, "behind", num_peers=num_peers, resync=True, epoch=epoch)
+            self.last_round = behind
             self.load_state_from_peers()
             return
         if self.sync_state.before_averaging is not None and self.grad_averager is not None:
@@ -126,8 +111,8 @@ class SyncLoop(PeerLoop):
         with self.tracker.pause_updates(), self.state_averager.closed_for_downloads():
             in_background = None
             if self.grad_averager is None:  # use_local_updates: parameters are averaged, gradients never
-                outcome = RoundOutcome(True, "averaged" if num_peers > 1 else "alone", num_peers=num_peers,
-                                       epoch=epoch)
+                outcome = protocol.sync_round(protocol.SyncRoundEvidence(epoch, num_peers,
+                                                                         averages_gradients=False)).outcome
             else:
                 if self.delay_optimizer_step:
                     self.state_averager.step(wait_for_delayed_updates=True)
@@ -135,7 +120,7 @@ class SyncLoop(PeerLoop):
             next_epoch = max(epoch + 1, self.tracker.global_epoch)
             average_state = (num_peers > 1 and next_epoch % self.average_state_every == 0
                              and not self.state_averager.averaging_in_progress
-                             and (outcome is None or outcome.reason not in REFUSING_REASONS))
+                             and protocol.averages_parameters(outcome))
             optimizer_step = not self.auxiliary and self.grad_averager is not None
             delay_averaging = self.delay_state_averaging and not self.auxiliary
             parameter_round = (self.state_averager.schedule_parameter_round(self.averaging_timeout)
@@ -210,13 +195,24 @@ class SyncLoop(PeerLoop):
                        "with its own gradients", num_peers)
             hint_state_group(self, None)
             self._load_local_gradients()
-            return round_outcome(epoch, num_peers, None, None), None
+            return self._judge(epoch, num_peers, None), None
         if self.delay_grad_averaging:
             return None, functools.partial(self._average_in_background, control, epoch, num_peers)
         group = self._await_gradients(control)
         hint_state_group(self, control)
-        verdict = judge_lineage(self, control) if self.sync_state.checks_lineage else None
-        return round_outcome(epoch, num_peers, group, verdict), None
+        return self._judge(epoch, num_peers, group), None
+
+    def _judge(self, epoch: int, num_peers: int, group: Any) -> RoundOutcome:
+        """The boundary's outcome (:func:`collabopt.engine.protocol.sync_round`) from what its gradient round
+        gathered (None: no round, or it failed); the lineage check's decision is followed (a download planned, the
+        peer apart)."""
+        checks = self.sync_state.checks_lineage
+        decision = protocol.sync_round(protocol.SyncRoundEvidence(
+            epoch, num_peers, group=group, me=self.dht.peer_id, checks_lineage=checks,
+            resync_pending=self.sync_state.resync is not None))
+        if checks:
+            follow_round_decision(self, decision)
+        return decision.outcome
 
     def _await_gradients(self, control: Any) -> Any:
         """The round's group, with the averaged gradients loaded into the optimizer; None if the round failed, and
@@ -237,7 +233,7 @@ class SyncLoop(PeerLoop):
             with self.grad_averager.get_tensors():
                 pass  # an all-reduce still writing them holds this lock: let it finish first
         self._load_averaged_gradients()
-        self.last_round = round_outcome(epoch, num_peers, group, None)
+        self.last_round = self._judge(epoch, num_peers, group)  # (no lineage check with delay_grad_averaging)
 
     def _round_result(self, control: Any) -> tuple[bool, Any]:
         """Wait for the gradient round: whether it finished, and what its group gathered (None if it failed)."""
@@ -288,15 +284,3 @@ class SyncLoop(PeerLoop):
     def load_state_from_peers(self) -> None:
         download_state(self)
 
-
-def round_outcome(epoch: int, num_peers: int, group: Any, verdict: tuple[str, str] | None) -> RoundOutcome:
-    """The one verdict of a synchronous boundary, from what its gradient round gathered (``group``, None if the
-    round failed) and what the lineage check concluded (``verdict``: reason and detail, see
-    :func:`~collabopt.engine.lineage_check.judge_lineage`). The epoch's update is applied in every case; a peer
-    whose parameters are not its group's re-synchronizes (and, for ``REFUSING_REASONS``, skips the parameter
-    round)."""
-    if not isinstance(group, dict) or len(group) < 2:
-        return RoundOutcome(True, "alone" if num_peers <= 1 else "no group", num_peers=num_peers, epoch=epoch)
-    reason, detail = verdict or ("averaged", "")
-    return RoundOutcome(True, reason, len(group), num_peers=num_peers, resync=reason != "averaged", epoch=epoch,
-                        detail=detail)

@@ -12,13 +12,16 @@ from typing import Any
 import torch
 
 from collabopt import CollaborativeOptimizer, RoundOutcome
+from collabopt.engine import protocol
 
 
 class FakePeer:
     """One peer alone in a swarm: a global epoch happens when this peer's own samples reach the target.
 
-    ``swarm_epoch`` makes the swarm look ahead; while ``serves_state`` is False, hivemind would refuse every step
-    (it tries to download state nobody serves), which is what :class:`FakePeer` then does.
+    ``swarm_epoch`` makes the swarm look ahead; while ``serves_state`` is False, the peer drops every step (it tries
+    to download state nobody serves), which is what :class:`FakePeer` then does. Whether a step downloads, whether
+    its samples count and each round's outcome are the engine's decisions (:mod:`collabopt.engine.protocol`): the
+    fake always holds a fresh view of its swarm.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, target_batch_size: int, reuse_grad_buffers: bool = False):
@@ -65,11 +68,12 @@ class FakePeer:
             raise error
         if samples is None:
             return False
-        if self.global_epoch > self.local_epoch:
-            if not self.serves_state:
-                return False  # hivemind drops the step and retries the download next time
-            self.load_state_from_peers()
-            return False
+        decision = protocol.sync_step(protocol.SyncStepEvidence(
+            protocol.SwarmView(self.local_epoch, self.global_epoch, self.num_peers), fresh_view=True))
+        if decision.download:
+            if self.serves_state:  # (else the download finds nobody: the step is dropped, tried again next time)
+                self.load_state_from_peers()
+            return protocol.step_accepted(decision, behind_after=self.local_epoch < self.global_epoch)
         self.accumulated_samples += samples
         self.accumulated_steps += 1
         if not self.reuse_grad_buffers:
@@ -92,8 +96,8 @@ class FakePeer:
                 if self.poison == "parameters":  # state averaging with a peer whose parameters are NaN
                     for p in self.parameters:
                         p.fill_(float("nan"))
-            self.last_round = RoundOutcome(True, "alone", weight=float(self.accumulated_samples),
-                                           epoch=self.local_epoch)
+            self.last_round = protocol.sync_round(protocol.SyncRoundEvidence(self.local_epoch,
+                                                                             self.num_peers)).outcome
             self.local_epoch += 1
             self._reset()
         return True

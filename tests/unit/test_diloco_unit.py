@@ -686,7 +686,7 @@ def test_a_diloco_peers_view_of_the_swarm_is_never_older_than_half_a_matchmaking
 def test_a_step_that_ends_a_failed_round_still_counts_its_samples():
     """(a fresh-clone suite's Trainer DiLoCo test: 572 of 580 samples reported) The step that starts a round reports
     its samples first; a round that fails resets the count toward the next round to zero, so the count before and
-    after the step are both 0 and the step looked dropped. Its samples are in the peer's weight: they count."""
+    after the step are both 0: the count cannot tell it from a dropped step. The loop says which it was."""
     from types import SimpleNamespace
 
     from collabopt.engine.peer import DiLoCoPeer
@@ -695,13 +695,14 @@ def test_a_step_that_ends_a_failed_round_still_counts_its_samples():
     diloco.inner_step = lambda samples: setattr(diloco, "pending_samples", diloco.pending_samples + samples)
     tracker = SimpleNamespace(local_progress=SimpleNamespace(samples_accumulated=0))
 
-    def step(batch_size: int | None = None) -> None:  # hivemind's step: report, then the round, which fails
+    def step(batch_size: int | None = None) -> bool:  # the loop's step: report, then the round, which fails
         diloco.last_round = RoundOutcome(False, "averaging failed", weight=float(batch_size), num_peers=2)
+        return True
 
     peer = object.__new__(DiLoCoPeer)
     peer.diloco, peer.loop = diloco, SimpleNamespace(step=step, tracker=tracker, local_epoch=3)
     assert peer.step(8) is True and diloco.pending_samples == 8
-    peer.loop.step = lambda batch_size=None: None  # dropped (to download first): nothing changed
+    peer.loop.step = lambda batch_size=None: False  # dropped (a download nobody served): the loop says so
     assert peer.step(8) is False
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from collabopt import lineage
-from collabopt.engine import averaging, lineage_check, state, sync_round
+from collabopt.engine import averaging, lineage_check, protocol, state, sync_round
 from collabopt.engine.lineage_check import SyncState
 from collabopt.lineage import Verdict, canonical_peers, fingerprint, judge, same_fingerprint
 
@@ -73,16 +73,23 @@ class Control:
 def stand_in(epoch: int = 3, client_mode: bool = False) -> SimpleNamespace:
     return SimpleNamespace(
         dht=SimpleNamespace(peer_id="me"), local_epoch=epoch, averaging_timeout=10.0,
-        client_mode=client_mode, status_loglevel=logging.INFO, sync_state=SyncState(),
+        client_mode=client_mode, status_loglevel=logging.INFO, sync_state=SyncState(checks_lineage=True),
         state_averager=SimpleNamespace(state_sharing_priority=float(epoch), main_parameters=[torch.ones(4)]))
+
+
+def judge_lineage(optimizer: SimpleNamespace, control: Control | None):
+    """The boundary's judgement after its gradient round (``SyncLoop._judge``: the protocol's decision, followed) on
+    a stand-in loop; returns the round's outcome."""
+    return sync_round.SyncLoop._judge(optimizer, optimizer.local_epoch, 4, lineage_check.finished_group(control))
 
 
 def test_a_peer_of_another_lineage_plans_a_download_from_the_canonical_members(caplog):
     optimizer = stand_in()
     group = {"p1": meta(3, A), "me": meta(3, B), "p2": meta(3, A), "p3": meta(2, B)}
-    reason, _ = lineage_check.judge_lineage(optimizer, Control(group))
+    outcome = judge_lineage(optimizer, Control(group))
     assert optimizer.sync_state.resync.peers == ["p1", "p2"] and optimizer.sync_state.resync.epoch == 3
-    assert reason in sync_round.REFUSING_REASONS  # no parameter averaging at this boundary
+    assert outcome.reason == "apart" and outcome.resync and outcome.group_size == 4
+    assert not protocol.averages_parameters(outcome)  # no parameter averaging at this boundary
     assert optimizer.state_averager.state_sharing_priority == 2.5  # downloads prefer the others
     assert "differ from those of 2 of the 3 peers of its gradient round at epoch 3" in caplog.text
 
@@ -97,8 +104,8 @@ def test_a_peer_of_another_lineage_plans_a_download_from_the_canonical_members(c
 ])
 def test_a_peer_of_the_canonical_lineage_or_without_a_verdict_goes_on(group):
     optimizer = stand_in()
-    verdict = lineage_check.judge_lineage(optimizer, Control(group))
-    assert optimizer.sync_state.resync is None and (verdict is None or verdict[0] not in sync_round.REFUSING_REASONS)
+    outcome = judge_lineage(optimizer, Control(group))
+    assert optimizer.sync_state.resync is None and protocol.averages_parameters(outcome) and not outcome.resync
 
 
 def test_a_peer_apart_adopts_the_lineage_of_a_whole_member_even_alone():
@@ -119,7 +126,7 @@ def test_when_every_member_is_apart_all_adopt_the_smallest_fingerprint():
 def test_a_peer_whose_last_round_was_partial_but_holds_the_lineage_is_back_in_sync():
     optimizer = stand_in()
     optimizer.sync_state.apart = True  # (a parameter averaging merged it with the others since)
-    lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, A, apart=True)}))
+    judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, A, apart=True)}))
     assert optimizer.sync_state.apart is False and optimizer.sync_state.resync is None
 
 
@@ -128,14 +135,14 @@ def test_a_peer_behind_adopts_the_newest_epochs_lineage(caplog):
     smallest = "a" if A < B else "b"
     assert judge(group, "c") == Verdict([smallest], "behind")
     optimizer = stand_in()
-    lineage_check.judge_lineage(optimizer, Control({"p1": meta(4, A), "me": meta(3, B)}))
+    judge_lineage(optimizer, Control({"p1": meta(4, A), "me": meta(3, B)}))
     assert optimizer.sync_state.resync.peers == ["p1"]
     assert "this peer is at epoch 3, 1 peer(s) of its gradient round at epoch 4" in caplog.text
 
 
 def test_a_partial_round_leaves_the_peer_apart_until_a_round_or_a_download_says_otherwise(caplog):
     optimizer = stand_in()
-    lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, A, received=0.757)}))
+    judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, A, received=0.757)}))
     assert optimizer.sync_state.apart is True and lineage_check.out_of_sync(optimizer)
     assert "75.7% of this peer's gradient round at epoch 3 arrived" in caplog.text
     assert lineage_check.lineage_metadata(optimizer)["apart"] is True
@@ -149,7 +156,7 @@ def test_a_peer_with_non_finite_parameters_adopts_the_lineage_even_of_one_peer(c
     nan = [float("nan")] * 3
     assert judge({"p1": meta(3, A), "me": meta(3, nan)}, "me") == Verdict(["p1"], "nonfinite")
     optimizer = stand_in()
-    lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "p2": meta(3, B), "me": meta(3, nan)}))
+    judge_lineage(optimizer, Control({"p1": meta(3, A), "p2": meta(3, B), "me": meta(3, nan)}))
     assert optimizer.sync_state.resync.peers == (["p1"] if A < B else ["p2"])
     assert "this peer's parameters are not finite" in caplog.text
 
@@ -181,8 +188,8 @@ def test_a_pending_resync_is_not_replaced():
     optimizer = stand_in()
     pending = lineage_check.Resync(peers=["p9"], epoch=2, until=float("inf"))
     optimizer.sync_state.resync = pending
-    verdict = lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "p2": meta(3, A), "me": meta(3, B)}))
-    assert optimizer.sync_state.resync is pending and verdict == ("averaged", "")
+    outcome = judge_lineage(optimizer, Control({"p1": meta(3, A), "p2": meta(3, A), "me": meta(3, B)}))
+    assert optimizer.sync_state.resync is pending and outcome.reason == "averaged"
 
 
 @pytest.mark.parametrize("tensor", [torch.full((3 * lineage.FINGERPRINT_CHUNK + 7,), 0.3333),  # LayerNorm-like
@@ -209,8 +216,8 @@ def test_the_fingerprint_of_mixed_magnitudes():
 
 def test_a_failed_round_judges_nothing():
     optimizer = stand_in()
-    lineage_check.judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, B)}, error=TimeoutError()))
-    lineage_check.judge_lineage(optimizer, None)
+    judge_lineage(optimizer, Control({"p1": meta(3, A), "me": meta(3, B)}, error=TimeoutError()))
+    judge_lineage(optimizer, None)
     assert optimizer.sync_state.resync is None
 
 

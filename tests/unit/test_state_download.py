@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from collabopt import Terminated
 from collabopt.engine import sync_download
 from collabopt.engine.lineage_check import SyncState
 
@@ -143,3 +144,48 @@ def test_only_a_gradient_averager_that_installs_a_download_downloads(monkeypatch
     assert not sync_download.installs_a_download(instance(GradientAverager))
     assert not sync_download.installs_a_download(instance(GradientAveragerThatTellsGaps))
     assert sync_download.installs_a_download(instance(PowerSGDGradientAverager))
+
+
+@pytest.mark.parametrize("interrupt", [Terminated, KeyboardInterrupt])
+def test_sigterm_and_ctrl_c_end_a_download_at_once_and_ordinary_errors_are_retried(interrupt, caplog):
+    """Only ordinary errors are retried (each logged, 1 s apart): SIGTERM (collabopt.Terminated, a SystemExit) and
+    Ctrl+C end the download's wait."""
+    optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[5])
+    serve, raised = optimizer.state_averager.load_state_from_peers, [ConnectionError("dial backoff"), interrupt()]
+
+    def flaky(timeout: float) -> None:
+        if raised:
+            optimizer.downloads += 1
+            raise raised.pop(0)
+        serve(timeout)
+
+    optimizer.state_averager.load_state_from_peers = flaky
+    with caplog.at_level(logging.WARNING, logger="collabopt.engine.sync_download"), pytest.raises(interrupt):
+        sync_download.download_state(optimizer)
+    assert optimizer.downloads == 2 and optimizer.local_epoch == 0  # tried again after the error, not after it
+    assert caplog.text.count("downloading the swarm's state failed") == 1 and "dial backoff" in caplog.text
+
+
+def test_sigterm_while_a_download_waits_for_a_round_it_tags_along_leaves_the_round():
+    """A scheduled gradient round the download leaves: it waits for it with nothing to bring; SIGTERM there ends the
+    wait (the round is cancelled) instead of being logged as the round's failure."""
+    from collabopt.engine.loop import PeerLoop
+
+    class Round:
+        triggered, cancelled, weight = True, False, None
+
+        def done(self) -> bool:
+            return self.cancelled
+
+        def result(self, timeout: float) -> None:
+            raise Terminated()
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[5])
+    optimizer.scheduled_grads = control = Round()
+    optimizer.tag_along = lambda round_: PeerLoop.tag_along(optimizer, round_)
+    with pytest.raises(Terminated):
+        sync_download.download_state(optimizer)
+    assert control.cancelled and optimizer.downloads == 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
-from collabopt import RoundOutcome
+from collabopt import RoundOutcome, lineage
 from collabopt.engine import averaging, lineage_check, progress, state, sync_round
 from collabopt.engine import peer as engine_peer
 
@@ -203,7 +203,7 @@ def test_a_parameter_round_that_did_not_average_is_in_the_outcome(control, avera
 
 def test_a_round_that_finds_this_peer_on_another_lineage_averages_no_parameters(monkeypatch):
     """The one decision of the boundary: the lineage verdict turns the parameter round off (it would mix lineages)."""
-    monkeypatch.setattr(sync_round, "judge_lineage", lambda loop, control: ("apart", "parameters differ"))
+    monkeypatch.setattr(lineage, "judge", lambda group, me: lineage.Verdict(["b", "c"], "lineage"))
     loop = sync_loop(num_peers=3, group={"me": {"epoch": 8}, "b": {"epoch": 8}, "c": {"epoch": 8}})
     loop.end_epoch()
     assert loop.last_round.reason == "apart" and loop.last_round.resync

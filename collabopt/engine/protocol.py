@@ -1,0 +1,389 @@
+"""The protocol, decided in one place: what a round's evidence means, and whether a local step counts.
+
+Every decision of both modes is a pure function here: it takes what a peer saw (frozen dataclasses) and returns what
+happened and what to do next. The rest of the engine gathers the evidence and executes the decision; the adapters,
+``StepResult``, the metrics record and the status page read the :class:`~collabopt.interface.RoundOutcome` it made.
+
+- a local step: :func:`sync_step` / :func:`diloco_step` (download the swarm's state first, and why), then
+  :func:`step_accepted` (whether the step's samples count);
+- a synchronous boundary: :func:`sync_boundary` (a peer two or more epochs behind downloads instead), then
+  :func:`sync_round` (the gradient round's group, the lineage check, the share of the average that arrived);
+- a DiLoCo round: :func:`diloco_round` (quorum, one anchor, a finite average, a partial all-reduce);
+- the core's non-finite guard amends either outcome: :func:`guard_amended`.
+
+    >>> sync_round(SyncRoundEvidence(epoch=4, num_peers=3)).outcome.reason
+    'no group'
+    >>> diloco_step(DiLoCoStepEvidence(SwarmView(local_epoch=3, swarm_epoch=5))).reason
+    'behind'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from collabopt import lineage
+from collabopt.diloco_metadata import agrees_with_group
+from collabopt.interface import RoundOutcome
+
+# a gradient round's reasons after which this peer averages no parameters at its boundary (they would mix lineages)
+REFUSING_REASONS = ("apart", "behind")
+
+# why a local step downloads the swarm's state first (StepDecision.reason)
+DOWNLOAD_REASONS = (
+    "re-sync due",  # a round found this peer's parameters (sync) or anchor (DiLoCo) apart from its group's
+    "joined round ended alone",  # sync, delay_grad_averaging: the round under way it joined found no group
+    "swarm at another epoch",  # sync: the epoch's first fresh view of the swarm shows another epoch
+    "behind",  # the swarm is two or more epochs ahead (its gradients, parameters or anchor are stale)
+    "one epoch behind",  # DiLoCo: an anchor one round old is stale (unless it joins the round under way)
+)
+
+
+@dataclass(frozen=True)
+class SwarmView:
+    """The epoch and progress this peer sees: its own epoch, the swarm's (the tracker's) and the swarm's size."""
+
+    local_epoch: int
+    swarm_epoch: int
+    num_peers: int = 1
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """Whether a local step downloads the swarm's state before it counts, and why (:data:`DOWNLOAD_REASONS`).
+
+    ``keeps_progress``: the download keeps this step's progress (DiLoCo: the inner step is applied and the peer's
+    progress is put back on the downloaded anchor); else the step's gradients came from replaced parameters and
+    are dropped. ``joined_epoch`` and ``view_checked`` are the synchronous peer's state after this step (see
+    :class:`SyncStepEvidence`)."""
+
+    download: bool
+    reason: str = ""
+    keeps_progress: bool = False
+    joined_epoch: int | None = None
+    view_checked: bool = False
+
+
+@dataclass(frozen=True)
+class SyncStepEvidence:
+    """What a synchronous peer knows at a local step.
+
+    Attributes:
+        view: its epoch and the swarm's.
+        resync_due: a re-synchronization the lineage check planned is pending and its next try is due.
+        fresh_view: the tracker fetched the swarm's progress since this peer's last boundary, and no step of this
+            epoch has looked at such a view yet (the exact check is due).
+        joined_epoch: the epoch of the round under way this peer joined (``delay_grad_averaging``), if any.
+        last_round: the outcome of its last round.
+        accumulated_toward_round: ``delay_grad_averaging``, and this peer accumulated samples toward the epoch.
+    """
+
+    view: SwarmView
+    resync_due: bool = False
+    fresh_view: bool = False
+    joined_epoch: int | None = None
+    last_round: RoundOutcome | None = None
+    accumulated_toward_round: bool = False
+
+
+def _download(reason: str, **state: Any) -> StepDecision:
+    return StepDecision(True, reason, **state)
+
+
+def sync_step(e: SyncStepEvidence) -> StepDecision:
+    """A synchronous peer downloads before its step when a re-synchronization is due; when the round under way it
+    joined has ended without a group (it stepped apart); at the first fresh view of an epoch, when the swarm is at
+    another epoch, unless it joins the round under way (``delay_grad_averaging``: the others announce the next
+    epoch when they *start* the gradient round, and a peer one epoch behind that accumulated toward the epoch ends
+    it too and joins their group: its samples were counted in it; a download would wait for a state they serve only
+    once that round ends); and, at any step, when the swarm is two or more epochs ahead (one ahead: the others just
+    ended the epoch this peer is about to end)."""
+    local, swarm = e.view.local_epoch, e.view.swarm_epoch
+    if e.resync_due:  # this step's gradients came from the other lineage: start over after the download
+        return _download("re-sync due", joined_epoch=e.joined_epoch)
+    joined, last = e.joined_epoch, e.last_round
+    if joined is not None and last is not None and last.epoch == joined:
+        joined = None  # the round it joined has ended: if its group had gone, it steps apart
+        if last.reason in ("no group", "alone"):
+            return _download("joined round ended alone")
+    if e.fresh_view:
+        if local == swarm:
+            return StepDecision(False, joined_epoch=joined, view_checked=True)
+        if e.accumulated_toward_round and swarm == local + 1:
+            return StepDecision(False, joined_epoch=local, view_checked=True)
+        return _download("swarm at another epoch", joined_epoch=joined, view_checked=True)
+    if local < swarm - 1:
+        return _download("behind", joined_epoch=joined)
+    return StepDecision(False, joined_epoch=joined)
+
+
+@dataclass(frozen=True)
+class DiLoCoStepEvidence:
+    """What a DiLoCo peer knows at a local step: the epochs, whether a round left it owing a download
+    (``needs_sync``), whether its rounds overlap, and whether it trained since its last round."""
+
+    view: SwarmView
+    needs_sync: bool = False
+    overlap: bool = False
+    trained: bool = False
+
+
+def diloco_step(e: DiLoCoStepEvidence) -> StepDecision:
+    """A DiLoCo peer downloads before its next step when its anchor disagreed with its group's (or a round left it
+    not knowing whether the others applied it), or when the swarm is past its epoch (an anchor one round old is
+    stale). With ``overlap_rounds`` the others' epoch moves when they *start* a round: a peer one epoch behind that
+    trained toward that round starts it too (and joins their group) instead; if it missed the round, its own one
+    fails and it downloads then. Its progress survives the download."""
+    behind = e.view.swarm_epoch - e.view.local_epoch
+    if e.needs_sync:
+        return _download("re-sync due", keeps_progress=True)
+    if behind > 1:
+        return _download("behind", keeps_progress=True)
+    if behind == 1 and not (e.overlap and e.trained):
+        return _download("one epoch behind", keeps_progress=True)
+    return StepDecision(False, keeps_progress=True)
+
+
+def step_accepted(decision: StepDecision, behind_after: bool) -> bool:
+    """Whether a training step's samples count (the core adds them to ``samples_reported``): yes unless it
+    downloaded first; then only where the download kept the step's progress (DiLoCo) and brought the swarm's epoch
+    (``behind_after``: this peer is still behind the swarm: nobody served its state, and the core counts such steps
+    toward giving up on the download)."""
+    return not decision.download or (decision.keeps_progress and not behind_after)
+
+
+# ---------------------------------------------------------------------------------------- the synchronous round
+
+
+def sync_boundary(view: SwarmView) -> RoundOutcome | None:
+    """A boundary begun two or more epochs behind the swarm (a peer back from a cut link, or a view newer than its
+    step's) runs no round: its gradients and parameters are stale, it downloads the swarm's state. None: the round
+    runs. See docs/decisions.md, "A peer two or more epochs behind downloads"."""
+    if view.local_epoch < view.swarm_epoch - 1:
+        return RoundOutcome(False, "behind", num_peers=view.num_peers, resync=True, epoch=view.local_epoch)
+    return None
+
+
+@dataclass(frozen=True)
+class SyncRoundEvidence:
+    """What a synchronous boundary's gradient round left.
+
+    Attributes:
+        epoch, num_peers: the boundary's epoch, and the swarm's size this peer counted.
+        group: what the round gathered (``{peer: metadata}``: epoch, lineage fingerprint, whether it serves and is
+            apart, the share of the average that arrived, see :mod:`collabopt.lineage`); None: no round, or it failed.
+        me: this peer's id as ``group`` names it.
+        checks_lineage: this peer takes part in the lineage check (its group's metadata is judged).
+        resync_pending: a re-synchronization is pending already (the lineage is not judged again).
+        averages_gradients: False with ``use_local_updates``: no gradient round, parameters only.
+    """
+
+    epoch: int
+    num_peers: int
+    group: Mapping[Hashable, Any] | None = None
+    me: Hashable = None
+    checks_lineage: bool = False
+    resync_pending: bool = False
+    averages_gradients: bool = True
+
+
+@dataclass(frozen=True)
+class SyncDecision:
+    """A synchronous boundary's outcome and what this peer does next.
+
+    Attributes:
+        outcome: the round's :class:`RoundOutcome` (the optimizer steps in every case).
+        resync_from: download the state of one of these peers (the group's lineage) after this step; None: none.
+        holds: it holds its group's lineage (its parameters are the group's again).
+        received: the share of the average that arrived (below 1: its parameters are its own now, it is apart).
+        my_epoch: the epoch it told its group.
+    """
+
+    outcome: RoundOutcome
+    resync_from: tuple[Hashable, ...] | None = None
+    holds: bool = False
+    received: float = 1.0
+    my_epoch: int = -1
+
+    @property
+    def partial(self) -> bool:
+        return self.received < 1.0
+
+    @property
+    def averages_parameters(self) -> bool:
+        """Whether this boundary may average parameters (not across lineages)."""
+        return averages_parameters(self.outcome)
+
+
+def averages_parameters(outcome: RoundOutcome | None) -> bool:
+    """After a gradient round with this ``outcome`` (None: it ends in the background), may parameters be averaged?"""
+    return outcome is None or outcome.reason not in REFUSING_REASONS
+
+
+def sync_round(e: SyncRoundEvidence) -> SyncDecision:
+    """The one verdict of a synchronous boundary. The epoch's update is applied in every case: the group's average,
+    or this peer's own gradients where there was no group (``"alone"``, ``"no group"``). Where it checks the lineage
+    (:func:`collabopt.lineage.judge`) and its parameters are not its group's canonical ones, it plans a download from
+    a peer that holds them (``"behind"`` or ``"apart"``: no parameter averaging at this boundary); where part of the
+    average did not arrive it is apart (``"partial"``). See docs/decisions.md, "The lineage check"."""
+    if not e.averages_gradients:  # use_local_updates: parameters are averaged, gradients never
+        return SyncDecision(RoundOutcome(True, "averaged" if e.num_peers > 1 else "alone", num_peers=e.num_peers,
+                                         epoch=e.epoch))
+    group = e.group if isinstance(e.group, Mapping) else None
+    mine = group.get(e.me) if group is not None else None
+    decision = SyncDecision(RoundOutcome(True, "averaged"))
+    if e.checks_lineage and isinstance(mine, dict) and isinstance(mine.get("epoch"), int):
+        decision = _judge_lineage(group, e.me, mine, e.resync_pending)
+    if group is None or len(group) < 2:
+        outcome = RoundOutcome(True, "alone" if e.num_peers <= 1 else "no group", num_peers=e.num_peers,
+                               epoch=e.epoch)
+    else:
+        reason, detail = decision.outcome.reason, decision.outcome.detail
+        outcome = RoundOutcome(True, reason, len(group), num_peers=e.num_peers, resync=reason != "averaged",
+                               epoch=e.epoch, detail=detail)
+    return dataclasses.replace(decision, outcome=outcome)
+
+
+def _judge_lineage(group: Mapping[Hashable, Any], me: Hashable, mine: dict, resync_pending: bool) -> SyncDecision:
+    """The lineage check's part of :func:`sync_round` (the outcome's reason and detail only)."""
+    epoch = mine["epoch"]
+    reason, detail, resync_from, holds = "averaged", "", None, False
+    verdict = lineage.judge(group, me) if not resync_pending else None
+    if verdict is not None and verdict.reason == "holds":
+        holds = True
+    elif verdict is not None:
+        detail = verdict_text(verdict, group, epoch)
+        reason = "behind" if verdict.reason == "behind" else "apart"
+        resync_from = tuple(verdict.peers)
+    received = mine.get("received", 1.0)
+    received = received if isinstance(received, float) and received < 1.0 else 1.0
+    if received < 1.0 and reason == "averaged":
+        reason, detail = "partial", f"{100 * received:.1f}% of the average arrived"
+    return SyncDecision(RoundOutcome(True, reason, detail=detail), resync_from, holds, received, epoch)
+
+
+def verdict_text(verdict: lineage.Verdict, group: Mapping[Hashable, Any], epoch: int) -> str:
+    """What the log (and the outcome's detail) says of a lineage ``verdict`` of a member at ``epoch``."""
+    newest = group[verdict.peers[0]]["epoch"]
+    if verdict.reason == "behind":
+        return (f"this peer is at epoch {epoch}, {len(verdict.peers)} peer(s) of its gradient round at epoch "
+                f"{newest} (it missed a round)")
+    if verdict.reason == "apart":
+        return (f"this peer's last gradient round was partial, so its parameters are its own; {len(verdict.peers)} "
+                f"peer(s) of its gradient round at epoch {epoch} hold the group's")
+    if verdict.reason == "nonfinite":
+        return (f"this peer's parameters are not finite; {len(verdict.peers)} peer(s) of its gradient round at epoch "
+                f"{epoch} hold the group's")
+    peers_at_epoch = sum(1 for m in group.values() if isinstance(m, dict) and m.get("epoch") == epoch)
+    return (f"this peer's parameters differ from those of {len(verdict.peers)} of the {peers_at_epoch} peers of its "
+            f"gradient round at epoch {epoch} (they trained apart, e.g. across a network partition)")
+
+
+# ---------------------------------------------------------------------------------------------- the DiLoCo round
+
+
+@dataclass(frozen=True)
+class DiLoCoRoundEvidence:
+    """What a DiLoCo round left on this peer.
+
+    Attributes:
+        epoch, num_peers: the round's epoch, and the swarm's size this peer counted (at the round's start).
+        weight: the samples its pseudo-gradient weighs (0: refused as non-finite, or nothing trained).
+        sent: the round metadata this peer sent (epoch, anchor fingerprint).
+        me: its id as ``group`` names it.
+        group: what the all-reduce gathered; None: no all-reduce ran (alone in the swarm).
+        error: what the all-reduce raised (its repr); empty: it did not raise.
+        partial: it raised because part of the average did not arrive (its pseudo-gradient may have reached the
+            others).
+        average_finite: the averaged pseudo-gradient is finite.
+        needs_sync: a download was owed before this round.
+        overlapped: the round ran in the background (``overlap_rounds``): the epoch moved on when it started.
+    """
+
+    epoch: int
+    num_peers: int
+    weight: float
+    sent: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    me: Hashable = None
+    group: Mapping[Hashable, Any] | None = None
+    error: str = ""
+    partial: bool = False
+    average_finite: bool = True
+    needs_sync: bool = False
+    overlapped: bool = False
+
+
+@dataclass(frozen=True)
+class DiLoCoDecision:
+    """A DiLoCo round's outcome and what this peer does next: ``needs_sync``: download the swarm's state before
+    its next round (keeping its progress); ``may_have_delivered``: its pseudo-gradient may have reached a group that
+    applied the round (a download tells); ``nonfinite_average``: the guard counts a refused round."""
+
+    outcome: RoundOutcome
+    needs_sync: bool = False
+    may_have_delivered: bool = False
+    nonfinite_average: bool = False
+
+
+def diloco_round(e: DiLoCoRoundEvidence) -> DiLoCoDecision:
+    """A DiLoCo round is applied only if it is sound: every part of the average arrived, the group holds more than
+    half of the peers this peer counts (no split brain), its peers held the same anchor at the same epoch, and the
+    average is finite; alone, if it trained. Otherwise its progress stays for its next round, and it downloads the
+    swarm's state first where the others may have applied the round: its anchor differed, part of the average did
+    not arrive while its pseudo-gradient counted, or (overlapped) the epoch it would tell by has moved on.
+
+    The anchor is judged on what the group gathered from this peer (``sent`` where that is missing), as its averager
+    judged it before the all-reduce: a peer whose anchor is not the group's takes part with weight 0
+    (:mod:`collabopt.engine.diloco_averaging`), so that a round holds only the pseudo-gradients of the members that
+    apply it."""
+    needs_sync, delivered, nonfinite = e.needs_sync, False, False
+    n, weight = e.num_peers, e.weight
+    if e.group is None and not e.error:
+        outcome = (RoundOutcome(True, "alone", 1, weight, 1) if weight != 0
+                   else RoundOutcome(False, "nothing to apply", weight=weight))
+    elif e.error:
+        outcome = RoundOutcome(False, "averaging failed", weight=weight, num_peers=n, detail=e.error)
+        delivered = e.partial and weight > 0
+    else:
+        group = dict(e.group or {})
+        size, sent = len(group), e.sent
+        mine = [m for peer, m in group.items() if e.me is not None and peer == e.me]
+        if mine and isinstance(mine[0], dict) and "anchor" in mine[0]:
+            sent = mine[0]
+        if 2 * size <= n:
+            outcome = RoundOutcome(False, "no quorum", size, weight, n, detail=f"{size} of {n} peers averaged")
+        elif not agrees_with_group(dict(sent), list(group.values())):
+            needs_sync = True
+            outcome = RoundOutcome(False, "anchor differs", size, weight, n,
+                                   detail="this peer's anchor differs from its group's")
+        elif not e.average_finite:
+            nonfinite = True
+            outcome = RoundOutcome(False, "non-finite average", size, weight, n)
+        else:
+            outcome = RoundOutcome(True, "averaged", size, weight, n)
+    if not outcome.applied and e.overlapped:  # its epoch no longer tells whether the others applied it
+        needs_sync = needs_sync or n > 1
+    needs_sync = needs_sync or delivered
+    outcome = dataclasses.replace(outcome, epoch=e.epoch, resync=needs_sync)
+    return DiLoCoDecision(outcome, needs_sync, delivered, nonfinite)
+
+
+# ------------------------------------------------------------------------------------------------ both modes
+
+
+def guard_amended(outcome: RoundOutcome, gradients_refused: bool, parameters_restored: bool) -> RoundOutcome:
+    """A synchronous round's outcome where the core's non-finite guard refused its average since the last one:
+    averaged gradients refused (no update: not applied), or averaged parameters restored (this peer's own update is
+    kept: applied). DiLoCo's rounds judge their average themselves (:func:`diloco_round`)."""
+    if not (gradients_refused or parameters_restored):
+        return outcome
+    return dataclasses.replace(outcome, applied=outcome.applied and not gradients_refused,
+                               reason="non-finite average")
+
+
+__all__ = ["DOWNLOAD_REASONS", "REFUSING_REASONS", "DiLoCoDecision", "DiLoCoRoundEvidence", "DiLoCoStepEvidence",
+           "StepDecision", "SwarmView", "SyncDecision", "SyncRoundEvidence", "SyncStepEvidence", "averages_parameters",
+           "diloco_round", "diloco_step", "guard_amended", "step_accepted", "sync_boundary", "sync_round",
+           "sync_step", "verdict_text"]
