@@ -287,7 +287,6 @@ def set_log_level(level: str | None) -> None:
     import hivemind.utils.logging as hivemind_logging
 
     os.environ["HIVEMIND_LOGLEVEL"] = level
-    hivemind_logging.loglevel = level
     hivemind_logging.get_logger("hivemind").setLevel(level)
     logging.getLogger("collabopt").setLevel(level)
 
