@@ -116,7 +116,8 @@ class AllReduceRound:
                                              part_size_bytes=part_size_bytes, return_deltas=False, prefetch=PREFETCH)
         self.expected = self.container.num_parts_by_peer
         self.local_parts = self.container.get_raw_input_parts(me)
-        self.reducer = PartReducer([part.shape for part in self.local_parts], len(self.members), aggregate)
+        self.reducer = PartReducer([part.shape for part in self.local_parts], len(self.members), aggregate,
+                                   patience=sender_timeout)
         n = len(self.members)
         self.results = [0] * n  # result parts received, per reducer
         self.result_elements = [0] * n  # their elements
@@ -126,9 +127,7 @@ class AllReduceRound:
         self.started: set[int] = {me}  # senders whose parts began to come
         self._serialized: dict[tuple[int, int], Any] = {}  # (part, compression type) -> the result's bytes
         self._part_types: dict[int, int] = {}  # part -> the compression type the senders' parts came in
-        self._open_streams = 0  # senders' streams this member serves (see run: they close before the round ends)
-        self._streams_closed = asyncio.Event()
-        self._streams_closed.set()
+        self._open_streams: dict[PeerID, int] = {}  # senders' streams being served (run: they close before it ends)
 
     # ---------------------------------------------------------------- the reducer's side
     def _result_bytes(self, index: int, result: torch.Tensor, compression_type: int) -> Any:
@@ -163,16 +162,18 @@ class AllReduceRound:
                 self.reducer.sender_failed(sender)
 
     @contextlib.contextmanager
-    def stream_open(self) -> typing.Iterator[None]:
+    def stream_open(self, sender_id: PeerID) -> typing.Iterator[None]:
         """Counts a sender's stream open while its handler runs (until the sender closes it)."""
-        self._open_streams += 1
-        self._streams_closed.clear()
+        self._open_streams[sender_id] = self._open_streams.get(sender_id, 0) + 1
         try:
             yield
         finally:
-            self._open_streams -= 1
-            if self._open_streams == 0:
-                self._streams_closed.set()
+            self._open_streams[sender_id] -= 1
+
+    def _streams_to_close(self) -> bool:
+        """Whether a stream of a sender still in the round is open (one left out may hang on a dead member)."""
+        return any(count and not (sender in self.members and self.reducer.failed(self.members.index(sender)))
+                   for sender, count in self._open_streams.items())
 
     async def _leave_out_silent_senders(self) -> None:
         await asyncio.sleep(self.sender_timeout)
@@ -247,8 +248,8 @@ class AllReduceRound:
                 await asyncio.gather(*slices, return_exceptions=True)
             # the senders close their streams once their last results came: a member that ended its round (and
             # maybe its process) with a stream still open lost results on their way (p2pd drops them)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._streams_closed.wait(), max(0.0, deadline - time.monotonic()))
+            while self._streams_to_close() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             outputs = [tensor async for tensor in self.container.iterate_output_tensors()]
         finally:
             watcher.cancel()
@@ -312,7 +313,7 @@ class AllReduceService(ServicerBase):
             yield _answer(averaging_pb2.BAD_GROUP_ID)
             return
         serve = functools.partial(round_.serve, sender_id=context.remote_id)
-        with round_.stream_open():
+        with round_.stream_open(context.remote_id):
             async for answer in serve_until_the_sender_closes(serve, achain(as_aiter(first), stream),
                                                               context.remote_id.to_bytes(), self.linger):
                 yield answer

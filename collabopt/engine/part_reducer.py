@@ -113,7 +113,7 @@ class PartReducer:
     the parts it has not sent yet; :meth:`close` ends the reducer (waiting senders get :class:`ReducerClosed`)."""
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int,
-                 aggregate: Callable[[torch.Size], Aggregate] = MeanPart):
+                 aggregate: Callable[[torch.Size], Aggregate] = MeanPart, patience: float | None = None):
         if num_senders < 1:
             raise ValueError(f"num_senders must be at least 1, got {num_senders}")
         self.part_shapes, self.num_senders = tuple(torch.Size(s) for s in part_shapes), num_senders
@@ -128,6 +128,9 @@ class PartReducer:
         self._taken: list[int] = []
         self._results: dict[int, asyncio.Future] = {}
         self.closed = not self.part_shapes
+        # a part's senders that have not sent it this long after the first one did are left out (a sender's handler
+        # can hang writing a result to a member that died, and never read its next part, nor fail)
+        self.patience, self._late_timer = patience, None
 
     @property
     def num_parts(self) -> int:
@@ -167,8 +170,15 @@ class PartReducer:
         else:
             self.refused[sender] += 1
         self._arrived.add(sender)
+        if len(self._arrived) == 1 and self.patience is not None:
+            self._late_timer = asyncio.get_running_loop().call_later(self.patience, self._leave_out_late, index)
         self._resolve_if_complete()
         return await asyncio.shield(self._result_of(index))
+
+    def _leave_out_late(self, index: int) -> None:
+        if self._current == index and not self.closed:
+            for sender in sorted(self._expected() - self._arrived):
+                self.sender_failed(sender)
 
     def _expected(self) -> set[int]:
         return {s for s in range(self.num_senders) if self._failed_after[s] > self._current}
@@ -182,6 +192,8 @@ class PartReducer:
             self._result_of(self._current).set_result((result, included))
             self._current += 1
             self._arrived, self._taken = set(), []
+            if self._late_timer is not None:
+                self._late_timer.cancel()
             if self._current == self.num_parts:
                 self.closed, self._accumulator = True, None
             else:
@@ -199,6 +211,8 @@ class PartReducer:
         if self.closed and self._current >= self.num_parts:
             return
         self.closed = True
+        if self._late_timer is not None:
+            self._late_timer.cancel()
         for index, future in self._results.items():
             if not future.done():
                 future.set_exception(ReducerClosed(f"the round ended before part {index} was resolved"))

@@ -203,3 +203,14 @@ def test_a_sender_lost_mid_round_is_left_out_alike_for_every_member():
         assert evidence.received == 1.0 and evidence.missing == ()
         assert evidence.contributions[:3] == (1.0, 1.0, 1.0) and 0.0 < evidence.contributions[3] < 1.0
         assert evidence.absent() == (evidence.members[3],) and not evidence.complete
+
+
+def test_a_sender_that_stalls_is_left_out_after_the_reducers_patience():
+    async def main():  # (its handler hangs, e.g. writing to a member that died: it neither sends nor fails)
+        reducer = PartReducer([SHAPE, SHAPE], num_senders=2, patience=0.2)
+        ones = torch.ones(SHAPE)
+        await asyncio.gather(*(reducer.accumulate(s, 0, ones * s, 1.0) for s in range(2)))
+        result, included = await asyncio.wait_for(reducer.accumulate(0, 1, ones, 1.0), 5.0)
+        assert included == (0,) and torch.equal(result, ones) and reducer.failed(1) and reducer.complete
+
+    asyncio.run(main())

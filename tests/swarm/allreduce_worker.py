@@ -1,0 +1,84 @@
+"""One member of a round of collabopt's own averaging service (collabopt.engine.averager), run as its own OS process
+by tests/swarm/test_allreduce_service.py.
+
+Usage: ``python allreduce_worker.py config.json`` (INITIAL_PEERS in the environment). Config: ``run_id`` (the
+service's prefix), ``group_size``, ``seed``, ``numel``, ``weight``, ``aggregation``, ``role`` ("honest"; "hostile":
+sends its inputs times -20; "victim": SIGKILLs itself ``kill_after`` seconds after its group is assembled), ``out``.
+Writes ``<out>.pt`` (its inputs as sent, and the averaged tensors) and ``<out>.json`` (the round's evidence, peer ids
+in base58).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from collabopt.engine.averager import AveragingService
+from collabopt.engine.p2p import start_dht
+
+HOSTILE_FACTOR = -20.0
+
+
+def honest_inputs(seed: int, numel: int) -> list[torch.Tensor]:
+    """A member's tensors: a part all members share plus a small one of its own (so that a clip has an honest
+    spread to keep), and a second, small tensor."""
+    common = torch.Generator().manual_seed(1234)
+    own = torch.Generator().manual_seed(seed)
+    big = torch.randn(numel, generator=common) + 0.05 * torch.randn(numel, generator=own)
+    small = torch.randn(7, 5, generator=common) + 0.05 * torch.randn(7, 5, generator=own)
+    return [big, small]
+
+
+def inputs_of(cfg: dict) -> list[torch.Tensor]:
+    tensors = honest_inputs(cfg["seed"], cfg["numel"])
+    return [HOSTILE_FACTOR * t for t in tensors] if cfg.get("role") == "hostile" else tensors
+
+
+def main(config_path: str) -> None:
+    cfg = json.loads(Path(config_path).read_text())
+    out = Path(cfg["out"])
+    peers = [p for p in os.environ.get("INITIAL_PEERS", "").split(",") if p]
+    dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+
+    def on_group(group):
+        print(f"group of {len(group)} assembled", flush=True)
+        if cfg.get("role") == "victim":
+            threading.Timer(cfg.get("kill_after", 0.3), os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+    n = cfg["group_size"]
+    service = AveragingService(dht, prefix=cfg["run_id"], target_group_size=n, min_group_size=n,
+                               matchmaking_time=cfg.get("matchmaking_time", 3.0), request_timeout=1.0,
+                               sender_timeout=cfg.get("sender_timeout", 5.0),
+                               reducer_timeout=cfg.get("reducer_timeout", 10.0),
+                               aggregation=cfg.get("aggregation", "mean"), on_group=on_group)
+    tensors = inputs_of(cfg)
+    start = time.monotonic()
+    result = service.average(tensors, weight=cfg.get("weight", 1.0), timeout=cfg.get("timeout", 60.0))
+    seconds = time.monotonic() - start
+    if cfg.get("role") == "victim":  # (the round ended before the kill: wait for it, the test expects a death)
+        time.sleep(30)
+    evidence = result.evidence
+    record = dict(me=dht.peer_id.to_base58(), error=result.error, seconds=seconds,
+                  group=[peer.to_base58() for peer in result.group])
+    if evidence is not None:
+        record.update(received=evidence.received, contributions=list(evidence.contributions),
+                      results_from={evidence.members[k].to_base58(): list(v) for k, v in evidence.results_from.items()},
+                      missing=[list(r) for r in evidence.missing], errors={evidence.members[k].to_base58(): v
+                                                                           for k, v in evidence.errors.items()},
+                      absent=[peer.to_base58() for peer in evidence.absent()], complete=evidence.complete)
+    torch.save(dict(inputs=tensors, tensors=result.tensors), f"{out}.pt")
+    Path(f"{out}.json").write_text(json.dumps(record))
+    print(f"round done in {seconds:.2f} s: {record}", flush=True)
+    service.close()
+    dht.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,110 @@
+"""collabopt's own averaging service (collabopt.engine.averager) among real OS processes on loopback: every member
+gets the same bits, equal to the exact weighted mean; centered_clip bounds a hostile member; a member killed
+mid-round leaves the others with the same result, and their evidence names it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from allreduce_worker import honest_inputs, inputs_of
+from helpers import Process, child_env, unique_run_id
+
+from collabopt.engine.part_reducer import weighted_mean
+
+pytestmark = pytest.mark.swarm
+WORKER = Path(__file__).resolve().parent / "allreduce_worker.py"
+
+
+def start_members(tmp_path, bootstrap, configs):
+    run_id = unique_run_id("allreduce")
+    procs = {}
+    for name, cfg in configs.items():
+        path = tmp_path / f"{name}.config.json"
+        path.write_text(json.dumps(dict(cfg, run_id=run_id, out=str(tmp_path / name))))
+        procs[name] = Process([sys.executable, str(WORKER), str(path)], tmp_path / f"{name}.log",
+                              env=child_env(INITIAL_PEERS=bootstrap))
+    return procs
+
+
+def finish(procs, timeout=120.0, dying=()):
+    """Wait for every member; those in ``dying`` must have been killed, the others must have exited 0."""
+    try:
+        codes = {name: proc.wait(timeout) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill_tree()
+    for name, code in codes.items():
+        expected_ok = code != 0 if name in dying else code == 0
+        assert expected_ok, f"{name} exited with {code}:\n{procs[name].log()[-5000:]}"
+
+
+def read(tmp_path, name):
+    record = json.loads((tmp_path / f"{name}.json").read_text())
+    return record, torch.load(tmp_path / f"{name}.pt")
+
+
+def flat(tensors):
+    return torch.cat([t.flatten() for t in tensors])
+
+
+def test_every_member_gets_the_same_bits_of_the_exact_weighted_mean(tmp_path, bootstrap):
+    configs = {f"m{i}": dict(group_size=3, seed=i, numel=200_000, weight=float(i + 1)) for i in range(3)}
+    finish(start_members(tmp_path, bootstrap, configs))
+    results = {name: read(tmp_path, name) for name in configs}
+    ids = {results[name][0]["me"]: name for name in configs}
+    group = results["m0"][0]["group"]
+    assert sorted(group) == sorted(ids)
+    order = [ids[peer] for peer in group]  # (the reducers add the senders' parts in the group's order)
+    expected = [weighted_mean([results[name][1]["inputs"][k] for name in order],
+                              [configs[name]["weight"] for name in order]) for k in range(2)]
+    for name, (record, saved) in results.items():
+        assert record["error"] is None and record["complete"] and record["received"] == 1.0, record
+        assert record["group"] == group and record["missing"] == [] and record["absent"] == []
+        for got, want in zip(saved["tensors"], expected, strict=True):
+            assert torch.equal(got, want), f"{name}: {float((got - want).abs().max())} from the exact mean"
+
+
+def test_centered_clip_bounds_a_hostile_member(tmp_path, bootstrap):
+    roles = ["honest", "honest", "honest", "hostile"]
+    configs = {f"m{i}": dict(group_size=4, seed=i, numel=100_000, aggregation="centered_clip", role=role)
+               for i, role in enumerate(roles)}
+    finish(start_members(tmp_path, bootstrap, configs))
+    results = {name: read(tmp_path, name) for name in configs}
+    honest_mean = weighted_mean([flat(honest_inputs(i, 100_000)) for i in range(3)], [1.0] * 3)
+    plain_mean = weighted_mean([flat(inputs_of(cfg)) for cfg in configs.values()], [1.0] * 4)
+    outputs = {name: flat(saved["tensors"]) for name, (_, saved) in results.items()}
+    for name, (record, _) in results.items():
+        assert record["complete"], record
+        assert torch.equal(outputs[name], outputs["m0"]), f"{name} holds other bits than m0"
+    moved, plain = float((outputs["m0"] - honest_mean).norm()), float((plain_mean - honest_mean).norm())
+    assert moved < 0.05 * plain, f"the hostile member moved the result {moved:.3f} (a plain mean: {plain:.3f})"
+
+
+def test_a_member_killed_mid_round_leaves_the_others_with_the_same_result(tmp_path, bootstrap):
+    configs = {f"m{i}": dict(group_size=4, seed=i, numel=8_000_000, role="victim" if i == 3 else "honest",
+                             kill_after=0.1, sender_timeout=5.0, reducer_timeout=10.0) for i in range(4)}
+    finish(start_members(tmp_path, bootstrap, configs), dying=("m3",))
+    survivors = {name: read(tmp_path, name) for name in ("m0", "m1", "m2")}
+    records = [record for record, _ in survivors.values()]
+    members = set(records[0]["group"])
+    victim = (members - {record["me"] for record in records}).pop()
+    missing = set()
+    for record in records:
+        assert record["error"] is None and record["group"] == records[0]["group"], record
+        assert record["absent"] == [victim], record  # (named, as data: its results short or its values left out)
+        assert not record["complete"]
+        missing |= {tuple(r) for r in record["missing"]}
+    outputs = [flat(saved["tensors"]) for _, saved in survivors.values()]
+    keep = torch.ones_like(outputs[0], dtype=torch.bool)
+    for start, stop in missing:
+        keep[start:stop] = False
+    assert keep.any()
+    for values in outputs[1:]:  # the same bits wherever a result came (each part has one value in the group)
+        assert torch.equal(values[keep], outputs[0][keep])
+    for record, saved in survivors.values():  # and its own values where one did not
+        for start, stop in record["missing"]:
+            assert torch.equal(flat(saved["tensors"])[start:stop], flat(saved["inputs"])[start:stop])
