@@ -61,7 +61,9 @@ def _swarm_args(peer: bool) -> argparse.ArgumentParser:
         parent.add_argument("--announce-maddrs", nargs="*", default=None, help="addresses to announce to others")
     parent.add_argument("--no-relay", dest="use_relay", action="store_false", help="disable libp2p circuit relay")
     if peer:
-        parent.add_argument("--use-auto-relay", action="store_true", help="let libp2p look for relays by itself (behind NAT, --client-mode or relay_peers is what works: docs/joining.md)")
+        parent.add_argument("--use-auto-relay", action="store_true",
+                            help="let libp2p look for relays by itself (behind NAT, client mode or relay peers is what "
+                                 "works: docs/joining.md)")
     parent.add_argument("--swarm-key-file", default=None, metavar="PATH",
                         help="the swarm's key (from collabopt keygen): members only (default: $COLLABOPT_SWARM_KEY, "
                              "else an open swarm)")
