@@ -40,6 +40,8 @@ FULL: dict[str, Any] = {
                # the goal's 4 peers with large gradients (17.9 MB: the "5M" MLP has 4.48M parameters)
                + [dict(peers=4, mbit=100, params=5_000_000, variant="no overlap", impl=impl,
                        overrides=dict(measure_seconds=30)) for impl in ("hivemind", "collabopt")]
+               # collabopt's own all-reduce runner (collabopt.engine.allreduce), the all-reduce alone
+               + [dict(peers=4, mbit=100, params=5_000_000, variant="no overlap", impl="engine")]
                + [dict(peers=4, mbit=mbit, params=2_000_000, variant=variant)
                   for mbit in (100, 20)
                   for variant in ("no overlap", "overlap", "overlap + fp16", "overlap + 8-bit", "overlap + PowerSGD")]),

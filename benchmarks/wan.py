@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from benchmarks import wan_allreduce
 from benchmarks.common import median, spread
 from benchmarks.swarmrun import allreduce_seconds, run_peers, start_bootstrap, utilization
 from collabopt.testing.testnet import TestNet, unavailable_reason
@@ -78,11 +79,15 @@ def run(cfg: dict[str, Any], workdir: Path, log: Any = print) -> dict[str, Any]:
     for case in cfg["cases"]:
         impl = case.get("impl", "collabopt")
         name = f"{case['peers']}p_{case['mbit']}mbit_{case['variant'].replace(' ', '').replace('+', '_')}"
-        name += "_hivemind" if impl == "hivemind" else ""
+        name += f"_{impl}" if impl in ("hivemind", "engine") else ""
         log(f"B3 {name} ...")
         try:
-            row = run_case(workdir, name, case["peers"], case["mbit"], case["params"], case["variant"],
-                           dict(cfg, **case.get("overrides", {})), impl=impl)
+            if impl == "engine":  # collabopt's own all-reduce runner, the all-reduce alone (benchmarks.wan_allreduce)
+                row = wan_allreduce.run_case(workdir, name, case["peers"], case["mbit"], case["params"],
+                                             dict(cfg, **case.get("overrides", {})), bound_seconds)
+            else:
+                row = run_case(workdir, name, case["peers"], case["mbit"], case["params"], case["variant"],
+                               dict(cfg, **case.get("overrides", {})), impl=impl)
         except Exception as e:  # keep going: one broken configuration must not hide the others
             row = dict(case=name, peers=case["peers"], mbit=case["mbit"], variant=case["variant"], impl=impl,
                        error=str(e).splitlines()[0][:300])

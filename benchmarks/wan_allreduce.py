@@ -1,0 +1,75 @@
+"""B3 with collabopt's own all-reduce runner (:mod:`collabopt.engine.allreduce`, through the averaging service): the
+same bed as :mod:`benchmarks.wan` (peers in network namespaces, every link limited with ``tc tbf``), the same gradient
+bytes, and only the all-reduce: each peer averages its gradients ``rounds`` times in a row
+(:mod:`benchmarks.allreduce_peer`). The figure: the all-reduce time (from the last peer's group assembled to the last
+peer done, :func:`benchmarks.swarmrun.allreduce_seconds`) against the link bound ``2 (N-1)/N * S / B``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import ROOT, child_env, median, spread, write_json
+from benchmarks.swarmrun import allreduce_seconds, start_bootstrap
+from collabopt.testing.processes import Process
+from collabopt.testing.testnet import TestNet
+
+ROUNDS = 6
+
+
+def run_case(workdir: Path, name: str, n: int, rate_mbit: float, params: int, cfg: dict[str, Any],
+             bound_seconds: Any) -> dict[str, Any]:
+    """One swarm of ``n`` peers at ``rate_mbit`` per link; returns the row of this case (``impl`` "engine")."""
+    row: dict[str, Any] = dict(case=name, peers=n, mbit=rate_mbit, variant="no overlap", impl="engine")
+    run_id = f"bench_b3_engine_{uuid.uuid4().hex[:8]}"
+    with TestNet(n, rate_mbit) as net:
+        bootstrap, initial_peers = start_bootstrap(workdir, host=net.bootstrap_addr, netns=net.bootstrap)
+        procs, outs = [], []
+        go = workdir / f"b3_{name}.go"
+        go.unlink(missing_ok=True)
+        try:
+            for i in range(n):
+                out, ready = workdir / f"b3_{name}_{i}.json", workdir / f"b3_{name}_{i}.ready"
+                out.unlink(missing_ok=True)
+                ready.unlink(missing_ok=True)
+                config = workdir / f"b3_{name}_{i}.config.json"
+                write_json(config, dict(run_id=run_id, initial_peers=initial_peers, host=net.addr[i], seed=i,
+                                        peers=n, params=params, width=cfg["width"], in_dim=cfg["in_dim"],
+                                        rounds=cfg.get("rounds", ROUNDS), matchmaking_time=cfg["matchmaking_time"],
+                                        averaging_timeout=cfg["averaging_timeout"], out=str(out),
+                                        part_size_bytes=cfg.get("part_size_bytes", 2**19),
+                                        ready_file=str(ready), go_file=str(go)))
+                procs.append(Process([sys.executable, "-m", "benchmarks.allreduce_peer", str(config)],
+                                     workdir / f"b3_{name}_{i}.log", env=child_env(), cwd=ROOT, netns=net.peers[i]))
+                outs.append((out, ready))
+            deadline = time.monotonic() + cfg["max_seconds"] + 90
+            while time.monotonic() < deadline and not all(r.exists() or p.poll() is not None
+                                                          for p, (_, r) in zip(procs, outs, strict=True)):
+                time.sleep(0.1)
+            go.touch()
+            while time.monotonic() < deadline and not all(o.exists() or p.poll() is not None
+                                                          for p, (o, _) in zip(procs, outs, strict=True)):
+                time.sleep(0.5)
+        finally:
+            for proc in procs:
+                proc.kill_tree()
+            bootstrap.kill_tree()
+    records = []
+    for i, (out, _) in enumerate(outs):
+        if not out.exists():
+            raise RuntimeError(f"peer b3_{name}_{i} wrote no record; log ends with:\n{procs[i].tail()}")
+        records.append(json.loads(out.read_text()))
+    grad_bytes = records[0]["grad_bytes"]
+    durations = allreduce_seconds(records)
+    bound = bound_seconds(n, grad_bytes, rate_mbit)
+    allreduce = median(durations) if durations else float("nan")
+    row.update(grad_mb=grad_bytes / 1e6, bound_s=bound, allreduce_s=allreduce, rounds=len(durations),
+               allreduce_range=spread(durations),
+               bound_over_allreduce=bound / allreduce if durations else float("nan"),
+               utilization=float("nan"), epoch_compute_s=0.0)
+    return row
