@@ -47,8 +47,8 @@ def run_swarm(tmp_path: Path, net: TestNet, config: dict, fault: Callable[[dict]
     peers' results, parameters and processes."""
     names = [chr(ord("a") + i) for i in range(len(net.peers))]
     bootstrap, initial_peers = start_bootstrap(tmp_path, host=net.bootstrap_addr, netns=net.bootstrap)
-    base = dict(config, run_id=unique_run_id("net"), model_seed=0, step_sleep=0.05, wait_peers=len(names),
-                finish_with=finish_line(tmp_path, *names), max_seconds=240)
+    base = dict(dict(max_seconds=240, step_sleep=0.05), **config, run_id=unique_run_id("net"), model_seed=0,
+                wait_peers=len(names), finish_with=finish_line(tmp_path, *names))
     procs = {}
     try:
         for i, name in enumerate(names):

@@ -261,7 +261,8 @@ def main(config_path: str) -> None:
     # download the swarm's state first)
     result = {"samples_fed": 0, "samples_dropped": 0, "lrs": {}, "losses": [], "epochs_seen": [], "epoch_times": [],
               "rounds": [],  # each round's outcome (copt.last_round)
-              "downloaded_epochs": []}  # epochs reached by a state download
+              "downloaded_epochs": [],  # epochs reached by a state download
+              "max_step_wait": [0.0, 0.0]}  # the longest copt.step() in seconds, and when it ended (time.time())
     sizes = batch_size_sequence(cfg.get("batch_sizes", [16]), rng)
     with CollaborativeOptimizer(
         optimizer,
@@ -314,7 +315,11 @@ def main(config_path: str) -> None:
                 scaler.step(copt, **kwargs)
                 scaler.update()
             else:
+                started = time.monotonic()
                 outcome = copt.step(**kwargs)
+                wait = time.monotonic() - started  # the longest step: what a fault makes this peer wait
+                if wait > result["max_step_wait"][0]:
+                    result["max_step_wait"] = [wait, time.time()]
                 if outcome.samples == 0 and outcome.skipped == 0:
                     result["samples_dropped"] += step_samples
                     downloaded = True  # (hivemind dropped the step to download the swarm's state first)
