@@ -59,8 +59,9 @@ def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> to
     return total.div_(math.fsum(float(w) for w in weights)).to(parts[0].dtype)
 
 
-class MeanPart:
-    """The weighted mean of a part's senders (:func:`weighted_mean` in sender order)."""
+class _SendersPart:
+    """The copies of one part that its senders sent, kept by sender; ``result()`` resolves them in sender order, so
+    that every member resolving the same copies gets the same bits."""
 
     def __init__(self, shape: torch.Size):
         self.shape = torch.Size(shape)
@@ -72,6 +73,10 @@ class MeanPart:
         self._taken[sender] = (part, float(weight))
         return True
 
+
+class MeanPart(_SendersPart):
+    """The weighted mean of a part's senders (:func:`weighted_mean` in sender order)."""
+
     def result(self) -> torch.Tensor:
         if not self._taken:
             return torch.full(self.shape, float("nan"))
@@ -79,19 +84,13 @@ class MeanPart:
         return weighted_mean([self._taken[s][0] for s in senders], [self._taken[s][1] for s in senders])
 
 
-class ClipPart:
+class ClipPart(_SendersPart):
     """CenteredClip of a part's senders with weights capped at ``weight_cap`` times the median
     (:class:`collabopt.engine.clipping.ClippedPart`, fed in sender order). Senders of weight 0 take no part."""
 
     def __init__(self, shape: torch.Size, weight_cap: float = WEIGHT_CAP):
-        self.shape, self.weight_cap = torch.Size(shape), weight_cap
-        self._taken: dict[int, tuple[torch.Tensor, float]] = {}
-
-    def add(self, sender: int, part: torch.Tensor, weight: float) -> bool:
-        if not acceptable(part, float(weight), self.shape):
-            return False
-        self._taken[sender] = (part, float(weight))
-        return True
+        super().__init__(shape)
+        self.weight_cap = weight_cap
 
     def result(self) -> torch.Tensor:
         clipped = ClippedPart(self.shape, self.weight_cap)
