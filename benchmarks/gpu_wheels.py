@@ -24,7 +24,7 @@ holding torch), the second installs collabopt from the working tree (editable, s
 to ``integrations/``), building it with the carried setuptools and wheel. ``gpu-check`` runs with the interpreter
 that runs ``dev.py`` when there is no ``.venv`` (there is none on the GPU machine: ``.venv`` is ignored and not
 carried), so nothing is fetched there. Then copy ``gpu.md`` and ``gpu.json`` from the returned files into
-``benchmarks/results/``, commit them, and put the figures in the README's benchmark section.
+``benchmarks/results/``, commit them, and run ``python -m benchmarks.tables`` to write the README's and docs' tables.
 """
 
 from __future__ import annotations

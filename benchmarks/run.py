@@ -6,7 +6,8 @@
     python -m benchmarks.run --only b5       # idle time at epoch boundaries (about 20 minutes)
 
 Every figure is a ratio against a baseline measured in the same run (interleaved where possible), so that the
-noise of a shared machine cancels as far as it can. See the README section "Benchmarks".
+noise of a shared machine cancels as far as it can. See docs/performance.md; `python -m benchmarks.tables` writes
+the tables of README and docs.
 """
 
 from __future__ import annotations

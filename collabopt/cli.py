@@ -154,7 +154,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 
 def run_monitor(args: argparse.Namespace) -> int:
-    """Print the progress every peer of a run publishes to the DHT (signed records of hivemind's tracker)."""
+    """Print the progress every peer of a run publishes to the DHT (signed progress records, in hivemind's format)."""
     from collabopt.lifecycle import preserved_sigint
     from collabopt.metrics import read_swarm_progress, reader_validators
     from collabopt.swarm import start_dht

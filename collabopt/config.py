@@ -43,7 +43,7 @@ _SWARM_FIELDS = ("initial_peers", "host_maddrs", "announce_maddrs", "identity_pa
 
 @dataclass(frozen=True, kw_only=True)
 class CollabConfig(DhtOptions):
-    """Options of one peer (see the README's option table). Build it with :meth:`from_options`, which also
+    """Options of one peer (see docs/options.md). Build it with :meth:`from_options`, which also
     accepts any other ``hivemind.Optimizer`` argument (kept in ``hivemind_options``)."""
 
     run_id: str

@@ -4,7 +4,7 @@ Two signed records per peer live under the run's keys, one subkey per peer, each
 peer can overwrite another's) and schema-checked by every peer that stores them:
 
 * ``<run_id>_progress``: hivemind's progress record (epoch, samples toward the next epoch, samples/s, client mode),
-  written by hivemind's tracker at every step (collabopt's: at most every ``min_refresh_period``);
+  written by collabopt's progress service at most every ``min_refresh_period``;
 * ``<run_id>_metrics``: collabopt's metrics record, written every :data:`PUBLISH_INTERVAL` seconds
   (:data:`DILOCO_PUBLISH_INTERVAL` in DiLoCo mode) by a
   :class:`MetricsReporter` thread: epoch and the swarm's epoch as this peer sees it, samples/s, samples contributed

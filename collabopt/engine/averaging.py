@@ -197,7 +197,7 @@ class GradientAveragerThatTellsGaps(SameHandlers, MemberChecks, ShieldedReducers
     When a reducer's part does not arrive in time, hivemind 1.1.12 uses this peer's own values for it and the round
     still succeeds, with parameters that differ from the group's. The share received goes into this peer's own entry
     of the round's gathered metadata (``"received"``, only when below 1), which the lineage check reads
-    (:func:`collabopt.engine.lineage_check.judge_lineage`). See docs/decisions.md, "Partial gradient rounds
+    (:func:`collabopt.engine.protocol.sync_round`). See docs/decisions.md, "Partial gradient rounds
     reported"."""
 
     # set by collabopt's optimizer where it awaits the round within its step (no delay_grad_averaging)

@@ -286,10 +286,11 @@ class RunRecords:
 
 def read_run_records(dht: Any, run_id: str, timeout: float = 10.0,
                      kinds: tuple[str, ...] = ("progress", "metrics")) -> RunRecords:
-    """Read the progress records (hivemind's tracker) and metrics records (:mod:`collabopt.metrics`) of ``run_id``
-    (or the ``kinds`` named: attributes of :class:`RunRecords`) from the nearest DHT nodes, checking each record on
-    its own: signed by the key its subkey names, within :data:`MAX_RECORD_BYTES`, matching its schema. Works with
-    any DHT (no validators needed); a record that fails is left out and reported in :attr:`RunRecords.rejected`."""
+    """Read the progress records (hivemind's format, written by :mod:`collabopt.engine.progress`) and metrics records
+    (:mod:`collabopt.metrics`) of ``run_id`` (or the ``kinds`` named: attributes of :class:`RunRecords`) from the
+    nearest DHT nodes, checking each record on its own: signed by the key its subkey names, within
+    :data:`MAX_RECORD_BYTES`, matching its schema. Works with any DHT (no validators needed); a record that fails is
+    left out and reported in :attr:`RunRecords.rejected`."""
     models = _record_models()
     names = {f"{run_id}_{kind}": kind for kind in kinds}
     result = RunRecords()

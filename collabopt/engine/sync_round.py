@@ -36,7 +36,7 @@ class SyncLoop(PeerLoop):
     collabopt's state download (:func:`~collabopt.engine.sync_download.download_state`)."""
 
     last_round: RoundOutcome | None = None  # the outcome of this peer's last boundary
-    _joined_epoch: int | None = None  # the epoch whose round under way this peer joined (joins_the_round_under_way)
+    _joined_epoch: int | None = None  # the epoch whose round under way this peer joined (protocol.sync_step)
     boundary_epoch = 0  # the epoch of the boundary in progress (or the last one)
 
     def __init__(self, **kwargs: Any):
