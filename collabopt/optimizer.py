@@ -140,7 +140,7 @@ class CollaborativeOptimizer(PeerViews, NonFiniteHandling, Checkpointing, CatchU
             self._peer = peer if peer is not None else self._start_peer(arguments)
             if isinstance(self._peer, HivemindPeer):  # publishes this peer's metrics record (collabopt.metrics)
                 # (a model of other shapes than the swarm's is named in the error: collabopt.model_check)
-                self._peer.loop.state_averager.parameter_names = parameter_names(self._peer.parameters, model)
+                self._peer.loop.state_averager.model_names = parameter_names(self._peer.parameters, model)
                 self._reporter = MetricsReporter(
                     self, self._peer, interval=PUBLISH_INTERVAL if self.diloco is None else DILOCO_PUBLISH_INTERVAL)
             self._wire_guard()

@@ -180,7 +180,8 @@ class VerifiedDownloads(ProjectionChallenges):
 
     votes: DownloadVotes | None = None
     handed_on = False
-    parameter_names: list[str] | None = None  # the model's names of the parameters (set by the optimizer)
+    model_names: list[str] | None = None  # the model's names of the parameters (set by the optimizer; hivemind's own
+    # parameter_names are the keys of its served state, and stay as they are)
     installed_once = False  # whether a download ever handed a state on to be installed
     holding_state = False  # True during a download before the first install: serve nothing (see model_check)
 
@@ -203,7 +204,7 @@ class VerifiedDownloads(ProjectionChallenges):
         """Raise :class:`~collabopt.errors.ModelMismatchError` unless the downloaded ``tensors`` begin with this
         peer's parameters' (and extra tensors') shapes and dtypes, before anything of them is installed."""
         local = [p for group in self.optimizer.param_groups for p in group["params"]]  # type: ignore[attr-defined]
-        names = self.parameter_names or [name for group in self.optimizer.param_groups  # type: ignore
+        names = self.model_names or [name for group in self.optimizer.param_groups  # type: ignore
                                          for name in group.get("param_names", ())] or None
         extras = list(getattr(self, "extra_tensors", ()))
         if names is not None and extras:

@@ -79,7 +79,7 @@ def averager_of(monkeypatch, model, served, names=None, seen=None):
     monkeypatch.setattr(DecentralizedAverager, "load_state_from_peers", download)
     vars(avg).update(_parent_pid=-1, optimizer=optimizer, extra_tensors=(), lock_averaged_tensors=threading.Lock(),
                      local_epoch=0, offload_optimizer=False, reuse_tensors=True, scheduler=None,
-                     parameter_names=names)
+                     model_names=names)
     return avg
 
 
