@@ -111,9 +111,17 @@ def test_ctrl_c_ends_dht_and_monitor_with_exit_status_130(tmp_path):
             assert monitor.poll() is None and time.monotonic() < deadline, monitor.log()[-3000:]
             time.sleep(0.2)
         for proc, name in ((monitor, "monitor"), (bootstrap, "dht")):
+            assert not ignores_sigint(proc.pid), f"{name} runs with SIGINT ignored (inherited?): no Ctrl+C to test"
             proc.signal(signal.SIGINT)
             assert proc.wait(30) == 130, proc.log()[-3000:]
             assert f"collabopt {name}: interrupted" in proc.log() and "Traceback" not in proc.log(), proc.log()[-3000:]
     finally:
         monitor.kill_tree()
         bootstrap.kill_tree()
+
+
+def ignores_sigint(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT (its SigIgn mask in /proc)."""
+    with open(f"/proc/{pid}/status") as status:
+        mask = next(line.split()[1] for line in status if line.startswith("SigIgn:"))
+    return bool(int(mask, 16) >> (signal.SIGINT - 1) & 1)
