@@ -47,7 +47,8 @@ def overridden_hivemind_methods() -> set[str]:
 
 def test_every_overridden_hivemind_method_is_a_listed_seam():
     overridden = overridden_hivemind_methods()
-    assert len(overridden) > 20  # (the walk finds the engine's subclasses)
+    # (the walk finds collabopt's classes: its record validators derive from hivemind's designed extension point)
+    assert "hivemind.dht.validation.RecordValidatorBase.validate" in overridden
     assert sorted(overridden - set(compat.SEAMS)) == []
     assert sorted(set(compat.SEAMS) - overridden - set(compat.SEAM_READS)) == []  # no stale entry
     assert set(compat.SEAM_READS) <= set(compat.SEAMS)
