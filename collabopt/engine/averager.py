@@ -19,10 +19,13 @@ Rules, and why:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +33,8 @@ import torch
 from hivemind.averaging.averager import compute_schema_hash
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.compression import CompressionBase, NoCompression
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
@@ -38,6 +42,9 @@ from collabopt.engine.allreduce import AllReduceRound, AllReduceService, RoundEv
 from collabopt.engine.clipping import MIN_CLIPPED_GROUP
 from collabopt.engine.part_reducer import AGGREGATES
 from collabopt.engine.streams import MemberStub
+from collabopt.membership import MemberToken, SwarmKey, member_token_refusal, swarm_key_of
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +111,7 @@ class AveragingService:
         self.servicer = AllReduceService(self._matchmaking_for)
         self._matchmakings: dict[bytes, Matchmaking] = {}
         self._busy: asyncio.Lock | None = None
+        self._key = swarm_key_of(dht)  # (with a swarm key: only members that prove it join a group)
         self._event_loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._event_loop.run_forever, name=f"collabopt-averaging-{prefix}",
                                         daemon=True)
@@ -142,6 +150,10 @@ class AveragingService:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Stop serving this peer's rounds and end the thread (idempotent)."""
         if self._closed:
@@ -163,20 +175,38 @@ class AveragingService:
         """Average ``tensors`` (by ``weight``, e.g. this peer's sample count) with a group of peers, within
         ``timeout`` seconds for matchmaking and the round together (the round gets at least ``reducer_timeout``).
         ``gather``: any msgpack-able value every member of the group receives (``AveragingResult.gathered``)."""
+        _check_weight(weight)
+        scheduled = self.schedule(tensors, timeout=timeout, gather=gather)
+        scheduled.run(tensors, weight)
+        return scheduled.result()
+
+    def schedule(self, template: Sequence[torch.Tensor], timeout: float = 30.0, gather: Any = None,
+                 scheduled_time: float | None = None,
+                 contributes: Callable[[dict[PeerID, Any]], bool] | None = None) -> ScheduledRound:
+        """Begin a round now whose tensors come later (:meth:`ScheduledRound.run`): matchmaking assembles a group
+        for tensors shaped like ``template`` until ``scheduled_time`` (DHT time; default: ``matchmaking_time`` from
+        now) and gives up ``timeout`` seconds from now; the all-reduce begins once the group is assembled and the
+        tensors are handed over. ``contributes(gathered)``: asked once the group is known; False: this member takes
+        part with weight 0 and zeros (its values must not count in this group, e.g. they belong to another epoch)."""
         if self._closed:
             raise RuntimeError("this AveragingService is closed")
-        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-            raise ValueError("tensors must be a non-empty sequence of torch.Tensor")
-        if not (isinstance(weight, (int, float)) and weight >= 0 and weight == weight and weight != float("inf")):
-            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+        _check_tensors(template)
         if not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
-        copies = [t.detach().to("cpu", copy=True).contiguous() for t in tensors]
-        return self._call(self._average(copies, float(weight), float(timeout), gather),
-                          timeout + self.reducer_timeout + 30)
+        shapes = [(t.shape, t.dtype) for t in template]
+        schema = compute_schema_hash([torch.empty(shape, dtype=dtype) for shape, dtype in shapes])
+        now = get_dht_time()
+        search = _Search(scheduled_time=now + self.matchmaking_time if scheduled_time is None else scheduled_time,
+                         deadline=now + timeout, data_for_gather=b"")
+        scheduled = ScheduledRound(self, shapes, float(timeout))
+        scheduled._trigger = self._event_loop.create_future()  # (set and read in the service's thread only)
+        scheduled._future = asyncio.run_coroutine_threadsafe(
+            self._scheduled(scheduled, schema, search, gather, contributes), self._event_loop)
+        return scheduled
 
-    def _matchmaking_for(self, schema_hash: bytes) -> Matchmaking | None:
-        return self._matchmakings.get(schema_hash)
+    def _matchmaking_for(self, schema_hash: bytes) -> Any:
+        matchmaking = self._matchmakings.get(schema_hash)
+        return None if matchmaking is None else _MemberGate(matchmaking, self._key, self.prefix)
 
     def _matchmaker(self, schema_hash: bytes) -> Matchmaking:
         if schema_hash not in self._matchmakings:
@@ -191,36 +221,167 @@ class AveragingService:
         stub = AllReduceService.get_stub(self.p2p, peer, namespace=self.prefix)
         return MemberStub(stub, {"rpc_aggregate_part": self.reducer_timeout}, self.p2p.peer_id.to_bytes())
 
-    async def _average(self, tensors: list[torch.Tensor], weight: float, timeout: float,
-                       gather: Any) -> AveragingResult:
+    def _my_entry(self, gather: Any) -> bytes:
+        token = None if self._key is None else \
+            MemberToken.issue(self._key, self.prefix, self.p2p.peer_id.to_bytes()).to_bytes()
+        return MSGPackSerializer.dumps([not self.client_mode, gather, token])
+
+    async def _scheduled(self, scheduled: ScheduledRound, schema: bytes, search: _Search, gather: Any,
+                         contributes: Callable[[dict[PeerID, Any]], bool] | None) -> AveragingResult:
         assert self._busy is not None
-        async with self._busy:  # (one round at a time: matchmaking looks for one group at a time)
-            start, now = time.monotonic(), get_dht_time()
-            search = _Search(scheduled_time=now + self.matchmaking_time, deadline=now + timeout,
-                             data_for_gather=MSGPackSerializer.dumps([not self.client_mode, gather]))
+        start = time.monotonic()
+        search.data_for_gather = self._my_entry(gather)
+        async with self._busy:  # (one matchmaking at a time; an all-reduce may overlap the next one's)
             try:
-                group = await self._matchmaker(compute_schema_hash(tensors)).look_for_group(search)
+                group = await self._matchmaker(schema).look_for_group(search)
             except Exception as e:
                 return AveragingResult(None, (), {}, None, f"matchmaking failed: {e!r}")
-            if group is None:
-                return AveragingResult(None, (), {}, None, f"no group assembled within {timeout:.1f} s")
-            if self.on_group is not None:
-                self.on_group(tuple(group.peer_ids))
+        if group is None:
+            return AveragingResult(None, (), {}, None, f"no group assembled within {scheduled.timeout:.1f} s")
+        members = tuple(group.peer_ids)
+        scheduled.group = members
+        if self.on_group is not None:
+            self.on_group(members)
+        try:
+            entries = [MSGPackSerializer.loads(data) for data in group.gathered]
+            fractions = [1.0 if entry[0] else 0.0 for entry in entries]
+            gathered = {peer: entry[1] for peer, entry in zip(members, entries, strict=True)}
+        except Exception as e:  # (a member of another version, or a hostile one: no round with it)
+            return AveragingResult(None, members, {}, None, f"unreadable gathered data: {e!r}")
+        refusal = self._refusal(members, entries)
+        if refusal is not None:
+            logger.warning("collabopt: %s: the round is refused before any part is sent", refusal)
+            return AveragingResult(None, members, gathered, None, refusal)
+        if not any(fractions):
+            return AveragingResult(None, members, gathered, None, "every member is a client")
+        assert scheduled._trigger is not None
+        try:  # (the others' parts wait for this member's registration: REGISTRATION_WAIT)
+            tensors, weight = await asyncio.wait_for(asyncio.shield(scheduled._trigger),
+                                                     max(0.0, start + scheduled.timeout - time.monotonic()))
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            return AveragingResult(None, members, gathered, None, "this member handed no tensors to its group")
+        if contributes is not None and not contributes(gathered):
+            tensors, weight = [torch.zeros_like(t) for t in tensors], 0.0
+        round_ = AllReduceRound(
+            group_id=group.group_id, members=members, me=members.index(self.p2p.peer_id),
+            tensors=tensors, weight=weight, stub_for=self._stub_for, fractions=fractions,
+            aggregate=AGGREGATES[self.aggregation], compression=self.compression,
+            part_size_bytes=self.part_size_bytes, sender_timeout=self.sender_timeout,
+            reducer_timeout=self.reducer_timeout)
+        scheduled.began_allreduce = True
+        with self.servicer.registered(round_):
+            deadline = max(start + scheduled.timeout, time.monotonic() + self.reducer_timeout)
+            outputs, evidence = await round_.run(deadline)
+        return AveragingResult(outputs, members, gathered, evidence)
+
+    def _refusal(self, members: tuple[PeerID, ...], entries: list[Any]) -> str | None:
+        """With a swarm key: why a member of the assembled group is no member of the swarm (every member checks
+        every token, the leader's too: followers take its member list as it sends it); None where all are."""
+        if self._key is None:
+            return None
+        for peer, entry in zip(members, entries, strict=True):
+            refusal = _token_refusal(entry, self._key, self.prefix, peer.to_bytes())
+            if refusal is not None:
+                return f"{peer} of this group is no member of the swarm ({refusal})"
+        return None
+
+
+class ScheduledRound:
+    """A round of :meth:`AveragingService.schedule`: matchmaking runs, the all-reduce waits for :meth:`run`.
+
+    ``group``: the members, once assembled (None before). ``triggered``: :meth:`run` was called.
+    ``began_allreduce``: the all-reduce began (this member's tensors are in the round)."""
+
+    def __init__(self, service: AveragingService, shapes: list[tuple[torch.Size, torch.dtype]], timeout: float):
+        self.service, self.shapes, self.timeout = service, shapes, timeout
+        self.group: tuple[PeerID, ...] | None = None
+        self.triggered = self.began_allreduce = False
+        self._future: Any = None
+        self._trigger: asyncio.Future | None = None  # (the tensors and weight; set in the service's thread)
+
+    def run(self, tensors: Sequence[torch.Tensor], weight: float = 1.0) -> None:
+        """Hand this member's ``tensors`` (copied now) and ``weight`` to the round. Once only."""
+        _check_tensors(tensors)
+        if [(t.shape, t.dtype) for t in tensors] != self.shapes:
+            raise ValueError("tensors must have the shapes and dtypes of the round's template")
+        _check_weight(weight)
+        if self.triggered:
+            raise RuntimeError("this round has its tensors already")
+        self.triggered = True
+        copies = [t.detach().to("cpu", copy=True).contiguous() for t in tensors]
+        self.service._event_loop.call_soon_threadsafe(self._set_trigger, (copies, float(weight)))
+
+    def tag_along(self) -> None:
+        """Take part with nothing: zeros, weight 0 (leaving a group already assembled makes its members wait)."""
+        self.run([torch.zeros(shape, dtype=dtype) for shape, dtype in self.shapes], 0.0)
+
+    def _set_trigger(self, value: Any) -> None:
+        if self._trigger is not None and not self._trigger.done():
+            self._trigger.set_result(value)
+
+    def cancel(self) -> None:
+        """Leave the round: matchmaking stops; a group already assembled goes on without this member."""
+        self.triggered = True
+        self.service._event_loop.call_soon_threadsafe(self._cancel)
+
+    def _cancel(self) -> None:
+        if self.group is None:
+            self._future.cancel()
+        elif self._trigger is not None and not self._trigger.done():
+            self._trigger.cancel()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> AveragingResult:
+        """The round's result (waits up to ``timeout``, default: as long as the round may take)."""
+        if timeout is None:
+            timeout = self.timeout + self.service.reducer_timeout + 30
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.CancelledError:
+            return AveragingResult(None, self.group or (), {}, None, "cancelled")
+
+
+class _MemberGate:
+    """The matchmaking of one tensor schema, behind the swarm key: a join request whose gathered data carries no
+    valid member token of the caller is refused before hivemind's matchmaking reads it (``PROTOCOL_VIOLATION``)."""
+
+    def __init__(self, matchmaking: Matchmaking, key: SwarmKey | None, scope: str):
+        self.matchmaking, self.key, self.scope = matchmaking, key, scope
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
+                             context: P2PContext) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self.key is not None:
             try:
-                entries = [MSGPackSerializer.loads(data) for data in group.gathered]
-                fractions = [1.0 if entry[0] else 0.0 for entry in entries]
-                gathered = {peer: entry[1] for peer, entry in zip(group.peer_ids, entries, strict=True)}
-            except Exception as e:  # (a member of another version, or a hostile one: no round with it)
-                return AveragingResult(None, tuple(group.peer_ids), {}, None, f"unreadable gathered data: {e!r}")
-            if not any(fractions):
-                return AveragingResult(None, tuple(group.peer_ids), gathered, None, "every member is a client")
-            round_ = AllReduceRound(
-                group_id=group.group_id, members=group.peer_ids, me=group.peer_ids.index(self.p2p.peer_id),
-                tensors=tensors, weight=weight, stub_for=self._stub_for, fractions=fractions,
-                aggregate=AGGREGATES[self.aggregation], compression=self.compression,
-                part_size_bytes=self.part_size_bytes, sender_timeout=self.sender_timeout,
-                reducer_timeout=self.reducer_timeout)
-            with self.servicer.registered(round_):
-                deadline = max(start + timeout, time.monotonic() + self.reducer_timeout)
-                outputs, evidence = await round_.run(deadline)
-            return AveragingResult(outputs, tuple(group.peer_ids), gathered, evidence)
+                entry = MSGPackSerializer.loads(request.gather)
+            except Exception:
+                entry = None
+            refusal = _token_refusal(entry, self.key, self.scope, context.remote_id.to_bytes())
+            if refusal is not None:
+                logger.warning("collabopt: refused %s in matchmaking: %s", context.remote_id, refusal)
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
+        async for message in self.matchmaking.rpc_join_group(request, context):
+            yield message
+
+
+def _token_refusal(entry: Any, key: SwarmKey, scope: str, peer_id: bytes) -> str | None:
+    """Why a member's gathered ``entry`` (``[reduces, gather, token]``) does not prove it a member; None if it does."""
+    if not isinstance(entry, (list, tuple)) or len(entry) != 3 or entry[2] is None:
+        return "it sent no member token (no swarm key, or a peer without collabopt's membership checks)"
+    try:
+        token = MemberToken.from_bytes(entry[2])
+    except Exception:
+        return "its member token cannot be read"
+    return member_token_refusal(key, scope, token, peer_id)
+
+
+def _check_tensors(tensors: Sequence[torch.Tensor]) -> None:
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ValueError("tensors must be a non-empty sequence of torch.Tensor")
+
+
+def _check_weight(weight: Any) -> None:
+    if not (isinstance(weight, (int, float)) and weight >= 0 and weight == weight and weight != float("inf")):
+        raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")

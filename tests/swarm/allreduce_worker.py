@@ -3,7 +3,10 @@ by tests/swarm/test_allreduce_service.py.
 
 Usage: ``python allreduce_worker.py config.json`` (INITIAL_PEERS in the environment). Config: ``run_id`` (the
 service's prefix), ``group_size``, ``seed``, ``numel``, ``weight``, ``aggregation``, ``role`` ("honest"; "hostile":
-sends its inputs times -20; "victim": SIGKILLs itself ``kill_after`` seconds after its group is assembled), ``out``.
+sends its inputs times -20; "victim": SIGKILLs itself ``kill_after`` seconds after its group is assembled;
+"tag_along": takes part with nothing), ``out``. With ``epoch``: the round is scheduled (``AveragingService.schedule``,
+gathering the epoch; a member whose epoch is below the group's newest contributes nothing) and its tensors come
+``trigger_after`` seconds later.
 Writes ``<out>.pt`` (its inputs as sent, and the averaged tensors) and ``<out>.json`` (the round's evidence, peer ids
 in base58).
 """
@@ -60,13 +63,26 @@ def main(config_path: str) -> None:
                                aggregation=cfg.get("aggregation", "mean"), on_group=on_group)
     tensors = inputs_of(cfg)
     start = time.monotonic()
-    result = service.average(tensors, weight=cfg.get("weight", 1.0), timeout=cfg.get("timeout", 60.0))
+    if "epoch" in cfg:  # scheduled: matchmaking now, the tensors once its epoch ends (stale members tag along)
+        epoch = cfg["epoch"]
+        scheduled = service.schedule(tensors, timeout=cfg.get("timeout", 60.0), gather=dict(epoch=epoch),
+                                     contributes=lambda gathered: all(g["epoch"] == epoch for g in gathered.values())
+                                     or epoch == max(g["epoch"] for g in gathered.values()))
+        time.sleep(cfg.get("trigger_after", 0.0))
+        if cfg.get("role") == "tag_along":
+            scheduled.tag_along()
+        else:
+            scheduled.run(tensors, cfg.get("weight", 1.0))
+        result = scheduled.result()
+    else:
+        result = service.average(tensors, weight=cfg.get("weight", 1.0), timeout=cfg.get("timeout", 60.0))
     seconds = time.monotonic() - start
     if cfg.get("role") == "victim":  # (the round ended before the kill: wait for it, the test expects a death)
         time.sleep(30)
     evidence = result.evidence
     record = dict(me=dht.peer_id.to_base58(), error=result.error, seconds=seconds,
-                  group=[peer.to_base58() for peer in result.group])
+                  group=[peer.to_base58() for peer in result.group],
+                  gathered={peer.to_base58(): value for peer, value in result.gathered.items()})
     if evidence is not None:
         record.update(received=evidence.received, contributions=list(evidence.contributions),
                       results_from={evidence.members[k].to_base58(): list(v) for k, v in evidence.results_from.items()},

@@ -108,3 +108,25 @@ def test_a_member_killed_mid_round_leaves_the_others_with_the_same_result(tmp_pa
     for record, saved in survivors.values():  # and its own values where one did not
         for start, stop in record["missing"]:
             assert torch.equal(flat(saved["tensors"])[start:stop], flat(saved["inputs"])[start:stop])
+
+
+def test_a_scheduled_round_averages_the_current_epochs_tensors_only(tmp_path, bootstrap):
+    """Matchmaking runs ahead of the tensors; the tensors come at different times; a member at an older epoch (a
+    stale joiner) and one that tags along add nothing to the average, yet all four get the same bits."""
+    roles = {"m0": ("honest", 5, 0.0), "m1": ("honest", 5, 2.0), "m2": ("honest", 4, 0.5), "m3": ("tag_along", 5, 1.0)}
+    configs = {name: dict(group_size=4, seed=i, numel=50_000, weight=float(i + 1), role=role, epoch=epoch,
+                          trigger_after=after) for i, (name, (role, epoch, after)) in enumerate(roles.items())}
+    finish(start_members(tmp_path, bootstrap, configs))
+    results = {name: read(tmp_path, name) for name in configs}
+    ids = {results[name][0]["me"]: name for name in configs}
+    group = results["m0"][0]["group"]
+    assert sorted(group) == sorted(ids)
+    order = [ids[peer] for peer in group if ids[peer] in ("m0", "m1")]
+    expected = [weighted_mean([results[name][1]["inputs"][k] for name in order],
+                              [configs[name]["weight"] for name in order]) for k in range(2)]
+    for name, (record, saved) in results.items():
+        assert record["error"] is None and record["complete"] and record["received"] == 1.0, record
+        assert record["gathered"][record["me"]] == {"epoch": configs[name]["epoch"]}
+        for got, want in zip(saved["tensors"], expected, strict=True):
+            assert torch.allclose(got, want, atol=1e-6), f"{name}: {float((got - want).abs().max())} from the mean"
+        assert torch.equal(flat(saved["tensors"]), flat(results["m0"][1]["tensors"])), f"{name} holds other bits"

@@ -1,0 +1,64 @@
+"""The swarm key in collabopt's averaging service (collabopt/engine/averager.py): a join request without the
+caller's valid member token never reaches hivemind's matchmaking, and every member checks every member's token
+before its all-reduce."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MSGPackSerializer
+
+from collabopt.engine import averager
+from collabopt.membership import MemberToken, SwarmKey, new_swarm_key
+
+ALICE, BOB = (PeerID.from_base58(text) for text in ("QmXfzzKcYg6ARUVzmWz1CjJzUHMMF7i7CuBfi1W8gwjEP4",
+                                                    "QmNLei78zWmzUdbeRB3CiUfAizWUrbeeZh5K1rhAQKCh51"))
+KEY = SwarmKey(new_swarm_key())
+SCOPE = "run_grad_averager"
+
+
+def entry(peer, key=KEY, scope=SCOPE):
+    token = None if key is None else MemberToken.issue(key, scope, peer.to_bytes()).to_bytes()
+    return [True, {"epoch": 3}, token]
+
+
+class Matchmaking:
+    def __init__(self):
+        self.requests = []
+
+    async def rpc_join_group(self, request, context):
+        self.requests.append(context.remote_id)
+        yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
+
+
+def join(gate, peer, data):
+    async def go():
+        request = averaging_pb2.JoinRequest(gather=MSGPackSerializer.dumps(data) if data is not None else b"\xff")
+        return [m.code async for m in gate.rpc_join_group(request, SimpleNamespace(remote_id=peer))]
+    return asyncio.run(go())
+
+
+def test_the_gate_refuses_a_join_request_without_the_callers_token_before_matchmaking_reads_it():
+    matchmaking = Matchmaking()
+    gate = averager._MemberGate(matchmaking, KEY, SCOPE)
+    assert join(gate, ALICE, entry(ALICE)) == [averaging_pb2.ACCEPTED]
+    for peer, data in ((BOB, entry(ALICE)), (ALICE, entry(ALICE, key=None)), (ALICE, None),
+                       (ALICE, entry(ALICE, scope="run_state_averager")),
+                       (ALICE, entry(ALICE, key=SwarmKey(new_swarm_key())))):
+        assert join(gate, peer, data) == [averaging_pb2.PROTOCOL_VIOLATION], (peer, data)
+    assert matchmaking.requests == [ALICE]  # (only the member's request reached it)
+    open_gate = averager._MemberGate(Matchmaking(), None, SCOPE)  # an open swarm: matchmaking's checks only
+    assert join(open_gate, BOB, entry(BOB, key=None)) == [averaging_pb2.ACCEPTED]
+
+
+def test_every_member_checks_every_token_of_its_group():
+    service = SimpleNamespace(_key=KEY, prefix=SCOPE)
+    members = (ALICE, BOB)
+    assert averager.AveragingService._refusal(service, members, [entry(ALICE), entry(BOB)]) is None
+    refusal = averager.AveragingService._refusal(service, members, [entry(ALICE), entry(ALICE)])
+    assert str(BOB) in refusal and "no member of the swarm" in refusal
+    assert averager.AveragingService._refusal(SimpleNamespace(_key=None, prefix=SCOPE), members,
+                                              [entry(ALICE, None), entry(BOB, None)]) is None
