@@ -49,16 +49,20 @@ def _add_log_level(parser: argparse.ArgumentParser) -> None:
                              "(default: $HIVEMIND_LOGLEVEL, else INFO); DEBUG also shows an error's traceback")
 
 
-def _swarm_args(peer: bool) -> argparse.ArgumentParser:
-    """The DHT options; ``peer=False`` (the monitor, a read-only client) leaves out those only a peer that others
-    reach uses: --announce-maddrs and --use-auto-relay."""
-    parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--initial-peers", nargs="*", default=None,
-                        help="multiaddrs of a running swarm (default: $INITIAL_PEERS)")
-    parent.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"],
-                        help="addresses to listen on (default: all IPv4 interfaces, any free port)")
-    if peer:
-        parent.add_argument("--announce-maddrs", nargs="*", default=None, help="addresses to announce to others")
+# The network switches of each command, from collabopt.network_args (the examples take all of them, with the same
+# help, defaults and environment variables): a bootstrap peer is found again at a fixed port and identity; the doctor
+# checks the addresses a peer would start with; the monitor, a read-only client, only listens.
+DHT_SWITCHES = ("initial_peers", "port", "host_maddrs", "announce_maddrs", "identity_path")
+DOCTOR_SWITCHES = ("initial_peers", "port", "host_maddrs", "announce_maddrs", "client_mode")
+MONITOR_SWITCHES = ("initial_peers", "host_maddrs")
+
+
+def _swarm_args(switches: Sequence[str], peer: bool) -> argparse.ArgumentParser:
+    """The network ``switches`` (collabopt.network_args), then the options of the commands only; ``peer=False``
+    (the monitor, a read-only client) leaves out --use-auto-relay, which only a peer that others reach uses."""
+    from collabopt.network_args import add_network_arguments
+
+    parent = add_network_arguments(argparse.ArgumentParser(add_help=False), switches)
     parent.add_argument("--no-relay", dest="use_relay", action="store_false", help="disable libp2p circuit relay")
     if peer:
         parent.add_argument("--use-auto-relay", action="store_true",
@@ -70,10 +74,9 @@ def _swarm_args(peer: bool) -> argparse.ArgumentParser:
     return parent
 
 
-def _identity_args() -> argparse.ArgumentParser:
-    """Options of a peer that others find again (the bootstrap peer)."""
+def _ipfs_args() -> argparse.ArgumentParser:
+    """The bootstrap peer's own option."""
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--identity-path", default=None, help="private key file: makes the peer id stable")
     parent.add_argument("--use-ipfs", action="store_true", help="find initial peers through IPFS")
     return parent
 
@@ -86,18 +89,11 @@ def _swarm_key(args: argparse.Namespace):
 
 
 def _swarm_options(args: argparse.Namespace):
-    from collabopt.swarm import SwarmOptions, parse_initial_peers, validate_listen_maddrs
+    from collabopt.network_args import network_options
+    from collabopt.swarm import SwarmOptions
 
-    options = SwarmOptions(
-        initial_peers=parse_initial_peers(args.initial_peers),
-        host_maddrs=validate_listen_maddrs(args.host_maddrs, "--host-maddrs"),
-        announce_maddrs=validate_listen_maddrs(getattr(args, "announce_maddrs", None), "--announce-maddrs"),
-        identity_path=getattr(args, "identity_path", None),
-        use_ipfs=getattr(args, "use_ipfs", False),
-        use_relay=args.use_relay,
-        use_auto_relay=getattr(args, "use_auto_relay", False),
-        swarm_key=_swarm_key(args),
-    )
+    options = SwarmOptions(**network_options(args), use_ipfs=getattr(args, "use_ipfs", False), use_relay=args.use_relay,
+                           use_auto_relay=getattr(args, "use_auto_relay", False), swarm_key=_swarm_key(args))
     options.validate()
     return options
 
@@ -138,13 +134,15 @@ def run_dht(args: argparse.Namespace) -> int:
 def run_doctor(args: argparse.Namespace) -> int:
     """Check this machine against the initial peers; exit status 1 when a check fails."""
     from collabopt.doctor import DoctorOptions, format_report, report_json, run_checks
-    from collabopt.swarm import INITIAL_PEERS_ENV
+    from collabopt.network_args import network_options
+    from collabopt.swarm import DEFAULT_HOST_MADDRS
 
-    peers = args.initial_peers if args.initial_peers is not None else [os.environ.get(INITIAL_PEERS_ENV, "")]
-    options = DoctorOptions(initial_peers=[m for item in peers for m in item.replace(",", " ").split()],
-                            host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs,
-                            client_mode=args.client_mode, use_relay=args.use_relay,
-                            use_auto_relay=args.use_auto_relay, timeout=args.timeout, swarm_key=_swarm_key(args))
+    given = network_options(args, check_addresses=False)  # (a bad address is a failed check of the report)
+    options = DoctorOptions(initial_peers=given.get("initial_peers", []),
+                            host_maddrs=given.get("host_maddrs", list(DEFAULT_HOST_MADDRS)),
+                            announce_maddrs=given.get("announce_maddrs"), client_mode=given.get("client_mode", False),
+                            use_relay=args.use_relay, use_auto_relay=args.use_auto_relay, timeout=args.timeout,
+                            swarm_key=_swarm_key(args))
     if not args.json:
         print("collabopt doctor: checking this machine" + (" against its initial peers (a few seconds)"
                                                            if options.initial_peers else ""), flush=True)
@@ -243,21 +241,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     dht = command("dht", "Run a bootstrap peer (a DHT node that trains nothing) until Ctrl+C, and print the "
                          "INITIAL_PEERS value that training peers and collabopt doctor/monitor take.",
-                  _swarm_args(peer=True), _identity_args())
+                  _swarm_args(DHT_SWITCHES, peer=True), _ipfs_args())
     dht.add_argument("--peers-file", default=None, help="also write the INITIAL_PEERS value to this file")
 
     doctor = command("doctor", "Check that this machine can join the swarm of --initial-peers: versions, addresses, "
                                "each initial peer (connection, DHT ping, clock) and whether other machines can "
-                               "connect to this one (if not: client_mode=True or relay_peers=[...]). Exit status 1 "
-                               "when a check fails.", _swarm_args(peer=True))
-    doctor.add_argument("--client-mode", action="store_true",
-                        help="you will join with client_mode=True (then not accepting connections is fine)")
+                               "connect to this one (if not: client_mode=True or relay_peers=[...]). Pass the "
+                               "network switches the peer will start with (--client-mode: then accepting no "
+                               "connections is fine). Exit status 1 when a check fails.",
+                     _swarm_args(DOCTOR_SWITCHES, peer=True))
     doctor.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each peer")
     doctor.add_argument("--json", action="store_true", help="the checks as one JSON object")
 
     monitor = command("monitor", "Show the live state of a run, read from the progress records its peers publish "
                                  "to the DHT: joins as a read-only client (trains nothing, accepts no connections).",
-                      _swarm_args(peer=False))
+                      _swarm_args(MONITOR_SWITCHES, peer=False))
     monitor.add_argument("--run-id", required=True, help="the run_id the peers train with (in their join message)")
     monitor.add_argument("--interval", type=float, default=2.0, help="seconds between two reports")
     monitor.add_argument("--count", type=int, default=0, help="number of reports; 0: until Ctrl+C")

@@ -68,7 +68,7 @@ CLIENT_MODE_FIX = ("join in client mode: --client-mode with the examples, client
 FORWARD_FIX = ("to accept connections instead, forward a fixed TCP port to this machine and pass --port 31337 "
                "--announce-maddrs /ip4/<public IP>/tcp/31337 (host_maddrs=['/ip4/0.0.0.0/tcp/31337'], "
                "announce_maddrs=['/ip4/<public IP>/tcp/31337']), then run collabopt doctor again with "
-               "--host-maddrs /ip4/0.0.0.0/tcp/31337 --announce-maddrs /ip4/<public IP>/tcp/31337")
+               "--port 31337 --announce-maddrs /ip4/<public IP>/tcp/31337")
 RELAY_FIX = ("where no training peer accepts connections, a relay: --relay-peers <initial peer address> "
              "(relay_peers=['<initial peer address>']); hivemind 1.1.12 relays 128 KiB per connection, so for "
              "small models only")

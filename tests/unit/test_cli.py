@@ -3,6 +3,7 @@ error, 130 Ctrl+C, the same in every command), its help, and bad input refused b
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import subprocess
@@ -58,11 +59,52 @@ def test_every_command_has_a_description_its_defaults_and_log_level(capsys, name
 
 
 def test_the_monitor_takes_only_the_options_it_uses(capsys):
-    for option in ("--identity-path", "--use-ipfs", "--announce-maddrs", "--use-auto-relay"):
+    for option in ("--identity-path", "--use-ipfs", "--announce-maddrs", "--use-auto-relay", "--port",
+                   "--client-mode", "--relay-peers"):
         assert cli.main(["monitor", "--run-id", "r", "--initial-peers", MADDR, option, "x"]) == 2, option
         assert f"unrecognized arguments: {option}" in capsys.readouterr().err
     assert cli.main(["monitor", "--help"]) == 0
     assert "--no-relay" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["dht", "doctor", "monitor"])
+def test_the_network_switches_are_the_examples_ones(name):
+    """One definition (collabopt.network_args): each command's network switch has the examples' help (its default
+    said once) and type; the commands differ only in which switches they take."""
+    from collabopt.network_args import SWITCHES, add_network_arguments
+
+    def switches(parser):
+        return {a.dest: (a.option_strings, a.nargs, a.type, a.default, a.help) for a in parser._actions
+                if a.dest in SWITCHES}
+
+    command = cli.build_parser()._subparsers._group_actions[0].choices[name]
+    taken = {"dht": cli.DHT_SWITCHES, "doctor": cli.DOCTOR_SWITCHES, "monitor": cli.MONITOR_SWITCHES}[name]
+    assert switches(command) == switches(add_network_arguments(argparse.ArgumentParser(), taken))
+    assert set(switches(command)) == set(taken) and "initial_peers" in taken
+
+
+def test_a_command_reads_the_switches_environment_variables(monkeypatch):
+    """As the examples do: $COLLABOPT_PORT fixes the bootstrap peer's port, and a switch wins over its variable."""
+    seen = []
+
+    def started(options):
+        seen.append(options)
+        raise SwarmConnectionError("stop here")
+
+    monkeypatch.setattr("collabopt.swarm.start_dht", started)
+    monkeypatch.delenv("INITIAL_PEERS", raising=False)
+    monkeypatch.delenv("COLLABOPT_SWARM_KEY", raising=False)
+    monkeypatch.setenv("COLLABOPT_PORT", "31337")
+    monkeypatch.setenv("COLLABOPT_IDENTITY_PATH", "bootstrap.key")
+    assert cli.main(["dht"]) == 1
+    assert seen[-1].host_maddrs == ["/ip4/0.0.0.0/tcp/31337"] and seen[-1].identity_path == "bootstrap.key"
+    assert cli.main(["dht", "--port", "4001"]) == 1
+    assert seen[-1].host_maddrs == ["/ip4/0.0.0.0/tcp/4001"]
+    monkeypatch.setenv("COLLABOPT_PORT", "http")
+    assert cli.main(["dht"]) == 2  # a bad value: a usage error naming the variable
+    # the monitor takes no identity and no port: their variables are not read there (else "http" would be exit 2)
+    assert cli.main(["monitor", "--run-id", "r", "--initial-peers", MADDR, "--count", "1"]) == 1
+    assert seen[-1].identity_path is None and seen[-1].client_mode
 
 
 # ---------------------------------------------------------------- 2: a usage error
@@ -77,7 +119,7 @@ def test_a_bad_option_is_exit_status_2(capsys):
 def test_cli_refuses_bad_peers_before_starting():
     proc = collabopt("dht", "--initial-peers", "/ip4/1.2.3/tcp/1")
     assert proc.returncode == 2
-    assert "initial_peers" in proc.stderr and "Fix:" in proc.stderr and "Traceback" not in proc.stderr
+    assert "--initial-peers" in proc.stderr and "Fix:" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_monitor_without_initial_peers_says_what_to_pass():
