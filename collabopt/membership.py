@@ -50,6 +50,17 @@ NONCE_BYTES = 16
 DHT_REQUEST, DHT_RESPONSE, MEMBER, DIALBACK = "dht-request", "dht-response", "member", "dialback"
 _KEY_TEXT = re.compile(r"[A-Za-z0-9_-]+")  # (URL-safe base64, padding stripped)
 SWARM_KEY_ENV = "COLLABOPT_SWARM_KEY"
+ENV_PARAMETER = f"the {SWARM_KEY_ENV} environment variable"  # (what an error names when the variable is wrong)
+
+
+OPEN_SWARM = ("open swarm: anyone with an initial peer's address and the run_id can join, read the model and "
+              "count progress; members only: swarm_key= (collabopt keygen), the same on every peer")
+MEMBERS_ONLY = f"members only: peers need this swarm's key (swarm_key= or ${SWARM_KEY_ENV})"
+
+
+def membership_line(members_only: bool) -> str:
+    """One line saying whether the swarm admits members only (a swarm key) or anyone."""
+    return MEMBERS_ONLY if members_only else OPEN_SWARM
 
 
 def new_swarm_key() -> str:
@@ -65,17 +76,9 @@ class SwarmKey:
     key) is a mistake to report, not a weak key to use."""
 
     def __init__(self, text: str, parameter: str = "swarm_key"):
-        stripped = text.strip().rstrip("=") if isinstance(text, str) else ""
-        try:
-            secret = base64.urlsafe_b64decode(stripped + "=" * (-len(stripped) % 4))
-        except (binascii.Error, ValueError):
-            secret = b""
-        if len(secret) < KEY_BYTES or not _KEY_TEXT.fullmatch(stripped):
-            given = (f"the one given is {len(stripped)} characters long" if isinstance(text, str)
-                     else f"got {type(text).__name__}")
-            raise ConfigurationError(parameter, f"must be a key from `collabopt keygen` (URL-safe base64 of at "
-                                                f"least {KEY_BYTES} bytes); {given}",
-                                     "copy the whole key that `collabopt keygen` printed, the same on every member")
+        secret = _secret_of(text)
+        if secret is None:
+            raise _bad_key(text, parameter)
         self._secret = secret
 
     def derive(self, label: str) -> bytes:
@@ -86,6 +89,38 @@ class SwarmKey:
         return "SwarmKey(<hidden>)"
 
 
+def _secret_of(text: Any) -> bytes | None:
+    """The secret of a key's text; None where the text is no key."""
+    stripped = text.strip().rstrip("=") if isinstance(text, str) else ""
+    try:
+        secret = base64.urlsafe_b64decode(stripped + "=" * (-len(stripped) % 4))
+    except (binascii.Error, ValueError):
+        return None
+    return secret if len(secret) >= KEY_BYTES and _KEY_TEXT.fullmatch(stripped) else None
+
+
+def _bad_key(text: Any, parameter: str) -> ConfigurationError:
+    """The error for text that is no key. Where it names a file holding a key (a path passed for the key itself),
+    the fix passes that key: ``swarm_key=`` as data, the environment variable in words."""
+    path = text.strip() if isinstance(text, str) else ""
+    given = f"the one given is {len(path)} characters long" if isinstance(text, str) else f"got {type(text).__name__}"
+    problem = f"must be a key from `collabopt keygen` (URL-safe base64 of at least {KEY_BYTES} bytes); {given}"
+    fix = ("copy the whole key that `collabopt keygen` printed, the same on every member (for a new swarm, run "
+           "`collabopt keygen` and give its key to every member)")
+    try:
+        held = Path(path).read_text() if path and os.path.isfile(path) else None
+    except OSError:
+        held = None
+    if held is None or _secret_of(held) is None or parameter not in ("swarm_key", ENV_PARAMETER):
+        return ConfigurationError(parameter, problem, fix)
+    problem = f"{problem}: it names a file holding a key"
+    if parameter == "swarm_key":
+        return ConfigurationError(parameter, problem, f"pass the key the file holds: swarm_key=open({path!r}).read()",
+                                  fixes=[{"swarm_key": SwarmKey(held)}])
+    return ConfigurationError(parameter, problem, f"set {SWARM_KEY_ENV} to the key the file holds: "
+                                                  f"{SWARM_KEY_ENV}=\"$(cat {path})\"")
+
+
 def swarm_key_from(value: str | SwarmKey | None, *, environment: bool = True) -> SwarmKey | None:
     """The swarm key of the ``swarm_key`` option: ``value`` parsed, else (``environment``) that of the
     ``COLLABOPT_SWARM_KEY`` environment variable; None where neither is set (an open swarm)."""
@@ -94,7 +129,7 @@ def swarm_key_from(value: str | SwarmKey | None, *, environment: bool = True) ->
     if value is not None:
         return SwarmKey(value)
     text = os.environ.get(SWARM_KEY_ENV, "").strip() if environment else ""
-    return SwarmKey(text, f"the {SWARM_KEY_ENV} environment variable") if text else None
+    return SwarmKey(text, ENV_PARAMETER) if text else None
 
 
 def read_swarm_key_file(path: str | os.PathLike) -> SwarmKey:

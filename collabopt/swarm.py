@@ -15,13 +15,23 @@ from typing import Any, TextIO
 
 from collabopt.engine import p2p
 from collabopt.engine.compat import Multiaddr
-from collabopt.errors import ConfigurationError, SwarmConnectionError, SwarmKeyError
-from collabopt.membership import SWARM_KEY_ENV, SwarmKey, SwarmKeyAuthorizer, swarm_key_from, swarm_key_of
+from collabopt.errors import DROP, ConfigurationError, SwarmConnectionError, SwarmKeyError
+from collabopt.membership import (  # noqa: F401 (found here too)
+    MEMBERS_ONLY,
+    OPEN_SWARM,
+    SwarmKey,
+    SwarmKeyAuthorizer,
+    membership_line,
+    swarm_key_from,
+    swarm_key_of,
+)
 
 logger = logging.getLogger(__name__)
 
 INITIAL_PEERS_ENV = "INITIAL_PEERS"
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+# where a peer's address comes from (no fix can guess it: the words say where to copy it from)
+AS_PRINTED = "the addresses a running peer prints in its join line (or `collabopt dht` as INITIAL_PEERS=...)"
 
 
 def parse_initial_peers(
@@ -52,14 +62,14 @@ def parse_initial_peers(
                 raise ConfigurationError(
                     parameter,
                     f"expected multiaddr strings, got {type(item).__name__} {item!r}",
-                    "pass strings like '/ip4/1.2.3.4/tcp/31337/p2p/Qm...' as printed by the first peer",
+                    f"pass strings like '/ip4/1.2.3.4/tcp/31337/p2p/Qm...', {AS_PRINTED}",
                 )
             items.extend(str(item).replace(",", " ").split())
     else:
         raise ConfigurationError(
             parameter,
             f"expected a list of multiaddrs or a comma-separated string, got {type(initial_peers).__name__}",
-            "pass e.g. initial_peers=['/ip4/1.2.3.4/tcp/31337/p2p/Qm...']",
+            f"pass e.g. initial_peers=['/ip4/1.2.3.4/tcp/31337/p2p/Qm...'], {AS_PRINTED}",
         )
     for item in items:
         validate_peer_maddr(item, parameter)
@@ -94,7 +104,7 @@ def relay_options(relay_peers: Sequence[str], announce_maddrs: Sequence[str] | N
 
 def validate_peer_maddr(maddr: str, parameter: str = "initial_peers") -> None:
     """Raise :class:`ConfigurationError` unless ``maddr`` is a full multiaddr of a peer (with ``/p2p/<id>``)."""
-    fix = "copy the address exactly as the first peer printed it, e.g. '/ip4/1.2.3.4/tcp/31337/p2p/QmPeerId...'"
+    fix = f"copy the address exactly as printed: {AS_PRINTED}, e.g. '/ip4/1.2.3.4/tcp/31337/p2p/QmPeerId...'"
     try:
         parsed = Multiaddr(maddr)
     except Exception as e:
@@ -114,12 +124,34 @@ def validate_listen_maddrs(maddrs: Sequence[str] | None, parameter: str) -> list
         try:
             Multiaddr(str(maddr))
         except Exception as e:
-            raise ConfigurationError(
-                parameter,
-                f"{maddr!r} is not a valid multiaddr ({e})",
-                "use the form '/ip4/0.0.0.0/tcp/31337' (or '/ip4/0.0.0.0/tcp/0' for any free port)",
-            ) from None
+            fix, fixes = _listen_fix(parameter, [str(m) for m in maddrs])
+            raise ConfigurationError(parameter, f"{maddr!r} is not a valid multiaddr ({e})", fix, fixes=fixes) from None
     return [str(maddr) for maddr in maddrs]
+
+
+def _listen_fix(parameter: str, maddrs: list[str]) -> tuple[str, list[dict[str, Any]]]:
+    """The fix of a bad listen or announce address: ``IP:PORT`` written as a multiaddr, or the option left out (its
+    default); as data where ``parameter`` is an option (not a switch or an environment variable)."""
+    written, option = [_as_multiaddr(maddr) for maddr in maddrs], parameter.isidentifier()
+    default = "all IPv4 interfaces, a free port" if "host" in parameter else "the addresses listened on"
+    drop = f"drop {parameter} (default: {default})"
+    if all(written) and option:
+        return f"pass {parameter}={written!r}, or {drop}", [{parameter: written}, {parameter: DROP}]
+    return (f"use the form '/ip4/0.0.0.0/tcp/31337' ('/ip4/0.0.0.0/tcp/0': a free port), or {drop}",
+            [{parameter: DROP}] if option else [])
+
+
+def _as_multiaddr(address: str) -> str | None:
+    """A valid multiaddr as it is, ``"10.0.0.2:31337"`` as ``"/ip4/10.0.0.2/tcp/31337"`` (an IPv6 address in
+    brackets too), else None."""
+    with contextlib.suppress(Exception):
+        return str(Multiaddr(address))
+    host, _, port = address.strip().rpartition(":")
+    with contextlib.suppress(ValueError):
+        ip = ipaddress.ip_address(host.strip("[]"))
+        if port.isdigit() and int(port) <= 65535:
+            return f"/ip{ip.version}/{ip}/tcp/{int(port)}"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,25 +173,38 @@ class DhtOptions:
     swarm_key: str | SwarmKey | None = field(default=None, repr=False)
 
     def validate(self) -> None:
+        """Refuse options that cannot work together, each error with its fixes as data (they lead to valid options
+        as far as these checks go)."""
         swarm_key_from(self.swarm_key, environment=False)  # (a malformed key: ConfigurationError naming swarm_key)
         if self.relay_peers is not None:
             relay_peers = peer_maddrs(self.relay_peers, "relay_peers")
             if not relay_peers:
-                raise ConfigurationError("relay_peers", "is empty", "pass the address of a public peer, or drop it")
-            for name, value, problem in (("client_mode", self.client_mode, "a client-mode peer accepts no "
-                                          "connections, relayed or not"),
-                                         ("use_relay", not self.use_relay, "relaying needs use_relay=True")):
-                if value:
-                    raise ConfigurationError(name, f"cannot be combined with relay_peers: {problem}",
-                                             "drop one of them")
+                raise ConfigurationError("relay_peers", "is empty", "pass the address of a public peer, or drop "
+                                         "relay_peers", fixes=[{"relay_peers": DROP}])
+            if self.client_mode:
+                raise ConfigurationError(
+                    "client_mode", "cannot be combined with relay_peers: a client-mode peer accepts no connections, "
+                    "relayed or not", "keep client_mode=True and drop relay_peers (client mode needs one training "
+                    "peer that accepts connections), or drop client_mode to be reached through the relays",
+                    fixes=[{"relay_peers": DROP}, {"client_mode": DROP}])
+            if not self.use_relay:
+                raise ConfigurationError(
+                    "use_relay", "cannot be combined with relay_peers: relaying needs use_relay=True",
+                    "drop use_relay=False, or drop relay_peers", fixes=[{"use_relay": DROP}, {"relay_peers": DROP}])
         if self.identity_path is not None and not isinstance(self.identity_path, (str, os.PathLike)):
-            raise ConfigurationError("identity_path", "must be a path to a private key file", "pass a str path")
-        for name in ("wait_timeout", "bootstrap_timeout", "startup_timeout"):
+            raise ConfigurationError("identity_path", f"must be a path to a private key file, got "
+                                     f"{type(self.identity_path).__name__}", "pass e.g. identity_path='peer.key' (a "
+                                     "file, created if missing), or drop identity_path for a new peer id at each start",
+                                     fixes=[{"identity_path": "peer.key"}, {"identity_path": DROP}])
+        for name, example in (("wait_timeout", 3.0), ("bootstrap_timeout", DROP), ("startup_timeout", 30.0)):
             value = getattr(self, name, None)
             if value is None and name != "wait_timeout":
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigurationError(name, f"must be a positive number of seconds, got {value!r}", "e.g. 10")
+                fix = (f"pass a positive number of seconds, e.g. {name}={example} (the default)" if example is not DROP
+                       else f"drop {name} (hivemind's default), or pass a positive number of seconds")
+                raise ConfigurationError(name, f"must be a positive number of seconds, got {value!r}", fix,
+                                         fixes=[{name: example}])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,7 +262,6 @@ def start_dht(options: SwarmOptions):
         raise
 
 
-
 def _refusal(initial_peers: Any, authorizer: Any) -> str | None:
     """Why the initial peers refused this peer (:func:`collabopt.engine.p2p.membership_verdict`), or None where the
     probe cannot tell: it failed, or this thread runs an event loop (``asyncio.run`` is not allowed there); the
@@ -232,6 +276,7 @@ def _refusal(initial_peers: Any, authorizer: Any) -> str | None:
     except Exception as e:  # (a probe that fails must not hide the bootstrap's error)
         logger.debug("collabopt: the membership probe failed: %r", e)
         return None
+
 
 def _is_loopback(maddr: str) -> bool:
     parts = str(maddr).split("/")
@@ -322,16 +367,6 @@ def _runs_itself(path: str) -> bool:
             return file.read(2) == b"#!"
     except OSError:
         return False
-
-
-OPEN_SWARM = ("open swarm: anyone with an initial peer's address and the run_id can join, read the model and "
-              "count progress; members only: swarm_key= (collabopt keygen), the same on every peer")
-MEMBERS_ONLY = f"members only: peers need this swarm's key (swarm_key= or ${SWARM_KEY_ENV})"
-
-
-def membership_line(members_only: bool) -> str:
-    """One line saying whether the swarm admits members only (a swarm key) or anyone."""
-    return MEMBERS_ONLY if members_only else OPEN_SWARM
 
 
 def join_message(visible_maddrs: Sequence[Any], run_id: str, client_mode: bool = False, command: str | None = None,

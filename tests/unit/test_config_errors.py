@@ -275,6 +275,15 @@ FIX_CASES = [
                                                 state_averaging_compression=Float16Compression())),
     ("robust with lossy gradients between parameter rounds", dict(
         aggregation="centered_clip", grad_compression=Float16Compression(), average_state_every=4)),
+    # the DHT's options (collabopt/swarm.py, collabopt/membership.py)
+    ("host address as IP:PORT", dict(host_maddrs=["0.0.0.0:31337"])),
+    ("bad announce address", dict(announce_maddrs=["/ip4/203.0.113.5/tcp/1", "somewhere"])),
+    ("empty relay list", dict(relay_peers=[])),
+    ("relay in client mode", dict(relay_peers=[PEER], client_mode=True)),
+    ("relay without use_relay", dict(relay_peers=[PEER], use_relay=False)),
+    ("identity_path not a path", dict(identity_path=5)),
+    ("zero wait_timeout", dict(wait_timeout=0)),
+    ("negative bootstrap_timeout", dict(bootstrap_timeout=-1)),
 ]
 
 
@@ -332,3 +341,39 @@ def test_scaler_is_the_name_everywhere_and_grad_scaler_still_works_with_one_warn
     with pytest.warns(DeprecationWarning, match="NodeOptimizer\\(grad_scaler="), \
             pytest.raises(ConfigurationError, match="init_process_group"):
         NodeOptimizer(opt, model=model, run_id="scaler", target_batch_size=64, grad_scaler=scaler)
+
+
+# ---------------------------------------------------------------------- the DHT's options: fixes, or what to do next
+
+
+def test_an_ip_and_port_is_written_as_the_multiaddr_to_pass():
+    error = refused_then_fixed(dict(FIX_BASE, host_maddrs=["0.0.0.0:31337"]))
+    assert error.fixes[0] == {"host_maddrs": ["/ip4/0.0.0.0/tcp/31337"]}
+    assert "host_maddrs=['/ip4/0.0.0.0/tcp/31337']" in error.fix
+    error = refused_then_fixed(dict(FIX_BASE, announce_maddrs=["/ip4/203.0.113.5/tcp/4001", "[::1]:4001"]))
+    assert error.fixes[0] == {"announce_maddrs": ["/ip4/203.0.113.5/tcp/4001", "/ip6/::1/tcp/4001"]}
+
+
+def test_a_key_files_path_given_as_the_key_gets_the_key_it_holds(tmp_path, monkeypatch):
+    from collabopt.membership import new_swarm_key, swarm_key_from
+
+    key_file = tmp_path / "swarm.key"
+    key_file.write_text(new_swarm_key() + "\n")
+    error = refused_then_fixed(dict(FIX_BASE, swarm_key=str(key_file)))
+    assert error.parameter == "swarm_key" and "names a file" in error.problem
+    assert key_file.read_text().strip() not in str(error) and repr(error.fixes[0]["swarm_key"]) == "SwarmKey(<hidden>)"
+    monkeypatch.setenv("COLLABOPT_SWARM_KEY", str(key_file))
+    with pytest.raises(ConfigurationError) as info:
+        swarm_key_from(None)
+    assert f'COLLABOPT_SWARM_KEY="$(cat {key_file})"' in info.value.fix and not info.value.fixes
+
+
+@pytest.mark.parametrize("options", [dict(initial_peers=["localhost:31337"]), dict(initial_peers=[31337]),
+                                     dict(relay_peers=["/ip4/203.0.113.5/tcp/31337"]), dict(swarm_key="short")],
+                         ids=["address", "not a string", "relay without peer id", "not a key"])
+def test_a_value_no_fix_can_guess_says_where_to_copy_it_from(options):
+    """A peer's address or the swarm's key cannot be made up: no fix as data, and the words say where it is."""
+    with pytest.raises(ConfigurationError) as info:
+        CollabConfig.from_options(**FIX_BASE, **options)
+    assert not info.value.fixes
+    assert "collabopt keygen" in info.value.fix or "join line" in info.value.fix, info.value.fix
