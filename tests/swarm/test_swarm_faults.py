@@ -1,4 +1,7 @@
-"""Faults and lifecycle on real swarms: late joiners, a peer killed mid-training, Ctrl+C and SIGTERM."""
+"""Faults and lifecycle on real swarms: a late joiner, lineages apart, partial rounds, Ctrl+C and SIGTERM, NaNs.
+
+Peers SIGKILLed mid-training (the survivors go on and end in sync; no process of a killed peer is left) are
+test_churn's claim."""
 
 from __future__ import annotations
 
@@ -18,7 +21,6 @@ from helpers import (
     finish,
     finish_line,
     max_param_diff,
-    progress_epoch,
     read_params,
     read_result,
     start_peer,
@@ -27,14 +29,6 @@ from helpers import (
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
-
-
-def wait_for_epoch(tmp_path, proc, name, epoch, timeout=90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while progress_epoch(tmp_path, name) < epoch:
-        assert proc.popen.poll() is None, f"{name} exited early:\n{proc.log()[-3000:]}"
-        assert time.monotonic() < deadline, f"{name} did not reach epoch {epoch}:\n{proc.log()[-3000:]}"
-        time.sleep(0.05)
 
 
 # The swarm fills these tests' epochs (480 samples) in about 0.5 s: with the harness's matchmaking_time of 2 s every
@@ -68,26 +62,6 @@ def test_late_joiner_holds_swarm_parameters_before_first_contribution(tmp_path, 
     own = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).state_dict()
     assert max_param_diff(late_start, own) > 0.01
     assert late["final_epoch"] >= 6
-
-
-def test_sigkill_one_of_three_peers_the_others_keep_training_in_sync(tmp_path, bootstrap):
-    # averaging_timeout 10 s, not 30 s: the killed peer's progress record counts it as present for a round
-    # (matchmaking_time + averaging_timeout, collabopt/engine/lineage_check.py present_peers), and until then every
-    # parameter round of the survivors waits out its matchmaking_time for it (the group size hint is off)
-    base = dict(run_id=unique_run_id("kill"), target_batch_size=480, epochs=7, lr=0.3, step_sleep=0.05,
-                model_seed=0, wait_peers=3, finish_with=finish_line(tmp_path, "a", "b"),  # not c: it is killed
-                options=dict(FAST_ROUNDS, averaging_timeout=10.0))
-    procs = {name: start_peer(tmp_path, name, dict(base, seed=i), bootstrap) for i, name in enumerate("abc")}
-    wait_for_epoch(tmp_path, procs["a"], "a", 2)
-    killed_at = progress_epoch(tmp_path, "c")
-    procs["c"].kill_tree()  # SIGKILL the peer and every process it started (DHT, p2pd, averagers)
-    survivors = {"a": procs["a"], "b": procs["b"]}
-    finish(survivors, 150)
-    results = {name: read_result(tmp_path, name) for name in survivors}
-    for name, result in results.items():
-        assert result["final_epoch"] >= 7 > killed_at + 2, (name, result["final_epoch"], killed_at)
-    params = {name: read_params(tmp_path, name) for name in survivors}
-    assert max_param_diff(params["a"], params["b"]) <= SWARM_ROUNDING
 
 
 def test_a_peer_of_another_lineage_adopts_the_majoritys_parameters(tmp_path, bootstrap):
