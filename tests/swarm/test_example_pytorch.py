@@ -16,6 +16,7 @@ from collabopt.testing import processes
 
 pytestmark = pytest.mark.swarm
 EXAMPLE = str(ROOT / "examples" / "pytorch_loop.py")
+EPOCHS = 4
 
 
 def example(tmp_path, name: str, args: list[str], seed: int, min_peers: int, initial_peers: str) -> Process:
@@ -37,16 +38,17 @@ def pasted_join_line(tmp_path, log: str) -> processes.Process:
 
 def test_two_copies_of_the_example_train_together_a_third_joins_and_one_resumes(tmp_path):
     """The getting-started guide with the example's defaults: two copies start together, a third joins once they
-    are at epoch 2, with the command the first printed, pasted into a plain shell (no activated environment). The
+    are at epoch 1, with the command the first printed, pasted into a plain shell (no activated environment). The
     defaults make an epoch longer than matchmaking_time (no short-epoch warning); the joiner downloads the state
     once, nobody logs an error, and all three end the last epoch bit-identical."""
     bootstrap, initial_peers = start_bootstrap(tmp_path)
     run_id = unique_run_id("example")
-    args = ["--run-id", run_id, "--epochs", "6", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    # 4 epochs: the joiner joins at epoch 1 (it downloads the state) and trains at least 2 epochs with the others
+    args = ["--run-id", run_id, "--epochs", str(EPOCHS), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
     procs = {name: example(tmp_path, name, args, i, 2, initial_peers) for i, name in enumerate(["first", "second"])}
     try:
         deadline = time.monotonic() + 180
-        while not re.search(r"^epoch [2-9]:", procs["first"].log(), re.MULTILINE) and time.monotonic() < deadline:
+        while not re.search(r"^epoch [1-9]:", procs["first"].log(), re.MULTILINE) and time.monotonic() < deadline:
             time.sleep(0.1)
         procs["joiner"] = pasted_join_line(tmp_path, procs["first"].log())
         codes = wait_all(procs, 240)
@@ -57,7 +59,7 @@ def test_two_copies_of_the_example_train_together_a_third_joins_and_one_resumes(
     assert codes == {"first": 0, "second": 0, "joiner": 0}, {n: log[-3000:] for n, log in logs.items()}
     for log in logs.values():
         reports = re.findall(r"^epoch (\d+): (\d+) peers", log, re.MULTILINE)
-        assert reports and int(reports[-1][0]) == 6, log[-2000:]
+        assert reports and int(reports[-1][0]) == EPOCHS, log[-2000:]
         assert re.search(r": [23] peers", log), log[-2000:]
         assert "Traceback" not in log and "[ERROR]" not in log, log[-3000:]
         assert "fills an epoch in" not in log, log[-3000:]  # the defaults' epochs are longer than matchmaking_time
@@ -77,11 +79,12 @@ def test_two_copies_of_the_example_train_together_a_third_joins_and_one_resumes(
         # a clean exit prints nothing alarming (hivemind's tracker used to leave a pending asyncio task behind)
         assert "Task was destroyed but it is pending" not in proc.log(), proc.log()[-2000:]
     saved = torch.load(tmp_path / "first.pt")
-    assert saved["optimizer"]["local_epoch"] == 6
+    assert saved["optimizer"]["local_epoch"] == EPOCHS
 
-    # resume alone from the checkpoint: it continues from the saved epoch (and would join a running swarm)
+    # resume alone from the checkpoint: it continues from the saved epoch (and would join a running swarm). Its one
+    # epoch's round looks for a group for matchmaking_time: 1 s, not the default's 5 s, alone
     resumed = Process([sys.executable, EXAMPLE, *args[:2], "--epochs", str(saved["optimizer"]["local_epoch"] + 1),
-                       "--target-batch-size", "256", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                       "--target-batch-size", "256", "--matchmaking-time", "1", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
                        "--checkpoint", str(tmp_path / "first.pt")], tmp_path / "resumed.log", env=child_env())
     try:
         assert resumed.wait(120) == 0, resumed.log()[-3000:]
