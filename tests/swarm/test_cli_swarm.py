@@ -17,8 +17,10 @@ pytestmark = pytest.mark.swarm
 
 
 def test_demo_trains_a_swarm_in_sync():
+    """The demo's run and its summary. 2 peers: that every peer of a swarm ends in sync is the swarm tests' claim
+    (test_swarm_training, test_twelve_peers); here the summary must report it (a third peer cost 1/3 more CPU)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "collabopt", "demo", "--peers", "3", "--epochs", "3", "--no-progress"],
+        [sys.executable, "-m", "collabopt", "demo", "--peers", "2", "--epochs", "3", "--no-progress"],
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -26,7 +28,7 @@ def test_demo_trains_a_swarm_in_sync():
     assert "global epochs reached: 3" in out, out
     max_diff = float(out.split("max parameter difference between peers:")[1].split()[0])
     assert max_diff <= SWARM_ROUNDING and "peers are in sync" in out, out
-    assert out.count("contributed") == 3
+    assert out.count("contributed") == 2
     computed = float(out.split("peers computed")[1].split("%")[0])
     assert 0 < computed <= 100, out  # the share of wall time outside step(), median over peers
     accuracy = float(out.split("held-out accuracy:")[1].split("%")[0])
