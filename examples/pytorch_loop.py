@@ -10,6 +10,7 @@ Every other machine (the command the first one printed, its INITIAL_PEERS includ
 
 Network switches (each also an environment variable): --port to listen on a fixed port (to open it in a firewall),
 --announce-maddrs behind port forwarding, --client-mode behind NAT (what `collabopt doctor` says to do).
+--log-level DEBUG shows each step of the rounds (the printed join command carries it to the other peers).
 
 The defaults make an epoch last longer than matchmaking_time with up to 3 peers (collabopt warns when the swarm fills
 an epoch faster): this tiny model's steps are timed by --compute-delay, so a peer feeds at most
@@ -32,6 +33,7 @@ from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
 from collabopt import CollaborativeError
+from collabopt.cli import LOG_LEVELS, set_log_level
 from collabopt.network_args import add_network_arguments, network_options
 
 
@@ -50,8 +52,11 @@ def main() -> None:
     parser.add_argument("--compute-delay", type=float, default=0.05,
                         help="seconds of simulated compute per step: this tiny model is so fast that a global epoch "
                              "would end before other peers can join it; a real model needs none")
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=None, metavar="LEVEL",
+                        help="log level of collabopt and hivemind, e.g. DEBUG (default: $HIVEMIND_LOGLEVEL, else INFO)")
     add_network_arguments(parser)  # --initial-peers, --port, --announce-maddrs, --client-mode, ...
     args = parser.parse_args()
+    set_log_level(args.log_level)
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # a tiny model needs one thread, and copies that share a machine then share its cores
