@@ -29,36 +29,46 @@ OFFLOAD = dict(offload_optimizer=True)
 # parameters are compared at the epochs every peer reached by a round.
 DELAYED = dict(offload_optimizer=True, delay_optimizer_step=True, delay_grad_averaging=True, delay_state_averaging=True,
                averaging_timeout=10.0)
+# (scheduler, options, whether a late joiner takes part). A late joiner's download and its LR afterwards are checked
+# once per download path: plateau-offload (the state at the epoch it downloads) and the two delayed cases (the state
+# one update ahead of the servers' parameters); onecycle-offload's would repeat plateau-offload's.
+# onecycle-offload, with no download, takes matchmaking_time 1 s, not the harness's 2 s: 640 samples take its two
+# peers about a second, and each round then waited out the rest of 2 s for a group of 2 on loopback. With a late
+# joiner, 1 s is not safe yet: in 2 of 6 runs of cases with one (offload, delayed) the joiner's parameters ended
+# 0.0025-0.003 apart from A's and B's (equal to each other), at its download epoch or the epochs after
 CASES = {
-    "onecycle-offload": ("onecycle", OFFLOAD),
-    "warmup_lambda-delayed": ("warmup_lambda", DELAYED),
+    "onecycle-offload": ("onecycle", dict(OFFLOAD, matchmaking_time=1.0), False),
+    "warmup_lambda-delayed": ("warmup_lambda", DELAYED, True),
     "sequential-delay_optimizer_step": (
         "sequential",
-        dict(offload_optimizer=True, delay_optimizer_step=True, delay_state_averaging=True, averaging_timeout=10.0)),
-    "plateau-offload": ("plateau", OFFLOAD),
+        dict(offload_optimizer=True, delay_optimizer_step=True, delay_state_averaging=True, averaging_timeout=10.0),
+        True),
+    "plateau-offload": ("plateau", OFFLOAD, True),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_lr_follows_global_epochs_on_every_peer_including_late_joiner(tmp_path, bootstrap, case):
-    spec, options = CASES[case]
+def test_lr_follows_global_epochs_on_every_peer_and_a_late_joiner(tmp_path, bootstrap, case):
+    spec, options, with_late = CASES[case]
+    names = ("a", "b", "late") if with_late else ("a", "b")
     lr, epochs = 0.05, 5
     initial_peers = bootstrap
     # the last epoch: 5, or 3 after the one the late joiner starts at, written once it started (on a busy machine
     # it started at epoch 5 of 5 once, and had no epoch to be checked at)
     base = dict(run_id=unique_run_id(spec), target_batch_size=640, epochs=epochs, lr=lr, model_seed=0,
                 scheduler=spec, options=options, step_sleep=0.05, batch_sizes=[16], save_epoch_params=True,
-                finish_with=finish_line(tmp_path, "a", "b", "late"), epochs_file=str(tmp_path / "epochs"))
+                finish_with=finish_line(tmp_path, *names), epochs_file=str(tmp_path / "epochs"))
     if spec == "plateau":
         base["plateau_metric"] = 1.0  # a plateau: the LR is cut at every epoch after the first
     procs = {}
     try:
         procs["a"] = start_peer(tmp_path, "a", dict(base, seed=1, wait_peers=2), initial_peers)
         procs["b"] = start_peer(tmp_path, "b", dict(base, seed=2, batch_sizes=[8, 24], wait_peers=2), initial_peers)
-        late = dict(base, seed=3, start_after=dict(progress_file=str(tmp_path / "a.progress"), epoch=2))
-        procs["late"] = start_peer(tmp_path, "late", late, initial_peers)
-        started = wait_for_file(tmp_path / "late.started", 90)
-        epochs = max(epochs, json.loads((tmp_path / "late.started").read_text())["epoch"] + 3 if started else 0)
+        if with_late:
+            late = dict(base, seed=3, start_after=dict(progress_file=str(tmp_path / "a.progress"), epoch=2))
+            procs["late"] = start_peer(tmp_path, "late", late, initial_peers)
+            started = wait_for_file(tmp_path / "late.started", 90)
+            epochs = max(epochs, json.loads((tmp_path / "late.started").read_text())["epoch"] + 3 if started else 0)
         (tmp_path / "epochs").write_text(str(epochs))
         codes = wait_all(procs, 150)
     finally:
@@ -69,7 +79,7 @@ def test_lr_follows_global_epochs_on_every_peer_including_late_joiner(tmp_path, 
     results = {name: read_result(tmp_path, name) for name in procs}
     # peers past the finish line train on until all are there (seen: epoch 9 of 5 in delayed mode)
     expected = reference_lrs(spec, lr, max(r["final_epoch"] for r in results.values()) + 2, plateau_metric=1.0)
-    assert results["late"]["start_epoch"] >= 2, results["late"]
+    assert not with_late or results["late"]["start_epoch"] >= 2, results["late"]
     for name, result in results.items():
         assert result["final_epoch"] >= epochs, (name, result)
         for epoch, value in result["lrs"].items():
@@ -83,11 +93,18 @@ def test_lr_follows_global_epochs_on_every_peer_including_late_joiner(tmp_path, 
     # updates applied at a later step), every peer keeps last-bit differences (seen: 1.5e-11 .. 3e-11). Bit-identity
     # without a late joiner is asserted in test_swarm_training / test_swarm_faults.
     ab = diffs_at_common_epochs(tmp_path, ["a", "b"], results=results)
+    assert len(ab) >= epochs - 1, ab
+    assert max(ab.values()) <= SWARM_ROUNDING, ab
+    # after the last flush (every delayed update applied): equal where the final epochs are
+    final = {name: read_params(tmp_path, name) for name in procs}
+    for name in names[1:]:
+        if results[name]["final_epoch"] == results["a"]["final_epoch"]:
+            assert max_param_diff(final["a"], final[name]) <= SWARM_ROUNDING, name
+    if not with_late:
+        return
     late = diffs_at_common_epochs(tmp_path, ["a", "b", "late"], since=results["late"]["start_epoch"] + 1,
                                   results=results)
-    assert len(ab) >= epochs - 1 and late, (ab, late)
-    assert max(ab.values()) <= SWARM_ROUNDING, ab
-    assert max(late.values()) <= SWARM_ROUNDING, late
+    assert late and max(late.values()) <= SWARM_ROUNDING, late
     # a download: the state served is the optimizer's. With delay_optimizer_step the model's parameters take each
     # boundary's update at the next boundary (hivemind's TrainingStateAverager applies a background step's result at
     # a later step()), so the state a joiner downloads at epoch e is what the others' parameters become at e + 1;
@@ -97,8 +114,3 @@ def test_lr_follows_global_epochs_on_every_peer_including_late_joiner(tmp_path, 
     for epoch in results["late"]["downloaded_epochs"]:
         if epoch + shift in epoch_params["a"]:
             assert max_param_diff(epoch_params["late"][epoch], epoch_params["a"][epoch + shift]) <= SWARM_ROUNDING
-    # after the last flush (every delayed update applied): equal where the final epochs are
-    final = {name: read_params(tmp_path, name) for name in procs}
-    for name in ("b", "late"):
-        if results[name]["final_epoch"] == results["a"]["final_epoch"]:
-            assert max_param_diff(final["a"], final[name]) <= SWARM_ROUNDING, name
