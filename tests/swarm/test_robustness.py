@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 HONEST = ("p0", "p1", "p2")
 EPOCHS = 6
 # Adam: 6 steps take the clean run's held-out loss from 1.46 to about a third of it, 0.47 (SGD needs many more
-# epochs; 8 steps took it to a fifth, at a third more time per swarm). Measured at 6: centered_clip 0.95-0.97x the
-# clean loss under each attack (bound 1.1x), mean 15x (times -20), 2.9x (noise), 5.7x (claim) (bound 2x).
+# epochs; 8 steps took it to a fifth, at a third more time per swarm). Two runs at 6: centered_clip 0.95-1.01x the
+# clean loss under each attack (bound 1.1x), mean 15-16x (times -20), 2.9-3.0x (noise), 4.0-5.7x (claim) (bound 2x).
 # 128 samples per peer and epoch: the clip's bias is a share of the honest gradients' spread, which shrinks with
 # the batch (times -20 at 32 samples per peer: 1.12-1.14x the clean loss; at 128: 1.06-1.07x)
 BASE = dict(target_batch_size=512, epochs=EPOCHS, batch_sizes=[64], optimizer="Adam", lr=0.05, held_out=1024,
