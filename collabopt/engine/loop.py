@@ -21,6 +21,7 @@ from hivemind.optim.grad_averager import GradientAverager
 
 from collabopt.engine import protocol
 from collabopt.engine.download_votes import DownloadVotes
+from collabopt.engine.model_records import ModelCheck
 from collabopt.engine.progress import make_progress_tracker
 from collabopt.engine.state import ConsistentStateAverager, averages_parameters_in_place
 
@@ -32,6 +33,8 @@ class PeerLoop:
 
     Built in the process's main thread (hivemind's averagers install signal handlers).
     """
+
+    model_check: ModelCheck | None = None  # this peer's model record, and the check before its first round
 
     def __init__(self, *, dht: Any, run_id: str, target_batch_size: int, optimizer: Any, params: Any = None,
                  scheduler: Any = None, batch_size_per_step: int | None = None, matchmaking_time: float = 15.0,
@@ -79,6 +82,7 @@ class PeerLoop:
         if self.state_averager.verify_downloads:  # this peer's votes are signed with its progress records' key
             self.state_averager.votes = DownloadVotes(dht, self.tracker.dht, run_id, self.tracker.local_public_key)
             self.state_averager.votes.serves = not self.client_mode  # (a client can answer no challenge)
+        self.model_check = ModelCheck(self)
 
     # ---- building the services
 
@@ -126,6 +130,8 @@ class PeerLoop:
                 self.load_state_from_peers()
                 return protocol.step_accepted(decision, behind_after=self.local_epoch < self.tracker.global_epoch)
             self._accumulate(batch_size)
+        if self.model_check is not None:  # a peer of another model than the swarm's stops before its first round
+            self.model_check.before_contribution()
         self.schedule_rounds()
         if self.tracker.ready_to_update_epoch:
             self.end_epoch()
