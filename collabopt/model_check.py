@@ -3,7 +3,7 @@
 A peer whose model differs from the swarm's (another layer size, another dtype) cannot take part: hivemind's install
 of such a state fails half-way (``The size of tensor a (48) must match ...``), its averaging groups never form with
 the swarm's (matchmaking keys them by the tensors' schema), and it would train on alone. The check runs on the
-downloaded tensors before anything of them is installed (:class:`~collabopt.engine.download_votes.VerifiedDownloads`)
+downloaded tensors before anything of them is installed (:class:`~collabopt.engine.downloads.StateDownloads`)
 and raises :class:`~collabopt.errors.ModelMismatchError`, which the download loops let through to the user's step.
 """
 

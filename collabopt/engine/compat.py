@@ -35,15 +35,11 @@ SEAMS: dict[str, str] = {
     "hivemind.averaging.allreduce.AllReduceRunner._accumulate_parts_streaming": "6c5a3c726606",
     "hivemind.averaging.allreduce.AllReduceRunner._communicate_with_peer": "d910885e9727",
     "hivemind.averaging.allreduce.AllReduceRunner.run": "d145a0e368a5",
-    "hivemind.averaging.averager.DecentralizedAverager.__init__": "6180e0f134f0",
     "hivemind.averaging.averager.DecentralizedAverager._aggregate_with_group": "c297d8a435ce",
-    "hivemind.averaging.averager.DecentralizedAverager._load_state_from_peers": "fe7b419d01ce",
     "hivemind.averaging.averager.DecentralizedAverager._run_allreduce_inplace_": "914d57cffc7d",
     "hivemind.averaging.averager.DecentralizedAverager._run_internal": "8f85686e1ccd",
     "hivemind.averaging.averager.DecentralizedAverager._step": "dfbb4416e9eb",
-    "hivemind.averaging.averager.DecentralizedAverager.load_state_from_peers": "973fae40a3d1",
     "hivemind.averaging.averager.DecentralizedAverager.rpc_aggregate_part": "06ad9597d588",
-    "hivemind.averaging.averager.DecentralizedAverager.rpc_download_state": "fd2f6f19e7d2",
     "hivemind.averaging.averager.DecentralizedAverager.run": "56590878daa9",
     "hivemind.averaging.key_manager.GroupKeyManager.__init__": "853cbc97b338",
     "hivemind.averaging.key_manager.GroupKeyManager.declare_averager": "3df3ecf507a8",
@@ -63,10 +59,8 @@ SEAMS: dict[str, str] = {
     "hivemind.optim.state_averager.TrainingStateAverager.__init__": "97f573400a46",
     "hivemind.optim.state_averager.TrainingStateAverager._apply_averaging_results_": "32b49f6bd708",
     "hivemind.optim.state_averager.TrainingStateAverager._do": "0b1896170cc6",
-    "hivemind.optim.state_averager.TrainingStateAverager.get_current_state": "d2ee431a0a4b",
     "hivemind.optim.state_averager.TrainingStateAverager.step": "c68d9335d0cc",
     "hivemind.p2p.servicer.ServicerBase._get_handle_name": "d3e13c74c5e5",
-    "hivemind.p2p.servicer.ServicerBase.add_p2p_handlers": "eecfb3552f2d",
     "hivemind.p2p.servicer.ServicerBase.get_stub": "f3e329ffb8ac",
     "hivemind.utils.auth.AuthorizerBase.sign_request": "7490d0f663d0",
     "hivemind.utils.auth.AuthorizerBase.sign_response": "9b9de6bf394d",
@@ -148,10 +142,17 @@ class SameHandlers:
     """A mixin for subclasses of a hivemind averager: serve and call its RPCs under the names of hivemind's class.
     hivemind names a servicer's handlers after its class (``ServicerBase._get_handle_name``): a subclass would
     answer only peers running the same subclass (no round, no state download with plain hivemind or an older
-    collabopt). See docs/decisions.md, "Handlers under hivemind's names"."""
+    collabopt). See docs/decisions.md, "Handlers under hivemind's names".
+
+    ``served_elsewhere``: RPCs a collabopt service serves under hivemind's name instead (the state service's
+    download); the averager's own handler of that name is registered under an unused one, as p2pd takes one handler
+    per name."""
+
+    served_elsewhere: tuple[str, ...] = ()
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
         hivemind_class = next(base for base in cls.__mro__ if base.__module__.startswith("hivemind."))
-        handle_name = f"{hivemind_class.__name__}.{method_name}"
+        owner = "collabopt.ServedElsewhere" if method_name in cls.served_elsewhere else hivemind_class.__name__
+        handle_name = f"{owner}.{method_name}"
         return handle_name if namespace is None else f"{namespace}::{handle_name}"

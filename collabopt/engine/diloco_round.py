@@ -196,8 +196,8 @@ class DiLoCoLoop(PeerLoop):
             progress, since = self.diloco.progress_to_keep(self)
             epoch, anchor = self.local_epoch, diloco_module.fingerprint(self.anchors)
             try:
-                self.state_averager.load_state_from_peers(timeout=self.load_state_timeout)
-                downloaded = self.state_averager.handed_on  # (False: nobody served it, or its state was refused)
+                # (False: nobody served it, or its state was refused)
+                downloaded = self.state_downloads.download(timeout=self.load_state_timeout)
             except ModelMismatchError:  # (collabopt.model_check) this peer's model is not the swarm's
                 raise
             except Exception as e:  # nobody could serve it now: the next step tries again

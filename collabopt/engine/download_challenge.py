@@ -11,10 +11,11 @@ epoch than the state's counts as none. :func:`challenge_refusal` accepts when mo
 least one, or one against one (with at most one hostile member a hostile source gets no agreeing answer).
 
 The answer is computed from a copy of the parameters this peer serves (a synchronous peer's parameters, a DiLoCo
-peer's anchor: what its vote fingerprints; no optimizer state), taken in the host process without waiting for a
-boundary (:meth:`challenge_state`), projected in the averager's process off its event loop. None while its state is
-not shared or a boundary is under way; one challenge at a time per caller; with a swarm key only a member whose
-download the member check passes gets one (:meth:`ProjectionChallenges._challenge_refusal`).
+peer's anchor: what its vote fingerprints; no optimizer state), taken without waiting for a boundary
+(``ConsistentStateAverager.challenge_state``) and projected off the state service's event loop
+(:class:`ChallengeAnswers`). None while its state is not shared or a boundary is under way; one challenge at a time
+per caller; with a swarm key only a member whose download the member check passes gets one
+(:func:`collabopt.engine.member_checks.download_refusal`).
 """
 
 from __future__ import annotations
@@ -23,17 +24,12 @@ import asyncio
 import contextlib
 import logging
 import math
-import multiprocessing
 import secrets
-import threading
-import weakref
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import PeerID
-from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.serializer import MSGPackSerializer
 
 from collabopt.engine.dialback import read_message, write_message
@@ -117,78 +113,29 @@ def challenge_refusal(answers: dict[str, Any], epoch: int, own: Projection) -> t
             f"{agreeing} answer(s) agree, {disagreeing} disagree)"), False
 
 
-class ProjectionChallenges(DecentralizedAverager):
-    """A mixin of the state averager: it answers challenges (registered where ``verify_downloads`` is set, in the
-    averager's process) and asks them (:meth:`ask_projections`, from the host process)."""
+def challenge_protocol(prefix: str) -> str:
+    """The libp2p protocol a peer of the state averager ``prefix`` answers challenges on."""
+    return f"{prefix}::collabopt.ProjectionChallenge"
 
-    _challenges_waiting = 0
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        # (before the averager's process forks) the pipe its answers ask the host process's parameters through
-        reader = None
-        if getattr(self, "verify_downloads", False):
-            reader, self._challenge_requests = multiprocessing.Pipe(duplex=False)
-        super().__init__(*args, **kwargs)
-        if reader is not None:
-            threading.Thread(target=_copy_in_host, args=(reader, weakref.WeakMethod(self.challenge_state)),
-                             name="collabopt.ProjectionChallenges", daemon=True).start()
+class ChallengeAnswers:
+    """This peer's answers to download challenges, served by :class:`~collabopt.engine.state_service.StateService`
+    on its event loop: ``state`` (a blocking call: the epoch and a copy of the parameters this peer serves, or None
+    mid-boundary), ``sharing`` (whether it serves its state now) and ``refusal`` (a coroutine: with a swarm key, why
+    a caller gets no answer; None where it gets one)."""
 
-    def challenge_state(self) -> tuple[int, list[torch.Tensor]] | None:
-        """(host process) The epoch and a copy of the parameters this peer serves, or None (not now)."""
-        raise NotImplementedError
+    def __init__(self, state: Callable[[], tuple[int, list[torch.Tensor]] | None], sharing: Callable[[], bool],
+                 refusal: Callable[[bytes], Awaitable[str | None]]):
+        self._state, self._sharing, self._refusal = state, sharing, refusal
+        self._slot: asyncio.Lock | None = None
+        self._waiting, self._challengers = 0, set()
 
-    @property
-    def challenge_protocol(self) -> str:
-        return f"{self.prefix}::collabopt.ProjectionChallenge"
-
-    async def add_p2p_handlers(self, p2p: Any, *args: Any, **kwargs: Any) -> None:
-        await super().add_p2p_handlers(p2p, *args, **kwargs)
-        if getattr(self, "verify_downloads", False):
-            self._challenge_slot, self._challengers = asyncio.Lock(), set()
-            await p2p.add_binary_stream_handler(self.challenge_protocol, self._serve_challenge)
-
-    def ask_projections(self, peers: Sequence[str], seed: int, epoch: int, timeout: float = CHALLENGE_TIMEOUT) -> Any:
-        """Ask ``peers`` (base58) at once for the projection of the state they serve (``seed``; ``epoch``: the
-        downloaded state's); returns a future of their answers (peer -> answer, None where a peer gave none within
-        ``timeout``: :func:`challenge_timeout`)."""
-        future = MPFuture()
-        request = dict(seed=seed, epoch=epoch, vectors=CHALLENGE_VECTORS)
-        self._outer_pipe.send(("_ask_projections", [], dict(peers=list(peers), request=request, future=future,
-                                                            timeout=timeout)))
-        return future
-
-    async def _ask_projections(self, peers: list[str], request: dict, future: MPFuture,
-                               timeout: float = CHALLENGE_TIMEOUT) -> None:
-        async def ask(peer: str) -> Any:
-            writer = None
-            try:
-                _info, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer),
-                                                                                   self.challenge_protocol)
-                await write_message(writer, MSGPackSerializer.dumps(request))
-                return MSGPackSerializer.loads(await read_message(reader, _MAX_MESSAGE))
-            finally:
-                if writer is not None:
-                    writer.close()
-
-        async def answer_of(peer: str) -> Any:
-            try:
-                return await asyncio.wait_for(ask(peer), timeout)
-            except Exception as e:
-                logger.debug(f"collabopt: {peer} gave no answer to a download challenge ({e!r})")
-                return None
-
-        try:
-            future.set_result(dict(zip(peers, await asyncio.gather(*map(answer_of, peers)), strict=True)))
-        except Exception as e:
-            if not future.done():
-                future.set_exception(e)
-
-    async def _serve_challenge(self, stream_info: Any, reader: asyncio.StreamReader,
-                               writer: asyncio.StreamWriter) -> None:
+    async def serve(self, stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The handler of :func:`challenge_protocol`: read one request, write one answer."""
         try:
             request = MSGPackSerializer.loads(await asyncio.wait_for(read_message(reader, _MAX_MESSAGE),
                                                                      CHALLENGE_TIMEOUT))
-            answer = await self._answer(request, stream_info.peer_id.to_bytes())
+            answer = await self.answer(request, stream_info.peer_id.to_bytes())
             await write_message(writer, MSGPackSerializer.dumps(answer))
             with contextlib.suppress(Exception):  # the caller closes first, once it has the answer (streams.py)
                 await asyncio.wait_for(reader.read(), ANSWER_READ_WAIT)
@@ -197,61 +144,65 @@ class ProjectionChallenges(DecentralizedAverager):
         finally:
             writer.close()
 
-    async def _answer(self, request: Any, caller: bytes) -> dict[str, Any]:
+    async def answer(self, request: Any, caller: bytes) -> dict[str, Any]:
+        """The answer to ``request`` (seed, epoch, vectors) of ``caller``: the projection of the state this peer
+        serves at that epoch, or why there is none (refused, not shared, busy, another epoch)."""
         if (not isinstance(request, dict) or type(request.get("seed")) is not int
                 or type(request.get("epoch")) is not int or type(request.get("vectors")) is not int
                 or not 0 <= request["seed"] < 1 << 64 or not 0 < request["vectors"] <= MAX_VECTORS):
             return dict(refused="a challenge needs a seed, an epoch and 1 to 16 vectors")
-        refused = await self._challenge_refusal(caller)
+        refused = await self._refusal(caller)
         if refused is not None:
             logger.warning(f"collabopt: refused a download challenge of {PeerID(caller)}: {refused}")
             return dict(refused=refused)
-        if not self.allow_state_sharing:  # (a DiLoCo round in flight: its epoch and anchor disagree)
+        if not self._sharing():  # (a DiLoCo round in flight: its epoch and anchor disagree)
             return dict(shared=False)
-        if self._challenges_waiting >= MAX_WAITING or caller in self._challengers:  # (one per caller)
+        if self._waiting >= MAX_WAITING or caller in self._challengers:  # (one per caller)
             return dict(busy=True)
-        self._challenges_waiting += 1
+        self._waiting += 1
         self._challengers.add(caller)
         try:
-            async with self._challenge_slot:
-                state = await self._challenge_state_from_host()
+            if self._slot is None:
+                self._slot = asyncio.Lock()
+            async with self._slot:
+                loop = asyncio.get_running_loop()
+                state = await asyncio.wait_for(loop.run_in_executor(None, self._state), HOST_WAIT)
                 if state is None or state[0] != request["epoch"]:  # (mid-boundary: never waited for)
                     return dict(epoch=None if state is None else state[0])
-                found = await asyncio.get_running_loop().run_in_executor(
-                    None, projection, state[1], request["seed"], request["vectors"])
+                found = await loop.run_in_executor(None, projection, state[1], request["seed"], request["vectors"])
                 return dict(epoch=state[0], projection=found.values)
         finally:
-            self._challenges_waiting -= 1
+            self._waiting -= 1
             self._challengers.discard(caller)
 
-    async def _challenge_state_from_host(self) -> tuple[int, list[torch.Tensor]] | None:
-        future = MPFuture()
-        self._challenge_requests.send(future)
-        return await asyncio.wait_for(future, HOST_WAIT)
 
-    async def _challenge_refusal(self, caller: bytes) -> str | None:
-        """With a swarm key, why ``caller`` gets no answer: the state-download member check (its token, stored in
-        the DHT before its download: :class:`~collabopt.engine.member_checks.MemberChecks`); None without a key."""
-        key = getattr(self, "_member_key", None)
-        return None if key is None else await self._download_refusal(key, caller)  # type: ignore[attr-defined]
+async def ask_projections(p2p: Any, protocol: str, peers: Sequence[str], seed: int, epoch: int,
+                          timeout: float = CHALLENGE_TIMEOUT) -> dict[str, Any]:
+    """Ask ``peers`` (base58) at once, through ``p2p`` on ``protocol``, for the projection of the state they serve
+    (``seed``; ``epoch``: the downloaded state's): their answers, None where a peer gave none within ``timeout``
+    (:func:`challenge_timeout`)."""
+    request = dict(seed=seed, epoch=epoch, vectors=CHALLENGE_VECTORS)
 
-
-def _copy_in_host(requests: Any, challenge_state: weakref.WeakMethod) -> None:
-    """(a thread of the host process) Answer each request of the averager's process with :meth:`challenge_state`."""
-    while True:
+    async def ask(peer: str) -> Any:
+        writer = None
         try:
-            future = requests.recv()
-        except BaseException:  # (the pipe closed: the averager is gone)
-            return
-        method = challenge_state()
-        if method is None:
-            return
+            _info, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), protocol)
+            await write_message(writer, MSGPackSerializer.dumps(request))
+            return MSGPackSerializer.loads(await read_message(reader, _MAX_MESSAGE))
+        finally:
+            if writer is not None:
+                writer.close()
+
+    async def answer_of(peer: str) -> Any:
         try:
-            future.set_result(method())
-        except BaseException as e:
-            future.set_exception(e)
-        del method
+            return await asyncio.wait_for(ask(peer), timeout)
+        except Exception as e:
+            logger.debug(f"collabopt: {peer} gave no answer to a download challenge ({e!r})")
+            return None
+
+    return dict(zip(peers, await asyncio.gather(*map(answer_of, peers)), strict=True))
 
 
-__all__ = ["CHALLENGE_TIMEOUT", "CHALLENGE_VECTORS", "MAX_ANSWERERS", "PROJECTION_TOLERANCE", "Projection",
-           "ProjectionChallenges", "agrees", "challenge_refusal", "challenge_timeout", "new_seed", "projection"]
+__all__ = ["CHALLENGE_TIMEOUT", "CHALLENGE_VECTORS", "MAX_ANSWERERS", "PROJECTION_TOLERANCE", "ChallengeAnswers",
+           "Projection", "agrees", "ask_projections", "challenge_protocol", "challenge_refusal", "challenge_timeout",
+           "new_seed", "projection"]

@@ -13,12 +13,11 @@ projections drawn after it was sent. A refused state is not installed; the next 
 for what it sent is tried last in the next :data:`REMEMBERED_DOWNLOADS` downloads. Each vote is its signing key's
 (one vote per key) and names one canonical peer id: a peer is a source or an answerer only through a vote naming it,
 never an answerer for a source whose vote its key signed (:func:`sources`, :func:`voters_of`). With fewer than
-:data:`MIN_VOTES` votes (the swarm's first epochs) the download is hivemind's, unverified, and the log says so; votes
-that disagree download nothing (:meth:`VerifiedDownloads._without_majority`).
+:data:`MIN_VOTES` votes (the swarm's first epochs) the download is unverified, and the log says so; votes
+that disagree download nothing. The download itself: :class:`collabopt.engine.downloads.StateDownloads`.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import time
@@ -26,20 +25,10 @@ from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 from hivemind.p2p import PeerID
-from hivemind.utils import ValueWithExpiration
 
 from collabopt.engine.compat import dht_time
-from collabopt.engine.download_challenge import (
-    MAX_ANSWERERS,
-    ProjectionChallenges,
-    challenge_refusal,
-    challenge_timeout,
-    new_seed,
-    projection,
-)
 from collabopt.engine.records import read_run_records
 from collabopt.lineage import fingerprint, same_fingerprint, valid_fingerprint
-from collabopt.model_check import first_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -171,153 +160,5 @@ class DownloadVotes:
                 for key, (record, _expiration) in found.fingerprints.items() if record is not None]
 
 
-class VerifiedDownloads(ProjectionChallenges):
-    """A mixin of the state averager, right after hivemind's ``TrainingStateAverager`` among its bases (so between
-    it and ``DecentralizedAverager``): it sees each downloaded state before ``TrainingStateAverager`` installs it,
-    and hands on only one that :func:`refusal` and the challenge pass. Active once :attr:`votes` is set; the class
-    it is mixed into provides ``only_sources`` (the averager process downloads from those peers only).
-    :attr:`handed_on`: whether the last download handed a state on to be installed."""
-
-    votes: DownloadVotes | None = None
-    handed_on = False
-    model_names: list[str] | None = None  # the model's names of the parameters (set by the optimizer; hivemind's own
-    # parameter_names are the keys of its served state, and stay as they are)
-    installed_once = False  # whether a download ever handed a state on to be installed
-    holding_state = False  # True during a download before the first install: serve nothing (see model_check)
-
-    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None) -> Any:
-        self.handed_on = False
-        # a peer that has installed no state of the swarm yet serves none while it downloads one: its model may be
-        # another (found only now), and a joiner must not take it for the swarm's
-        self.holding_state = not self.installed_once
-        try:
-            loaded = self._load_verified(wait, timeout)
-            if loaded is not None and self.votes is None:
-                self._check_model(loaded[1])
-        finally:
-            self.holding_state = False
-        self.handed_on = loaded is not None
-        self.installed_once = self.installed_once or self.handed_on
-        return loaded
-
-    def _check_model(self, tensors: Any, source: str = "the swarm's state") -> None:
-        """Raise :class:`~collabopt.errors.ModelMismatchError` unless the downloaded ``tensors`` begin with this
-        peer's parameters' (and extra tensors') shapes and dtypes, before anything of them is installed."""
-        local = [p for group in self.optimizer.param_groups for p in group["params"]]  # type: ignore[attr-defined]
-        names = self.model_names or [name for group in self.optimizer.param_groups  # type: ignore
-                                         for name in group.get("param_names", ())] or None
-        extras = list(getattr(self, "extra_tensors", ()))
-        if names is not None and extras:
-            names = [*names, *(f"extra tensor {i}" for i in range(len(extras)))]
-        mismatch = first_mismatch([*local, *extras], list(tensors) if tensors is not None else [], names, source)
-        if mismatch is not None:
-            raise mismatch
-
-    def _load_verified(self, wait: bool, timeout: float | None) -> Any:
-        votes = self.votes
-        if votes is None:
-            return super().load_state_from_peers(wait=wait, timeout=timeout)  # type: ignore[misc]
-        if not wait:
-            raise ValueError("a verified download waits for the state (wait=True): it checks it before installing it")
-        try:
-            ballot = votes.read()
-        except VotesUnreadable as e:  # nothing downloaded: the caller's loop tries again later
-            logger.warning(f"collabopt: {e}")
-            return None
-        newest = newest_majority(ballot)
-        if newest is None:
-            return self._without_majority(ballot, timeout)
-        num_parameters = sum(len(group["params"]) for group in self.optimizer.param_groups)  # type: ignore
-        me = self.dht.peer_id.to_base58()  # type: ignore[attr-defined]
-        refused = vars(self).setdefault("_refused_sources", {})  # peer -> downloads it is still tried last in
-        avoid = set(refused)
-        self._refused_sources = {peer: left - 1 for peer, left in refused.items() if left > 1}
-        unanswered = refused_any = False
-        serving = self._serving_peers()
-        for peer in sources(ballot, serving, *newest, me=me, avoid=avoid):
-            self.only_sources([peer])  # type: ignore[attr-defined]
-            try:
-                loaded = super().load_state_from_peers(wait=True, timeout=timeout)  # type: ignore[misc]
-            except Exception as e:  # one peer's failure (a timeout, a broken stream): the next peer is tried
-                logger.warning(f"collabopt: downloading the state from {peer} failed ({e!r}): trying the next peer")
-                continue
-            finally:
-                self.only_sources([])  # type: ignore[attr-defined]
-            if loaded is None:
-                continue  # it served nothing: hivemind's loop found no other peer to try
-            if peer in voters_of(ballot, *newest):  # the majority's state of other shapes: this peer is the odd one
-                self._check_model(loaded[1], f"the state of {peer}, which most of the swarm holds")
-            epoch = loaded[0].get("epoch") if isinstance(loaded[0], dict) else None
-            if type(epoch) is int and majority(ballot, epoch) is None:  # the servers moved on: read their new votes
-                with contextlib.suppress(VotesUnreadable):
-                    ballot = votes.read()
-            reason, no_answer = refusal(*loaded, num_parameters, ballot), False
-            if reason is None:
-                reason, no_answer = self._challenge(peer, loaded, ballot, num_parameters, me, serving)
-            if reason is None:
-                return loaded
-            if no_answer:  # (the others moved on an epoch: its source may be honest, and is not remembered)
-                if not unanswered:
-                    logger.info(f"collabopt: the state {peer} sent is not installed: {reason}; trying the next "
-                                f"peer (the download is tried again)")
-                unanswered = True
-                continue
-            self._refused_sources[peer], refused_any = REMEMBERED_DOWNLOADS, True
-            logger.warning(f"collabopt: refused the state {peer} sent ({reason}): nothing of it is installed; "
-                           f"trying the next peer")
-        level = logging.INFO if unanswered and not refused_any else logging.WARNING  # (INFO: the swarm moved on)
-        logger.log(level, f"collabopt: no peer sent the state most of the swarm holds (epoch {newest[0]}): nothing "
-                          f"downloaded")
-        return None
-
-    def _challenge(self, source: str, loaded: Any, ballot: Sequence[Vote], num_parameters: int, me: str,
-                   serving: Collection[str]) -> tuple[str | None, bool]:
-        """The secret challenge of a state ``source`` sent whose fingerprint passed (:func:`challenge_refusal`):
-        other voters of the majority's fingerprint at its epoch that serve their state (``serving``; clients answer
-        nothing), never ``source`` nor a vote its key signed, answer projections of what they serve. Returns the
-        reason to refuse it (None: accepted), and whether that is a want of answers."""
-        epoch = loaded[0]["epoch"]
-        keys = {signer(vote) for vote in ballot if vote.peer_id == source}  # (one key, one role)
-        others = sorted(voters_of(ballot, epoch, majority(ballot, epoch) or [], keys) & set(serving) - {source, me})
-        asked = random.sample(others, min(MAX_ANSWERERS, len(others)))
-        seed, timeout = new_seed(), challenge_timeout(sum(t.numel() for t in loaded[1][:num_parameters]))
-        pending = self.ask_projections(asked, seed, epoch, timeout) if asked else None  # (answered meanwhile)
-        own = projection(loaded[1][:num_parameters], seed)
-        try:
-            answers = {} if pending is None else pending.result(timeout=timeout + 5.0)
-        except Exception as e:  # (the averager's process did not answer: no answers)
-            logger.debug(f"collabopt: the download challenge got no answers ({e!r})")
-            answers = dict.fromkeys(asked)
-        return challenge_refusal(answers, epoch, own)
-
-    def _without_majority(self, ballot: Sequence[Vote], timeout: float | None) -> Any:
-        """A download where no fingerprint has a majority. With fewer than :data:`MIN_VOTES` votes (the swarm's
-        first epochs, one server) it is hivemind's, unverified; with more, nothing is downloaded now: votes that
-        disagree are a handover between epochs or a hostile vote, and an unverified install would let a hostile
-        server's state win the next majority (the installer votes for it)."""
-        if len(ballot) < MIN_VOTES:
-            logger.warning(f"collabopt: {len(ballot)} vote(s) of the swarm's fingerprint, fewer than {MIN_VOTES}: "
-                           f"this download is not verified")
-            loaded = super().load_state_from_peers(wait=True, timeout=timeout)  # type: ignore[misc]
-            if loaded is not None:
-                self._check_model(loaded[1])
-            return loaded
-        logger.warning(f"collabopt: the swarm's {len(ballot)} votes hold no fingerprint most of them share: nothing "
-                       f"downloaded now (tried again later)")
-        return None
-
-    def _serving_peers(self) -> dict[str, float]:
-        """The peers that serve their state, with the priority they store (hivemind's record, base58 ids)."""
-        found = self.dht.get(f"{self.prefix}.all_averagers", latest=True)  # type: ignore[attr-defined]
-        peers: dict[str, float] = {}
-        for subkey, info in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
-            try:
-                if isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int)):
-                    peers[PeerID(subkey).to_base58()] = float(info.value)
-            except Exception:  # (a malformed subkey: hivemind skips it too)
-                continue
-        return peers
-
-
-__all__ = ["MIN_VOTES", "REMEMBERED_DOWNLOADS", "VOTE_TTL", "DownloadVotes", "VerifiedDownloads", "Vote",
-           "VotesUnreadable", "majority", "canonical", "newest_majority", "refusal", "sources", "voters_of"]
+__all__ = ["MIN_VOTES", "REMEMBERED_DOWNLOADS", "VOTE_TTL", "DownloadVotes", "Vote", "VotesUnreadable", "canonical",
+           "majority", "newest_majority", "refusal", "signer", "sources", "voters_of"]

@@ -21,9 +21,11 @@ from hivemind.optim.grad_averager import GradientAverager
 
 from collabopt.engine import protocol
 from collabopt.engine.download_votes import DownloadVotes
+from collabopt.engine.downloads import StateDownloads
 from collabopt.engine.model_records import ModelCheck
 from collabopt.engine.progress import make_progress_tracker
 from collabopt.engine.state import ConsistentStateAverager, averages_parameters_in_place
+from collabopt.engine.state_service import StateService
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,9 @@ class PeerLoop:
         if self.state_averager.verify_downloads:  # this peer's votes are signed with its progress records' key
             self.state_averager.votes = DownloadVotes(dht, self.tracker.dht, run_id, self.tracker.local_public_key)
             self.state_averager.votes.serves = not self.client_mode  # (a client can answer no challenge)
+        # serving this peer's state and downloading the swarm's: collabopt's state service (engine/state_service.py)
+        self.state_service = StateService(dht, self.state_averager)
+        self.state_downloads = StateDownloads(self.state_service, self.state_averager)
         self.model_check = ModelCheck(self)
 
     # ---- building the services
@@ -239,6 +244,8 @@ class PeerLoop:
                 control.cancel()
             else:
                 self.tag_along(control)
+        if getattr(self, "state_service", None) is not None:
+            self.state_service.close()
         self.state_averager.shutdown()
         if self.grad_averager is not None:
             self.grad_averager.shutdown()

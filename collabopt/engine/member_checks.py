@@ -8,15 +8,15 @@ check matches with the caller's authenticated peer id:
   mode, metadata]``. A leader refuses a join request without a valid token (:class:`MemberMatchmaking`), and every
   member checks every member's token, the leader's too, before the all-reduce starts (followers take the leader's
   member list on trust in hivemind 1.1.12);
-* state download: hivemind's ``DownloadRequest`` has no fields, so a downloader stores its token in the DHT record
-  ``<prefix>.members`` (which only key holders can read or write) before it downloads, and the serving member
-  refuses a caller whose token it does not find there.
+* state download (collabopt's state service, :mod:`collabopt.engine.state_service`): hivemind's ``DownloadRequest``
+  has no fields, so a downloader stores its token in the DHT record ``<prefix>.members`` (which only key holders can
+  read or write) before it downloads (:func:`store_member_token`), and the serving member refuses a caller whose
+  token it does not find there (:func:`download_refusal`; the download challenge too).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import typing
 from typing import Any
 
 from hivemind.averaging import averager, matchmaking
@@ -110,44 +110,38 @@ class MemberChecks:
             group_info = dataclasses.replace(group_info, gathered=tuple(map(without_token, group_info.gathered)))
         return await super()._aggregate_with_group(group_info, *args, **kwargs)  # type: ignore[misc]
 
-    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
-                                 context: P2PContext) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
-        key = self._member_key
-        if key is not None:
-            refusal = await self._download_refusal(key, context.remote_id.to_bytes())
-            if refusal is not None:  # (an empty answer: hivemind's downloader tries the next peer)
-                logger.warning(f"collabopt: refused to send this peer's state to {context.remote_id}: {refusal}")
-                return
-        async for message in super().rpc_download_state(request, context):  # type: ignore[misc]
-            yield message
 
-    async def _download_refusal(self, key: SwarmKey, caller: bytes) -> str | None:
-        found = await self.dht.get(MEMBERS_RECORD.format(prefix=self.prefix), latest=True,  # type: ignore
-                                   return_future=True)
-        entry = found.value.get(caller) if found is not None and isinstance(found.value, dict) else None
-        if not isinstance(entry, ValueWithExpiration):
-            return "it stored no member token (no swarm key, or a peer without collabopt's membership checks)"
-        try:
-            token = MemberToken.from_bytes(entry.value)
-        except ValueError:
-            return "its member token cannot be read"
-        return member_token_refusal(key, self.prefix, token, caller)  # type: ignore[attr-defined]
-
-    async def _load_state_from_peers(self, future: Any, timeout: float | None = None) -> Any:
-        key = self._member_key
-        if key is not None:  # the members this peer downloads from find its token in the DHT
-            token = MemberToken.issue(key, self.prefix, self.peer_id.to_bytes())  # type: ignore[attr-defined]
-            try:  # (hivemind's download below resolves the caller's future: a failed store must not skip it)
-                stored = await self.dht.store(
-                    MEMBERS_RECORD.format(prefix=self.prefix),  # type: ignore[attr-defined]
-                    subkey=self.peer_id.to_bytes(),  # type: ignore[attr-defined]
-                    value=token.to_bytes(), expiration_time=token.expires, return_future=True)
-            except Exception as e:
-                logger.warning(f"collabopt: this peer's member token could not be stored ({e!r})")
-                stored = False
-            if not stored:
-                logger.warning("collabopt: this peer's member token was not stored: members may refuse its download")
-        return await super()._load_state_from_peers(future, timeout)  # type: ignore[misc]
+async def download_refusal(dht: Any, prefix: str, key: SwarmKey, caller: bytes) -> str | None:
+    """Why the peer ``caller`` gets no state (nor challenge answer) of the state averager ``prefix``: it stored no
+    valid member token in ``<prefix>.members`` (:func:`store_member_token`); None where it did."""
+    found = await dht.get(MEMBERS_RECORD.format(prefix=prefix), latest=True, return_future=True)
+    entry = found.value.get(caller) if found is not None and isinstance(found.value, dict) else None
+    if not isinstance(entry, ValueWithExpiration):
+        return "it stored no member token (no swarm key, or a peer without collabopt's membership checks)"
+    try:
+        token = MemberToken.from_bytes(entry.value)
+    except ValueError:
+        return "its member token cannot be read"
+    return member_token_refusal(key, prefix, token, caller)
 
 
-__all__ = ["MEMBERS_RECORD", "MemberChecks", "MemberMatchmaking", "gathered_refusal", "with_token", "without_token"]
+def store_member_token(dht: Any, prefix: str) -> None:
+    """(before a download, where the swarm has a key) Store this peer's member token in ``<prefix>.members``: the
+    members it downloads from find it there. A failed store is logged: the download is tried all the same."""
+    key = swarm_key_of(dht)
+    if key is None:
+        return
+    me = dht.peer_id.to_bytes()
+    token = MemberToken.issue(key, prefix, me)
+    try:
+        stored = dht.store(MEMBERS_RECORD.format(prefix=prefix), subkey=me, value=token.to_bytes(),
+                           expiration_time=token.expires)
+    except Exception as e:
+        logger.warning(f"collabopt: this peer's member token could not be stored ({e!r})")
+        stored = False
+    if not stored:
+        logger.warning("collabopt: this peer's member token was not stored: members may refuse its download")
+
+
+__all__ = ["MEMBERS_RECORD", "MemberChecks", "MemberMatchmaking", "download_refusal", "gathered_refusal",
+           "store_member_token", "with_token", "without_token"]

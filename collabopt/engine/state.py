@@ -1,29 +1,27 @@
-"""Serving this peer's state to peers that download it, and downloading the swarm's.
+"""This peer's training state: parameters, optimizer statistics, epoch, scheduler, and their parameter rounds.
 
-:class:`ConsistentStateAverager` is hivemind's state averager serving states whose epoch and tensors belong together,
-sizing the parameter-averaging group from the gradient round, and downloading from preferred peers first.
+:class:`ConsistentStateAverager` is hivemind's state averager, giving the state it serves an epoch and tensors that
+belong together, sizing the parameter-averaging group from the gradient round, and installing downloaded states.
+Serving and downloading are collabopt's state service (:mod:`collabopt.engine.state_service`,
+:mod:`collabopt.engine.downloads`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import logging
-import multiprocessing
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.p2p import PeerID
-from hivemind.utils import ValueWithExpiration
+from hivemind.optim.state_averager import TrainingStateAverager, load_optimizer_state
 
 from collabopt.engine.averaging import ShieldedReducers
 from collabopt.engine.compat import HIVEMIND_REQUEST_TIMEOUT, SameHandlers
-from collabopt.engine.download_votes import VerifiedDownloads
+from collabopt.engine.download_votes import DownloadVotes
 from collabopt.engine.member_checks import MemberChecks
 
 logger = logging.getLogger(__name__)
@@ -72,47 +70,16 @@ class _EventThatCalls(threading.Event):
         super().set()
 
 
-PREFERRED_SOURCES_BYTES = 4096
-PREFERRED_BOOST = 1e9  # added to the priority of a preferred source (priorities are epochs)
-
-
-def raise_priority(found: Any, preferred: set[str]) -> Any:
-    """``found`` (the DHT's ``{subkey: priority}`` record of the peers that serve their state) with the priority
-    of the ``preferred`` peers raised above every other's."""
-    if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
-        return found
-    raised = {}
-    for subkey, info in found.value.items():
-        with contextlib.suppress(Exception):  # a malformed subkey stays as it is (hivemind skips it)
-            if (isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))
-                    and str(PeerID(subkey)) in preferred):
-                info = ValueWithExpiration(float(info.value) + PREFERRED_BOOST, info.expiration_time)
-        raised[subkey] = info
-    return ValueWithExpiration(raised, found.expiration_time)
-
-
-def keep_only(found: Any, only: set[str]) -> Any:
-    """``found`` (as in :func:`raise_priority`) with the peers outside ``only`` left out."""
-    if not isinstance(found, ValueWithExpiration) or not isinstance(found.value, dict):
-        return found
-    kept = {}
-    for subkey, info in found.value.items():
-        with contextlib.suppress(Exception):  # (a malformed subkey is left out)
-            if str(PeerID(subkey)) in only:
-                kept[subkey] = info
-    return ValueWithExpiration(kept, found.expiration_time)
-
-
 SERVE_WAIT_SHARE = 0.5  # of the downloader's chunk timeout (taken as this peer's), a download waits out a boundary
 DECLINED: tuple[dict, list, list] = ({}, [], [])  # no tensors: hivemind sends nothing, the next peer is tried
 STEP_WAIT = 1.0  # seconds a challenge's copy of the parameters waits for an optimizer step to end
 
 
-class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, TrainingStateAverager,
-                              VerifiedDownloads):
-    """hivemind's state averager, serving states whose epoch and tensors belong together, and with
-    ``verify_downloads=True`` installing only downloaded states most of the swarm holds (:class:`VerifiedDownloads`:
-    its ``votes`` are set by the loop, which has the key to sign this peer's vote with).
+class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, TrainingStateAverager):
+    """hivemind's state averager, whose state the state service serves (:meth:`served_state`) and whose downloads
+    it installs (:meth:`install_state`). With ``verify_downloads=True`` downloads install only states most of the
+    swarm holds and this peer answers download challenges (:mod:`collabopt.engine.downloads`; :attr:`votes` is set
+    by the loop, which has the key to sign this peer's vote with).
 
     A state is served as a copy taken while no optimizer step runs, labelled with the epoch whose update its
     parameters hold: hivemind 1.1.12 served live tensors with an epoch read apart from them. It is not served during
@@ -120,6 +87,12 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
     an epoch old. A download waits for the boundary's end for a share (:data:`SERVE_WAIT_SHARE`) of the chunk
     timeout, which is how long the downloader waits for the first part, then gets an empty answer and tries the next
     peer. See docs/decisions.md, "Consistent state serving"."""
+
+    # hivemind's download RPC is the state service's (under hivemind's name); this averager's own is unreachable
+    served_elsewhere = ("rpc_download_state",)
+    votes: DownloadVotes | None = None  # this peer's and the swarm's votes, where downloads are verified
+    model_names: list[str] | None = None  # the model's names of the parameters (set by the optimizer; hivemind's own
+    # parameter_names are the keys of its served state, and stay as they are)
 
     def __init__(self, *args: Any, verify_downloads: bool = False, **kwargs: Any):
         self.verify_downloads = verify_downloads
@@ -136,9 +109,6 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
         chunk_timeout = kwargs.get("next_chunk_timeout")  # (hivemind's, in the averager's process only)
         self._chunk_timeout = chunk_timeout if chunk_timeout is not None else kwargs.get(
             "request_timeout", HIVEMIND_REQUEST_TIMEOUT)
-        # peers whose state a download tries first (base58, comma-separated), shared with the averager process
-        self._preferred_sources = multiprocessing.Array(ctypes.c_char, PREFERRED_SOURCES_BYTES)
-        self._only_sources = multiprocessing.Array(ctypes.c_char, PREFERRED_SOURCES_BYTES)  # if set, no others
         super().__init__(*args, **kwargs)
         # _do sets this event right after the optimizer step, still holding lock_optimizer: the step is paid there
         self.finished_optimizer_step = _EventThatCalls(self._pay)
@@ -217,39 +187,6 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
         with self.lock_optimizer:  # the copy of a round's result into the parameters is not served half done
             super()._apply_averaging_results_()
 
-    def prefer_sources(self, peers: Sequence[str]) -> None:
-        """Make the next downloads try ``peers`` (base58 peer ids) before any other, as many as fit."""
-        self._preferred_sources.value = _joined(peers)
-
-    def only_sources(self, peers: Sequence[str]) -> None:
-        """Make the next downloads try ``peers`` (base58 peer ids, as many as fit) and no other; none: any peer."""
-        self._only_sources.value = _joined(peers)
-
-    def _serving_peers(self) -> dict[str, float]:
-        """(A verified download's sources, :class:`VerifiedDownloads`) the preferred peers' priority raised too."""
-        preferred = _split(self._preferred_sources.value)
-        return {peer: priority + (PREFERRED_BOOST if peer in preferred else 0.0)
-                for peer, priority in super()._serving_peers().items()}
-
-    async def _load_state_from_peers(self, future: Any, timeout: float | None = None) -> None:
-        # (runs in the averager's process) hivemind tries the peers the DHT lists, highest priority first
-        # (self.dht.get is called before its first await): from now on, the record of the peers that serve
-        # their state is read with the preferred peers' priority raised, whichever download reads it
-        if not getattr(self, "_reads_preferring", False):
-            dht_get = self.dht.get
-
-            def get_preferring(key: Any, *args: Any, **kwargs: Any) -> Any:
-                found = dht_get(key, *args, **kwargs)
-                if not isinstance(key, str) or not key.endswith(".all_averagers"):
-                    return found
-                only, preferred = _split(self._only_sources.value), _split(self._preferred_sources.value)
-                if only:
-                    found = keep_only(found, only)
-                return raise_priority(found, preferred) if preferred else found
-
-            self.dht.get, self._reads_preferring = get_preferring, True
-        return await super()._load_state_from_peers(future, timeout)
-
     @contextlib.contextmanager
     def closed_for_downloads(self) -> Iterator[None]:
         """Serve no download while the loop ends an epoch (from its gradient round to its parameter round): a state
@@ -260,15 +197,20 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
         finally:
             self._open_for_downloads.set()
 
+    @property
+    def chunk_timeout(self) -> float:
+        """Seconds a download waits for each part of a state (hivemind's ``next_chunk_timeout``, else its
+        ``request_timeout``)."""
+        return self._chunk_timeout
+
     def serve_wait(self) -> float:
         """Seconds a download waits for a boundary to end (see the class)."""
         return SERVE_WAIT_SHARE * self._chunk_timeout
 
-    def get_current_state(self) -> Any:
-        # (runs in hivemind's thread that serves downloads)
-        if self.holding_state:  # (VerifiedDownloads) its first download runs: its model is not checked yet
-            logger.debug("collabopt: a download came while this peer downloads its first state: declined")
-            return DECLINED
+    def served_state(self) -> Any:
+        """(the state service's executor) The state a download gets, as hivemind's ``get_current_state`` (metadata,
+        tensors, infos): :meth:`state_copy`, after a boundary under way ends; :data:`DECLINED` where that takes
+        longer than :meth:`serve_wait`."""
         wait = self.serve_wait()
         deadline = time.monotonic() + wait
         if not (self._open_for_downloads.wait(wait)
@@ -282,10 +224,40 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
         with self.lock_optimizer:  # no optimizer step runs meanwhile
             with self._label_lock:
                 epoch = self._epoch - self._steps_owed
-            metadata, tensors, infos = super().get_current_state()
+            metadata, tensors, infos = self.get_current_state()
             # copies, taken now: on CPU, hivemind's tensors are the live ones (GPU ones were copied by .cpu())
             tensors = [t.detach().clone() if t.device.type == "cpu" else t.detach().cpu() for t in tensors]
         return dict(metadata, epoch=epoch), tensors, infos
+
+    def install_state(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> bool:
+        """Install a downloaded state (hivemind's layout: parameters, extra tensors, optimizer statistics; the
+        metadata's epoch and optimizer metadata), as hivemind's ``TrainingStateAverager.load_state_from_peers``
+        installs what it downloads. Refused (False, logged) where its epoch is behind this peer's or it is short."""
+        main = [*(p for group in self.optimizer.param_groups for p in group["params"]), *self.extra_tensors]
+        epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+        if type(epoch) is not int or epoch < self.local_epoch:
+            logger.warning("collabopt: a downloaded state of epoch %r is behind this peer's (%d): not installed",
+                           epoch, self.local_epoch)
+            return False
+        if len(tensors) < len(main):
+            logger.error("collabopt: a downloaded state has %d tensors for %d parameters and extras: not installed",
+                         len(tensors), len(main))
+            return False
+        with torch.no_grad(), self.lock_averaged_tensors:
+            try:
+                load_optimizer_state(self.optimizer, metadata["optimizer_metadata"], tensors[len(main):])
+            except StopIteration:
+                logger.warning("collabopt: a downloaded state's optimizer statistics do not fit: not installed")
+                return False
+            for local, loaded in zip(main, tensors, strict=False):
+                local.copy_(loaded, non_blocking=True)
+        if self.offload_optimizer:
+            self._apply_optimizer_parameters_()
+        if not self.reuse_tensors:
+            self._load_local_tensors_into_averager_()
+        self.local_epoch = epoch
+        self._update_scheduler()
+        return True
 
     def challenge_state(self) -> tuple[int, list[torch.Tensor]] | None:
         """(host process; a download's secret challenge) The epoch and a copy of the parameters this peer serves
@@ -301,16 +273,3 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
                                for group in self.optimizer.param_groups for p in group["params"]]
         finally:
             self.lock_optimizer.release()
-
-
-def _joined(peers: Sequence[str]) -> bytes:
-    """``peers`` comma-separated, as many as fit in :data:`PREFERRED_SOURCES_BYTES`."""
-    chosen: list[str] = []
-    for peer in peers:
-        if len(",".join([*chosen, peer])) < PREFERRED_SOURCES_BYTES:
-            chosen.append(peer)
-    return ",".join(chosen).encode()
-
-
-def _split(value: bytes) -> set[str]:
-    return {peer for peer in value.decode().split(",") if peer}

@@ -17,6 +17,8 @@ from collabopt.errors import ModelMismatchError
 
 logger = logging.getLogger(__name__)
 
+DOWNLOAD_ATTEMPTS = 5  # downloads that raised, in a row, before a download gives up until the next step
+
 
 def download_state(optimizer: Any, **kwargs: Any) -> None:
     """Download the swarm's state for :class:`~collabopt.engine.sync_round.SyncLoop`.
@@ -29,12 +31,12 @@ def download_state(optimizer: Any, **kwargs: Any) -> None:
     apart = optimizer.sync_state.apart
     before = lineage.fingerprint(optimizer.state_averager.main_parameters) if resync is not None or apart else []
     if resync is not None:  # (the lineage check) a download from a peer of the group's lineage
-        optimizer.state_averager.prefer_sources(resync.peers)
+        optimizer.state_downloads.prefer_sources(resync.peers)
     try:
         _download_until_current(optimizer, **kwargs)
     finally:
         if resync is not None:
-            optimizer.state_averager.prefer_sources([])
+            optimizer.state_downloads.prefer_sources([])
     if resync is not None:
         resync_outcome(optimizer, resync, before)
     elif apart and not lineage.same_fingerprint(before, lineage.fingerprint(optimizer.state_averager.main_parameters)):
@@ -48,10 +50,10 @@ def _download_until_current(optimizer: Any, **kwargs: Any) -> None:
         swarm_epoch = optimizer.tracker.global_epoch
         if optimizer.local_epoch >= swarm_epoch or time.monotonic() >= deadline:
             break
-        if optimizer.state_averager.handed_on:
+        if optimizer.state_downloads.handed_on:
             logger.log(optimizer.status_loglevel, "collabopt: the state downloaded is epoch %d's, the swarm's is %d: "
                        "downloading again", optimizer.local_epoch, swarm_epoch)
-        else:  # (each peer asked was ending an epoch, or had nothing to send: see ConsistentStateAverager)
+        else:  # (each peer asked was ending an epoch, or had nothing to send: see ConsistentStateAverager.served_state)
             logger.log(optimizer.status_loglevel, "collabopt: no peer sent its state now: downloading again in 1 s")
         with optimizer.tracker.pause_updates():  # fetch the swarm's progress now, then look again
             optimizer.tracker.global_progress.next_fetch_time = get_dht_time()
@@ -68,24 +70,31 @@ def _download_until_current(optimizer: Any, **kwargs: Any) -> None:
 
 
 def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
-    """One download of the state (and of the gradient averager's, if it serves one); retried until one succeeds.
-    Only ordinary errors are retried: SIGTERM (:class:`collabopt.Terminated`, a ``SystemExit``) and Ctrl+C end the
-    wait at once."""
+    """One download of the state (and of the gradient averager's, if it serves one). A download that raised is
+    tried again 1 s later, at most :data:`DOWNLOAD_ATTEMPTS` times in all, each failure logged with its reason; the
+    next step downloads again if the peer is still behind. Only ordinary errors are retried: SIGTERM
+    (:class:`collabopt.Terminated`, a ``SystemExit``) and Ctrl+C end the wait at once, and a model of other shapes
+    (:class:`~collabopt.errors.ModelMismatchError`) stops the peer."""
     control, optimizer.scheduled_grads = optimizer.scheduled_grads, None
     if control is not None and not control.done():
         optimizer.tag_along(control)  # its group may have formed: leaving would make the others match again
     optimizer.state_averager.step(wait_for_delayed_updates=True)
     with optimizer.tracker.pause_updates():
-        while True:
+        for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
             try:
-                optimizer.state_averager.load_state_from_peers(timeout=optimizer.load_state_timeout, **kwargs)
+                optimizer.state_downloads.download(timeout=optimizer.load_state_timeout, **kwargs)
                 if installs_a_download(optimizer.grad_averager):
                     optimizer.grad_averager.load_state_from_peers(timeout=optimizer.load_state_timeout, **kwargs)
                 break
             except ModelMismatchError:  # (collabopt.model_check) another try would find the same shapes
                 raise
             except Exception as e:
-                logger.warning("collabopt: downloading the swarm's state failed (%r): trying again in 1 s", e)
+                if attempt == DOWNLOAD_ATTEMPTS:
+                    logger.warning("collabopt: downloading the swarm's state failed %d times (last: %r): this peer "
+                                   "goes on, and downloads again at its next step if it is still behind", attempt, e)
+                    break
+                logger.warning("collabopt: downloading the swarm's state failed (%r): trying again in 1 s "
+                               "(attempt %d of %d)", e, attempt, DOWNLOAD_ATTEMPTS)
                 time.sleep(1.0)  # (a failure that came at once, e.g. no DHT node to ask, is not retried in a spin)
         after_download(optimizer)
 
@@ -94,8 +103,8 @@ def installs_a_download(grad_averager: Any) -> bool:
     """Whether ``grad_averager`` installs what it downloads (PowerSGD's: its Q matrices). hivemind's
     ``DecentralizedAverager.load_state_from_peers`` installs nothing: downloading a whole state for it only costs
     bandwidth (unbounded and unverified: the highest-priority peer's)."""
-    return grad_averager is not None and (type(grad_averager).load_state_from_peers
-                                          is not DecentralizedAverager.load_state_from_peers)
+    load = getattr(type(grad_averager), "load_state_from_peers", DecentralizedAverager.load_state_from_peers)
+    return grad_averager is not None and load is not DecentralizedAverager.load_state_from_peers
 
 
 def after_download(optimizer: Any) -> None:

@@ -174,7 +174,7 @@ def serve_altered(constant: float | str) -> None:
 
     priority = ConsistentStateAverager.state_sharing_priority
 
-    def get_current_state(self):
+    def served_state(self):
         # it answers every download at once, also while it ends an epoch (an honest peer declines then), with the
         # parameters its vote names: it waits only for a parameter round to be applied
         self._no_boundary.wait(30.0)
@@ -185,7 +185,7 @@ def serve_altered(constant: float | str) -> None:
                               for i, t in enumerate(tensors)], infos
         return metadata, [t + constant if i < count else t for i, t in enumerate(tensors)], infos
 
-    ConsistentStateAverager.get_current_state = get_current_state
+    ConsistentStateAverager.served_state = served_state
     ConsistentStateAverager.state_sharing_priority = property(
         priority.fget, lambda self, value: priority.fset(self, value + 1e6))
 

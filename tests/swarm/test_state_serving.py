@@ -29,14 +29,14 @@ class SlowSGD(torch.optim.SGD):
 
 
 def snapshot_during(averager, action, delay: float) -> tuple[int | dict, list[torch.Tensor]]:
-    """Run ``action`` (a state-averager step) and serve a state ``delay`` seconds into it, as hivemind serves a
-    download; the tensors are copied at once, as they would stream out. The epoch served, or (declined) the
+    """Run ``action`` (a state-averager step) and serve a state ``delay`` seconds into it, as the state service serves
+    a download; the tensors are copied at once, as they would stream out. The epoch served, or (declined) the
     metadata."""
     taken: list = []
 
     def serve() -> None:
         time.sleep(delay)
-        metadata, tensors, _ = averager.get_current_state()
+        metadata, tensors, _ = averager.served_state()
         taken.append((metadata.get("epoch", metadata), [t.clone() for t in tensors]))
 
     thread = threading.Thread(target=serve)
@@ -82,7 +82,7 @@ def test_a_download_during_a_boundary_gets_an_epoch_and_the_parameters_of_that_e
         # 3. a step that did not run (as after an AMP overflow or a failed round) is owed no more
         averager.step(increment_epoch=True, optimizer_step=True, wait_for_trigger=_fail)
         time.sleep(0.2)
-        assert averager.get_current_state()[0]["epoch"] == averager.local_epoch == 3
+        assert averager.served_state()[0]["epoch"] == averager.local_epoch == 3
 
         # 4. a download during the boundary's parameter averaging (here: alone, it looks for a group for 6 s, then
         # fails) waits for it for half the chunk timeout (3 s: 1.5 s), then is declined with an empty state, before
@@ -96,19 +96,19 @@ def test_a_download_during_a_boundary_gets_an_epoch_and_the_parameters_of_that_e
                           averaging_opts=dict(timeout=6.0))
             finished.append(time.monotonic())
 
-        original = averager.get_current_state
+        original = averager.served_state
 
         def timed_state():
             state = original()
             served_at.append(time.monotonic())
             return state
 
-        averager.get_current_state = timed_state
+        averager.served_state = timed_state
         began = time.monotonic()
         metadata, tensors = snapshot_during(averager, boundary, delay=1.3)  # after the 1 s optimizer step
         assert (metadata, tensors) == ({}, []), "served while the boundary's averaging was still running"
         assert served_at[0] - began == pytest.approx(1.3 + 1.5, abs=0.4) and served_at[0] < finished[0]
-        assert averager.get_current_state()[0]["epoch"] == averager.local_epoch == 4  # (once it is over)
+        assert averager.served_state()[0]["epoch"] == averager.local_epoch == 4  # (once it is over)
 
         # 5. while the loop ends an epoch (closed_for_downloads) a download waits for the end, and is served then
         # with the new epoch; one that would wait past its share of the timeout is declined
@@ -122,7 +122,7 @@ def test_a_download_during_a_boundary_gets_an_epoch_and_the_parameters_of_that_e
         assert all(torch.equal(a, p) for a, p in zip(tensors[:len(served)], served, strict=True))
         with averager.closed_for_downloads():
             began = time.monotonic()
-            assert averager.get_current_state() == ({}, [], [])
+            assert averager.served_state() == ({}, [], [])
             assert time.monotonic() - began == pytest.approx(1.5, abs=0.3)
     finally:
         averager.shutdown()
@@ -131,3 +131,50 @@ def test_a_download_during_a_boundary_gets_an_epoch_and_the_parameters_of_that_e
 
 def _fail() -> None:
     raise RuntimeError("the gradient round failed (on purpose)")
+
+
+def test_a_peers_state_service_serves_its_state_to_another_peers_download():
+    """Two peers' state services on one bootstrap: B downloads A's state (parameters, optimizer statistics, epoch)
+    through them and holds exactly A's; a peer that shares no state sends nothing; a closed service is refused."""
+    import hivemind
+
+    from collabopt.engine.downloads import StateDownloads
+    from collabopt.engine.state import ConsistentStateAverager
+    from collabopt.engine.state_service import StateService
+
+    def peer(dht, seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        averager = ConsistentStateAverager(dht=dht, prefix="state_service_test", params=model.parameters(),
+                                           optimizer=lambda params: torch.optim.Adam(params, lr=0.1), start=True)
+        service = StateService(dht, averager)
+        return model, averager, service, StateDownloads(service, averager)
+
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = hivemind.DHT(start=True, initial_peers=first.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    (model_a, a, service_a, _), (model_b, b, service_b, downloads_b) = peer(first, 0), peer(second, 1)
+    try:
+        for p in model_a.parameters():
+            p.grad = torch.ones_like(p)
+        for _ in range(2):
+            a.step(increment_epoch=True, optimizer_step=True)
+        a.state_sharing_priority, b.allow_state_sharing = a.local_epoch, False
+        deadline = time.monotonic() + 10
+        while first.peer_id.to_base58() not in service_b.serving_peers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert downloads_b.download(timeout=10.0) and b.local_epoch == a.local_epoch == 2
+        assert all(torch.equal(x, y) for x, y in zip(model_a.parameters(), model_b.parameters(), strict=True))
+        statistics = [(a.optimizer.state[p]["exp_avg"], b.optimizer.state[q]["exp_avg"])
+                      for p, q in zip(a.main_parameters, b.main_parameters, strict=True)]
+        assert all(torch.equal(x, y) for x, y in statistics)
+        a.allow_state_sharing = False
+        assert service_b.fetch(first.peer_id.to_base58(), timeout=5.0) is None  # (an empty answer: not shared)
+    finally:
+        for service in (service_a, service_b):
+            service.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            service_b.fetch(first.peer_id.to_base58(), timeout=1.0)
+        for averager in (a, b):
+            averager.shutdown()
+        for dht in (second, first):
+            dht.shutdown()

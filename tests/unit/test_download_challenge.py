@@ -5,15 +5,15 @@ pass, the accept rule, and what a peer answers. The swarm test: tests/swarm/test
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
-from hivemind.utils.serializer import MSGPackSerializer
 
 from collabopt.engine.download_challenge import (
     PROJECTION_TOLERANCE,
-    ProjectionChallenges,
+    ChallengeAnswers,
     agrees,
     challenge_refusal,
     challenge_timeout,
@@ -105,35 +105,26 @@ def test_the_accept_rule():
         assert "answered its challenge" in reason and unanswered, answers
 
 
-class Server(ProjectionChallenges):
-    """What the averager's process answers: the state it serves (its epoch and parameters), as a download gets it."""
+def server(epoch, tensors, refusal=None, sharing=True):
+    """What the state service answers: the state it serves (its epoch and parameters), as a download gets it."""
+    return ChallengeAnswers(state=lambda: None if epoch is None else (epoch, list(tensors)), sharing=lambda: sharing,
+                            refusal=lambda caller: _value(refusal))
 
 
-def server(epoch, tensors, refusal=None):
-    avg = Server.__new__(Server)
-
-    async def current_state():  # (the host's copy of the parameters it serves: no optimizer state)
-        return None if epoch is None else (epoch, list(tensors))
-
-    async def download_refusal(key, caller):
-        return refusal
-
-    vars(avg).update(_parent_pid=-1, serializer=MSGPackSerializer, _challenge_slot=asyncio.Lock(), _challengers=set(),
-                     _challenge_state_from_host=current_state, _download_refusal=download_refusal,
-                     _allow_state_sharing=SimpleNamespace(value=True))
-    return avg
+async def _value(value):
+    return value
 
 
 @pytest.mark.parametrize("key", [None, "a swarm key"])
-def test_a_peer_answers_for_the_parameters_it_serves_at_the_epoch_it_serves(key, monkeypatch):
-    monkeypatch.setattr(Server, "_member_key", key, raising=False)
+def test_a_peer_answers_for_the_parameters_it_serves_at_the_epoch_it_serves(key):
     request = dict(seed=11, epoch=5, vectors=4)
-    answer = asyncio.run(server(5, PARAMS)._answer(request, b"caller"))
+    answer = asyncio.run(server(5, PARAMS).answer(request, b"caller"))
     assert answer == dict(epoch=5, projection=projection(PARAMS, 11).values)
-    assert asyncio.run(server(6, PARAMS)._answer(request, b"caller")) == dict(epoch=6)  # moved on: no projection
-    assert "refused" in asyncio.run(server(5, PARAMS)._answer(dict(request, vectors=99), b"caller"))
-    assert "refused" in asyncio.run(server(5, PARAMS)._answer(dict(request, seed=-1), b"caller"))
-    outsider = asyncio.run(server(5, PARAMS, refusal="it stored no member token")._answer(request, b"caller"))
+    assert asyncio.run(server(6, PARAMS).answer(request, b"caller")) == dict(epoch=6)  # moved on: no projection
+    assert "refused" in asyncio.run(server(5, PARAMS).answer(dict(request, vectors=99), b"caller"))
+    assert "refused" in asyncio.run(server(5, PARAMS).answer(dict(request, seed=-1), b"caller"))
+    outsider = asyncio.run(server(5, PARAMS, refusal="it stored no member token" if key else None)
+                         .answer(request, b"caller"))
     assert outsider == (dict(refused="it stored no member token") if key else answer)
 
 
@@ -141,30 +132,28 @@ def test_a_peer_that_does_not_share_its_state_or_is_mid_boundary_answers_none_at
     """A DiLoCo round in flight pauses sharing: no projection; mid-boundary the host gives no copy (None) rather than
     wait for the boundary: the answer names no epoch."""
     request = dict(seed=11, epoch=5, vectors=4)
-    paused = server(5, PARAMS)
-    paused._allow_state_sharing.value = False
-    assert "projection" not in asyncio.run(paused._answer(request, b"caller"))
-    assert asyncio.run(server(None, PARAMS)._answer(request, b"caller")) == dict(epoch=None)
+    paused = server(5, PARAMS, sharing=False)
+    assert "projection" not in asyncio.run(paused.answer(request, b"caller"))
+    assert asyncio.run(server(None, PARAMS).answer(request, b"caller")) == dict(epoch=None)
 
 
 def test_one_challenge_at_a_time_per_caller():
     """A caller that keeps a challenge open holds no second one (others are answered): one hostile member cannot
     fill an honest peer's slots."""
-    avg, release = server(5, PARAMS), asyncio.Event()
-    copy = avg._challenge_state_from_host
+    release = threading.Event()
 
-    async def slow_copy():
-        await release.wait()
-        return await copy()
+    def slow_copy():  # (the state's copy, blocking, in the service's executor)
+        release.wait(5.0)
+        return 5, list(PARAMS)
 
-    avg._challenge_state_from_host = slow_copy
+    avg = ChallengeAnswers(state=slow_copy, sharing=lambda: True, refusal=lambda caller: _value(None))
     request = dict(seed=11, epoch=5, vectors=4)
 
     async def run():
-        first = asyncio.create_task(avg._answer(request, b"hostile"))
+        first = asyncio.create_task(avg.answer(request, b"hostile"))
         await asyncio.sleep(0.01)
-        second = await asyncio.wait_for(avg._answer(request, b"hostile"), 2.0)  # (at once)
-        other = asyncio.create_task(avg._answer(request, b"honest"))
+        second = await asyncio.wait_for(avg.answer(request, b"hostile"), 2.0)  # (at once)
+        other = asyncio.create_task(avg.answer(request, b"honest"))
         await asyncio.sleep(0.01)
         release.set()
         return await first, second, await other
@@ -175,7 +164,6 @@ def test_one_challenge_at_a_time_per_caller():
 
 
 def test_the_host_copies_only_the_served_parameters_and_never_waits_for_a_boundary():
-    import threading
     import time
 
     from collabopt.engine.state import ConsistentStateAverager

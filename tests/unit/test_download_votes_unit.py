@@ -1,6 +1,6 @@
 """Downloads of the state most of the swarm holds (collabopt/engine/download_votes.py): the majority rule, the order
-of the sources, the check of a downloaded state, and a state averager that installs only a state that passes it
-(refused: its parameters stay as they were). The swarm test: tests/swarm/test_download_votes.py."""
+of the sources, the check of a downloaded state, and a download (collabopt/engine/downloads.py) that installs only a
+state that passes it (refused: its parameters stay as they were). The swarm test: tests/swarm/test_download_votes.py."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hivemind.averaging import DecentralizedAverager
-from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
+from hivemind.optim.state_averager import dump_optimizer_state
 
 from collabopt.config import CollabConfig
 from collabopt.engine import lineage_check
 from collabopt.engine.download_challenge import projection
-from collabopt.engine.download_votes import VerifiedDownloads, Vote, majority, newest_majority, refusal, sources
+from collabopt.engine.download_votes import Vote, majority, newest_majority, refusal, sources
+from collabopt.engine.downloads import StateDownloads
 from collabopt.errors import ConfigurationError
 from collabopt.lineage import fingerprint
 
@@ -69,50 +69,53 @@ def test_a_state_passes_only_with_the_majoritys_fingerprint_at_its_own_epoch():
     assert "1 tensors for 2" in refusal({"epoch": 5}, HONEST[:1], 2, ballot)
 
 
-class Averager(TrainingStateAverager, VerifiedDownloads):
-    """TrainingStateAverager's install on a downloaded state, with the check before it; the download itself is a
-    fake (what ``served`` maps each source to), no process, no DHT."""
+def state_averager(params, optimizer, **attributes):
+    """A ConsistentStateAverager as a download sees it (its install on a downloaded state): no process, no DHT."""
+    from collabopt.engine.state import ConsistentStateAverager
+
+    avg = ConsistentStateAverager.__new__(ConsistentStateAverager)
+    vars(avg).update(_parent_pid=-1, optimizer=optimizer, extra_tensors=(), lock_averaged_tensors=threading.Lock(),
+                     _label_lock=threading.Lock(), _epoch=0, _steps_owed=0, _step_with_increment=False,
+                     offload_optimizer=False, reuse_tensors=True, scheduler=None, **attributes)
+    return avg
 
 
 @pytest.fixture
-def averager(monkeypatch):
+def averager():
+    """A download (StateDownloads) into a state averager, through a fake state service: each source sends what
+    ``served`` maps it to, and answers a challenge for it at its epoch in ``epochs``."""
     params = [torch.nn.Parameter(torch.zeros(64)), torch.nn.Parameter(torch.zeros(8))]
     optimizer = torch.optim.SGD(params, lr=0.1)
     opt_metadata, opt_tensors = dump_optimizer_state(optimizer)
-    avg = Averager.__new__(Averager)
-    only: list[str] = []
     served = {"x": ALTERED, "a": HONEST, "b": HONEST}
     asked: list[str] = []
     challenged: list[list[str]] = []
     epochs = {"x": 5, "a": 5, "b": 5}  # the epoch each peer serves when a challenge comes
 
-    def ask_projections(peers, seed, epoch, timeout=None):  # (each peer answers for what it serves, as the averager)
+    def ask_projections(peers, seed, epoch, timeout=None):  # (each peer answers for what it serves)
         challenged.append(sorted(peers))
         answers = {peer: dict(epoch=epochs[peer], projection=projection(served[peer], seed).values) for peer in peers}
         future = Future()
         future.set_result(answers)
         return future
 
-    def download(self, wait=True, timeout=None):
-        if len(only) != 1 or only[0] not in served:
+    def fetch(peer, timeout):
+        if peer not in served:
             return None
-        asked.append(only[0])
-        return dict(epoch=5, optimizer_metadata=opt_metadata), [t.clone() for t in served[only[0]]] + opt_tensors
+        asked.append(peer)
+        return dict(epoch=5, optimizer_metadata=opt_metadata), [t.clone() for t in served[peer]] + opt_tensors
 
-    monkeypatch.setattr(DecentralizedAverager, "load_state_from_peers", download)
-    vars(avg).update(_parent_pid=-1, optimizer=optimizer, extra_tensors=(), lock_averaged_tensors=threading.Lock(),
-                     local_epoch=0,
-                     offload_optimizer=False, reuse_tensors=True, scheduler=None,
-                     dht=SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me")),
-                     only_sources=lambda peers: only.__init__(peers), ask_projections=ask_projections,
-                     _serving_peers=lambda: {"x": 1e6, "a": 5.0, "b": 5.0},
-                     votes=SimpleNamespace(read=lambda: votes(("a", 5, H), ("b", 5, H), ("x", 5, H))))
-    return SimpleNamespace(averager=avg, params=params, served=served, asked=asked, challenged=challenged,
-                           epochs=epochs)
+    service = SimpleNamespace(dht=SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me")), fetch=fetch,
+                              ask_projections=ask_projections, announce_download=lambda: None,
+                              serving_peers=lambda: {"x": 1e6, "a": 5.0, "b": 5.0})
+    avg = state_averager(params, optimizer,
+                         votes=SimpleNamespace(read=lambda: votes(("a", 5, H), ("b", 5, H), ("x", 5, H))))
+    return SimpleNamespace(averager=avg, downloads=StateDownloads(service, avg), service=service, params=params,
+                           served=served, asked=asked, challenged=challenged, epochs=epochs)
 
 
 def test_a_hostile_state_is_refused_and_the_next_source_installed(averager, caplog):
-    averager.averager.load_state_from_peers(timeout=1.0)
+    averager.downloads.download(timeout=1.0)
     assert averager.asked[0] == "x" and len(averager.asked) == 2  # the hostile peer first (its priority), refused
     assert "refused the state x sent" in caplog.text
     assert all(torch.equal(p, h) for p, h in zip(averager.params, HONEST, strict=True))
@@ -121,27 +124,22 @@ def test_a_hostile_state_is_refused_and_the_next_source_installed(averager, capl
 
 def test_a_refused_state_leaves_the_parameters_as_they_were(averager, caplog):
     averager.served.update(a=ALTERED, b=ALTERED)  # every server sends another state than the votes' majority
-    averager.averager.load_state_from_peers(timeout=1.0)
+    averager.downloads.download(timeout=1.0)
     assert sorted(averager.asked) == ["a", "b", "x"]
     assert all(torch.equal(p, torch.zeros_like(p)) for p in averager.params)
     assert averager.averager.local_epoch == 0
     assert "no peer sent the state most of the swarm holds" in caplog.text
 
 
-def test_without_a_majority_only_a_swarm_of_one_vote_downloads_unverified(averager, caplog, monkeypatch):
+def test_without_a_majority_only_a_swarm_of_one_vote_downloads_unverified(averager, caplog):
     """Votes that disagree download nothing (an unverified install would make a hostile server's state the next
-    majority); fewer than two votes (the swarm's first epochs, one server) download as hivemind does, logged."""
-    calls = []
-    monkeypatch.setattr(DecentralizedAverager, "load_state_from_peers",
-                        lambda self, wait=True, timeout=None: calls.append(1))
+    majority); fewer than two votes (the swarm's first epochs, one server) download unverified, logged."""
     averager.averager.votes = SimpleNamespace(read=lambda: votes(("a", 5, H), ("x", 5, X)))
-    assert averager.averager.load_state_from_peers(timeout=1.0) is None and calls == []
+    assert averager.downloads.download(timeout=1.0) is False and averager.asked == []
     assert "hold no fingerprint most of them share: nothing downloaded" in caplog.text
     averager.averager.votes = SimpleNamespace(read=lambda: votes(("a", 5, H)))
-    averager.averager.load_state_from_peers(timeout=1.0)
-    assert calls == [1] and "this download is not verified" in caplog.text
-    with pytest.raises(ValueError, match="wait=True"):
-        VerifiedDownloads.load_state_from_peers(averager.averager, wait=False)
+    averager.downloads.download(timeout=1.0)
+    assert averager.asked == ["x"] and "this download is not verified" in caplog.text  # (by priority, unchecked)
 
 
 def test_a_failed_read_or_source_downloads_nothing_unverified_and_the_next_source_is_tried(averager, caplog,
@@ -153,19 +151,19 @@ def test_a_failed_read_or_source_downloads_nothing_unverified_and_the_next_sourc
 
     honest_votes = averager.averager.votes
     averager.averager.votes = SimpleNamespace(read=unreadable)
-    assert averager.averager.load_state_from_peers(timeout=1.0) is None and averager.asked == []
+    assert averager.downloads.download(timeout=1.0) is False and averager.asked == []
     averager.averager.votes = honest_votes
-    download = DecentralizedAverager.load_state_from_peers
+    fetch = averager.service.fetch
 
-    def first_fails(self, wait=True, timeout=None):
+    def first_fails(peer, timeout):
         if not averager.asked:
             averager.asked.append("timed out")
             raise TimeoutError("a slow stream")
-        return download(self, wait=wait, timeout=timeout)
+        return fetch(peer, timeout)
 
-    monkeypatch.setattr(DecentralizedAverager, "load_state_from_peers", first_fails)
-    averager.averager.load_state_from_peers(timeout=1.0)
-    assert "failed (TimeoutError" in caplog.text and len(averager.asked) == 2
+    averager.service.fetch = first_fails
+    averager.downloads.download(timeout=1.0)
+    assert "failed (TimeoutError('a slow stream'))" in caplog.text and len(averager.asked) == 2
     assert all(torch.equal(p, h) for p, h in zip(averager.params, HONEST, strict=True))
 
 
@@ -212,14 +210,46 @@ def test_centered_clip_refuses_what_leaves_honest_parameters_apart():
                                       .hivemind_arguments().get("averager_opts") or {})
 
 
-def test_a_re_synchronization_s_preferred_peers_come_first_among_those_that_claim_the_majority(monkeypatch):
-    from collabopt.engine.state import ConsistentStateAverager
+def test_a_re_synchronization_s_preferred_peers_come_first_among_those_that_claim_the_majority(averager):
+    averager.averager.votes = SimpleNamespace(read=lambda: votes(("a", 5, H), ("b", 5, H)))
+    averager.service.serving_peers = lambda: {"a": 6.0, "b": 5.0}
+    averager.downloads.prefer_sources(["b"])
+    averager.downloads.download(timeout=1.0)
+    assert averager.asked == ["b"]
+    averager.downloads.prefer_sources([])
+    averager.asked.clear()
+    averager.downloads.download(timeout=1.0)
+    assert averager.asked == ["a"]
 
-    avg = ConsistentStateAverager.__new__(ConsistentStateAverager)
-    vars(avg).update(_parent_pid=-1, _preferred_sources=SimpleNamespace(value=b"b"))
-    monkeypatch.setattr(VerifiedDownloads, "_serving_peers", lambda self: {"a": 6.0, "b": 5.0})
-    ballot = votes(("a", 5, H), ("b", 5, H))
-    assert sources(ballot, avg._serving_peers(), 5, H, "me") == ["b", "a"]
+
+def test_an_unverified_download_asks_by_priority_preferred_first_never_itself_and_installs_the_first_sent(averager):
+    averager.averager.votes = None
+    averager.served["x"] = None  # (x declines: it sends nothing)
+    averager.service.fetch = lambda peer, timeout, fetch=averager.service.fetch: (
+        averager.asked.append(peer) if averager.served.get(peer) is None else fetch(peer, timeout))
+    averager.service.serving_peers = lambda: {"me": 1e9, "x": 7.0, "a": 6.0, "b": 5.0}
+    assert averager.downloads.download(timeout=1.0) is True
+    assert averager.asked == ["x", "a"] and averager.averager.local_epoch == 5
+    assert all(torch.equal(p, h) for p, h in zip(averager.params, HONEST, strict=True))
+    averager.asked.clear()
+    averager.averager.local_epoch = 0
+    averager.downloads.prefer_sources(["b"])
+    averager.downloads.download(timeout=1.0)
+    assert averager.asked == ["b"]
+
+
+def test_the_state_service_serves_under_hivemind_s_name_and_the_averager_s_own_handler_is_out_of_the_way():
+    """Plain hivemind peers download from ``<prefix>::TrainingStateAverager.rpc_download_state``: the state service
+    answers under that name, and the state averager registers its own download handler under another (p2pd takes
+    one handler per name)."""
+    from collabopt.engine.state import ConsistentStateAverager
+    from collabopt.engine.state_service import StateServicer
+
+    name = "run_state_averager::TrainingStateAverager.rpc_download_state"
+    assert StateServicer._get_handle_name("run_state_averager", "rpc_download_state") == name
+    assert ConsistentStateAverager._get_handle_name("run_state_averager", "rpc_download_state") != name
+    assert ConsistentStateAverager._get_handle_name("run_state_averager", "rpc_join_group") == \
+        "run_state_averager::TrainingStateAverager.rpc_join_group"
 
 
 def test_a_read_of_the_votes_that_no_node_answered_is_an_error_not_an_empty_ballot(monkeypatch):
@@ -241,8 +271,8 @@ def test_a_permutation_passes_the_fingerprint_and_is_refused_by_the_secret_chall
     answers refuse it, and the next source, whose answers agree, is installed. A source is never its own answerer."""
     assert refusal({"epoch": 5}, PERMUTED, 2, votes(("a", 5, H), ("b", 5, H))) is None  # (the fingerprint's gap)
     averager.served["x"] = PERMUTED
-    averager.averager.load_state_from_peers(timeout=1.0)
-    assert averager.averager.handed_on and averager.asked[0] == "x" and len(averager.asked) == 2
+    averager.downloads.download(timeout=1.0)
+    assert averager.downloads.handed_on and averager.asked[0] == "x" and len(averager.asked) == 2
     assert averager.challenged == [["a", "b"], sorted({"a", "b", "x"} - {averager.asked[1]})]
     assert "refused the state x sent" in caplog.text
     assert "secret challenge: 0 answer(s) agree, 2 disagree" in caplog.text
@@ -253,7 +283,7 @@ def test_a_refused_source_is_tried_last_in_the_next_downloads(averager):
     averager.served["x"] = PERMUTED
     for attempt in range(5):
         averager.asked.clear()
-        averager.averager.load_state_from_peers(timeout=1.0)
+        averager.downloads.download(timeout=1.0)
         assert (averager.asked[0] == "x") == (attempt in (0, 4)), attempt  # (x's priority is the highest)
 
 
@@ -263,14 +293,14 @@ def test_without_answers_at_the_states_epoch_nothing_is_installed_and_the_source
     averager.served["x"] = HONEST
     averager.epochs.update(x=6, a=6, b=6)
     caplog.set_level("INFO", logger="collabopt")
-    assert averager.averager.load_state_from_peers(timeout=1.0) is None and not averager.averager.handed_on
+    assert averager.downloads.download(timeout=1.0) is False and not averager.downloads.handed_on
     assert averager.asked[0] == "x" and sorted(averager.asked) == ["a", "b", "x"]
-    assert caplog.text.count("answered its challenge") == 1 and averager.averager._refused_sources == {}
+    assert caplog.text.count("answered its challenge") == 1 and averager.downloads._refused_sources == {}
     assert "WARNING" not in caplog.text  # (a retry the swarm's pace causes, not a fault)
     assert all(torch.equal(p, torch.zeros_like(p)) for p in averager.params)
     averager.epochs.update(a=5)  # one voter of epoch 5 answers: it agrees
     averager.asked.clear()
-    averager.averager.load_state_from_peers(timeout=1.0)
+    averager.downloads.download(timeout=1.0)
     assert averager.asked == ["x"] and all(torch.equal(p, h) for p, h in zip(averager.params, HONEST, strict=True))
 
 
@@ -283,10 +313,10 @@ def test_a_diloco_peer_counts_a_refused_download_as_not_done(monkeypatch):
 
     restored = []
     loop = DiLoCoLoop.__new__(DiLoCoLoop)
-    state_averager = SimpleNamespace(step=lambda **kwargs: None, handed_on=True, local_epoch=3)
-    state_averager.load_state_from_peers = lambda timeout=None: vars(state_averager).update(handed_on=False)
+    state_averager = SimpleNamespace(step=lambda **kwargs: None, local_epoch=3)
     vars(loop).update(
         land=lambda wait: None, scheduled_grads=None, state_averager=state_averager, anchors=(torch.zeros(2),),
+        state_downloads=SimpleNamespace(download=lambda timeout=None: False),
         load_state_timeout=1.0, _share_state=lambda: None,
         grad_averager=SimpleNamespace(reset_accumulated_grads_=lambda: None),
         tracker=SimpleNamespace(pause_updates=contextlib.nullcontext, report_local_progress=lambda **kwargs: None),
@@ -302,8 +332,8 @@ def test_a_whitespace_alias_of_the_hostile_peer_is_neither_its_answerer_nor_a_so
     and then installed x's permutation (1-1: a against, "x " = x for). A vote names a canonical id or no one."""
     averager.served["x"] = PERMUTED
     averager.averager.votes = SimpleNamespace(read=lambda: votes(("a", 5, H), ("x ", 5, H)))
-    averager.averager._serving_peers = lambda: {"x": 1e6, "a": 5.0}
-    assert averager.averager.load_state_from_peers(timeout=1.0) is None  # (1 vs 1: nothing can be verified)
+    averager.service.serving_peers = lambda: {"x": 1e6, "a": 5.0}
+    assert averager.downloads.download(timeout=1.0) is False  # (1 vs 1: nothing can be verified)
     assert averager.asked == ["a"] and averager.challenged == []  # x: no vote names it; "x ": no one
     assert all(torch.equal(p, torch.zeros_like(p)) for p in averager.params)
 
@@ -314,8 +344,8 @@ def test_a_second_identity_under_the_hostile_key_never_answers_for_it(averager):
     averager.served.update(x=PERMUTED, y=PERMUTED)
     averager.epochs["y"] = 5
     averager.averager.votes = SimpleNamespace(read=lambda: [Vote("a", 5, H, b"ka"), Vote("y", 5, H, b"kx")])
-    averager.averager._serving_peers = lambda: {"x": 1e6, "y": 1e5, "a": 5.0}
-    assert averager.averager.load_state_from_peers(timeout=1.0) is None
+    averager.service.serving_peers = lambda: {"x": 1e6, "y": 1e5, "a": 5.0}
+    assert averager.downloads.download(timeout=1.0) is False
     assert averager.asked == ["y", "a"] and averager.challenged == [["a"], ["y"]]
     assert all(torch.equal(p, torch.zeros_like(p)) for p in averager.params)
 
@@ -326,8 +356,8 @@ def test_no_vote_its_sources_key_signed_answers_for_a_source(averager):
     averager.epochs["y"] = 5
     averager.averager.votes = SimpleNamespace(read=lambda: [Vote("a", 5, H, b"ka"), Vote("x", 5, H, b"kx"),
                                                             Vote("y", 5, H, b"kx")])
-    averager.averager._serving_peers = lambda: {"x": 1e6, "y": 1e5, "a": 5.0}
-    averager.averager.load_state_from_peers(timeout=1.0)
+    averager.service.serving_peers = lambda: {"x": 1e6, "y": 1e5, "a": 5.0}
+    averager.downloads.download(timeout=1.0)
     assert averager.challenged[:2] == [["a"], ["a"]]  # (x's and y's states: a alone answers, against)
     assert all(torch.equal(p, torch.zeros_like(p)) for p in averager.params)
 
@@ -336,8 +366,8 @@ def test_client_voters_are_never_asked_and_clients_do_not_vote(averager):
     """Client-mode peers serve no state and register no handler: only voters that serve are asked. A client's
     DownloadVotes stores no vote (a swarm of one server and clients: one vote, the download is hivemind's)."""
     averager.averager.votes = SimpleNamespace(read=lambda: votes(("a", 5, H), ("b", 5, H), ("c", 5, H), ("d", 5, H)))
-    averager.averager._serving_peers = lambda: {"a": 6.0, "b": 5.0}  # (c and d: clients)
-    averager.averager.load_state_from_peers(timeout=1.0)
+    averager.service.serving_peers = lambda: {"a": 6.0, "b": 5.0}  # (c and d: clients)
+    averager.downloads.download(timeout=1.0)
     assert averager.asked == ["a"] and averager.challenged == [["b"]]
     assert all(torch.equal(p, h) for p, h in zip(averager.params, HONEST, strict=True))
     from collabopt.engine.download_votes import DownloadVotes

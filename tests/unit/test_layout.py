@@ -16,6 +16,7 @@ ENGINE_LAYERS = [
     {"compat", "dialback", "streams", "protocol", "clipping", "part_reducer"},
     {"p2p", "records", "replicas", "progress", "averaging", "robust_averaging", "state", "member_checks",
      "download_votes", "download_challenge", "progress_records", "allreduce", "averager",
+     "state_service", "downloads",
      "model_records"},
     {"loop"},
     {"lineage_check", "sync_download", "sync_round"},

@@ -7,10 +7,8 @@ import threading
 
 import pytest
 import torch
-from hivemind.averaging import DecentralizedAverager
-from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
+from hivemind.optim.state_averager import dump_optimizer_state
 
-from collabopt.engine.download_votes import VerifiedDownloads
 from collabopt.errors import CollaborativeError, ModelMismatchError
 from collabopt.model_check import first_mismatch, parameter_names
 
@@ -59,51 +57,54 @@ def test_names_come_from_the_model_by_identity():
     assert parameter_names(params, None) is None
 
 
-class Averager(TrainingStateAverager, VerifiedDownloads):
-    """TrainingStateAverager's install on a downloaded state, after VerifiedDownloads' check; the download is a
-    fake (``served``), no process, no DHT."""
+def averager_of(model, served, names=None, seen=None):
+    """A download (StateDownloads) into a state averager over ``model``'s parameters, whose source "a" sends
+    ``served`` (and SGD's empty statistics) at epoch 3; ``seen`` collects, at each download, whether the peer held
+    its state back meanwhile (what the state service asks before it serves)."""
+    from types import SimpleNamespace
 
+    from collabopt.engine.downloads import StateDownloads
+    from collabopt.engine.state import ConsistentStateAverager
 
-def averager_of(monkeypatch, model, served, names=None, seen=None):
-    """An averager over ``model``'s parameters whose downloads bring ``served`` (and SGD's empty statistics) at
-    epoch 3; ``seen`` collects, at each download, whether the peer held its state back meanwhile."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_metadata, opt_tensors = dump_optimizer_state(optimizer)
-    avg = Averager.__new__(Averager)
+    avg = ConsistentStateAverager.__new__(ConsistentStateAverager)
+    vars(avg).update(_parent_pid=-1, optimizer=optimizer, extra_tensors=(), lock_averaged_tensors=threading.Lock(),
+                     _label_lock=threading.Lock(), _epoch=0, _steps_owed=0, _step_with_increment=False,
+                     offload_optimizer=False, reuse_tensors=True, scheduler=None, model_names=names, votes=None)
 
-    def download(self, wait=True, timeout=None):
+    def fetch(peer, timeout):
         if seen is not None:
-            seen.append(self.holding_state)
+            seen.append(service.declines())
         return dict(epoch=3, optimizer_metadata=opt_metadata), [t.clone() for t in served] + opt_tensors
 
-    monkeypatch.setattr(DecentralizedAverager, "load_state_from_peers", download)
-    vars(avg).update(_parent_pid=-1, optimizer=optimizer, extra_tensors=(), lock_averaged_tensors=threading.Lock(),
-                     local_epoch=0, offload_optimizer=False, reuse_tensors=True, scheduler=None,
-                     model_names=names)
-    return avg
+    service = SimpleNamespace(dht=SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me")), fetch=fetch,
+                              announce_download=lambda: None, serving_peers=lambda: {"a": 3.0, "b": 3.0})
+    return avg, StateDownloads(service, avg)
 
 
-def test_a_download_of_other_shapes_raises_before_anything_is_installed(monkeypatch):
+def test_a_download_of_other_shapes_raises_before_anything_is_installed():
     mine, swarm = torch.nn.Linear(32, 48), torch.nn.Linear(32, 64)
     before = [p.detach().clone() for p in mine.parameters()]
-    avg = averager_of(monkeypatch, mine, [p.detach() for p in swarm.parameters()],
-                      parameter_names(mine.parameters(), mine))
+    avg, downloads = averager_of(mine, [p.detach() for p in swarm.parameters()],
+                                 parameter_names(mine.parameters(), mine))
     with pytest.raises(ModelMismatchError, match=r"parameter 0 \(weight\) is \(48, 32\) torch.float32 here and "
                                                  r"\(64, 32\) torch.float32 in the swarm's state"):
-        avg.load_state_from_peers()
+        downloads.download()
     assert all(torch.equal(a, b) for a, b in zip(before, mine.parameters(), strict=True))
-    assert avg.local_epoch == 0 and not avg.handed_on and not avg.installed_once and not avg.holding_state
+    assert avg.local_epoch == 0 and not downloads.handed_on and not downloads.installed_once
+    assert not downloads.holding_state
 
 
-def test_a_download_of_the_same_shapes_is_installed_and_only_the_first_holds_this_peers_state(monkeypatch):
+def test_a_download_of_the_same_shapes_is_installed_and_only_the_first_holds_this_peers_state():
     mine, swarm = torch.nn.Linear(32, 48), torch.nn.Linear(32, 48)
     seen: list[bool] = []
-    avg = averager_of(monkeypatch, mine, [p.detach() for p in swarm.parameters()], seen=seen)
-    avg.load_state_from_peers()
-    assert avg.local_epoch == 3 and avg.handed_on and avg.installed_once
+    avg, downloads = averager_of(mine, [p.detach() for p in swarm.parameters()], seen=seen)
+    downloads.download()
+    assert avg.local_epoch == 3 and downloads.handed_on and downloads.installed_once
     assert all(torch.equal(a, b) for a, b in zip(mine.parameters(), swarm.parameters(), strict=True))
-    avg.load_state_from_peers()
-    assert seen == [True, False] and not avg.holding_state  # (held while its model was not yet checked)
+    downloads.download()
+    assert seen == [True, False] and not downloads.holding_state  # (held while its model was not yet checked)
 
 
 def test_a_verified_download_raises_when_the_majoritys_state_has_other_shapes(monkeypatch):
@@ -114,13 +115,11 @@ def test_a_verified_download_raises_when_the_majoritys_state_has_other_shapes(mo
 
     mine, swarm = torch.nn.Linear(32, 48), torch.nn.Linear(32, 64)
     served = [p.detach() for p in swarm.parameters()]
-    avg = averager_of(monkeypatch, mine, served)
+    avg, downloads = averager_of(mine, served)
     ballot = [Vote(peer, 3, fingerprint(served)) for peer in ("a", "b")]
-    vars(avg).update(dht=SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me")),
-                     only_sources=lambda peers: None, _serving_peers=lambda: {"a": 3.0, "b": 3.0},
-                     votes=SimpleNamespace(read=lambda: ballot))
+    avg.votes = SimpleNamespace(read=lambda: ballot)
     monkeypatch.setattr("collabopt.engine.download_votes.canonical", lambda peer: True)
     with pytest.raises(ModelMismatchError, match=r"\(48, 32\) torch.float32 here and \(64, 32\) torch.float32 in "
                                                  r"the state of [ab], which most of the swarm holds"):
-        avg.load_state_from_peers()
-    assert avg.local_epoch == 0 and not avg.installed_once
+        downloads.download()
+    assert avg.local_epoch == 0 and not downloads.installed_once

@@ -32,7 +32,8 @@ class StandIn:
     def __init__(self, local_epoch: int, swarm_epoch: int, served: list[int], averaging_timeout: float = 5.0):
         self.served, self.downloads = list(served), 0
         self.state_averager = SimpleNamespace(local_epoch=local_epoch, step=lambda **kw: None,
-                                              load_state_from_peers=self._serve, state_sharing_priority=None)
+                                              state_sharing_priority=None)
+        self.state_downloads = SimpleNamespace(download=self._serve, handed_on=False, prefer_sources=lambda peers: None)
         self.tracker = SimpleNamespace(
             global_progress=_Mutable(Progress(epoch=swarm_epoch)), pause_updates=contextlib.nullcontext,
             global_state_updated=threading.Event(), reported=[],
@@ -47,13 +48,14 @@ class StandIn:
     def reset_accumulation(self) -> None:
         self.state_averager.state_sharing_priority = self.local_epoch
 
-    def _serve(self, timeout: float) -> None:
+    def _serve(self, timeout: float) -> bool:
         """The next epoch of ``served``; None: every peer declined (each was ending an epoch)."""
         self.downloads += 1
         epoch = self.served.pop(0) if self.served else None
-        self.state_averager.handed_on = epoch is not None
+        self.state_downloads.handed_on = epoch is not None
         if epoch is not None:
             self.state_averager.local_epoch = epoch
+        return self.state_downloads.handed_on
 
     @property
     def local_epoch(self) -> int:
@@ -151,7 +153,7 @@ def test_sigterm_and_ctrl_c_end_a_download_at_once_and_ordinary_errors_are_retri
     """Only ordinary errors are retried (each logged, 1 s apart): SIGTERM (collabopt.Terminated, a SystemExit) and
     Ctrl+C end the download's wait."""
     optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[5])
-    serve, raised = optimizer.state_averager.load_state_from_peers, [ConnectionError("dial backoff"), interrupt()]
+    serve, raised = optimizer.state_downloads.download, [ConnectionError("dial backoff"), interrupt()]
 
     def flaky(timeout: float) -> None:
         if raised:
@@ -159,11 +161,29 @@ def test_sigterm_and_ctrl_c_end_a_download_at_once_and_ordinary_errors_are_retri
             raise raised.pop(0)
         serve(timeout)
 
-    optimizer.state_averager.load_state_from_peers = flaky
+    optimizer.state_downloads.download = flaky
     with caplog.at_level(logging.WARNING, logger="collabopt.engine.sync_download"), pytest.raises(interrupt):
         sync_download.download_state(optimizer)
     assert optimizer.downloads == 2 and optimizer.local_epoch == 0  # tried again after the error, not after it
     assert caplog.text.count("downloading the swarm's state failed") == 1 and "dial backoff" in caplog.text
+
+
+def test_retries_of_a_failing_download_are_bounded_and_each_says_why(monkeypatch, caplog):
+    """A download that keeps failing is tried DOWNLOAD_ATTEMPTS times, each failure logged with its reason; then the
+    peer goes on (its next step downloads again while it is behind) instead of retrying for ever."""
+    optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[], averaging_timeout=0.0)
+    monkeypatch.setattr(sync_download.time, "sleep", lambda seconds: None)
+
+    def failing(timeout: float) -> bool:
+        optimizer.downloads += 1
+        raise ConnectionError(f"dial backoff {optimizer.downloads}")
+
+    optimizer.state_downloads.download = failing
+    with caplog.at_level(logging.WARNING, logger="collabopt.engine.sync_download"):
+        sync_download.download_state(optimizer)
+    assert optimizer.downloads == sync_download.DOWNLOAD_ATTEMPTS and optimizer.local_epoch == 0
+    assert all(f"dial backoff {n}" in caplog.text for n in range(1, sync_download.DOWNLOAD_ATTEMPTS + 1))
+    assert f"failed {sync_download.DOWNLOAD_ATTEMPTS} times" in caplog.text
 
 
 def test_sigterm_while_a_download_waits_for_a_round_it_tags_along_leaves_the_round():

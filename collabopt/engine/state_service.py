@@ -1,0 +1,222 @@
+"""collabopt's state service: it serves this peer's state to the peers that download it, answers their download
+challenges, and fetches other peers' states, from a thread of the calling process with its own asyncio loop.
+
+Rules, and why:
+
+* It is composed of hivemind's transport, not derived from its averagers: the DHT's libp2p daemon (``await
+  dht.replicate_p2p()``), a ``ServicerBase`` handler (:class:`StateServicer`), hivemind's compression, serializer and
+  streaming. What serving and downloading do is readable here and in :mod:`collabopt.engine.downloads`.
+* The download RPC keeps hivemind's name (``<prefix>::TrainingStateAverager.rpc_download_state``) and messages:
+  plain hivemind peers and older collabopt peers download from it, and it from them. The state averager's own
+  handler of that name is registered under another (``ConsistentStateAverager.served_elsewhere``): p2pd takes one
+  handler per name.
+* What is served is the state averager's (:meth:`~collabopt.engine.state.ConsistentStateAverager.served_state`: a
+  copy whose epoch and tensors belong together, declined during a boundary), advertised with its epoch as priority
+  in hivemind's ``<prefix>.all_averagers`` record, and nothing while its ``allow_state_sharing`` is off. With a swarm
+  key only members get it (:func:`~collabopt.engine.member_checks.download_refusal`).
+* A stream to a peer opens within the chunk timeout and each chunk comes within it: a download from a lost peer fails
+  in seconds, and the next peer is tried (:mod:`collabopt.engine.downloads`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import typing
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID, ServicerBase
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from collabopt.engine.download_challenge import ChallengeAnswers, ask_projections, challenge_protocol
+from collabopt.engine.member_checks import download_refusal, store_member_token
+from collabopt.engine.streams import open_in_time
+from collabopt.membership import swarm_key_of
+
+logger = logging.getLogger(__name__)
+
+HIVEMIND_STATE_SERVICER = "TrainingStateAverager"  # the class name hivemind's state averagers serve downloads under
+STOP_TIMEOUT = 10.0  # seconds the service's shutdown waits for its thread
+
+
+class StateServicer(ServicerBase):
+    """The download RPC, under hivemind's name (see the module); ``serve(caller)`` yields its messages."""
+
+    def __init__(self, serve: Callable[[PeerID], typing.AsyncIterator[averaging_pb2.DownloadData]]):
+        self._serve = serve
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        async for message in self._serve(context.remote_id):
+            yield message
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        name = f"{HIVEMIND_STATE_SERVICER}.{method_name}"
+        return name if namespace is None else f"{namespace}::{name}"
+
+
+class StateService:
+    """Serves the state of ``averager`` (a :class:`~collabopt.engine.state.ConsistentStateAverager`) on ``dht``'s
+    daemon, answers download challenges where ``averager.verify_downloads`` is set, and fetches others' states
+    (:meth:`fetch`). ``declines``: while it returns True nothing is served (a peer downloading its first state)."""
+
+    def __init__(self, dht: Any, averager: Any, *, start_timeout: float = 60.0):
+        self.dht, self.averager, self.prefix = dht, averager, averager.prefix
+        self.chunk_timeout = float(averager.chunk_timeout)
+        self.declines: Callable[[], bool] = lambda: False
+        self.serves = not averager.client_mode  # (a client-mode peer cannot be reached: it registers no handler)
+        self.p2p: Any = None
+        self.servicer = StateServicer(self._serve)
+        self.challenges = ChallengeAnswers(averager.challenge_state, lambda: averager.allow_state_sharing,
+                                           self._refusal) if averager.verify_downloads else None
+        self._event_loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._event_loop.run_forever, name=f"collabopt-state-{self.prefix}",
+                                        daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self._call(self._start(), start_timeout)
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    # ---------------------------------------------------------------- the thread
+    def _call(self, coroutine: Any, timeout: float | None) -> Any:
+        """Run ``coroutine`` on the service's loop and wait for it; SIGTERM (``collabopt.Terminated``) or Ctrl+C
+        in the wait cancels it and goes on at once."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._event_loop)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
+
+    async def _start(self) -> None:
+        self.p2p = await self.dht.replicate_p2p()
+        if self.serves:
+            await self.servicer.add_p2p_handlers(self.p2p, namespace=self.prefix)
+            if self.challenges is not None:
+                await self.p2p.add_binary_stream_handler(challenge_protocol(self.prefix), self.challenges.serve)
+
+    async def _stop(self) -> None:
+        if self.serves:
+            with contextlib.suppress(Exception):  # (the DHT may be gone already: nothing left to remove)
+                await self.servicer.remove_p2p_handlers(self.p2p, namespace=self.prefix)
+        if self.serves and self.challenges is not None:
+            with contextlib.suppress(Exception):
+                await self.p2p.remove_binary_stream_handler(challenge_protocol(self.prefix))
+        with contextlib.suppress(Exception):
+            await self.p2p.shutdown()
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _stop_loop(self) -> None:
+        self._event_loop.call_soon_threadsafe(self._event_loop.stop)
+        self._thread.join(timeout=STOP_TIMEOUT)
+        if not self._thread.is_alive():
+            self._event_loop.close()
+
+    def close(self) -> None:
+        """Stop serving and end the thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._call(self._stop(), STOP_TIMEOUT)
+        self._stop_loop()
+
+    # ---------------------------------------------------------------- serving
+    async def _refusal(self, caller: bytes) -> str | None:
+        """With a swarm key, why ``caller`` gets neither this peer's state nor a challenge's answer."""
+        key = swarm_key_of(self.dht)
+        return None if key is None else await download_refusal(self.dht, self.prefix, key, caller)
+
+    async def _serve(self, caller: PeerID) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """The messages of one download: nothing (the downloader tries its next peer) where this peer shares no
+        state, refuses the caller, declines now, or its boundary outlasts the wait
+        (:meth:`~collabopt.engine.state.ConsistentStateAverager.served_state`)."""
+        if not self.averager.allow_state_sharing:
+            return
+        refusal = await self._refusal(caller.to_bytes())
+        if refusal is not None:
+            logger.warning(f"collabopt: refused to send this peer's state to {caller}: {refusal}")
+            return
+        if self.declines():
+            logger.debug("collabopt: a download came while this peer downloads its first state: declined")
+            return
+        loop = asyncio.get_running_loop()
+        metadata, tensors, infos = await loop.run_in_executor(None, self.averager.served_state)
+        if not tensors:
+            return
+        if infos is None:
+            infos = [CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(tensors)]
+        serialized: bytes | None = MSGPackSerializer.dumps(metadata)
+        compression = self.averager.state_compression
+        for tensor, info in zip(tensors, infos, strict=True):
+            compressed = await loop.run_in_executor(None, lambda t=tensor, i=info: compression.compress(
+                t, i, allow_inplace=False))
+            for part in split_for_streaming(compressed):
+                yield averaging_pb2.DownloadData(tensor_part=part, metadata=serialized or b"")
+                serialized = None
+
+    # ---------------------------------------------------------------- downloading
+    def serving_peers(self) -> dict[str, float]:
+        """The peers that serve their state, with the priority they advertise (base58 ids)."""
+        found = self.dht.get(f"{self.prefix}.all_averagers", latest=True)
+        peers: dict[str, float] = {}
+        for subkey, info in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
+            try:
+                if isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int)):
+                    peers[PeerID(subkey).to_base58()] = float(info.value)
+            except Exception:  # (a malformed subkey: hivemind skips it too)
+                continue
+        return peers
+
+    def announce_download(self) -> None:
+        """Before downloading: with a swarm key, store this peer's member token for the members it asks."""
+        store_member_token(self.dht, self.prefix)
+
+    def fetch(self, peer: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
+        """The state ``peer`` (base58) sends: its metadata and tensors; None where it sent none (it declined).
+        Raises where the stream failed or ``timeout`` seconds passed."""
+        if self._closed:
+            raise RuntimeError("this StateService is closed")
+        return self._call(asyncio.wait_for(self._fetch(PeerID.from_base58(peer)), timeout), timeout + STOP_TIMEOUT)
+
+    async def _fetch(self, peer: PeerID) -> tuple[dict, list[torch.Tensor]] | None:
+        stub = StateServicer.get_stub(self.p2p, peer, namespace=self.prefix)
+        stream = await open_in_time(stub.rpc_download_state(averaging_pb2.DownloadRequest()), self.chunk_timeout,
+                                    f"downloading the state of {peer}")
+        metadata, parts, tensors = None, [], []
+        async for message in aiter_with_timeout(stream, timeout=self.chunk_timeout):
+            if message.metadata:
+                metadata = MSGPackSerializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:  # (a dtype starts the next tensor)
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return (metadata, tensors) if metadata else None
+
+    def ask_projections(self, peers: list[str], seed: int, epoch: int, timeout: float) -> Future:
+        """A future of the download challenge's answers of ``peers``
+        (:func:`~collabopt.engine.download_challenge.ask_projections`), asked at once."""
+        return asyncio.run_coroutine_threadsafe(
+            ask_projections(self.p2p, challenge_protocol(self.prefix), peers, seed, epoch, timeout), self._event_loop)
+
+
+__all__ = ["HIVEMIND_STATE_SERVICER", "StateService", "StateServicer"]
