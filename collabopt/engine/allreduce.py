@@ -139,27 +139,65 @@ class AllReduceRound:
 
     async def serve(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
                     sender_id: PeerID) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
-        """Answer one sender's parts of this member's slice with the parts' results, in order."""
+        """Answer one sender's parts of this member's slice with the parts' results, in order.
+
+        The sender's parts are read as they come (:meth:`_read_parts`), added to the reducer in order as their turn
+        comes (:meth:`_add_parts`), and answered as their results come, three steps apart: a step that waited for
+        another held back the parts' results for every member (B3 measured it: an answer's write waits for the link
+        to the sender, where it queues behind this member's own parts, and a part read only after the previous
+        answer was written came late to its reducer)."""
         if sender_id not in self.members or sender_id == self.members[self.me]:
             yield _answer(averaging_pb2.PROTOCOL_VIOLATION)
             return
         sender = self.members.index(sender_id)
         self.started.add(sender)
-        index, loop = 0, asyncio.get_running_loop()
+        parts: asyncio.Queue = asyncio.Queue()  # (compression type, part, weight); then None or an exception
+        taken: asyncio.Queue = asyncio.Queue()  # (part index, compression type, result's future); then the same
+        steps = [asyncio.create_task(self._read_parts(stream, parts)),
+                 asyncio.create_task(self._add_parts(sender, parts, taken))]
         try:
-            async for message in aiter_with_timeout(stream, self.sender_timeout):
-                self._part_types.setdefault(index, message.tensor_part.compression)
-                part = await loop.run_in_executor(None, deserialize_torch_tensor, message.tensor_part)
-                result, included = await self.reducer.accumulate(sender, index, part, message.weight)
-                serialized = self._result_bytes(index, result, message.tensor_part.compression)
-                yield _answer(averaging_pb2.AVERAGED_PART, included, serialized)
-                index += 1
+            while (item := await taken.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                index, kind, future = item
+                result, included = await asyncio.shield(future)
+                yield _answer(averaging_pb2.AVERAGED_PART, included, self._result_bytes(index, result, kind))
         except (SenderDropped, ReducerClosed, ValueError, asyncio.TimeoutError) as e:
             self.errors.setdefault(sender, f"as a sender: {e!r}")
             yield _answer(averaging_pb2.INTERNAL_ERROR)
         finally:
+            for step in steps:
+                step.cancel()
+
+    async def _read_parts(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
+                          parts: asyncio.Queue) -> None:
+        """Read and deserialize a sender's parts as they come (at most a slice: the reducer holds them anyway)."""
+        loop = asyncio.get_running_loop()
+        try:
+            async for message in aiter_with_timeout(stream, self.sender_timeout):
+                part = await loop.run_in_executor(None, deserialize_torch_tensor, message.tensor_part)
+                parts.put_nowait((message.tensor_part.compression, part, message.weight))
+            parts.put_nowait(None)
+        except Exception as e:  # (serve raises it: answered as hivemind's handler would)
+            parts.put_nowait(e)
+
+    async def _add_parts(self, sender: int, parts: asyncio.Queue, taken: asyncio.Queue) -> None:
+        """Add a sender's parts to the reducer in order, queueing their results' futures in ``taken``; a sender
+        whose parts did not all come is left out of those that did not (once those that came are added)."""
+        index, end = 0, None
+        try:
+            while (item := await parts.get()) is not None and not isinstance(item, BaseException):
+                kind, part, weight = item
+                self._part_types.setdefault(index, kind)
+                taken.put_nowait((index, kind, await self.reducer.add(sender, index, part, weight)))
+                index += 1
+            end = item
+        except Exception as e:
+            end = e
+        finally:
             if index != self.reducer.num_parts:
                 self.reducer.sender_failed(sender)
+            taken.put_nowait(end)
 
     @contextlib.contextmanager
     def stream_open(self, sender_id: PeerID) -> typing.Iterator[None]:

@@ -148,6 +148,12 @@ class PartReducer:
     async def accumulate(self, sender: int, index: int, part: torch.Tensor,
                          weight: float) -> tuple[torch.Tensor, tuple[int, ...]]:
         """Add sender ``sender``'s part ``index`` and await the part's (result, included senders)."""
+        return await asyncio.shield(await self.add(sender, index, part, weight))
+
+    async def add(self, sender: int, index: int, part: torch.Tensor, weight: float) -> asyncio.Future:
+        """Add sender ``sender``'s part ``index`` once the parts before it are resolved; return the future of the
+        part's (result, included senders), not awaited: a sender's next part can be added while this result is still
+        on its way to it (await it through ``asyncio.shield``: cancelling it would cancel it for every sender)."""
         if not 0 <= sender < self.num_senders or not 0 <= index < self.num_parts:
             raise ValueError(f"no sender {sender} or part {index} in a reducer of {self.num_senders} senders, "
                              f"{self.num_parts} parts")
@@ -172,7 +178,7 @@ class PartReducer:
         if len(self._arrived) == 1 and self.patience is not None:
             self._late_timer = asyncio.get_running_loop().call_later(self.patience, self._leave_out_late, index)
         self._resolve_if_complete()
-        return await asyncio.shield(self._result_of(index))
+        return self._result_of(index)
 
     def _leave_out_late(self, index: int) -> None:
         if self._current == index and not self.closed:

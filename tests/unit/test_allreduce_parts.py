@@ -10,6 +10,8 @@ import time
 import pytest
 import torch
 from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.serializer import MSGPackSerializer
 
 from collabopt.engine.allreduce import AllReduceRound
 from collabopt.engine.clipping import ClippedPart
@@ -173,6 +175,37 @@ def test_a_round_gives_every_member_the_same_bits_of_the_weighted_mean():
         assert all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True))
         assert evidence.complete and evidence.missing == () and evidence.received == 1.0 and not evidence.errors
         assert all(got == expected for got, expected in evidence.results_from.values())
+
+
+def test_a_sender_whose_answers_wait_holds_back_no_result_of_the_others():
+    """A reducer takes a sender's parts as they come, whatever became of its answers to it: a sender whose answers
+    wait (its link is busy; here they are never read) delays no part's result for the other senders."""
+    peers = [PeerID(f"peer-{i}".encode()) for i in range(3)]
+    inputs = make_inputs(3)
+
+    async def main():
+        rounds = [AllReduceRound(group_id=b"g", members=peers, me=i, tensors=inputs[i], weight=1.0, stub_for=None,
+                                 fractions=[1.0, 0.0, 0.0], part_size_bytes=4 * 100, sender_timeout=5.0,
+                                 reducer_timeout=10.0) for i in range(3)]
+        reducer = rounds[0]
+        running = asyncio.create_task(reducer.run(time.monotonic() + 10))
+
+        async def answers():
+            return [answer async for answer in reducer.serve(rounds[2]._requests(0), sender_id=peers[2])]
+
+        reading = asyncio.create_task(answers())
+        waiting = reducer.serve(rounds[1]._requests(0), sender_id=peers[1])
+        await asyncio.wait_for(waiting.__anext__(), 2.0)  # its first answer; the others are never read
+        got = await asyncio.wait_for(reading, 2.0)  # (within the reducer's patience: sender 1 is not left out)
+        await waiting.aclose()
+        outputs, evidence = await running
+        return got, outputs, evidence, reducer.reducer.num_parts
+
+    got, outputs, evidence, parts = asyncio.run(main())
+    assert parts > 2 and len(got) == parts
+    assert all(MSGPackSerializer.loads(answer.metadata) == [averaging_pb2.AVERAGED_PART, [0, 1, 2]] for answer in got)
+    expected = [weighted_mean([inputs[i][k] for i in range(3)], [1.0] * 3) for k in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True)) and evidence.complete
 
 
 def test_a_reducer_lost_mid_round_is_named_and_its_slice_marked_missing():
