@@ -45,7 +45,8 @@ def process_cpu(opt: Any) -> dict[str, float]:
     threads), ``dht`` (the DHT node), ``averagers`` (gradient and state averager), ``p2pd`` (the transport of both),
     ``other``."""
     loop = opt._peer.loop
-    averagers = {a.pid for a in (loop.grad_averager, loop.state_averager) if a is not None}
+    # (collabopt's gradient rounds run in a thread of the main process: no process of their own)
+    averagers = {getattr(a, "pid", None) for a in (loop.grad_averager, loop.state_averager)} - {None}
     me = psutil.Process()
     out = dict(main=0.0, dht=0.0, averagers=0.0, p2pd=0.0, other=0.0)
     for proc in [me, *me.children(recursive=True)]:

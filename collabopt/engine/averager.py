@@ -322,9 +322,9 @@ class ScheduledRound:
     def cancel(self) -> None:
         """Leave the round: matchmaking stops; a group already assembled goes on without this member."""
         self.triggered = True
-        self.service._event_loop.call_soon_threadsafe(self._cancel)
+        self.service._event_loop.call_soon_threadsafe(self._leave)
 
-    def _cancel(self) -> None:
+    def _leave(self) -> None:
         if self.group is None:
             self._future.cancel()
         elif self._trigger is not None and not self._trigger.done():

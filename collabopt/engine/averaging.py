@@ -1,48 +1,48 @@
-"""collabopt's gradient averager and the part reducer of its all-reduces: the documented seams where collabopt
-subclasses hivemind's averaging.
+"""The seams where collabopt's parameter ("state") averager subclasses hivemind's averaging, and the gradient
+averager the synchronous loop builds (:func:`gradient_averager_factory`).
 
 * :class:`ShieldedTensorPartReducer`: a sender that dies mid-round no longer cancels its part for every member.
 * :class:`GroupKeyManagerThatDoesNotWait`: matchmaking waits at most a second for a DHT store (a peer that stopped
   answering held each of them up for two DHT timeouts).
 * :class:`ShieldedReducers`: the streams to other members open in time and are closed by the side that reads last
   (:mod:`collabopt.engine.streams`).
-* :class:`GradientAveragerThatTellsGaps`: tells its optimizer which share of a round's results arrived, keeps the
-  accumulation of a failed round, and can accumulate in the round's own buffers.
+
+The synchronous mode's gradient rounds are collabopt's own (:mod:`collabopt.engine.gradient_rounds`), on no seam.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import functools
-import multiprocessing
 import typing
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from hivemind.averaging import allreduce, matchmaking
 from hivemind.averaging import averager as averager_module
 from hivemind.averaging.key_manager import GroupKeyManager
-from hivemind.averaging.partition import AllreduceException, TensorPartReducer
-from hivemind.optim.grad_averager import GradientAverager
+from hivemind.averaging.partition import TensorPartReducer
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
-from collabopt.engine.compat import SameHandlers
-from collabopt.engine.member_checks import MemberChecks
+from collabopt.engine.gradient_rounds import GradientRounds
 from collabopt.engine.streams import MemberStub, serve_until_the_sender_closes
 
 
 def gradient_averager_factory(factory: Callable[..., Any] | None, request_timeout: float | None,
                               **options: Any) -> Callable[..., Any]:
-    """Without a factory of the user's: :class:`GradientAveragerThatTellsGaps`. hivemind 1.1.12 hands
-    ``averager_opts`` to its state averager only: give the gradient averager the same join-request timeout, where
-    one is set, and the same aggregation ``options`` (:class:`ShieldedReducers`' arguments)."""
+    """The synchronous loop's gradient averager: without a factory of the user's, collabopt's gradient rounds
+    (:class:`~collabopt.engine.gradient_rounds.GradientRounds`, aggregating as ``options`` say: those of
+    :func:`~collabopt.engine.robust_averaging.aggregation_options`). hivemind 1.1.12 hands ``averager_opts`` to its
+    state averager only: give the gradient averager the same join-request timeout, where one is set."""
     extra = dict(options) if request_timeout is None else dict(options, request_timeout=request_timeout)
-    return functools.partial(factory or GradientAveragerThatTellsGaps, **extra)
+    if factory is not None:  # (a hivemind averager of the user's, e.g. PowerSGDGradientAverager)
+        return functools.partial(factory, **extra)
+    aggregation = "centered_clip" if extra.pop("cap_gathered", None) is not None else "mean"
+    extra.pop("part_reducer", None)
+    return functools.partial(GradientRounds, aggregation=aggregation, **extra)
 
 
 class SharedPart(asyncio.Future):
@@ -189,101 +189,3 @@ class ShieldedReducers:
                     ("rpc_aggregate_part", self.allreduce_kwargs["reducer_timeout"]))  # type: ignore[attr-defined]
         type(self).stream_open_timeouts = {name: timeout for name, timeout in timeouts if timeout is not None}
         super().run()
-
-
-class GradientAveragerThatTellsGaps(SameHandlers, MemberChecks, ShieldedReducers, GradientAverager):
-    """hivemind's gradient averager, telling its optimizer which share of a round's results arrived.
-
-    When a reducer's part does not arrive in time, hivemind 1.1.12 uses this peer's own values for it and the round
-    still succeeds, with parameters that differ from the group's. The share received goes into this peer's own entry
-    of the round's gathered metadata (``"received"``, only when below 1), which the lineage check reads
-    (:func:`collabopt.engine.protocol.sync_round`). See docs/decisions.md, "Partial gradient rounds
-    reported"."""
-
-    # set by collabopt's optimizer where it awaits the round within its step (no delay_grad_averaging)
-    keeps_accumulation = False
-    # the accumulators are the round's buffers (accumulate_in_place)
-    accumulates_in_place = False
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        # whether an all-reduce may write into the buffers now: set as a round is triggered, cleared (under the
-        # buffers' lock) when the epoch's accumulation is reset. Shared with the averager process (forked below)
-        self._round_open = multiprocessing.Value(ctypes.c_bool, False, lock=False)
-        self._scaled = False  # the accumulation was scaled into the round's input this epoch
-        super().__init__(*args, **kwargs)
-
-    def accumulate_in_place(self) -> None:
-        """Accumulate the local steps' gradients in the round's shared-memory buffers instead of accumulators
-        of their own (1x the parameters less; see :data:`ACCUMULATE_IN_PLACE`). Needs ``keeps_accumulation``."""
-        assert self.keeps_accumulation and not self.reuse_grad_buffers
-        with self.get_tensors() as buffers:
-            for buffer in buffers:
-                buffer.zero_()
-            self._local_accumulators = tuple(buffers)
-        self.accumulates_in_place = True
-
-    def step(self, weight: float | None = None, reset_accumulators: bool = True, control: Any = None,
-             timeout: float | None = None, wait: bool = True, **kwargs: Any) -> Any:
-        """hivemind's step; with ``keeps_accumulation`` the accumulators are not zeroed as they go to the round but
-        stay until the epoch ends, so that a failed round steps with this peer's own gradients (hivemind 1.1.12
-        stepped with zeros). See docs/decisions.md, "A failed gradient round steps with this peer's gradients"."""
-        if self.accumulates_in_place:
-            self._round_open.value = True
-        return super().step(weight, reset_accumulators and not self.keeps_accumulation, control, timeout, wait,
-                            **kwargs)
-
-    @torch.no_grad()
-    def load_accumulators_into_averager_(self) -> None:
-        if not self.accumulates_in_place:
-            return super().load_accumulators_into_averager_()
-        with self.get_tensors() as buffers:
-            if not self._scaled:  # once an epoch: a failed round's fallback loads again what the buffers hold
-                scale = 1.0 / self.local_times_accumulated if self.local_times_accumulated else 0.0
-                for buffer in buffers:
-                    buffer.mul_(scale)
-                self._scaled = True
-
-    @torch.no_grad()
-    def reset_accumulated_grads_(self) -> None:
-        if not self.accumulates_in_place:
-            return super().reset_accumulated_grads_()
-        with self.get_tensors():  # an all-reduce still writing the buffers holds this lock: it finishes first
-            super().reset_accumulated_grads_()
-            self._scaled = False
-            self._round_open.value = False
-
-    async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any, group_id: Any = None,
-                                      **kwargs: Any) -> Any:
-        # (in the averager process, holding the buffers' lock) a round whose epoch this peer has ended must not
-        # write into the next epoch's accumulation
-        if self.accumulates_in_place and not self._round_open.value:
-            raise AllreduceException("collabopt: this peer ended the round's epoch, its buffers accumulate anew")
-        return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
-
-    async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        runner = self._running_groups.get(group_info.group_id)  # (set by _run_allreduce_inplace_)
-        done = runner is not None and runner.done() and not runner.cancelled()
-        container = getattr(runner.result(), "tensor_part_container", None) if done else None
-        mine = gathered.get(self.peer_id) if isinstance(gathered, dict) else None
-        if container is not None and container.failed_size and isinstance(mine, dict):
-            gathered[self.peer_id] = dict(mine, received=1.0 - container.failed_size / container.total_size)
-        return gathered
-
-
-# Gradient accumulation in place: where the round is awaited within step() and the optimizer steps there too, on CPU
-# gradients without reuse_grad_buffers, the local steps accumulate in the round's shared-memory buffers instead of
-# accumulators of their own (1x the parameters less). See docs/decisions.md, "Gradient accumulation in place".
-ACCUMULATE_IN_PLACE = True
-
-
-def can_accumulate_in_place(optimizer: Any, averager: Any) -> bool:
-    """Whether ``averager`` (the gradient averager of ``optimizer``, a ``hivemind.Optimizer`` being built) can
-    accumulate in the round's buffers (see above)."""
-    # (keeps_accumulation: no delay_grad_averaging)
-    if not ACCUMULATE_IN_PLACE or not averager.keeps_accumulation or averager.reuse_grad_buffers:
-        return False
-    if optimizer.delay_optimizer_step:
-        return False
-    return all(acc.device.type == "cpu" and param.device.type == "cpu"
-               for acc, param in zip(averager._grad_accumulators(), averager.parameters, strict=True))

@@ -55,7 +55,6 @@ SEAMS: dict[str, str] = {
     "hivemind.optim.grad_averager.GradientAverager.accumulate_grads_": "67d8ddf5c3e9",
     "hivemind.optim.grad_averager.GradientAverager.load_accumulators_into_averager_": "916123f43baf",
     "hivemind.optim.grad_averager.GradientAverager.reset_accumulated_grads_": "9222c7c084c9",
-    "hivemind.optim.grad_averager.GradientAverager.step": "9d556a76d4a8",
     "hivemind.optim.state_averager.TrainingStateAverager.__init__": "97f573400a46",
     "hivemind.optim.state_averager.TrainingStateAverager._apply_averaging_results_": "32b49f6bd708",
     "hivemind.optim.state_averager.TrainingStateAverager._do": "0b1896170cc6",

@@ -79,8 +79,7 @@ class PeerLoop:
             average_opt_statistics=average_opt_statistics, performance_ema_alpha=performance_ema_alpha,
             extra_tensors=extra_tensors, **(averager_opts or {}))
         self.grad_averager = None if use_local_updates else self._make_gradient_averager(
-            grad_averager_factory or GradientAverager, reuse_grad_buffers=reuse_grad_buffers,
-            compression=grad_compression)
+            grad_averager_factory, reuse_grad_buffers=reuse_grad_buffers, compression=grad_compression)
         if self.state_averager.verify_downloads:  # this peer's votes are signed with its progress records' key
             self.state_averager.votes = DownloadVotes(dht, self.tracker.dht, run_id, self.tracker.local_public_key)
             self.state_averager.votes.serves = not self.client_mode  # (a client can answer no challenge)
@@ -105,7 +104,7 @@ class PeerLoop:
             client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
 
     def _make_gradient_averager(self, factory: Any, **kwargs: Any) -> Any:
-        averager = factory(
+        averager = (factory or GradientAverager)(
             dht=self.dht, prefix=f"{self.run_id}_grad_averager", parameters=self.state_averager.main_parameters,
             min_matchmaking_time=self.matchmaking_time, allreduce_timeout=self.allreduce_timeout,
             shutdown_timeout=self.shutdown_timeout, next_chunk_timeout=self.next_chunk_timeout,

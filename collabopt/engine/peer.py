@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from hivemind.optim.grad_averager import GradientAverager
 
-from collabopt.engine.averaging import GradientAveragerThatTellsGaps
 from collabopt.engine.compat import dht_time
 from collabopt.engine.diloco_round import DiLoCoLoop
+from collabopt.engine.gradient_rounds import GradientRounds
 from collabopt.engine.lineage_check import out_of_sync
 from collabopt.engine.records import MAX_RECORD_BYTES, RecordSizeValidator, metrics_validators, votes_validators
 from collabopt.engine.sync_round import SyncLoop
@@ -74,10 +74,11 @@ class HivemindPeer:
     def accumulators(self) -> list[torch.Tensor] | None:
         """The tensors the local steps' gradients accumulate in toward the next global epoch (``param.grad`` with
         ``reuse_grad_buffers``, else hivemind's accumulators); ``None`` where gradients are applied, not accumulated
-        (``use_local_updates``), or an averager keeps them its own way."""
+        (``use_local_updates``), or a user's averager keeps them its own way."""
         averager = self.loop.grad_averager
-        if not isinstance(averager, GradientAverager) or type(averager) is not GradientAveragerThatTellsGaps and any(
-                # an averager that accumulates its own way
+        if isinstance(averager, GradientRounds):
+            return list(averager._grad_accumulators())
+        if not isinstance(averager, GradientAverager) or any(  # a hivemind averager that accumulates its own way
                 getattr(type(averager), name) is not getattr(GradientAverager, name)
                 for name in ("accumulate_grads_", "_grad_accumulators", "load_accumulators_into_averager_")):
             return None

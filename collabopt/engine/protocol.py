@@ -7,14 +7,13 @@ happened and what to do next. The rest of the engine gathers the evidence and ex
 - a local step: :func:`sync_step` / :func:`diloco_step` (download the swarm's state first, and why), then
   :func:`step_accepted` (whether the step's samples count);
 - a synchronous boundary: :func:`sync_boundary` (a peer two or more epochs behind downloads instead), then
-  :func:`sync_round` (the gradient round's group, the lineage check, the share of the average that arrived);
+  :func:`sync_round` (the gradient round's group, the lineage check, the share of the average that arrived), and
+  within the round :func:`sync_contributes` (a member's epoch) and :func:`sync_gradients` (whether the average is used);
 - a DiLoCo round: :func:`diloco_round` (quorum, one anchor, a finite average, a partial all-reduce);
 - the core's non-finite guard amends either outcome: :func:`guard_amended`.
 
     >>> sync_round(SyncRoundEvidence(epoch=4, num_peers=3)).outcome.reason
     'no group'
-    >>> diloco_step(DiLoCoStepEvidence(SwarmView(local_epoch=3, swarm_epoch=5))).reason
-    'behind'
 """
 
 from __future__ import annotations
@@ -52,12 +51,10 @@ class SwarmView:
 
 @dataclass(frozen=True)
 class StepDecision:
-    """Whether a local step downloads the swarm's state before it counts, and why (:data:`DOWNLOAD_REASONS`).
-
-    ``keeps_progress``: the download keeps this step's progress (DiLoCo: the inner step is applied and the peer's
-    progress is put back on the downloaded anchor); else the step's gradients came from replaced parameters and
-    are dropped. ``joined_epoch`` and ``view_checked`` are the synchronous peer's state after this step (see
-    :class:`SyncStepEvidence`)."""
+    """Whether a local step downloads the swarm's state before it counts, and why (:data:`DOWNLOAD_REASONS`);
+    ``keeps_progress``: the download keeps this step's progress (DiLoCo: the inner step is applied, and put back on
+    the downloaded anchor), else the step's gradients are dropped; ``joined_epoch`` and ``view_checked``: the
+    synchronous peer's state after this step (see :class:`SyncStepEvidence`)."""
 
     download: bool
     reason: str = ""
@@ -68,17 +65,12 @@ class StepDecision:
 
 @dataclass(frozen=True)
 class SyncStepEvidence:
-    """What a synchronous peer knows at a local step.
-
-    Attributes:
-        view: its epoch and the swarm's.
-        resync_due: a re-synchronization the lineage check planned is pending and its next try is due.
-        fresh_view: the tracker fetched the swarm's progress since this peer's last boundary, and no step of this
-            epoch has looked at such a view yet (the exact check is due).
-        joined_epoch: the epoch of the round under way this peer joined (``delay_grad_averaging``), if any.
-        last_round: the outcome of its last round.
-        accumulated_toward_round: ``delay_grad_averaging``, and this peer accumulated samples toward the epoch.
-    """
+    """What a synchronous peer knows at a local step: its epoch and the swarm's (``view``); ``resync_due``: a
+    re-synchronization the lineage check planned is pending and its next try is due; ``fresh_view``: the tracker
+    fetched the swarm's progress since its last boundary and no step of this epoch looked at such a view yet (the
+    exact check is due); ``joined_epoch``: the epoch of the round under way it joined (``delay_grad_averaging``);
+    ``last_round``: its last round's outcome; ``accumulated_toward_round``: ``delay_grad_averaging``, and it
+    accumulated samples toward the epoch."""
 
     view: SwarmView
     resync_due: bool = False
@@ -94,12 +86,10 @@ def _download(reason: str, **state: Any) -> StepDecision:
 
 def sync_step(e: SyncStepEvidence) -> StepDecision:
     """A synchronous peer downloads before its step when a re-synchronization is due; when the round under way it
-    joined has ended without a group (it stepped apart); at the first fresh view of an epoch, when the swarm is at
-    another epoch, unless it joins the round under way (``delay_grad_averaging``: the others announce the next
-    epoch when they *start* the gradient round, and a peer one epoch behind that accumulated toward the epoch ends
-    it too and joins their group: its samples were counted in it; a download would wait for a state they serve only
-    once that round ends); and, at any step, when the swarm is two or more epochs ahead (one ahead: the others just
-    ended the epoch this peer is about to end)."""
+    joined ended without a group (it stepped apart); at an epoch's first fresh view, when the swarm is at another
+    epoch, unless it joins the round under way (``delay_grad_averaging``: the others announce the next epoch as they
+    *start* the round, and a peer one epoch behind that accumulated toward it joins their group, its samples counted
+    there); and at any step, when the swarm is two or more epochs ahead."""
     local, swarm = e.view.local_epoch, e.view.swarm_epoch
     if e.resync_due:  # this step's gradients came from the other lineage: start over after the download
         return _download("re-sync due", joined_epoch=e.joined_epoch)
@@ -147,10 +137,9 @@ def diloco_step(e: DiLoCoStepEvidence) -> StepDecision:
 
 
 def step_accepted(decision: StepDecision, behind_after: bool) -> bool:
-    """Whether a training step's samples count (the core adds them to ``samples_reported``): yes unless it
-    downloaded first; then only where the download kept the step's progress (DiLoCo) and brought the swarm's epoch
-    (``behind_after``: this peer is still behind the swarm: nobody served its state, and the core counts such steps
-    toward giving up on the download)."""
+    """Whether a training step's samples count (in ``samples_reported``): yes unless it downloaded first; then only
+    where the download kept its progress (DiLoCo) and brought the swarm's epoch (``behind_after``: still behind,
+    nobody served its state; the core counts such steps toward giving up on the download)."""
     return not decision.download or (decision.keeps_progress and not behind_after)
 
 
@@ -158,9 +147,8 @@ def step_accepted(decision: StepDecision, behind_after: bool) -> bool:
 
 
 def sync_boundary(view: SwarmView) -> RoundOutcome | None:
-    """A boundary begun two or more epochs behind the swarm (a peer back from a cut link, or a view newer than its
-    step's) runs no round: its gradients and parameters are stale, it downloads the swarm's state. None: the round
-    runs. See docs/decisions.md, "A peer two or more epochs behind downloads"."""
+    """A boundary two or more epochs behind the swarm runs no round: its gradients and parameters are stale, it
+    downloads (None: the round runs). See docs/decisions.md, "A peer two or more epochs behind downloads"."""
     if view.local_epoch < view.swarm_epoch - 1:
         return RoundOutcome(False, "behind", num_peers=view.num_peers, resync=True, epoch=view.local_epoch)
     return None
@@ -168,17 +156,13 @@ def sync_boundary(view: SwarmView) -> RoundOutcome | None:
 
 @dataclass(frozen=True)
 class SyncRoundEvidence:
-    """What a synchronous boundary's gradient round left.
-
-    Attributes:
-        epoch, num_peers: the boundary's epoch, and the swarm's size this peer counted.
-        group: what the round gathered (``{peer: metadata}``: epoch, lineage fingerprint, whether it serves and is
-            apart, the share of the average that arrived, see :mod:`collabopt.lineage`); None: no round, or it failed.
-        me: this peer's id as ``group`` names it.
-        checks_lineage: this peer takes part in the lineage check (its group's metadata is judged).
-        resync_pending: a re-synchronization is pending already (the lineage is not judged again).
-        averages_gradients: False with ``use_local_updates``: no gradient round, parameters only.
-    """
+    """What a synchronous boundary's gradient round left: the boundary's ``epoch`` and the swarm's size this peer
+    counted; ``group``: what each member gathered (``{peer: metadata}``: its epoch, and with the lineage check its
+    fingerprint, whether it serves and is apart; this peer's own entry has the share of the average that arrived,
+    ``received``, where below 1); None: no round, or it failed; ``me``: this peer's id in ``group``;
+    ``checks_lineage``: its group's lineage is judged (:mod:`collabopt.lineage`); ``resync_pending``: a
+    re-synchronization is pending already (not judged again); ``averages_gradients``: False with
+    ``use_local_updates``."""
 
     epoch: int
     num_peers: int
@@ -191,15 +175,10 @@ class SyncRoundEvidence:
 
 @dataclass(frozen=True)
 class SyncDecision:
-    """A synchronous boundary's outcome and what this peer does next.
-
-    Attributes:
-        outcome: the round's :class:`RoundOutcome` (the optimizer steps in every case).
-        resync_from: download the state of one of these peers (the group's lineage) after this step; None: none.
-        holds: it holds its group's lineage (its parameters are the group's again).
-        received: the share of the average that arrived (below 1: its parameters are its own now, it is apart).
-        my_epoch: the epoch it told its group.
-    """
+    """A synchronous boundary's ``outcome`` (the optimizer steps in every case) and what this peer does next:
+    ``resync_from``: download the state of one of these peers after this step (None: none); ``holds``: it holds its
+    group's lineage again; ``received``: the share of the average that arrived (below 1: it is apart); ``my_epoch``:
+    the epoch it told its group."""
 
     outcome: RoundOutcome
     resync_from: tuple[Hashable, ...] | None = None
@@ -212,8 +191,7 @@ class SyncDecision:
         return self.received < 1.0
 
     @property
-    def averages_parameters(self) -> bool:
-        """Whether this boundary may average parameters (not across lineages)."""
+    def averages_parameters(self) -> bool:  # (not across lineages)
         return averages_parameters(self.outcome)
 
 
@@ -222,20 +200,43 @@ def averages_parameters(outcome: RoundOutcome | None) -> bool:
     return outcome is None or outcome.reason not in REFUSING_REASONS
 
 
+def group_epoch(gathered: Mapping[Hashable, Any]) -> int | None:
+    """The epoch most members of a gradient round's group gathered (ties: the newest; None: none gathered one)."""
+    epochs = [m["epoch"] for m in gathered.values() if isinstance(m, Mapping) and type(m.get("epoch")) is int]
+    return max(epochs, key=lambda epoch: (epochs.count(epoch), epoch), default=None)
+
+
+def sync_contributes(mine: Mapping[str, Any], gathered: Mapping[Hashable, Any]) -> bool:
+    """Whether a member's gradients count in its round: only at its group's epoch (a stale joiner's: weight 0)."""
+    epoch, own = group_epoch(gathered), mine.get("epoch") if isinstance(mine, Mapping) else None
+    return epoch is None or type(own) is not int or own == epoch
+
+
+def sync_gradients(received: float) -> bool:
+    """Whether the average replaces this peer's own gradients: only whole (else it steps with its own, apart)."""
+    return received >= 1.0
+
+
 def sync_round(e: SyncRoundEvidence) -> SyncDecision:
-    """The one verdict of a synchronous boundary. The epoch's update is applied in every case: the group's average,
-    or this peer's own gradients where there was no group (``"alone"``, ``"no group"``). Where it checks the lineage
-    (:func:`collabopt.lineage.judge`) and its parameters are not its group's canonical ones, it plans a download from
-    a peer that holds them (``"behind"`` or ``"apart"``: no parameter averaging at this boundary); where part of the
-    average did not arrive it is apart (``"partial"``). See docs/decisions.md, "The lineage check"."""
+    """The one verdict of a synchronous boundary: the epoch's update is applied in every case (the group's whole
+    average, else this peer's own gradients: ``"alone"``, ``"no group"``, ``"partial"``: apart). A member whose epoch
+    is not its group's (its gradients were left out) or, with the lineage check (:func:`collabopt.lineage.judge`),
+    whose parameters are not the group's plans a download (``"behind"``/``"apart"``: no parameter averaging at this
+    boundary). See docs/decisions.md, "The lineage check"."""
     if not e.averages_gradients:  # use_local_updates: parameters are averaged, gradients never
         return SyncDecision(RoundOutcome(True, "averaged" if e.num_peers > 1 else "alone", num_peers=e.num_peers,
                                          epoch=e.epoch))
     group = e.group if isinstance(e.group, Mapping) else None
     mine = group.get(e.me) if group is not None else None
     decision = SyncDecision(RoundOutcome(True, "averaged"))
-    if e.checks_lineage and isinstance(mine, dict) and isinstance(mine.get("epoch"), int):
-        decision = _judge_lineage(group, e.me, mine, e.resync_pending)
+    if isinstance(mine, dict) and type(mine.get("epoch")) is int:  # (no lineage check: the share received only)
+        decision = _judge_lineage(group, e.me, mine, e.resync_pending or not e.checks_lineage)
+        if decision.resync_from is None and not sync_contributes(mine, group):  # its gradients were left out
+            epoch, behind = group_epoch(group), mine["epoch"] < group_epoch(group)
+            decision = SyncDecision(RoundOutcome(True, "behind" if behind else "apart", detail=(
+                f"this peer is at epoch {mine['epoch']}, its gradient round at {epoch}: its gradients were left out")),
+                tuple(p for p, m in group.items() if isinstance(m, dict) and m.get("epoch") == epoch) if behind
+                else None, my_epoch=mine["epoch"])
     if group is None or len(group) < 2:
         outcome = RoundOutcome(True, "alone" if e.num_peers <= 1 else "no group", num_peers=e.num_peers,
                                epoch=e.epoch)
@@ -385,5 +386,5 @@ def guard_amended(outcome: RoundOutcome, gradients_refused: bool, parameters_res
 
 __all__ = ["DOWNLOAD_REASONS", "REFUSING_REASONS", "DiLoCoDecision", "DiLoCoRoundEvidence", "DiLoCoStepEvidence",
            "StepDecision", "SwarmView", "SyncDecision", "SyncRoundEvidence", "SyncStepEvidence", "averages_parameters",
-           "diloco_round", "diloco_step", "guard_amended", "step_accepted", "sync_boundary", "sync_round",
-           "sync_step", "verdict_text"]
+           "group_epoch", "sync_contributes", "sync_gradients", "diloco_round", "diloco_step", "guard_amended",
+           "step_accepted", "sync_boundary", "sync_round", "sync_step", "verdict_text"]

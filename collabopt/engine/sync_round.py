@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from collabopt.engine import protocol
-from collabopt.engine.averaging import GradientAveragerThatTellsGaps, can_accumulate_in_place
 from collabopt.engine.compat import dht_time
+from collabopt.engine.gradient_rounds import GradientRounds, can_accumulate_in_place
 from collabopt.engine.lineage_check import (
     SyncState,
     follow_round_decision,
@@ -50,11 +50,11 @@ class SyncLoop(PeerLoop):
                            "serves, so downloads are not verified against the swarm's majority (docs/faults.md)")
 
     def _make_gradient_averager(self, factory: Any, **kwargs: Any) -> Any:
-        averager = super()._make_gradient_averager(factory, **kwargs)
-        if isinstance(averager, GradientAveragerThatTellsGaps):  # (in the background, the next epoch accumulates)
-            averager.keeps_accumulation = not self.delay_grad_averaging
-            if can_accumulate_in_place(self, averager):
-                averager.accumulate_in_place()
+        """collabopt's gradient rounds (:mod:`collabopt.engine.gradient_rounds`), or the user's averager (e.g.
+        hivemind's ``PowerSGDGradientAverager``, an instance of hivemind's class)."""
+        averager = super()._make_gradient_averager(factory or GradientRounds, **kwargs)
+        if isinstance(averager, GradientRounds) and can_accumulate_in_place(self, averager):
+            averager.accumulate_in_place()
         return averager
 
     # ---- the local step
@@ -88,8 +88,9 @@ class SyncLoop(PeerLoop):
             self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout, **self._gather())
 
     def _gather(self) -> dict[str, Any]:
-        """What this peer tells its gradient round's group: its epoch and parameters' lineage (the lineage check)."""
-        return dict(gather=lineage_metadata(self)) if self.sync_state.checks_lineage else {}
+        """What this peer tells its gradient round's group: its epoch (only members at their group's epoch contribute:
+        :func:`collabopt.engine.protocol.sync_contributes`) and, for the lineage check, its parameters' lineage."""
+        return dict(gather=lineage_metadata(self) if self.sync_state.checks_lineage else {"epoch": self.local_epoch})
 
     # ---- the boundary
 

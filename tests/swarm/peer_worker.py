@@ -110,27 +110,25 @@ def _reached(prefix: str, target: int) -> bool:
 
 
 def stall_reducer(seconds: float) -> Callable[[], None]:
-    """Fault injection: once armed (call the function returned), in the next gradient round that gives this peer a
-    part of the average to reduce (hivemind gives parts of a small model to some members of a group only), its
-    reducer answers the others ``seconds`` late, past hivemind's reducer timeout: they use their own values for its
-    part (a partial round: "Averaging: received ...% results"), while this peer's own round is whole. Patched before
-    the averager process is forked; armed from the training loop through shared memory."""
+    """Fault injection: once armed (call the function returned), in the next gradient round in which others send this
+    peer parts to reduce, its reducer answers them ``seconds`` late, past their reducer timeout: they keep their own
+    values for its slice (a partial round: their evidence's ``received`` is below 1), while this peer's own round is
+    whole. Patched on collabopt's all-reduce handlers (its gradient rounds run in this process)."""
     import asyncio
-    import ctypes
     import functools
-    import multiprocessing
 
-    from hivemind.optim.grad_averager import GradientAverager
     from hivemind.utils.asyncio import achain, anext, as_aiter
 
-    original = GradientAverager.rpc_aggregate_part
-    armed = multiprocessing.Value(ctypes.c_bool, False, lock=False)
+    from collabopt.engine.allreduce import AllReduceService
+
+    original = AllReduceService.rpc_aggregate_part
+    armed: list[bool] = []
     stalled: list[bytes] = []
 
     @functools.wraps(original)
     async def rpc_aggregate_part(self, stream, context):
         request = await anext(stream)
-        if armed.value and not stalled:
+        if armed and not stalled:
             stalled.append(request.group_id)
         if request.group_id in stalled:
             print(f"stalling the reducer of a gradient round for {seconds} s", flush=True)
@@ -138,8 +136,8 @@ def stall_reducer(seconds: float) -> Callable[[], None]:
         async for message in original(self, achain(as_aiter(request), stream), context):
             yield message
 
-    GradientAverager.rpc_aggregate_part = rpc_aggregate_part
-    return lambda: setattr(armed, "value", True)
+    AllReduceService.rpc_aggregate_part = rpc_aggregate_part
+    return lambda: armed.append(True)
 
 
 @torch.no_grad()
@@ -234,6 +232,11 @@ def main(config_path: str) -> None:
     options.setdefault("verbose", True)  # hivemind logs each round: what a failure report needs
     options.setdefault("matchmaking_time", 2.0)
     options.setdefault("averaging_timeout", 30.0)
+    if cfg.get("grad_compression"):  # the gradient rounds' compression, by name ("fp16", "8bit")
+        from hivemind.compression import Float16Compression, Uniform8BitQuantization
+
+        options["grad_compression"] = {"fp16": Float16Compression, "8bit": Uniform8BitQuantization}[
+            cfg["grad_compression"]]()
     count_mode = cfg.get("count", "forward")  # forward | batch | batch_size
     accumulate = cfg.get("accumulate", 1)
     epochs = cfg["epochs"]

@@ -95,9 +95,9 @@ def test_a_lone_peer_steps_with_its_own_gradients_without_a_trip_through_the_rou
     every gradient to the host and back (B2 on a GPU). The sentinel in the buffers must survive, the update be plain
     SGD's."""
     from collabopt import CollaborativeOptimizer
-    from collabopt.engine import averaging
+    from collabopt.engine import gradient_rounds
 
-    monkeypatch.setattr(averaging, "ACCUMULATE_IN_PLACE", False)  # (CPU tensors: as on a GPU)
+    monkeypatch.setattr(gradient_rounds, "ACCUMULATE_IN_PLACE", False)  # (CPU tensors: as on a GPU)
     users_averager = {}
     if mode == "users_grad_averager":  # hivemind's own class: none of collabopt's attributes
         from hivemind.optim.grad_averager import GradientAverager

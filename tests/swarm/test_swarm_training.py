@@ -60,6 +60,22 @@ def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
     assert max_param_diff(params["a"], start) > 1e-3
 
 
+@pytest.mark.parametrize("compression", ["fp16", "8bit"])
+def test_compressed_gradient_rounds_leave_the_peers_equal(tmp_path, bootstrap, compression):
+    """grad_compression: each part's result is serialized once by its reducer and every member (the reducer too)
+    reads those bytes back, so lossy compression leaves the members with the same parameters."""
+    base = dict(run_id=unique_run_id(f"compressed_{compression}"), target_batch_size=384, epochs=4, model_seed=0,
+                lr=0.5, step_sleep=0.05, finish_with=finish_line(tmp_path, "a", "b"), wait_peers=2,
+                save_epoch_params=True, grad_compression=compression,
+                options=dict(matchmaking_time=1.0, next_chunk_timeout=5.0))
+    results = run_swarm(tmp_path, bootstrap, {"a": dict(base, seed=1), "b": dict(base, seed=2)})
+    for name, result in results.items():
+        assert result["final_epoch"] >= 4, (name, result["final_epoch"])
+        assert sum(r["reason"] == "averaged" for r in result["rounds"]) >= 3, (name, result["rounds"])
+    apart = diffs_at_common_epochs(tmp_path, ["a", "b"])
+    assert len(apart) >= 4 and max(apart.values()) <= SWARM_ROUNDING, apart
+
+
 OVERLAP = dict(offload_optimizer=True, delay_optimizer_step=True, delay_grad_averaging=True, delay_state_averaging=True)
 
 

@@ -18,9 +18,9 @@ from hivemind.utils.serializer import MSGPackSerializer
 import collabopt.optimizer as optimizer_module
 import collabopt.swarm as swarm_module
 from collabopt import CollabConfig, CollaborativeOptimizer, ConfigurationError
-from collabopt.engine import averaging
 from collabopt.engine.averaging import ShieldedReducers, ShieldedTensorPartReducer
 from collabopt.engine.diloco_averaging import PseudoGradientAverager
+from collabopt.engine.gradient_rounds import GradientRounds
 from collabopt.engine.robust_averaging import (
     ClippingTensorPartReducer,
     aggregation_options,
@@ -59,7 +59,7 @@ def test_a_users_gradient_averager_cannot_be_combined_with_centered_clip(no_netw
 def test_mean_changes_nothing():
     arguments = CollabConfig.from_options(matchmaking_time=2.0, **SWARM).hivemind_arguments()
     assert arguments["averager_opts"] == {"request_timeout": 1.0}
-    assert arguments["grad_averager_factory"].keywords == {"request_timeout": 1.0}
+    assert arguments["grad_averager_factory"].keywords == {"aggregation": "mean", "request_timeout": 1.0}
     assert "tracker_opts" not in arguments
     assert aggregation_options("mean") == {}
     assert ShieldedReducers.part_reducer is ShieldedTensorPartReducer
@@ -67,10 +67,11 @@ def test_mean_changes_nothing():
 
 def test_centered_clip_reaches_the_gradient_and_the_state_averager():
     arguments = CollabConfig.from_options(aggregation="centered_clip", **SWARM).hivemind_arguments()
-    for options in (arguments["averager_opts"], arguments["grad_averager_factory"].keywords):
-        assert options["part_reducer"] is ClippingTensorPartReducer
-        assert options["cap_gathered"] is cap_gathered_bandwidths
-    assert arguments["grad_averager_factory"].func is averaging.GradientAveragerThatTellsGaps
+    assert arguments["averager_opts"]["part_reducer"] is ClippingTensorPartReducer
+    assert arguments["averager_opts"]["cap_gathered"] is cap_gathered_bandwidths
+    factory = arguments["grad_averager_factory"]  # collabopt's gradient rounds: the aggregation by its name
+    assert factory.func is GradientRounds
+    assert factory.keywords["aggregation"] == "centered_clip" and factory.keywords["min_group_size"] == 3
     assert arguments["tracker_opts"] == {"cap_claims": True}  # collabopt.robust.cap_progress_claims
 
 

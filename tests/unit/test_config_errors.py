@@ -14,7 +14,7 @@ from hivemind.compression import Float16Compression
 import collabopt.optimizer as optimizer_module
 import collabopt.swarm as swarm_module
 from collabopt import CollabConfig, CollaborativeOptimizer, ConfigurationError
-from collabopt.engine import averaging
+from collabopt.engine.gradient_rounds import GradientRounds
 from collabopt.errors import DROP, apply_fix
 
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWJ7CitovXMdKJp8FY7EcxfuMcxBHcQotgYjYMNxQAiAkX"
@@ -136,9 +136,8 @@ def test_join_request_timeout_stays_below_matchmaking_time(options, expected):
     assert (arguments.get("averager_opts") or {}).get("request_timeout") == expected
     factory = arguments["grad_averager_factory"]  # hivemind hands averager_opts to its state averager only
     assert factory.keywords.get("request_timeout") == expected
-    # collabopt's gradient averager whatever the matchmaking time (it tells partial rounds, keeps the accumulation
-    # for a failed round); before, a matchmaking_time over 3 s (the default 5 s) got hivemind's
-    assert factory.func is averaging.GradientAveragerThatTellsGaps
+    # collabopt's gradient rounds whatever the matchmaking time (collabopt.engine.gradient_rounds)
+    assert factory.func is GradientRounds
     if "averager_opts" in options:
         assert arguments["averager_opts"]["min_group_size"] == 2  # the user's other options are kept
 

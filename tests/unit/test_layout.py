@@ -17,7 +17,7 @@ ENGINE_LAYERS = [
     {"p2p", "records", "replicas", "progress", "averaging", "robust_averaging", "state", "member_checks",
      "download_votes", "download_challenge", "progress_records", "allreduce", "averager",
      "state_service", "downloads",
-     "model_records"},
+     "model_records", "gradient_rounds"},
     {"loop"},
     {"lineage_check", "sync_download", "sync_round"},
     {"diloco_averaging", "diloco_round"},

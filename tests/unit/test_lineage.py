@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from collabopt import lineage
-from collabopt.engine import averaging, lineage_check, protocol, state, sync_round
+from collabopt.engine import lineage_check, protocol, state, sync_round
 from collabopt.engine.lineage_check import SyncState
 from collabopt.lineage import Verdict, canonical_peers, fingerprint, judge, same_fingerprint
 
@@ -174,13 +174,11 @@ def test_a_peer_behind_by_its_count_only_holds_the_lineage():
 def test_collabopts_averagers_answer_under_hiveminds_handler_names():
     """hivemind names a servicer's RPCs after its class: subclasses keep hivemind's names, so collabopt's peers form
     rounds and serve downloads with plain hivemind peers (and each other, whichever version)."""
-    from hivemind.optim.grad_averager import GradientAverager
     from hivemind.optim.state_averager import TrainingStateAverager
 
     from collabopt.engine.state_service import StateServicer
 
-    for ours, theirs in ((averaging.GradientAveragerThatTellsGaps, GradientAverager),
-                         (state.ConsistentStateAverager, TrainingStateAverager)):
+    for ours, theirs in ((state.ConsistentStateAverager, TrainingStateAverager),):
         for method in ("rpc_join_group", "rpc_aggregate_part", "rpc_download_state"):
             if method == "rpc_download_state" and ours is state.ConsistentStateAverager:
                 ours = StateServicer  # (its downloads are the state service's: the averager's own is out of the way)

@@ -137,6 +137,13 @@ SYNC_ROUNDS = [
      (True, "partial", 2, True), None, False, 0.9),
     (lineage_round({"p1": meta(3, A), "me": meta(3, B), "p2": meta(3, C)}), (True, "averaged", 3, False), None,
      False, 1.0),  # all apart (lossy compression): no majority to adopt
+    # no lineage check (delay_* options): the epochs and the share received still judged
+    (SyncRoundEvidence(3, 4, group={"p1": {"epoch": 4}, "me": {"epoch": 3}, "p2": {"epoch": 4}}, me="me"),
+     (True, "behind", 3, True), ("p1", "p2"), False, 1.0),  # a stale joiner: its gradients were left out
+    (SyncRoundEvidence(3, 4, group={"p1": {"epoch": 3}, "me": {"epoch": 4}, "p2": {"epoch": 3}}, me="me"),
+     (True, "apart", 3, True), None, False, 1.0),  # one epoch on, alone: left out too
+    (SyncRoundEvidence(3, 4, group={"p1": {"epoch": 3}, "me": {"epoch": 3, "received": 0.5}}, me="me"),
+     (True, "partial", 2, True), None, False, 0.5),
 ]
 
 
@@ -148,9 +155,26 @@ def test_a_synchronous_round_gives_one_outcome(evidence, expected, resync_from, 
     assert (outcome.epoch, outcome.num_peers) == (evidence.epoch, evidence.num_peers)
     assert (decision.resync_from, decision.holds, decision.received) == (resync_from, holds, received)
     assert decision.averages_parameters == (outcome.reason not in ("apart", "behind"))
-    if resync_from is not None:  # what the log says of it
+    if resync_from is not None and evidence.checks_lineage:  # what the log says of it
         assert outcome.detail == protocol.verdict_text(
             protocol.lineage.judge(evidence.group, "me"), evidence.group, evidence.group["me"]["epoch"])
+
+
+@pytest.mark.parametrize(("gathered", "epoch", "counts"), [
+    ({"a": {"epoch": 5}, "b": {"epoch": 5}, "c": {"epoch": 4}}, 5, {"a": True, "b": True, "c": False}),
+    ({"a": {"epoch": 5}, "b": {"epoch": 4}, "c": {"epoch": 4}}, 4, {"a": False, "b": True, "c": True}),
+    ({"a": {"epoch": 5}, "b": {"epoch": 4}}, 5, {"a": True, "b": False}),  # (a tie: the newest epoch)
+    ({"a": {"epoch": 5}, "b": None, "c": {}}, 5, {"a": True, "b": True, "c": True}),  # (no epoch: nothing to judge)
+    ({"a": None}, None, {"a": True}),
+])
+def test_only_the_members_at_their_groups_epoch_contribute_gradients(gathered, epoch, counts):
+    assert protocol.group_epoch(gathered) == epoch
+    assert {peer: protocol.sync_contributes(gathered[peer], gathered) for peer in gathered} == counts
+
+
+def test_only_a_whole_average_replaces_a_peers_own_gradients():
+    assert protocol.sync_gradients(1.0)
+    assert not protocol.sync_gradients(0.999) and not protocol.sync_gradients(0.0)
 
 
 def test_what_the_lineage_verdict_says():

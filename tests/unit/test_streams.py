@@ -214,10 +214,10 @@ def test_collabopts_all_reduce_handler_is_hiveminds_streaming_handler_under_hive
         found = next(h for h in cls._rpc_handlers if h.method_name == "rpc_aggregate_part")
         return found.stream_input, found.stream_output, found.request_type, found.response_type
 
-    for ours in (averaging.GradientAveragerThatTellsGaps, ConsistentStateAverager, PseudoGradientAverager):
+    for ours in (ConsistentStateAverager, PseudoGradientAverager):
         assert handler(ours) == handler(GradientAverager), ours
-    assert averaging.GradientAveragerThatTellsGaps._get_handle_name(None, "rpc_aggregate_part") == (
-        "GradientAverager.rpc_aggregate_part")
+    assert ConsistentStateAverager._get_handle_name(None, "rpc_aggregate_part") == (
+        "TrainingStateAverager.rpc_aggregate_part")
 
 
 def test_the_averagers_stubs_open_streams_in_their_own_timeouts(monkeypatch):
