@@ -3,18 +3,23 @@ same bed as :mod:`benchmarks.wan` (peers in network namespaces, every link limit
 bytes, and only the all-reduce: each peer averages its gradients ``rounds`` times in a row
 (:mod:`benchmarks.allreduce_peer`). The figure: the all-reduce time (from the last peer's group assembled to the last
 peer done, :func:`benchmarks.swarmrun.allreduce_seconds`) against the link bound ``2 (N-1)/N * S / B``.
+
+``python -m benchmarks.wan_allreduce`` (root) runs B3's cases of 4 peers at 100 Mbit/s with raw hivemind's optimizer
+and with this runner, one after the other in one sitting, and writes ``benchmarks/results/b3_allreduce.{json,md}``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, child_env, median, spread, write_json
+from benchmarks.common import ROOT, child_env, machine_info, median, spread, write_json
 from benchmarks.swarmrun import allreduce_seconds, start_bootstrap
 from collabopt.testing.processes import Process
 from collabopt.testing.testnet import TestNet
@@ -73,3 +78,29 @@ def run_case(workdir: Path, name: str, n: int, rate_mbit: float, params: int, cf
                bound_over_allreduce=bound / allreduce if durations else float("nan"),
                utilization=float("nan"), epoch_compute_s=0.0)
     return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks import run, wan
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.wan_allreduce", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=run.RESULTS, help="where to write b3_allreduce.{json,md}")
+    args = parser.parse_args(argv)
+    cfg = dict(run.FULL["b3"], cases=[case for case in run.FULL["b3"]["cases"]
+                                      if (case["peers"], case["mbit"], case.get("impl")) in ((4, 100, "hivemind"),
+                                                                                             (4, 100, "engine"))])
+    results: dict[str, Any] = {"machine": machine_info(), "quick": False, "config": {"b3": cfg}}
+    with tempfile.TemporaryDirectory(prefix="collabopt-b3-") as tmp:
+        results["b3"] = wan.run(cfg, Path(tmp))
+    results["machine"]["load_avg_1m_at_end"] = round(__import__("os").getloadavg()[0], 2)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "b3_allreduce.json").write_text(json.dumps(results, indent=1))
+    report = run.markdown(results).replace("# collabopt benchmarks", "# B3's all-reduce: raw hivemind and collabopt's "
+                                           "own all-reduce runner, one sitting", 1)
+    (args.out / "b3_allreduce.md").write_text(report)
+    print(report)
+    return 1 if not results["b3"].get("rows") or any("error" in row for row in results["b3"]["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
