@@ -24,7 +24,8 @@ PEERS = 12
 
 def test_twelve_peers_half_in_client_mode_train_in_sync(tmp_path, bootstrap):
     names = [f"p{i:02d}" for i in range(PEERS)]
-    base = dict(run_id=unique_run_id("twelve"), target_batch_size=3072, epochs=3, model_seed=0, lr=0.5,
+    # 2 global epochs: both rounds of all 12 (every peer waits for the 12 first), the loss falls, all end in sync
+    base = dict(run_id=unique_run_id("twelve"), target_batch_size=3072, epochs=2, model_seed=0, lr=0.5,
                 step_sleep=0.1, finish_with=finish_line(tmp_path, *names), wait_peers=PEERS, max_seconds=240)
     configs = {name: dict(base, seed=i, options=dict(client_mode=i % 2 == 1, matchmaking_time=3.0,
                                                      averaging_timeout=30.0))
@@ -34,7 +35,7 @@ def test_twelve_peers_half_in_client_mode_train_in_sync(tmp_path, bootstrap):
     results = {name: read_result(tmp_path, name) for name in names}
     params = {name: read_params(tmp_path, name) for name in names}
     for name, result in results.items():
-        assert result["final_epoch"] >= 3, (name, result["final_epoch"])
+        assert result["final_epoch"] >= 2, (name, result["final_epoch"])
         assert result["samples_reported"] > 0, (name, "trained nothing")
         assert result["final_loss"] < result["start_loss"], (name, result["start_loss"], result["final_loss"])
         assert result["rounds"] and all(r["applied"] for r in result["rounds"]), (name, result["rounds"])
