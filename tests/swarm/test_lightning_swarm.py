@@ -72,7 +72,7 @@ def test_two_trainers_in_sync_and_a_late_joiner_catches_up(tmp_path, bootstrap):
     and C (bf16-mixed, joins late) end at the same global epoch with bit-identical weights; samples counted =
     samples fed; LR = torch's."""
     run_id = unique_run_id("lightning_sync")
-    epochs, lr = 6, 0.1  # epochs of a few seconds
+    epochs, lr = 5, 0.1  # epochs of a few seconds; C joins at 2 and trains 3 of them with A and B
     base = dict(run_id=run_id, target_batch_size=768, global_epochs=epochs, lr=lr, scheduler="step",
                 batch_size=16, step_sleep=0.05, max_seconds=100, finish_with=finish_line(tmp_path, "a", "b", "c"))
     # A and B start training together, and wait at epoch 2 until C has joined (and downloaded their state)
