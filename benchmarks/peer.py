@@ -45,8 +45,11 @@ def compression_options(name: str | None, rank: int = 32) -> dict[str, Any]:
 
 
 def instrument_averaging(grad_averager: Any, events: list[dict[str, Any]]) -> None:
-    """Record trigger and completion wall times of every gradient all-reduce this peer runs."""
-    original = grad_averager.step
+    """Record trigger and completion wall times of every gradient all-reduce this peer runs (hivemind's averagers'
+    ``step``; DiLoCo's pseudo-gradient rounds have none: nothing is recorded for them)."""
+    original = getattr(grad_averager, "step", None)
+    if original is None:
+        return
 
     def step(*args: Any, **kwargs: Any) -> Any:
         event = {"trigger": time.time(), "prescheduled": kwargs.get("control") is not None}

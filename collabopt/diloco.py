@@ -12,7 +12,7 @@ Passing ``outer_optimizer=`` to :class:`~collabopt.CollaborativeOptimizer` (or t
   over the round's peers, weighted by the samples each one trained on since the last round, and the **outer
   optimizer** steps from the last round's parameters (the *anchor*) with it. Every peer of the round ends with the
   same parameters: they held the same anchor and outer state, and the averaged pseudo-gradient reaches every peer as
-  the same values (see :class:`collabopt.engine.diloco_averaging.ValueAllReduceRunner`);
+  the same values (collabopt's averaging service, :mod:`collabopt.engine.diloco_averaging`);
 * the anchor and the outer optimizer's state (e.g. momentum) are the swarm's state: a late joiner downloads them;
 * pseudo-gradients travel compressed (``Float16Compression`` unless ``grad_compression=`` says otherwise);
 * with ``overlap_rounds=True`` the round's all-reduce runs in the background while inner steps go on: the epoch
@@ -40,6 +40,7 @@ measurements are in docs/decisions.md ("DiLoCo: faults").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,12 +68,6 @@ _KEPT = {"anchor differs": "it took part with weight 0 (its pseudo-gradient is n
                            "swarm's state and keeps all its progress for its next round"}
 
 
-class PartialRound(Exception):
-    """A round's all-reduce ended with part of the average missing on this peer (a reducer's results did not all
-    arrive). Its pseudo-gradient may have reached the group all the same, and the others may have applied the round
-    with it: see :meth:`DiLoCo.run_round`."""
-
-
 @dataclass
 class PendingRound:
     """Overlap mode: a round whose all-reduce runs in the background."""
@@ -93,7 +88,8 @@ class RoundSwarm(Protocol):
     parameters: Sequence[torch.Tensor]  # the model's parameters (those the inner optimizer steps)
 
     def buffers(self) -> contextlib.AbstractContextManager[Sequence[torch.Tensor]]: ...
-    def average(self, weight: float) -> dict[Any, Any]: ...  # all-reduce the buffers; the group's round metadata
+    def average(self, weight: float) -> protocol.DiLoCoRoundEvidence: ...  # all-reduce the buffers (the average
+    # replaces them where it arrived); what the all-reduce left (group, error, received, included)
     def skip_averaging(self) -> None: ...  # no round with others this time (cancel a scheduled one)
     def outer_step(self, increment_epoch: bool = True) -> None: ...  # outer step on the anchors (grads: the
     # buffers), then parameters = anchors
@@ -120,8 +116,8 @@ class DiLoCo:
         self.swarm_writes = 0  # times the swarm replaced this peer's parameters (rounds applied, downloads)
         self.last_round: RoundOutcome | None = None
         self.pending: PendingRound | None = None  # overlap mode: the round whose all-reduce is running
-        # after a PartialRound: (the parameters its pseudo-gradient was taken from, its weight), until a download
-        # tells whether the swarm applied it
+        # after a partial round its pseudo-gradient may have reached: (the parameters it was taken from, its
+        # weight), until a download tells whether the swarm applied it
         self.delivered: tuple[list[torch.Tensor], float] | None = None
 
     # ------------------------------------------------------------------ between rounds
@@ -164,16 +160,16 @@ class DiLoCo:
         weight = self._contribute(swarm)
         if num_peers == 1:
             swarm.skip_averaging()
-            outcome = self._judge(swarm, epoch, num_peers, weight, {}, None, None).outcome
+            outcome = self._judge(swarm, epoch, num_peers, weight, {}, None).outcome
             if not outcome.applied:
                 return self._finish(outcome)
         else:
             metadata = self.round_metadata(swarm)
             try:
-                gathered, error = swarm.average(weight), None
+                report: Any = swarm.average(weight)
             except Exception as e:
-                gathered, error = None, e
-            decision = self._judge(swarm, epoch, num_peers, weight, metadata, gathered, error)
+                report = e
+            decision = self._judge(swarm, epoch, num_peers, weight, metadata, report)
             if decision.may_have_delivered:
                 self._may_have_delivered([p.detach().clone() for p in swarm.parameters], weight)
             if not decision.outcome.applied:  # (its progress, pseudo-gradient included, stays for its next round)
@@ -199,17 +195,17 @@ class DiLoCo:
         return weight
 
     @torch.no_grad()
-    def land_round(self, swarm: RoundSwarm, result: dict[Any, Any] | BaseException) -> RoundOutcome:
-        """Overlap mode: the background all-reduce ended (``result``: the group's metadata, or what it raised).
+    def land_round(self, swarm: RoundSwarm, result: protocol.DiLoCoRoundEvidence | BaseException) -> RoundOutcome:
+        """Overlap mode: the background all-reduce ended (``result``: what it left, as ``swarm.average`` returns it,
+        or what it raised).
         If sound, the outer step moves the anchor and ``parameters = new anchor + progress made meanwhile``;
         otherwise the pseudo-gradient is kept for the next round (the anchor stays, the progress too)."""
         pending, self.pending = self.pending, None
         assert pending is not None, "no round in flight"
-        gathered, error = (None, result) if isinstance(result, BaseException) else (result, None)
         # (not applied: the epoch moved on when the round started, so it cannot tell whether the others applied the
         # round: it downloads the state of the best peer, keeping its progress, pseudo-gradient included)
         decision = self._judge(swarm, int(pending.metadata.get("epoch", -1)), pending.num_peers, pending.weight,
-                               pending.metadata, gathered, error, overlapped=True)
+                               pending.metadata, result, overlapped=True)
         if not decision.outcome.applied:
             self.pending_samples += int(pending.weight)
             if decision.may_have_delivered:
@@ -227,7 +223,7 @@ class DiLoCo:
 
     def _contribute(self, swarm: RoundSwarm) -> float:
         """Write this peer's pseudo-gradient into the swarm's buffers; return its weight (0: refused, non-finite)."""
-        self.delivered = None  # (a round since a PartialRound: what it sends is what counts from now on)
+        self.delivered = None  # (a round since a partial one: what it sends is what counts from now on)
         with swarm.buffers() as buffers:
             finite = write_pseudo_gradients(swarm.anchors, swarm.parameters, buffers)
             if not finite:
@@ -238,18 +234,20 @@ class DiLoCo:
         return float(self.pending_samples) if finite else 0.0
 
     def _judge(self, swarm: RoundSwarm, epoch: int, num_peers: int, weight: float, metadata: dict[str, Any],
-               gathered: dict[Any, Any] | None, error: BaseException | None,
+               report: protocol.DiLoCoRoundEvidence | BaseException | None,
                overlapped: bool = False) -> protocol.DiLoCoDecision:
-        """The round's decision (:func:`collabopt.engine.protocol.diloco_round`) on what it left: the group's
-        metadata (None: no all-reduce ran) or what the all-reduce raised, and whether its average is finite."""
+        """The round's decision (:func:`collabopt.engine.protocol.diloco_round`) on what it left: what the
+        all-reduce reported (None: no all-reduce ran) or what it raised, and whether its average is finite."""
+        if isinstance(report, BaseException):
+            report = protocol.DiLoCoRoundEvidence(epoch, num_peers, weight, error=repr(report))
+        report = report or protocol.DiLoCoRoundEvidence(epoch, num_peers, weight)
         average_finite = True
-        if gathered is not None and error is None:
+        if report.group is not None and not report.error:
             with swarm.buffers() as buffers:
                 average_finite = all_finite(buffers)
-        decision = protocol.diloco_round(protocol.DiLoCoRoundEvidence(
-            epoch=epoch, num_peers=num_peers, weight=weight, sent=metadata, me=getattr(swarm, "peer_id", None),
-            group=gathered, error=repr(error) if error is not None else "",
-            partial=isinstance(error, PartialRound), average_finite=average_finite, needs_sync=self.needs_sync,
+        decision = protocol.diloco_round(dataclasses.replace(
+            report, epoch=epoch, num_peers=num_peers, weight=weight, sent=metadata,
+            me=getattr(swarm, "peer_id", None), average_finite=average_finite, needs_sync=self.needs_sync,
             overlapped=overlapped))
         self.needs_sync = decision.needs_sync
         if decision.nonfinite_average and self.guard is not None:
@@ -258,11 +256,11 @@ class DiLoCo:
         return decision
 
     def _may_have_delivered(self, base: list[torch.Tensor], weight: float) -> None:
-        """A :class:`PartialRound`: this peer's pseudo-gradient (taken from ``base``, weighing ``weight``) may have
+        """A partial round: this peer's pseudo-gradient (taken from ``base``, weighing ``weight``) may have
         reached its group, which may have applied the round. It contributes nothing more until it knows: it downloads
         the swarm's state before its next round, and :meth:`restore_after_download` keeps only the progress made
         since ``base`` if the swarm's anchor moved (the round was applied), all of it otherwise. Contributing its
-        pseudo-gradient again (hivemind retries a failed all-reduce) counted it twice."""
+        pseudo-gradient again (in a retried round) would count it twice."""
         self.delivered = (base, weight)
         self.needs_sync = True  # (the protocol decided so too)
         logger.warning("collabopt: part of this DiLoCo round's average did not arrive; its pseudo-gradient may have "
@@ -271,7 +269,7 @@ class DiLoCo:
 
     @torch.no_grad()
     def progress_to_keep(self, swarm: RoundSwarm) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """Before a state download: this peer's progress since its anchor and, after a :class:`PartialRound`, its
+        """Before a state download: this peer's progress since its anchor and, after a partial round, its
         progress since that round's pseudo-gradient was taken (else ``None``)."""
         since = progress_from(swarm.parameters, self.delivered[0]) if self.delivered is not None else None
         return self.local_progress(swarm), since
@@ -376,6 +374,6 @@ def write_pseudo_gradients(anchors: Sequence[torch.Tensor], parameters: Sequence
     return all_finite(out)
 
 
-__all__ = ["DiLoCo", "INCOMPATIBLE", "INCOMPATIBLE_HIVEMIND", "OUTER_EXAMPLE", "PartialRound", "PendingRound",
+__all__ = ["DiLoCo", "INCOMPATIBLE", "INCOMPATIBLE_HIVEMIND", "OUTER_EXAMPLE", "PendingRound",
            "RoundOutcome", "RoundSwarm", "agrees_with_group", "check_config", "check_outer_optimizer", "fingerprint",
            "same_fingerprint", "should_download", "step_decision", "write_pseudo_gradients"]

@@ -13,7 +13,6 @@ import torch
 from collabopt import scheduling
 from collabopt.config import CollabConfig, sized_next_chunk_timeout
 from collabopt.engine.diloco_averaging import default_pseudo_gradient_compression, pseudo_gradient_averager_factory
-from collabopt.engine.robust_averaging import aggregation_options
 from collabopt.errors import ConfigurationError
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
@@ -101,8 +100,7 @@ def _diloco_arguments(config: CollabConfig, inner: torch.optim.Optimizer,
         # the outer optimizer's hyperparameters are its own: hand it the parameters only
         params=[{"params": list(group["params"])} for group in inner.param_groups],
         offload_optimizer=True,
-        grad_averager_factory=pseudo_gradient_averager_factory(request_timeout,
-                                                               **aggregation_options(config.aggregation)),
+        grad_averager_factory=pseudo_gradient_averager_factory(request_timeout, config.aggregation),
         grad_compression=arguments.get("grad_compression") or default_pseudo_gradient_compression(),
     )
     return arguments

@@ -32,9 +32,6 @@ HIVEMIND_REQUEST_TIMEOUT = 3.0  # hivemind's default averager request_timeout (s
 # reviewed against the new source before the digest is updated (docs/development.md, "Upgrading hivemind").
 SEAMS: dict[str, str] = {
     "hivemind.averaging.allreduce.AllReduceRunner.__init__": "597a0c8dbbea",
-    "hivemind.averaging.allreduce.AllReduceRunner._accumulate_parts_streaming": "6c5a3c726606",
-    "hivemind.averaging.allreduce.AllReduceRunner._communicate_with_peer": "d910885e9727",
-    "hivemind.averaging.allreduce.AllReduceRunner.run": "d145a0e368a5",
     "hivemind.averaging.averager.DecentralizedAverager._aggregate_with_group": "c297d8a435ce",
     "hivemind.averaging.averager.DecentralizedAverager._run_allreduce_inplace_": "914d57cffc7d",
     "hivemind.averaging.averager.DecentralizedAverager._run_internal": "8f85686e1ccd",
@@ -50,11 +47,6 @@ SEAMS: dict[str, str] = {
     "hivemind.dht.validation.RecordValidatorBase.merge_with": "c98abae78e86",
     "hivemind.dht.validation.RecordValidatorBase.priority": "5daab08584a8",
     "hivemind.dht.validation.RecordValidatorBase.validate": "c9c52593d961",
-    "hivemind.optim.grad_averager.GradientAverager.__init__": "9f7a702bd6f3",
-    "hivemind.optim.grad_averager.GradientAverager._grads_from_parameters": "9ff5a4ecb27e",
-    "hivemind.optim.grad_averager.GradientAverager.accumulate_grads_": "67d8ddf5c3e9",
-    "hivemind.optim.grad_averager.GradientAverager.load_accumulators_into_averager_": "916123f43baf",
-    "hivemind.optim.grad_averager.GradientAverager.reset_accumulated_grads_": "9222c7c084c9",
     "hivemind.optim.state_averager.TrainingStateAverager.__init__": "97f573400a46",
     "hivemind.optim.state_averager.TrainingStateAverager._apply_averaging_results_": "32b49f6bd708",
     "hivemind.optim.state_averager.TrainingStateAverager._do": "0b1896170cc6",

@@ -1,26 +1,35 @@
-"""The all-reduce of DiLoCo's pseudo-gradients: every member of a group receives the same averaged values, and a
-result with parts missing is never applied as if whole."""
+"""DiLoCo's pseudo-gradient rounds on collabopt's own averaging service (:mod:`collabopt.engine.averager`).
+
+Rules, and why:
+
+* The round writes each pseudo-gradient into host buffers (float32, one per parameter) that are also the outer
+  optimizer's ``.grad``; a round hands a copy of them to the service and writes its result back into them. Nothing
+  here derives from hivemind's averagers: the service runs in a thread of this process.
+* Matchmaking starts ahead of the round (:meth:`PseudoGradientRounds.schedule`); the buffers are handed over when
+  the round starts (``ScheduledRound.run``), so that the group forms while the last inner steps run.
+* Every member of a group receives the same bits (the service's reducers answer every sender alike). A member whose
+  anchor is not its group's takes part with weight 0 and zeros
+  (:func:`collabopt.engine.protocol.diloco_contributes`), before any part is sent.
+* The swarm key: the service refuses a join request, and a group, with a member that proves no membership.
+* What happened is handed on as evidence (:meth:`PseudoGradientRounds.report`); whether the round counts is
+  :func:`collabopt.engine.protocol.diloco_round`'s decision only.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.compression import Float16Compression, deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.optim.grad_averager import GradientAverager
-from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import amap_in_executor
+from hivemind.compression import CompressionBase, Float16Compression
 
-from collabopt.diloco import PartialRound
-from collabopt.diloco_metadata import agrees_with_group
-from collabopt.engine.averaging import ShieldedReducers
-from collabopt.engine.member_checks import MemberChecks
+from collabopt.engine import protocol
+from collabopt.engine.averager import AveragingResult, AveragingService, ScheduledRound
+from collabopt.engine.clipping import MIN_CLIPPED_GROUP
 
 logger = logging.getLogger(__name__)
 
@@ -30,175 +39,98 @@ def default_pseudo_gradient_compression() -> Any:
     return Float16Compression()
 
 
-def pseudo_gradient_averager_factory(request_timeout: float | None, **options: Any) -> Callable[..., Any]:
-    """``grad_averager_factory`` of a DiLoCo peer: the pseudo-gradient averager (with ``request_timeout`` and the
-    aggregation ``options``, see :func:`gradient_averager_factory`)."""
-    extra = dict(options) if request_timeout is None else dict(options, request_timeout=request_timeout)
-    return functools.partial(PseudoGradientAverager, **extra) if extra else PseudoGradientAverager
+def pseudo_gradient_averager_factory(request_timeout: float | None, aggregation: str = "mean") -> Callable[..., Any]:
+    """The loop's ``grad_averager_factory`` in DiLoCo mode: :class:`PseudoGradientRounds` with the averager options
+    ``request_timeout`` (None: the service's default) and ``aggregation``."""
+    return functools.partial(PseudoGradientRounds, request_timeout=request_timeout, aggregation=aggregation)
 
 
-PARTIAL_RESULTS = "collabopt_partial_results"  # what a DiLoCo round returns instead of its group's metadata when
+class PseudoGradientRounds:
+    """The pseudo-gradient averaging of one DiLoCo peer: the buffers, the samples counted toward the next round, and
+    rounds on an :class:`~collabopt.engine.averager.AveragingService` of ``prefix`` (``<run_id>_grad_averager``: two
+    runs never meet).
 
+    Takes the loop's averager arguments (:meth:`collabopt.engine.loop.PeerLoop._make_gradient_averager`), with
+    hivemind's meanings: ``min_matchmaking_time``; ``next_chunk_timeout``: how long a reducer waits for a sender's
+    next part (a sender waits twice as long for a reducer's next result, as hivemind's averagers do). Those of
+    hivemind's that have no meaning here (``shutdown_timeout``, ``start``, ...) are accepted and unused."""
 
-def _member_agrees(group_info: Any, peer_id: Any, serializer: Any) -> bool:
-    """(averager process) Whether this member's round metadata, as its group gathered it, holds the group's canonical
-    anchor (:func:`collabopt.diloco_metadata.agrees_with_group`); True where it cannot tell."""
-    try:  # each member's (bandwidth, mode, its metadata serialized), as hivemind's matchmaking gathered them
-        gathered = [serializer.loads(serializer.loads(data)[2]) for data in group_info.gathered]
-        mine = gathered[list(group_info.peer_ids).index(peer_id)]
-        return agrees_with_group(mine, gathered)
-    except Exception:  # (malformed metadata: DiLoCo's judgement after the round decides)
-        return True
+    def __init__(self, *, dht: Any, prefix: str, parameters: Sequence[torch.Tensor],
+                 compression: CompressionBase | None = None, client_mode: bool | None = None,
+                 aggregation: str = "mean", request_timeout: float | None = None, min_matchmaking_time: float = 5.0,
+                 next_chunk_timeout: float | None = None, **_unused: Any):
+        self.buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in parameters]
+        self._lock = threading.RLock()
+        self.local_samples_accumulated = self.local_times_accumulated = 0
+        sender_timeout = next_chunk_timeout if next_chunk_timeout is not None else min_matchmaking_time
+        options = {} if request_timeout is None else {"request_timeout": request_timeout}
+        self.service = AveragingService(
+            dht, prefix=prefix, min_group_size=MIN_CLIPPED_GROUP if aggregation == "centered_clip" else 2,
+            matchmaking_time=min_matchmaking_time, sender_timeout=sender_timeout,
+            reducer_timeout=2 * sender_timeout, aggregation=aggregation,
+            compression=compression if compression is not None else default_pseudo_gradient_compression(),
+            client_mode=bool(client_mode), **options)
 
+    # ---- what the loop reads and counts
 
-def raise_if_partial(gathered: Any) -> Any:
-    if isinstance(gathered, dict) and PARTIAL_RESULTS in gathered:
-        raise PartialRound("part of the round's average did not arrive")
-    return gathered
-
-
-class PartialResults(AllreduceException):
-    """The all-reduce ended with part (less than half) of the average missing here: most of this peer's
-    pseudo-gradient demonstrably reached its reducers (see :class:`collabopt.diloco.PartialRound`)."""
-
-
-class ValueAllReduceRunner(AllReduceRunner):
-    """hivemind's butterfly all-reduce, except that each reducer sends back the average itself, compressed
-    once, instead of ``average - what that sender sent`` compressed per sender, and uses that same compressed
-    value for its own part. hivemind's way leaves every peer a different compression error (with fp16, ~1e-3
-    of the pseudo-gradient): here every peer of the group receives the same values. A result with parts missing
-    (a reducer failed) raises instead of mixing in local values."""
-
-    def __init__(self, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.tensor_part_container.return_deltas = False  # a failed reducer's part: the local one (then we raise)
-        own = self.ordered_peer_ids.index(self.peer_id)
-        self._own_part_infos = [info for _, info in self.tensor_part_container._input_parts_by_peer[own]]
-
-    async def run(self) -> Any:
-        """Write the whole result into the averaged tensors once all of it arrived, and yield an update of zero for
-        each: hivemind's averager adds each yielded update to its tensor (``_run_allreduce_inplace_``), and
-        ``x + (average - x)`` is not always the average in floating point."""
-        values = [value async for value in super().run()]  # (the values themselves: return_deltas is off)
-        failed, total = self.tensor_part_container.failed_size, self.tensor_part_container.total_size
-        if failed and 2 * failed < total:
-            # a reducer returns a part's average only once it holds every member's part: most of this peer's
-            # pseudo-gradient reached the group (and where the rest went is unknown)
-            raise PartialResults(f"{failed} of {total} values were not averaged")
-        if failed:  # most of its pseudo-gradient may not have left (its link failed): a failed round
-            raise AllreduceException(f"{failed} of {total} values were not averaged")
-        nothing = torch.zeros(())
-        for tensor, value in zip(self.tensor_part_container.local_tensors, values, strict=True):
-            tensor.copy_(value)
-            yield nothing
-
-    async def _communicate_with_peer(self, peer_id: Any) -> None:
-        if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
-        peer_index = self.ordered_peer_ids.index(peer_id)
-        sender_index = self.sender_peer_ids.index(peer_id)
-        compression = self.tensor_part_container.compression
-        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part,
-                                                                      weight=self.weight)
-            as_sent = deserialize_torch_tensor(compression.compress(averaged, self._own_part_infos[part_index]))
-            self.tensor_part_container.register_processed_part(peer_index, part_index, as_sent)
-
-    async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
-        """The reducer's side of the value protocol: each part a sender streams is accumulated, and answered with
-        the part's average itself, compressed as the sender compressed its part (hivemind answers ``average - part``,
-        so that each sender would hold its own compression error). A sender that stops short is banned from the
-        round, as hivemind's reducer does."""
-        received = answered = 0
-        try:
-            async for part, weight, compression in amap_in_executor(
-                    _read_part, stream, max_prefetch=self.tensor_part_container.prefetch):
-                try:
-                    average = await self.tensor_part_reducer.accumulate_part(sender_index, received, part,
-                                                                             weight=weight)
-                except BannedException:
-                    break  # banned meanwhile: it no longer needs answers
-                received += 1
-                yield await _averaged_part_message(average, compression)
-                answered += 1
-        finally:
-            if answered != self.tensor_part_reducer.num_parts:
-                logger.debug(f"{self}: results to sender {sender_index}: {answered} of "
-                             f"{self.tensor_part_reducer.num_parts} parts sent ({received} accumulated)",
-                             stack_info=True)
-            if received != self.tensor_part_reducer.num_parts:
-                await self._ban_sender(self.sender_peer_ids[sender_index])
-
-
-def _read_part(message: Any) -> tuple[torch.Tensor, float, Any]:
-    """(runs in an executor) A sender's part message: the part, its weight, and how it was compressed."""
-    return deserialize_torch_tensor(message.tensor_part), message.weight, message.tensor_part.compression
-
-
-async def _averaged_part_message(average: torch.Tensor, compression: Any) -> Any:
-    """The answer carrying a part's ``average``, serialized (in an executor) with ``compression``."""
-    serialized = await asyncio.get_event_loop().run_in_executor(None, serialize_torch_tensor, average, compression)
-    return averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
-
-
-class PseudoGradientAverager(MemberChecks, ShieldedReducers, GradientAverager):
-    """hivemind's gradient averager as the carrier of pseudo-gradients: it only counts samples (the round writes
-    the pseudo-gradients into its tensors) and averages with :class:`ValueAllReduceRunner`, applying a result
-    only once all of it arrived. A round whose average came in part is not retried when most of it came (the
-    others may have applied it with this peer's pseudo-gradient: :class:`collabopt.diloco.PartialRound`); a
-    retried round resends the pseudo-gradients, not a partial result."""
-
-    all_reduce_runner = ValueAllReduceRunner
-
-    def __init__(self, parameters: Any, *, dht: Any, prefix: str, client_mode: bool | None = None,
-                 **kwargs: Any):
-        for ignored in ("reuse_grad_buffers", "accumulate_grads_on", "warn", "averaged_grads"):
-            kwargs.pop(ignored, None)
-        parameters = tuple(parameters)
-        buffers = tuple(torch.zeros(p.shape, dtype=torch.float32).share_memory_() for p in parameters)
-        kwargs.setdefault("allow_state_sharing", False)  # nothing to serve: the state averager serves the state
-        self._partial_groups: set[bytes] = set()  # (averager process) all-reduces whose average came in part
-        super().__init__(parameters, dht=dht, prefix=prefix, reuse_grad_buffers=True, client_mode=client_mode,
-                         warn=False, averaged_grads=buffers, **kwargs)
-        self.reuse_grad_buffers = False
-
-    def _grads_from_parameters(self) -> Any:  # shapes only: never allocate .grad on the model's parameters
-        return (p.detach() for p in self.parameters)
+    @contextlib.contextmanager
+    def get_tensors(self) -> Iterator[list[torch.Tensor]]:
+        """The buffers (the pseudo-gradients, then the round's average), held while the block runs."""
+        with self._lock:
+            yield self.buffers
 
     def accumulate_grads_(self, batch_size: int) -> None:
+        """Count a local step's samples (the inner optimizer applied its gradients already)."""
         self.local_samples_accumulated += batch_size
         self.local_times_accumulated += 1
 
-    def load_accumulators_into_averager_(self) -> None:
-        pass  # the round has written the pseudo-gradients already
-
     def reset_accumulated_grads_(self) -> None:
         self.local_samples_accumulated = self.local_times_accumulated = 0
-        self._accumulators_used_in_step = False
 
-    async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any, group_id: bytes | None = None,
-                                      **kwargs: Any) -> None:
-        # (hivemind's builds all_reduce_runner: ValueAllReduceRunner, which writes the result once all arrived)
-        group_id = group_info.group_id if group_id is None else group_id
-        if kwargs.get("weight") and not _member_agrees(group_info, self.peer_id, self.serializer):
-            # this peer will not apply the round (its anchor is not the group's: DiLoCo decides the same from the
-            # same gathered metadata): it takes part with nothing, so that the round holds only the pseudo-gradients
-            # of the members that apply it, and it keeps its progress for the round after its download
-            logger.info(f"{self}: this peer's anchor is not its group's: it joins the round with weight 0")
-            kwargs["weight"] = 0.0
-            for tensor in tensors:
-                tensor.zero_()
-        try:
-            await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
-        except PartialResults as e:
-            # not an error hivemind may retry: this peer's pseudo-gradient may have reached the group, and a
-            # retry would send it into another round (_aggregate_with_group tells the round instead)
-            logger.warning(f"{self}: {e}; this peer's pseudo-gradient may have reached its group")
-            self._partial_groups.add(group_id)
+    # ---- rounds
 
-    async def _aggregate_with_group(self, group_info: Any, *args: Any, **kwargs: Any) -> Any:
-        gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
-        if group_info.group_id in self._partial_groups:
-            self._partial_groups.discard(group_info.group_id)
-            return {PARTIAL_RESULTS: True}
-        return gathered
+    def schedule(self, timeout: float, gather: Any) -> ScheduledRound:
+        """Begin matchmaking for a round whose pseudo-gradients come later (``ScheduledRound.run``); ``gather``: this
+        peer's round metadata (epoch, anchor fingerprint), which every member of the group receives."""
+        return self.service.schedule(self.buffers, timeout=timeout, gather=gather, contributes=self._contributes)
+
+    def run(self, control: ScheduledRound, weight: float) -> None:
+        """Hand the buffers (copied now) and this peer's ``weight`` to the round ``control``."""
+        with self.get_tensors() as buffers:
+            control.run(buffers, weight)
+
+    def _contributes(self, gathered: dict[Any, Any]) -> bool:
+        me = self.service.p2p.peer_id
+        if protocol.diloco_contributes(gathered, me):
+            return True
+        # this peer will not apply the round (its anchor is not the group's: the verdict after it says the same): it
+        # takes part with nothing, so that the round holds only the pseudo-gradients of the members that apply it
+        logger.info("collabopt: this peer's anchor is not its group's: it joins the round with weight 0")
+        return False
+
+    def report(self, result: AveragingResult) -> protocol.DiLoCoRoundEvidence:
+        """What the round left, as the evidence :func:`collabopt.engine.protocol.diloco_round` takes (its group,
+        error, received and included; the rest is the caller's), the average written into the buffers where it
+        came."""
+        if result.tensors is not None:
+            with torch.no_grad(), self.get_tensors() as buffers:
+                for buffer, value in zip(buffers, result.tensors, strict=True):
+                    buffer.copy_(value)
+        evidence = result.evidence
+        group = dict(result.gathered) if result.group and result.gathered else None
+        if evidence is None:
+            return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, error=result.error or "no round")
+        if not evidence.complete:
+            logger.warning("collabopt: this DiLoCo round's all-reduce was incomplete: %.1f%% of the average arrived "
+                           "here, this peer's values in %.1f%% of it; absent: %s; errors: %s",
+                           100 * evidence.received, 100 * evidence.contributions[evidence.me],
+                           [str(peer) for peer in evidence.absent()], evidence.errors)
+        return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, error=result.error or "",
+                                            received=evidence.received,
+                                            included=evidence.contributions[evidence.me])
+
+    def shutdown(self) -> None:
+        self.service.close()
+
+
+__all__ = ["PseudoGradientRounds", "default_pseudo_gradient_compression", "pseudo_gradient_averager_factory"]

@@ -11,7 +11,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from collabopt import diloco as diloco_module
-from collabopt.engine.diloco_averaging import raise_if_partial
+from collabopt.engine import protocol
 from collabopt.engine.loop import PeerLoop
 from collabopt.engine.progress import SwarmProgressTracker
 from collabopt.errors import ModelMismatchError
@@ -62,7 +62,7 @@ class DiLoCoLoop(PeerLoop):
 
     def __init__(self, *, diloco: Any, **kwargs: Any):
         self.diloco = diloco
-        self._in_flight: Any = None  # overlap: the StepControl of the round whose all-reduce is running
+        self._in_flight: Any = None  # overlap: the ScheduledRound whose all-reduce is running
         self._sharing_paused = False  # overlap: state sharing is off while a round is in flight
         super().__init__(**kwargs)
         self.anchors = tuple(p for group in self.state_averager.optimizer.param_groups for p in group["params"])
@@ -87,28 +87,41 @@ class DiLoCoLoop(PeerLoop):
     def buffers(self) -> Any:
         return self.grad_averager.get_tensors()
 
-    def average(self, weight: float) -> dict[Any, Any]:
-        control, self.scheduled_grads = self.scheduled_grads, None
-        if control is not None and (control.triggered or control.done()):
-            control = None
-        if control is None:
-            control = self.grad_averager.step(weight=weight, reset_accumulators=False, wait=False,
-                                              timeout=self.averaging_timeout,
-                                              gather=self.diloco.round_metadata(self))
-        else:
-            self.grad_averager.step(control=control, weight=weight, reset_accumulators=False, wait=False)
+    def average(self, weight: float) -> protocol.DiLoCoRoundEvidence:
+        control = self._hand_over(weight, self.diloco.round_metadata(self))
         try:
-            gathered = control.result(self.averaging_timeout)
+            return self.grad_averager.report(control.result())
         finally:
             if not control.done():
                 control.cancel()
-        self.grad_averager.notify_used_averaged_gradients()
-        return raise_if_partial(gathered)
+
+    def _hand_over(self, weight: float, metadata: dict[str, Any]) -> Any:
+        """Hand the pseudo-gradients and ``weight`` to the round scheduled for this epoch (a new one if none is
+        waiting for them); returns the round."""
+        control, self.scheduled_grads = self.scheduled_grads, None
+        if control is None or control.triggered or control.done():
+            control = self.grad_averager.schedule(timeout=self.averaging_timeout, gather=metadata)
+        self.grad_averager.run(control, weight)
+        return control
 
     def skip_averaging(self) -> None:
+        self._leave_scheduled_round()
+
+    def _leave_scheduled_round(self) -> None:
+        """Leave the round scheduled for this epoch: cancelled while matchmaking; once its group is assembled, take
+        part with nothing (zeros, weight 0) and wait for it (its members would otherwise wait for this peer)."""
         control, self.scheduled_grads = self.scheduled_grads, None
-        if control is not None and not control.done():
+        if control is None or control.done():
+            return
+        if control.group is None or control.triggered:
             control.cancel()
+            return
+        control.tag_along()
+        try:
+            control.result()
+        except BaseException:  # SIGTERM (collabopt.Terminated) or Ctrl+C: stop waiting, leave the round
+            control.cancel()
+            raise
 
     def outer_step(self, increment_epoch: bool = True) -> None:
         # the outer optimizer steps on the anchor (its .grad are the averaged buffers, see
@@ -135,8 +148,8 @@ class DiLoCoLoop(PeerLoop):
         if self._in_flight is not None:
             return  # the anchor (whose fingerprint the group gathers) moves when it lands: schedule after
         if self.scheduled_grads is None or self.scheduled_grads.triggered or self.scheduled_grads.done():
-            self.scheduled_grads = self.grad_averager.schedule_step(
-                timeout=self.averaging_timeout, gather=self.diloco.round_metadata(self))
+            self.scheduled_grads = self.grad_averager.schedule(timeout=self.averaging_timeout,
+                                                               gather=self.diloco.round_metadata(self))
 
     def end_epoch(self) -> None:
         self.land(wait=True)  # one round in flight at most
@@ -185,12 +198,7 @@ class DiLoCoLoop(PeerLoop):
         """Download the swarm's anchor, outer optimizer state and epoch, keeping this peer's progress since its
         own anchor (parameters = downloaded anchor + progress)."""
         self.land(wait=True)
-        control, self.scheduled_grads = self.scheduled_grads, None
-        if control is not None and not control.done():
-            with self.grad_averager.get_tensors() as buffers:
-                for buffer in buffers:
-                    buffer.zero_()
-            self.tag_along(control)
+        self._leave_scheduled_round()
         self.state_averager.step(wait_for_delayed_updates=True)
         with self.tracker.pause_updates():
             progress, since = self.diloco.progress_to_keep(self)
@@ -232,8 +240,7 @@ class DiLoCoLoop(PeerLoop):
             return
         self._in_flight = None
         try:
-            result = raise_if_partial(control.result(self.averaging_timeout))
-            self.grad_averager.notify_used_averaged_gradients()
+            result: Any = self.grad_averager.report(control.result())
         except Exception as e:
             result = e
             if not control.done():
@@ -259,13 +266,7 @@ class DiLoCoLoop(PeerLoop):
     def _start_overlapped_round(self) -> None:
         """Start the all-reduce of this round in the background and move to the next epoch at once."""
         weight = self.diloco.start_round(self)
-        control, self.scheduled_grads = self.scheduled_grads, None
-        if control is not None and not (control.triggered or control.done()):
-            self.grad_averager.step(control=control, weight=weight, reset_accumulators=False, wait=False)
-        else:
-            control = self.grad_averager.step(weight=weight, reset_accumulators=False, wait=False,
-                                              timeout=self.averaging_timeout, gather=self.diloco.pending.metadata)
-        self._in_flight = control
+        self._in_flight = self._hand_over(weight, self.diloco.pending.metadata)
         self.state_averager.step(increment_epoch=True)
         self.tracker.update_epoch(new_epoch=self.local_epoch)
         if self.state_averager.allow_state_sharing:
@@ -293,4 +294,5 @@ class DiLoCoLoop(PeerLoop):
 
     def shutdown(self) -> None:
         self.land(wait=True)  # the others' round needs this peer's part
+        self._leave_scheduled_round()
         super().shutdown()

@@ -294,10 +294,10 @@ class DiLoCoRoundEvidence:
         weight: the samples its pseudo-gradient weighs (0: refused as non-finite, or nothing trained).
         sent: the round metadata this peer sent (epoch, anchor fingerprint).
         me: its id as ``group`` names it.
-        group: what the all-reduce gathered; None: no all-reduce ran (alone in the swarm).
-        error: what the all-reduce raised (its repr); empty: it did not raise.
-        partial: it raised because part of the average did not arrive (its pseudo-gradient may have reached the
-            others).
+        group: what each member gathered (``{peer: round metadata}``); None: no group (alone, or see ``error``).
+        error: why no all-reduce ran (no group, a member refused, a timeout); empty: it ran.
+        received: the share of the average whose result arrived here (see ``RoundEvidence`` in engine/allreduce.py).
+        included: the share of those results that hold this peer's values (above 0: its pseudo-gradient reached them).
         average_finite: the averaged pseudo-gradient is finite.
         needs_sync: a download was owed before this round.
         overlapped: the round ran in the background (``overlap_rounds``): the epoch moved on when it started.
@@ -310,7 +310,8 @@ class DiLoCoRoundEvidence:
     me: Hashable = None
     group: Mapping[Hashable, Any] | None = None
     error: str = ""
-    partial: bool = False
+    received: float = 1.0
+    included: float = 1.0
     average_finite: bool = True
     needs_sync: bool = False
     overlapped: bool = False
@@ -333,26 +334,25 @@ def diloco_round(e: DiLoCoRoundEvidence) -> DiLoCoDecision:
     half of the peers this peer counts (no split brain), its peers held the same anchor at the same epoch, and the
     average is finite; alone, if it trained. Otherwise its progress stays for its next round, and it downloads the
     swarm's state first where the others may have applied the round: its anchor differed, part of the average did
-    not arrive while its pseudo-gradient counted, or (overlapped) the epoch it would tell by has moved on.
+    not arrive while results holding its pseudo-gradient did, or (overlapped) the epoch it would tell by moved on.
 
-    The anchor is judged on what the group gathered from this peer (``sent`` where that is missing), as its averager
-    judged it before the all-reduce: a peer whose anchor is not the group's takes part with weight 0
-    (:mod:`collabopt.engine.diloco_averaging`), so that a round holds only the pseudo-gradients of the members that
-    apply it."""
+    The anchor is judged on what the group gathered from this peer (``sent`` where that is missing), as
+    :func:`diloco_contributes` judged it before the all-reduce: a peer whose anchor is not the group's takes part
+    with weight 0, so that a round holds only the pseudo-gradients of the members that apply it."""
     needs_sync, delivered, nonfinite = e.needs_sync, False, False
     n, weight = e.num_peers, e.weight
     if e.group is None and not e.error:
         outcome = (RoundOutcome(True, "alone", 1, weight, 1) if weight != 0
                    else RoundOutcome(False, "nothing to apply", weight=weight))
-    elif e.error:
-        outcome = RoundOutcome(False, "averaging failed", weight=weight, num_peers=n, detail=e.error)
-        delivered = e.partial and weight > 0
+    elif e.error or e.received < 1.0:  # (part of the average missing: delivered where its values are in the rest)
+        detail = e.error or f"{100 * e.received:.1f}% of the average arrived"
+        outcome = RoundOutcome(False, "averaging failed", weight=weight, num_peers=n, detail=detail)
+        delivered = not e.error and weight > 0 and e.included > 0
     else:
         group = dict(e.group or {})
         size, sent = len(group), e.sent
-        mine = [m for peer, m in group.items() if e.me is not None and peer == e.me]
-        if mine and isinstance(mine[0], dict) and "anchor" in mine[0]:
-            sent = mine[0]
+        if isinstance(group.get(e.me), dict) and "anchor" in group[e.me]:
+            sent = group[e.me]
         if 2 * size <= n:
             outcome = RoundOutcome(False, "no quorum", size, weight, n, detail=f"{size} of {n} peers averaged")
         elif not agrees_with_group(dict(sent), list(group.values())):
@@ -371,6 +371,16 @@ def diloco_round(e: DiLoCoRoundEvidence) -> DiLoCoDecision:
     return DiLoCoDecision(outcome, needs_sync, delivered, nonfinite)
 
 
+def diloco_contributes(group: Mapping[Hashable, Any], me: Hashable) -> bool:
+    """Whether this peer's pseudo-gradient goes into its group's round (else: weight 0 and zeros): only if its
+    anchor is the group's (as :func:`diloco_round` judges after it): a peer that will not apply a round must not move
+    the others'. True where it cannot tell (malformed metadata: the verdict after the round decides)."""
+    try:
+        return agrees_with_group(group[me], list(group.values()))
+    except Exception:
+        return True
+
+
 # ------------------------------------------------------------------------------------------------ both modes
 
 
@@ -386,5 +396,5 @@ def guard_amended(outcome: RoundOutcome, gradients_refused: bool, parameters_res
 
 __all__ = ["DOWNLOAD_REASONS", "REFUSING_REASONS", "DiLoCoDecision", "DiLoCoRoundEvidence", "DiLoCoStepEvidence",
            "StepDecision", "SwarmView", "SyncDecision", "SyncRoundEvidence", "SyncStepEvidence", "averages_parameters",
-           "group_epoch", "sync_contributes", "sync_gradients", "diloco_round", "diloco_step", "guard_amended",
-           "step_accepted", "sync_boundary", "sync_round", "sync_step", "verdict_text"]
+           "group_epoch", "sync_contributes", "sync_gradients", "diloco_contributes", "diloco_round", "diloco_step",
+           "guard_amended", "step_accepted", "sync_boundary", "sync_round", "sync_step", "verdict_text"]

@@ -49,7 +49,6 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
     # why a member's all-reduce failed (hivemind says it at debug level only): in the log when a test fails
-    logging.getLogger("hivemind.averaging.allreduce").setLevel(logging.DEBUG)
     logging.getLogger("collabopt.engine").setLevel(logging.DEBUG)
     logging.getLogger("hivemind.p2p.p2p_daemon").setLevel(logging.DEBUG)
     out = cfg["out"]
@@ -149,28 +148,26 @@ def main(config_path: str) -> None:
 def cut_results(round_index: int, marker: str) -> None:
     """Fault injection: from this peer's ``round_index``-th all-reduce (1-based) on, the first time its reducer serves
     a member (a peer reduces a part only in some rounds) and its last part is less than half of the average, it
-    ends that member's stream of results one part short, though it averaged that part: the failure seen on
-    loopback (test_diloco.results_cut), whose member must not count its pseudo-gradient twice. Once per swarm:
-    the peer that cuts creates ``marker`` first. Patched on the classes before hivemind forks the averager's
-    process."""
+    ends that member's stream of results one part short, though it averaged that part: a lost result
+    (test_diloco.results_cut), whose member must not count its pseudo-gradient twice. Once per swarm: the peer that
+    cuts creates ``marker`` first. Patched on collabopt's all-reduce runner (its rounds run in this process)."""
     import os
 
-    from collabopt.engine.diloco_averaging import PseudoGradientAverager, ValueAllReduceRunner
+    from collabopt.engine.allreduce import AllReduceRound
 
-    runner, averager = ValueAllReduceRunner, PseudoGradientAverager
-    accumulate, run_allreduce = runner._accumulate_parts_streaming, averager._run_allreduce_inplace_
+    serve, run = AllReduceRound.serve, AllReduceRound.run
     state = {"rounds": 0, "cut": False}
 
     async def counting_rounds(self, *args, **kwargs):
         state["rounds"] += 1
-        return await run_allreduce(self, *args, **kwargs)
+        return await run(self, *args, **kwargs)
 
-    async def accumulate_then_cut(self, stream, sender_index):
-        last_part = self.tensor_part_reducer.part_shapes[-1].numel()
+    async def serve_then_cut(self, stream, sender_id):
+        last_part = self.reducer.part_shapes[-1].numel() if self.reducer.part_shapes else 0
         # (the member must get more than half of the average: with less it cannot tell that its pseudo-gradient
         # arrived, and its round fails as any other)
-        cutting = (state["rounds"] >= round_index and not state["cut"]
-                   and 2 * last_part < self.tensor_part_container.total_size)
+        cutting = (state["rounds"] >= round_index and not state["cut"] and last_part
+                   and 2 * last_part < self.container.total_size)
         if cutting:
             state["cut"] = True
             try:
@@ -178,16 +175,16 @@ def cut_results(round_index: int, marker: str) -> None:
             except FileExistsError:
                 cutting = False  # another peer cut already
         sent = 0
-        async for message in accumulate(self, stream, sender_index):
+        async for message in serve(self, stream, sender_id):
             sent += 1
-            if cutting and sent == self.tensor_part_reducer.num_parts:
-                print(f"fault injection: round {state['rounds']}: results to sender {sender_index} cut one part "
-                      "short", flush=True)
+            if cutting and sent == self.reducer.num_parts:
+                print(f"fault injection: round {state['rounds']}: results to {sender_id} cut one part short",
+                      flush=True)
                 return  # averaged, but that member never gets its result
             yield message
 
-    runner._accumulate_parts_streaming = accumulate_then_cut
-    averager._run_allreduce_inplace_ = counting_rounds
+    AllReduceRound.serve = serve_then_cut
+    AllReduceRound.run = counting_rounds
 
 
 def inject_failure(copt: CollaborativeOptimizer, round_index: int) -> None:

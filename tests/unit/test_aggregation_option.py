@@ -19,7 +19,7 @@ import collabopt.optimizer as optimizer_module
 import collabopt.swarm as swarm_module
 from collabopt import CollabConfig, CollaborativeOptimizer, ConfigurationError
 from collabopt.engine.averaging import ShieldedReducers, ShieldedTensorPartReducer
-from collabopt.engine.diloco_averaging import PseudoGradientAverager
+from collabopt.engine.diloco_averaging import PseudoGradientRounds
 from collabopt.engine.gradient_rounds import GradientRounds
 from collabopt.engine.robust_averaging import (
     ClippingTensorPartReducer,
@@ -75,13 +75,14 @@ def test_centered_clip_reaches_the_gradient_and_the_state_averager():
     assert arguments["tracker_opts"] == {"cap_claims": True}  # collabopt.robust.cap_progress_claims
 
 
-def test_centered_clip_reaches_the_pseudo_gradient_averager():
-    config = CollabConfig.from_options(aggregation="centered_clip", outer_optimizer=OUTER, **SWARM)
+def test_centered_clip_reaches_the_pseudo_gradient_rounds():
+    config = CollabConfig.from_options(aggregation="centered_clip", outer_optimizer=OUTER, matchmaking_time=2.0,
+                                       **SWARM)
     inner = torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1)
     arguments = peer_arguments(config, inner, None)
     factory = arguments["grad_averager_factory"]
-    assert factory.func is PseudoGradientAverager
-    assert factory.keywords["part_reducer"] is ClippingTensorPartReducer
+    assert factory.func is PseudoGradientRounds
+    assert factory.keywords == {"aggregation": "centered_clip", "request_timeout": 1.0}
     assert arguments["averager_opts"]["part_reducer"] is ClippingTensorPartReducer
 
 

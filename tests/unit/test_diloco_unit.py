@@ -15,8 +15,8 @@ import collabopt.guard as guard_module
 import collabopt.optimizer as optimizer_module
 import collabopt.swarm as swarm_module
 from collabopt import CollabConfig, CollaborativeOptimizer, ConfigurationError, RoundOutcome
-from collabopt.diloco import INCOMPATIBLE, DiLoCo, PartialRound, agrees_with_group, fingerprint, report_period
-from collabopt.engine import diloco_round, progress
+from collabopt.diloco import INCOMPATIBLE, DiLoCo, agrees_with_group, fingerprint, report_period
+from collabopt.engine import diloco_round, progress, protocol
 from collabopt.guard import NonFiniteGuard
 
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -106,7 +106,8 @@ def test_adapters_refuse_a_bad_outer_optimizer_at_construction():
 
 class FakeSwarm:
     """A :class:`collabopt.diloco.RoundSwarm` in memory: ``average`` replaces the buffers by what the group
-    averaged (``others``: (weight, pseudo-gradient) of the other peers) and returns the gathered metadata."""
+    averaged (``others``: (weight, pseudo-gradient) of the other peers) and returns what the all-reduce left: the
+    gathered metadata, and with ``partial`` part of the average missing (its results holding this peer's values)."""
 
     def __init__(self, model: torch.nn.Module, num_peers: int = 1):
         self.parameters = list(model.parameters())
@@ -118,6 +119,7 @@ class FakeSwarm:
         self.others: list[tuple[float, list[torch.Tensor]]] = []
         self.other_metadata: list[dict] = []
         self.fail: Exception | None = None
+        self.partial = False
         self.skipped = 0
 
     def anchors_as_params(self):
@@ -128,15 +130,18 @@ class FakeSwarm:
     def buffers(self):
         yield self._buffers
 
-    def average(self, weight: float) -> dict:
+    def average(self, weight: float) -> protocol.DiLoCoRoundEvidence:
         if self.fail is not None:
             raise self.fail
+        mine = {"epoch": self.local_epoch, "anchor": fingerprint(self.anchors)}
+        metadata = [mine] + (self.other_metadata or [mine] * len(self.others))
+        group = {f"peer{i}": m for i, m in enumerate(metadata)}
+        if self.partial:  # (the buffers keep this peer's values where the average did not arrive)
+            return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, received=0.9, included=1.0)
         total = weight + sum(w for w, _ in self.others)
         for i, b in enumerate(self._buffers):
             b.copy_((weight * b + sum(w * g[i] for w, g in self.others)) / total)
-        mine = {"epoch": self.local_epoch, "anchor": fingerprint(self.anchors)}
-        metadata = [mine] + (self.other_metadata or [mine] * len(self.others))
-        return {f"peer{i}": m for i, m in enumerate(metadata)}
+        return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group)
 
     def skip_averaging(self) -> None:
         self.skipped += 1
@@ -216,7 +221,7 @@ def test_a_round_that_cannot_be_applied_keeps_the_local_progress(case):
 
 
 def test_a_peer_whose_anchor_differs_from_its_group_resyncs_keeping_all_its_progress():
-    """Its averager took part with weight 0 (engine.diloco_averaging): its pseudo-gradient is not in the group's
+    """It took part with weight 0 (protocol.diloco_contributes): its pseudo-gradient is not in the group's
     round, so all its progress since its own anchor stays for its next round, after the download."""
     model, diloco, swarm = trained(num_peers=3)
     anchors = [a.detach().clone() for a in swarm.anchors]
@@ -255,7 +260,7 @@ def inner_steps(model: torch.nn.Module, diloco: DiLoCo, steps: int = 1, samples:
 @pytest.mark.parametrize("anchor_moved", [True, False])
 def test_after_a_partial_round_a_download_keeps_the_progress_the_swarm_has_not_applied(anchor_moved):
     model, diloco, swarm = trained(num_peers=3)  # 24 samples since the anchor
-    swarm.fail = PartialRound("part of the round's average did not arrive")
+    swarm.partial = True
     contributed = [p.detach().clone() for p in model.parameters()]
     outcome = diloco.run_round(swarm)
     assert not outcome.applied and diloco.needs_sync  # no next round before the download tells
@@ -279,7 +284,7 @@ def test_after_a_partial_round_a_download_keeps_the_progress_the_swarm_has_not_a
 
 def test_a_failed_download_after_a_partial_round_keeps_what_it_must_decide():
     model, diloco, swarm = trained(num_peers=3)
-    swarm.fail = PartialRound("part of the round's average did not arrive")
+    swarm.partial = True
     diloco.run_round(swarm)
     before = [p.detach().clone() for p in model.parameters()]
     progress, since = diloco.progress_to_keep(swarm)
@@ -294,7 +299,7 @@ def test_overlap_a_partial_round_remembers_where_its_pseudo_gradient_was_taken()
     diloco.start_round(swarm)
     base = diloco.pending.base
     inner_steps(model, diloco)
-    outcome = diloco.land_round(swarm, PartialRound("part of the round's average did not arrive"))
+    outcome = diloco.land_round(swarm, protocol.DiLoCoRoundEvidence(0, 0, 0.0, group={"peer0": {}}, received=0.9))
     assert not outcome.applied and diloco.needs_sync and diloco.pending_samples == 32
     assert diloco.delivered[0] is base and diloco.delivered[1] == 24
 
@@ -304,13 +309,13 @@ def test_other_failures_and_restarts_leave_no_partial_round_behind():
     swarm.fail = ConnectionError("peer gone")  # its pseudo-gradient never left: kept for the next round
     diloco.run_round(swarm)
     assert diloco.delivered is None and not diloco.needs_sync
-    swarm.fail = PartialRound("part of the round's average did not arrive")
+    swarm.fail, swarm.partial = None, True
     diloco.run_round(swarm)
     assert diloco.delivered is not None
     diloco.restart_from_last_round(swarm)  # (NaN): back at the anchor, nothing left to keep
     assert diloco.delivered is None
     diloco.run_round(swarm)
-    swarm.fail = None
+    swarm.partial = False
     diloco.run_round(swarm)  # a round since (its download failed): what it sent is what counts from now on
     assert diloco.delivered is None
 
@@ -707,25 +712,18 @@ def test_a_step_that_ends_a_failed_round_still_counts_its_samples():
 
 
 def test_a_member_whose_anchor_is_not_its_groups_is_judged_so_before_the_all_reduce():
-    """The averager reads the metadata matchmaking gathered (each member's bandwidth, mode and round metadata) and
-    judges this member as DiLoCo's round will after it: one whose anchor differs takes part with weight 0."""
-    from types import SimpleNamespace
-
-    from hivemind.utils.serializer import MSGPackSerializer
-
-    from collabopt.engine.diloco_averaging import _member_agrees
-
+    """The round reads the metadata its group gathered and judges this member as DiLoCo's verdict will after it: one
+    whose anchor differs takes part with weight 0 (protocol.diloco_contributes)."""
     ours, theirs = {"epoch": 3, "anchor": [1.0, 2.0, 3.0]}, {"epoch": 3, "anchor": [4.0, 5.0, 6.0]}
 
     def group(*metadata):
-        gathered = [MSGPackSerializer.dumps((1.0, 0, MSGPackSerializer.dumps(m))) for m in metadata]
-        return SimpleNamespace(peer_ids=("me", "b", "c")[:len(metadata)], gathered=gathered)
+        return dict(zip(("me", "b", "c")[:len(metadata)], metadata, strict=True))
 
-    assert _member_agrees(group(ours, ours, theirs), "me", MSGPackSerializer)
-    assert not _member_agrees(group(theirs, ours, ours), "me", MSGPackSerializer)
-    assert not _member_agrees(group(dict(ours, epoch=2), ours), "me", MSGPackSerializer)  # an older epoch
-    assert _member_agrees(group(None, ours), "me", MSGPackSerializer)  # it cannot tell: the round judges
-    assert _member_agrees(SimpleNamespace(peer_ids=("me",), gathered=[b"junk"]), "me", MSGPackSerializer)
+    assert protocol.diloco_contributes(group(ours, ours, theirs), "me")
+    assert not protocol.diloco_contributes(group(theirs, ours, ours), "me")
+    assert not protocol.diloco_contributes(group(dict(ours, epoch=2), ours), "me")  # an older epoch
+    assert protocol.diloco_contributes(group(None, ours), "me")  # it cannot tell: the round judges
+    assert protocol.diloco_contributes({"b": ours}, "me")  # (not in its own group: the verdict after it decides)
 
 
 def test_an_overlapped_round_lands_before_the_peer_serves_its_state_again():
@@ -745,9 +743,9 @@ def test_an_overlapped_round_lands_before_the_peer_serves_its_state_again():
         sharing_while_landing.append(state_averager.allow_state_sharing)
         return RoundOutcome(True, "averaged")
 
-    control = SimpleNamespace(done=lambda: True, result=lambda timeout: {"a": {}, "b": {}})
+    control = SimpleNamespace(done=lambda: True, result=lambda: "the service's result")
     vars(loop).update(_in_flight=control, _sharing_paused=True, state_averager=state_averager, averaging_timeout=1.0,
-                      grad_averager=SimpleNamespace(notify_used_averaged_gradients=lambda: None),
+                      grad_averager=SimpleNamespace(report=lambda result: result),
                       diloco=SimpleNamespace(land_round=land_round), _share_state=lambda: None,
                       status_loglevel=10)
     loop.land(wait=True)

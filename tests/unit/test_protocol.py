@@ -209,8 +209,15 @@ DILOCO_ROUNDS = [
     (diloco({"p1": THEIRS, "p2": THEIRS, "p3": MINE}), (False, "anchor differs", 3, True), False, False),
     (diloco(WHOLE, average_finite=False), (False, "non-finite average", 3, False), False, True),
     (diloco(error="TimeoutError()"), (False, "averaging failed", 1, False), False, False),
-    (diloco(error="PartialRound()", partial=True), (False, "averaging failed", 1, True), True, False),
-    (diloco(error="PartialRound()", partial=True, weight=0.0), (False, "averaging failed", 1, False), False, False),
+    # a member refused before any part was sent (no valid member token): no round, nothing delivered
+    (diloco(WHOLE, error="… is no member of the swarm"), (False, "averaging failed", 1, False), False, False),
+    # part of the average did not arrive: delivered where results holding its values did (with a weight)
+    (diloco(WHOLE, received=0.9), (False, "averaging failed", 1, True), True, False),
+    (diloco(WHOLE, received=0.9, weight=0.0), (False, "averaging failed", 1, False), False, False),
+    (diloco(WHOLE, received=0.4, included=0.0), (False, "averaging failed", 1, False), False, False),
+    (diloco(WHOLE, received=0.0, included=0.0), (False, "averaging failed", 1, False), False, False),
+    # every result came, though one holds no values of another member (it was left out): the same bits for all
+    (diloco(WHOLE, included=0.7), (True, "averaged", 3, False), False, False),
     (diloco(WHOLE, needs_sync=True), (True, "averaged", 3, True), False, False),
     # overlapped: the epoch moved on when the round started: a round not applied leaves it owing a download
     (diloco(error="TimeoutError()", overlapped=True), (False, "averaging failed", 1, True), False, False),

@@ -61,7 +61,7 @@ def test_installed_hivemind_has_the_sources_the_seams_were_written_against():
 
 
 def test_a_changed_or_missing_source_is_named(monkeypatch: pytest.MonkeyPatch):
-    name = "hivemind.averaging.allreduce.AllReduceRunner._accumulate_parts_streaming"
+    name = "hivemind.dht.validation.RecordValidatorBase.validate"  # (a designed extension point: it stays)
     assert compat.seam_digest(name) == compat.SEAMS[name]
     monkeypatch.setitem(compat.SEAMS, name, "0" * 12)
     monkeypatch.setitem(compat.SEAMS, "hivemind.averaging.allreduce.AllReduceRunner.gone", "0" * 12)
