@@ -63,11 +63,10 @@ def test_two_copies_of_the_example_train_together_a_third_joins_and_one_resumes(
         assert re.search(r": [23] peers", log), log[-2000:]
         assert "Traceback" not in log and "[ERROR]" not in log, log[-3000:]
         assert "fills an epoch in" not in log, log[-3000:]  # the defaults' epochs are longer than matchmaking_time
-    # one download, the joiner's (the state averager's: the gradient averager's, which installed nothing, is not
-    # downloaded since 0467a92)
-    assert logs["joiner"].count("Finished downloading state") == 1, logs["joiner"][-3000:]
-    assert "Finished downloading state" not in logs["first"] + logs["second"], (logs["first"][-3000:],
-                                                                                 logs["second"][-3000:])
+    # one download, the joiner's (collabopt's state service logs each state it installs)
+    downloaded = "collabopt: downloaded the state of epoch"
+    assert logs["joiner"].count(downloaded) == 1, logs["joiner"][-3000:]
+    assert downloaded not in logs["first"] + logs["second"], (logs["first"][-3000:], logs["second"][-3000:])
     models = {name: torch.load(tmp_path / f"{name}.pt")["model"] for name in procs}
     for name in ("second", "joiner"):
         assert all(torch.equal(models["first"][key], models[name][key]) for key in models["first"]), name
