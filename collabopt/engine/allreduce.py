@@ -49,8 +49,9 @@ from collabopt.engine.streams import serve_until_the_sender_closes
 REGISTRATION_WAIT = 5.0
 # How long a reducer keeps its end of a stream open for the sender to close it first (see streams.py)
 LINGER = 30.0
-# Parts serialized ahead of the stream (hivemind's container runs the compression in its executor)
-PREFETCH = 2
+# Parts serialized ahead of the stream (hivemind's container runs the compression in its executor, which also
+# deserializes the parts and results that come in): 8 kept a sender's streams fed where 2 left them waiting (B3)
+PREFETCH = 8
 
 
 @dataclasses.dataclass(frozen=True)
