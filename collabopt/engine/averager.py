@@ -3,8 +3,9 @@ of what happened, from a background thread with its own asyncio loop.
 
 Rules, and why:
 
-* It is composed of hivemind's transport, not derived from its averagers: the DHT's libp2p daemon (``await
-  dht.replicate_p2p()``), ``ServicerBase`` handlers (:class:`~collabopt.engine.allreduce.AllReduceService`),
+* It is composed of hivemind's transport, not derived from its averagers: the DHT's libp2p daemon (a connection of
+  its own, :func:`~collabopt.engine.p2p.own_replica`), ``ServicerBase`` handlers
+  (:class:`~collabopt.engine.allreduce.AllReduceService`),
   hivemind's ``Matchmaking`` to assemble a group, and collabopt's own runner and part reducers
   (:mod:`collabopt.engine.allreduce`). What a round does is thus readable here and there, not in overrides.
 * It runs in a thread of the calling process (no averager process, no shared-memory buffers): the tensors it is handed
@@ -40,6 +41,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from collabopt.engine.allreduce import AllReduceRound, AllReduceService, RoundEvidence
 from collabopt.engine.clipping import MIN_CLIPPED_GROUP
+from collabopt.engine.p2p import own_replica
 from collabopt.engine.part_reducer import AGGREGATES
 from collabopt.engine.streams import MemberStub
 from collabopt.membership import MemberToken, SwarmKey, member_token_refusal, swarm_key_of
@@ -129,7 +131,7 @@ class AveragingService:
 
     async def _start(self) -> None:
         self._busy = asyncio.Lock()
-        self.p2p = await self.dht.replicate_p2p()
+        self.p2p = await own_replica(self.dht)
         await self.servicer.add_p2p_handlers(self.p2p, namespace=self.prefix)
 
     def _stop_loop(self) -> None:

@@ -129,6 +129,19 @@ async def _add_dialback_handler(key: Any, _dht: Any, node: Any) -> None:
 # ---- libp2p for `collabopt doctor`: a daemon of its own, no DHT
 
 
+async def _daemon_listen_maddr(_dht: Any, node: Any) -> Any:
+    return node.p2p.daemon_listen_maddr
+
+
+async def own_replica(dht: Any) -> Any:
+    """A connection of this process to ``dht``'s libp2p daemon for one service alone. ``dht.replicate_p2p()`` gives
+    every caller in a process the same replica, whose handlers run in the event loop of the first caller: two
+    services in two threads would then serve each other's requests, and the first to stop would shut the other's
+    connection down. (``dht.run_coroutine`` blocks: call this in the service's thread.)"""
+    maddr = dht.run_coroutine(_daemon_listen_maddr)
+    return await P2P.replicate(maddr)
+
+
 async def create_p2p(**kwargs: Any) -> Any:
     """Start a libp2p daemon (``hivemind.P2P``) that listens like a peer would, without a DHT."""
     return await P2P.create(**kwargs)

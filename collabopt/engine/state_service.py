@@ -3,8 +3,9 @@ challenges, and fetches other peers' states, from a thread of the calling proces
 
 Rules, and why:
 
-* It is composed of hivemind's transport, not derived from its averagers: the DHT's libp2p daemon (``await
-  dht.replicate_p2p()``), a ``ServicerBase`` handler (:class:`StateServicer`), hivemind's compression, serializer and
+* It is composed of hivemind's transport, not derived from its averagers: the DHT's libp2p daemon (a connection of
+  its own, :func:`~collabopt.engine.p2p.own_replica`), a ``ServicerBase`` handler (:class:`StateServicer`),
+  hivemind's compression, serializer and
   streaming. What serving and downloading do is readable here and in :mod:`collabopt.engine.downloads`.
 * The download RPC keeps hivemind's name (``<prefix>::TrainingStateAverager.rpc_download_state``) and messages:
   plain hivemind peers and older collabopt peers download from it, and it from them. The state averager's own
@@ -40,6 +41,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 
 from collabopt.engine.download_challenge import ChallengeAnswers, ask_projections, challenge_protocol
 from collabopt.engine.member_checks import download_refusal, store_member_token
+from collabopt.engine.p2p import own_replica
 from collabopt.engine.streams import open_in_time
 from collabopt.membership import swarm_key_of
 
@@ -103,7 +105,7 @@ class StateService:
             raise
 
     async def _start(self) -> None:
-        self.p2p = await self.dht.replicate_p2p()
+        self.p2p = await own_replica(self.dht)
         if self.serves:
             await self.servicer.add_p2p_handlers(self.p2p, namespace=self.prefix)
             if self.challenges is not None:

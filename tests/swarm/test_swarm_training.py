@@ -60,9 +60,7 @@ def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
     assert max_param_diff(params["a"], start) > 1e-3
 
 
-# (hivemind 1.1.12's 8-bit codecs cannot read their own bytes under numpy >= 2: "only 0-dimensional arrays can be
-# converted to Python scalars" in Uniform8BitQuantization.extract, whichever averager sends them)
-@pytest.mark.parametrize("compression", ["fp16"])
+@pytest.mark.parametrize("compression", ["fp16", "8bit"])
 def test_compressed_gradient_rounds_leave_the_peers_equal(tmp_path, bootstrap, compression):
     """grad_compression: each part's result is serialized once by its reducer and every member (the reducer too)
     reads those bytes back, so lossy compression leaves the members with the same parameters."""
