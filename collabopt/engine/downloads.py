@@ -14,7 +14,9 @@ One download (:meth:`StateDownloads.download`) asks the peers that serve their s
   before anything of it is installed (:mod:`collabopt.model_check`), and a peer that installed no state of the swarm
   yet serves none meanwhile (its model is not checked yet).
 
-Each peer's failure is logged with its reason and the next peer is tried; a download tries each peer once. The
+Each peer's failure is logged with its reason and the next peer is tried: a failed stream, a state of another form
+than a state's, one whose checks or install raise, or one ``install_state`` refuses (an older epoch, too few tensors,
+statistics that do not fit); a download succeeds only where a state was installed, and tries each peer once. The
 callers' loops decide when to try again (:mod:`collabopt.engine.sync_download`, ``DiLoCoLoop.load_state_from_peers``).
 """
 
@@ -45,6 +47,8 @@ from collabopt.engine.download_votes import (
     sources,
     voters_of,
 )
+from collabopt.engine.state_service import state_problem
+from collabopt.errors import ModelMismatchError
 from collabopt.model_check import first_mismatch
 
 logger = logging.getLogger(__name__)
@@ -71,22 +75,40 @@ class StateDownloads:
         self._preferred = set(peers)
 
     def download(self, timeout: float | None = None) -> bool:
-        """Download the swarm's state and install it; returns :attr:`handed_on`. ``timeout``: seconds one peer's
-        download may take (the state averager's ``load_state_timeout``)."""
-        self.handed_on = False
+        """Download the swarm's state and install it; returns :attr:`handed_on`: whether a state was installed (a
+        source whose state ``install_state`` refused, or whose install raised, is that source's failure: the next
+        is tried). ``timeout``: seconds one peer's download may take (the state averager's ``load_state_timeout``)."""
+        self.handed_on = installed = False
         self.holding_state = not self.installed_once
         try:
             timeout = float(timeout) if timeout is not None else 600.0
             self.service.announce_download()
             votes = self.averager.votes
-            loaded = self._unverified(timeout) if votes is None else self._verified(votes, timeout)
-            if loaded is not None:
-                self.averager.install_state(*loaded)
+            installed = self._unverified(timeout) if votes is None else self._verified(votes, timeout)
         finally:
             self.holding_state = False
-        self.handed_on = loaded is not None
-        self.installed_once = self.installed_once or self.handed_on
-        return self.handed_on
+        self.handed_on = installed
+        self.installed_once = self.installed_once or installed
+        return installed
+
+    def _install(self, peer: str, loaded: Any, check: str | None) -> bool:
+        """Install the state ``peer`` sent, its model checked first where ``check`` names it (the source named in a
+        mismatch). False (logged): not installed, and the next peer is tried. A model of other shapes
+        (:class:`~collabopt.errors.ModelMismatchError`) and interrupts (``BaseException``) propagate."""
+        try:
+            if check is not None:
+                self.check_model(loaded[1], check)
+            installed = self.averager.install_state(*loaded)
+        except ModelMismatchError:
+            raise
+        except Exception as e:  # (one source's bad state: its failure, not the download's)
+            logger.warning(f"collabopt: installing the state {peer} sent failed ({e!r}): trying the next peer")
+            return False
+        if not installed:  # (install_state logged why: an older epoch, too few tensors, statistics that do not fit)
+            logger.warning(f"collabopt: the state {peer} sent was not installed: trying the next peer")
+            return False
+        logger.info(f"collabopt: downloaded the state of epoch {loaded[0].get('epoch')} from {peer}")
+        return True
 
     # ---------------------------------------------------------------- checks
     def check_model(self, tensors: Any, source: str = "the swarm's state") -> None:
@@ -105,7 +127,8 @@ class StateDownloads:
             raise mismatch
 
     def _fetch(self, peer: str, timeout: float) -> Any:
-        """``peer``'s state, or None where it sent none or failed (logged with the reason)."""
+        """``peer``'s state, or None where it sent none, failed, or sent one of another form than a state's
+        (:func:`~collabopt.engine.state_service.state_problem`; logged with the reason)."""
         try:
             loaded = self.service.fetch(peer, timeout)
         except Exception as e:  # one peer's failure (a timeout, a broken stream, a dial backoff): try the next
@@ -113,32 +136,36 @@ class StateDownloads:
             return None
         if loaded is None:
             logger.debug(f"collabopt: {peer} sent no state now (ending an epoch, or not serving): trying the next")
+            return None
+        problem = state_problem(*loaded) if isinstance(loaded, tuple) and len(loaded) == 2 else "it is no pair"
+        if problem is not None:
+            logger.warning(f"collabopt: the state {peer} sent is not one ({problem}): trying the next peer")
+            return None
         return loaded
 
     # ---------------------------------------------------------------- the two kinds of download
-    def _unverified(self, timeout: float) -> Any:
-        """The first state a serving peer sends, by priority (preferred peers first); its model checked."""
+    def _unverified(self, timeout: float) -> bool:
+        """Install the first state a serving peer sends that installs, by priority (preferred peers first); its model
+        checked. Returns whether one was installed."""
         me = self.service.dht.peer_id.to_base58()
         order = {peer: (priority + (PREFERRED_BOOST if peer in self._preferred else 0.0), random.random())
                  for peer, priority in self.service.serving_peers().items() if peer != me}
         if not order:
             logger.info("collabopt: no peer serves its state now: nothing downloaded")
-            return None
+            return False
         for peer in sorted(order, key=order.__getitem__, reverse=True):
             loaded = self._fetch(peer, timeout)
-            if loaded is not None:
-                self.check_model(loaded[1])
-                logger.info(f"collabopt: downloaded the state of epoch {loaded[0].get('epoch')} from {peer}")
-                return loaded
-        return None
+            if loaded is not None and self._install(peer, loaded, "the swarm's state"):
+                return True
+        return False
 
-    def _verified(self, votes: Any, timeout: float) -> Any:
-        """A state most of the swarm holds (see the module), or None."""
+    def _verified(self, votes: Any, timeout: float) -> bool:
+        """Install a state most of the swarm holds (see the module); returns whether one was installed."""
         try:
             ballot = votes.read()
         except VotesUnreadable as e:  # nothing downloaded: the caller's loop tries again later
             logger.warning(f"collabopt: {e}")
-            return None
+            return False
         newest = newest_majority(ballot)
         if newest is None:
             return self._without_majority(ballot, timeout)
@@ -153,17 +180,23 @@ class StateDownloads:
             loaded = self._fetch(peer, timeout)
             if loaded is None:
                 continue
-            if peer in voters_of(ballot, *newest):  # the majority's state of other shapes: this peer is the odd one
-                self.check_model(loaded[1], f"the state of {peer}, which most of the swarm holds")
-            epoch = loaded[0].get("epoch") if isinstance(loaded[0], dict) else None
-            if type(epoch) is int and majority(ballot, epoch) is None:  # the servers moved on: read their new votes
-                with contextlib.suppress(VotesUnreadable):
-                    ballot = votes.read()
-            reason, no_answer = refusal(*loaded, num_parameters, ballot), False
+            try:
+                if peer in voters_of(ballot, *newest):  # the majority's state of other shapes: this peer is the odd one
+                    self.check_model(loaded[1], f"the state of {peer}, which most of the swarm holds")
+                if majority(ballot, loaded[0]["epoch"]) is None:  # the servers moved on: read their new votes
+                    with contextlib.suppress(VotesUnreadable):
+                        ballot = votes.read()
+                reason, no_answer = refusal(*loaded, num_parameters, ballot), False
+                if reason is None:
+                    reason, no_answer = self._challenge(peer, loaded, ballot, num_parameters, me, serving)
+            except ModelMismatchError:
+                raise
+            except Exception as e:  # (a state the checks cannot read: its source's failure)
+                reason, no_answer = f"its check failed: {e!r}", False
             if reason is None:
-                reason, no_answer = self._challenge(peer, loaded, ballot, num_parameters, me, serving)
-            if reason is None:
-                return loaded
+                if self._install(peer, loaded, None):
+                    return True
+                continue
             if no_answer:  # (the others moved on an epoch: its source may be honest, and is not remembered)
                 if not unanswered:
                     logger.info(f"collabopt: the state {peer} sent is not installed: {reason}; trying the next "
@@ -176,7 +209,7 @@ class StateDownloads:
         level = logging.INFO if unanswered and not refused_any else logging.WARNING  # (INFO: the swarm moved on)
         logger.log(level, f"collabopt: no peer sent the state most of the swarm holds (epoch {newest[0]}): nothing "
                           f"downloaded")
-        return None
+        return False
 
     def _challenge(self, source: str, loaded: Any, ballot: Sequence[Vote], num_parameters: int, me: str,
                    serving: Collection[str]) -> tuple[str | None, bool]:
@@ -198,7 +231,7 @@ class StateDownloads:
             answers = dict.fromkeys(asked)
         return challenge_refusal(answers, epoch, own)
 
-    def _without_majority(self, ballot: Sequence[Vote], timeout: float) -> Any:
+    def _without_majority(self, ballot: Sequence[Vote], timeout: float) -> bool:
         """A download where no fingerprint has a majority. With fewer than :data:`MIN_VOTES` votes (the swarm's
         first epochs, one server) it is unverified; with more, nothing is downloaded now: votes that disagree are a
         handover between epochs or a hostile vote, and an unverified install would let a hostile server's state
@@ -209,7 +242,7 @@ class StateDownloads:
             return self._unverified(timeout)
         logger.warning(f"collabopt: the swarm's {len(ballot)} votes hold no fingerprint most of them share: nothing "
                        f"downloaded now (tried again later)")
-        return None
+        return False
 
 
 __all__ = ["PREFERRED_BOOST", "StateDownloads"]

@@ -106,6 +106,7 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
         self._no_boundary.set()
         self._open_for_downloads = threading.Event()  # cleared while the loop ends an epoch (closed_for_downloads)
         self._open_for_downloads.set()
+        self._closing_lock, self._closings = threading.Lock(), 0  # (closed_for_downloads nests)
         chunk_timeout = kwargs.get("next_chunk_timeout")  # (hivemind's, in the averager's process only)
         self._chunk_timeout = chunk_timeout if chunk_timeout is not None else kwargs.get(
             "request_timeout", HIVEMIND_REQUEST_TIMEOUT)
@@ -189,13 +190,19 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
 
     @contextlib.contextmanager
     def closed_for_downloads(self) -> Iterator[None]:
-        """Serve no download while the loop ends an epoch (from its gradient round to its parameter round): a state
-        served then is the epoch about to end, and its downloader, having missed that round, downloads again."""
-        self._open_for_downloads.clear()
+        """Serve no download while the loop ends an epoch (from its gradient round to its parameter round) or a
+        download is installed: a state served then is the epoch about to end, and its downloader, having missed that
+        round, downloads again. Nested uses (an install during an epoch's end) reopen at the outermost's end."""
+        with self._closing_lock:
+            self._closings += 1
+            self._open_for_downloads.clear()
         try:
             yield
         finally:
-            self._open_for_downloads.set()
+            with self._closing_lock:
+                self._closings -= 1
+                if self._closings == 0:
+                    self._open_for_downloads.set()
 
     @property
     def chunk_timeout(self) -> float:
@@ -232,31 +239,35 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
     def install_state(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> bool:
         """Install a downloaded state (hivemind's layout: parameters, extra tensors, optimizer statistics; the
         metadata's epoch and optimizer metadata), as hivemind's ``TrainingStateAverager.load_state_from_peers``
-        installs what it downloads. Refused (False, logged) where its epoch is behind this peer's or it is short."""
+        installs what it downloads. Refused (False, logged) where its epoch is behind this peer's, it is short, or a
+        tensor's shape is not this peer's. The whole install, its epoch included, runs closed for downloads and
+        under ``lock_optimizer`` (then ``lock_averaged_tensors``, the order :meth:`state_copy` takes them in): a
+        download served meanwhile gets the state before it or after it, never new tensors under the old epoch."""
         main = [*(p for group in self.optimizer.param_groups for p in group["params"]), *self.extra_tensors]
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
-        if type(epoch) is not int or epoch < self.local_epoch:
-            logger.warning("collabopt: a downloaded state of epoch %r is behind this peer's (%d): not installed",
-                           epoch, self.local_epoch)
-            return False
-        if len(tensors) < len(main):
-            logger.error("collabopt: a downloaded state has %d tensors for %d parameters and extras: not installed",
-                         len(tensors), len(main))
-            return False
-        with torch.no_grad(), self.lock_averaged_tensors:
-            try:
-                load_optimizer_state(self.optimizer, metadata["optimizer_metadata"], tensors[len(main):])
-            except StopIteration:
-                logger.warning("collabopt: a downloaded state's optimizer statistics do not fit: not installed")
+        with self.closed_for_downloads(), self.lock_optimizer:
+            if type(epoch) is not int or epoch < self.local_epoch:
+                logger.warning("collabopt: a downloaded state of epoch %r is behind this peer's (%d): not installed",
+                               epoch, self.local_epoch)
                 return False
-            for local, loaded in zip(main, tensors, strict=False):
-                local.copy_(loaded, non_blocking=True)
-        if self.offload_optimizer:
-            self._apply_optimizer_parameters_()
-        if not self.reuse_tensors:
-            self._load_local_tensors_into_averager_()
-        self.local_epoch = epoch
-        self._update_scheduler()
+            if len(tensors) < len(main) or any(t.shape != p.shape for t, p in zip(tensors, main, strict=False)):
+                logger.error("collabopt: a downloaded state's %d tensors are not this peer's %d parameters and "
+                             "extras: not installed", len(tensors), len(main))
+                return False
+            with torch.no_grad(), self.lock_averaged_tensors:
+                try:
+                    load_optimizer_state(self.optimizer, metadata["optimizer_metadata"], tensors[len(main):])
+                except StopIteration:
+                    logger.warning("collabopt: a downloaded state's optimizer statistics do not fit: not installed")
+                    return False
+                for local, loaded in zip(main, tensors, strict=False):
+                    local.copy_(loaded, non_blocking=True)
+            if self.offload_optimizer:
+                self._apply_optimizer_parameters_()
+            if not self.reuse_tensors:
+                self._load_local_tensors_into_averager_()  # (takes lock_averaged_tensors itself)
+            self.local_epoch = epoch
+            self._update_scheduler()
         return True
 
     def challenge_state(self) -> tuple[int, list[torch.Tensor]] | None:

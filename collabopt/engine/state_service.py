@@ -17,6 +17,9 @@ Rules, and why:
   key only members get it (:func:`~collabopt.engine.member_checks.download_refusal`).
 * A stream to a peer opens within the chunk timeout and each chunk comes within it: a download from a lost peer fails
   in seconds, and the next peer is tried (:mod:`collabopt.engine.downloads`).
+* A download's bytes are decoded in the executor, never on the service's loop (which serves this peer's state and
+  challenge answers meanwhile); one source may send at most :func:`received_limit` bytes, and a state of another form
+  than a state's (:func:`state_problem`) is no state: both are that source's failure, not the download's.
 """
 
 from __future__ import annotations
@@ -49,6 +52,45 @@ logger = logging.getLogger(__name__)
 
 HIVEMIND_STATE_SERVICER = "TrainingStateAverager"  # the class name hivemind's state averagers serve downloads under
 STOP_TIMEOUT = 10.0  # seconds the service's shutdown waits for its thread
+
+
+RECEIVED_SHARE = 1.5  # of this peer's own state's bytes, the most one source may send (and RECEIVED_MARGIN more)
+RECEIVED_MARGIN = 1 << 20  # bytes: metadata and message framing
+
+
+def received_limit(averager: Any) -> int:
+    """The most bytes one download may receive: :data:`RECEIVED_SHARE` times this peer's own state (parameters,
+    extra tensors, optimizer statistics) plus :data:`RECEIVED_MARGIN`. A source sending more is that source's
+    failure, before it fills this peer's memory."""
+    optimizer = averager.optimizer
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    tensors += list(getattr(averager, "extra_tensors", ()))
+    tensors += [value for state in optimizer.state.values() for value in state.values()
+                if isinstance(value, torch.Tensor)]
+    return int(RECEIVED_SHARE * sum(t.numel() * t.element_size() for t in tensors)) + RECEIVED_MARGIN
+
+
+def state_problem(metadata: Any, tensors: Any) -> str | None:
+    """Why a downloaded (metadata, tensors) is not of a state's form, or None: the metadata is a dict with an ``int``
+    epoch (not below 0) and optimizer metadata as a list of dicts, the tensors a list of tensors (hivemind's form).
+    A malformed state (a faulty or hostile peer) is its source's failure: the next one is tried."""
+    if not isinstance(metadata, dict):
+        return f"its metadata is a {type(metadata).__name__}, not a dict"
+    epoch = metadata.get("epoch")
+    if type(epoch) is not int or epoch < 0:
+        return f"its epoch is {epoch!r}, not an int of at least 0"
+    optimizer_metadata = metadata.get("optimizer_metadata")
+    if not isinstance(optimizer_metadata, list) or not all(isinstance(item, dict) for item in optimizer_metadata):
+        return "its optimizer metadata is not a list of dicts"
+    if not isinstance(tensors, list) or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return "its tensors are not a list of tensors"
+    return None
+
+
+def _decode(metadata: bytes, groups: list[list[Any]]) -> tuple[Any, list[torch.Tensor]]:
+    """(the executor) The metadata and tensors of a download's messages (``groups``: each tensor's parts)."""
+    return MSGPackSerializer.loads(metadata), [deserialize_torch_tensor(combine_from_streaming(parts))
+                                               for parts in groups]
 
 
 class StateServicer(ServicerBase):
@@ -192,27 +234,39 @@ class StateService:
         store_member_token(self.dht, self.prefix)
 
     def fetch(self, peer: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
-        """The state ``peer`` (base58) sends: its metadata and tensors; None where it sent none (it declined).
-        Raises where the stream failed or ``timeout`` seconds passed."""
+        """The state ``peer`` (base58) sends: its metadata and tensors; None where it sent none (it declined) or
+        one of another form than a state's (:func:`state_problem`, logged). Raises where the stream failed, sent
+        more than :func:`received_limit` bytes, or ``timeout`` seconds passed."""
         if self._closed:
             raise RuntimeError("this StateService is closed")
-        return self._call(asyncio.wait_for(self._fetch(PeerID.from_base58(peer)), timeout), timeout + STOP_TIMEOUT)
+        limit = received_limit(self.averager)
+        return self._call(asyncio.wait_for(self._fetch(PeerID.from_base58(peer), limit), timeout),
+                          timeout + STOP_TIMEOUT)
 
-    async def _fetch(self, peer: PeerID) -> tuple[dict, list[torch.Tensor]] | None:
+    async def _fetch(self, peer: PeerID, limit: int) -> tuple[dict, list[torch.Tensor]] | None:
+        """(the service's loop, which also serves this peer's state and challenge answers) Receives the stream's
+        bytes only: decoding them runs in the executor."""
         stub = StateServicer.get_stub(self.p2p, peer, namespace=self.prefix)
         stream = await open_in_time(stub.rpc_download_state(averaging_pb2.DownloadRequest()), self.chunk_timeout,
                                     f"downloading the state of {peer}")
-        metadata, parts, tensors = None, [], []
+        metadata, groups, received = b"", [], 0
         async for message in aiter_with_timeout(stream, timeout=self.chunk_timeout):
+            received += len(message.tensor_part.buffer) + len(message.metadata)
+            if received > limit:
+                raise ValueError(f"{peer} sent over {limit} bytes, more than a state of this peer's model takes")
             if message.metadata:
-                metadata = MSGPackSerializer.loads(message.metadata)
-            if message.tensor_part.dtype and parts:  # (a dtype starts the next tensor)
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(message.tensor_part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        return (metadata, tensors) if metadata else None
+                metadata = message.metadata
+            if message.tensor_part.dtype or not groups:  # (a dtype starts the next tensor)
+                groups.append([])
+            groups[-1].append(message.tensor_part)
+        if not metadata:
+            return None
+        loaded = await asyncio.get_running_loop().run_in_executor(None, _decode, metadata, groups)
+        problem = state_problem(*loaded)
+        if problem is not None:
+            logger.warning(f"collabopt: the state {peer} sent is not one ({problem}): trying the next peer")
+            return None
+        return loaded
 
     def ask_projections(self, peers: list[str], seed: int, epoch: int, timeout: float) -> Future:
         """A future of the download challenge's answers of ``peers``
@@ -221,4 +275,4 @@ class StateService:
             ask_projections(self.p2p, challenge_protocol(self.prefix), peers, seed, epoch, timeout), self._event_loop)
 
 
-__all__ = ["HIVEMIND_STATE_SERVICER", "StateService", "StateServicer"]
+__all__ = ["HIVEMIND_STATE_SERVICER", "StateService", "StateServicer", "received_limit", "state_problem"]

@@ -75,6 +75,8 @@ def state_averager(params, optimizer, **attributes):
 
     avg = ConsistentStateAverager.__new__(ConsistentStateAverager)
     vars(avg).update(_parent_pid=-1, optimizer=optimizer, extra_tensors=(), lock_averaged_tensors=threading.Lock(),
+                     lock_optimizer=threading.Lock(), _open_for_downloads=threading.Event(),
+                     _closing_lock=threading.Lock(), _closings=0,
                      _label_lock=threading.Lock(), _epoch=0, _steps_owed=0, _step_with_increment=False,
                      offload_optimizer=False, reuse_tensors=True, scheduler=None, **attributes)
     return avg
