@@ -109,7 +109,8 @@ class DiLoCoLoop(PeerLoop):
 
     def _leave_scheduled_round(self) -> None:
         """Leave the round scheduled for this epoch: cancelled while matchmaking; once its group is assembled, take
-        part with nothing (zeros, weight 0) and wait for it (its members would otherwise wait for this peer)."""
+        part with nothing (zeros, weight 0) and wait for it (its members would otherwise wait for this peer). A
+        failure of that round is logged, and training goes on; SIGTERM and Ctrl+C leave the round and end it."""
         control, self.scheduled_grads = self.scheduled_grads, None
         if control is None or control.done():
             return
@@ -119,6 +120,10 @@ class DiLoCoLoop(PeerLoop):
         control.tag_along()
         try:
             control.result()
+        except Exception as e:  # (the round this peer brought nothing to failed: training goes on)
+            logger.log(self.status_loglevel, "collabopt: a round this peer took part in with nothing failed: %r", e)
+            if not control.done():
+                control.cancel()
         except BaseException:  # SIGTERM (collabopt.Terminated) or Ctrl+C: stop waiting, leave the round
             control.cancel()
             raise

@@ -13,7 +13,8 @@ Rules, and why:
   tensors at the boundary (:meth:`GradientRounds.step`). Every member gathers its epoch; a member whose epoch is below
   its group's newest adds nothing (:func:`collabopt.engine.protocol.sync_contributes`): a stale joiner's gradients
   never enter a round before its download.
-* The round's result enters the buffers only where the protocol says the average is whole
+* The round's result enters the buffers only where this member's gradients are in it (:attr:`GradientRound.
+  contributed`) and the protocol says the average is whole
   (:func:`collabopt.engine.protocol.sync_gradients`): a failed or partial round leaves this peer's own mean gradient
   in them, and the accumulation stays until the epoch ends (the loop resets it), so the peer steps with its own
   gradients. Whether the round counts is :func:`collabopt.engine.protocol.sync_round`'s, from :attr:`GradientRound.
@@ -77,6 +78,22 @@ class GradientRound:
         with self.rounds.get_tensors() as buffers:
             self.scheduled.run(buffers, self.weight)
 
+    def tag_along(self) -> None:
+        """Take part with nothing: zeros of the round's own, weight 0. The buffers are left as they are (they may
+        be the epoch's accumulation or the optimizer's gradients, which a failed round still steps with)."""
+        self.weight = 0.0
+        self.scheduled.tag_along()
+
+    @property
+    def contributed(self) -> bool:
+        """Whether this member's gradients are in the round's average: it handed a weight above 0 and its epoch is
+        its group's (:func:`collabopt.engine.protocol.sync_contributes`; else the service sent zeros, weight 0). A
+        member that did not contribute never installs the average: it may be the others' only (another epoch's),
+        or NaN where every weight was 0."""
+        ended = self._ended()
+        mine = ended.gathered.get(self.rounds.service.p2p.peer_id)
+        return self.weight > 0 and protocol.sync_contributes(mine, ended.gathered)
+
     def done(self) -> bool:
         return self.scheduled.done()
 
@@ -109,7 +126,7 @@ class GradientRound:
             if refused:  # (the part reducer takes no non-finite or malformed part: the others' average is kept)
                 logger.warning("collabopt: this peer's reducer refused parts of a gradient round (non-finite or "
                                "malformed; their senders' values are left out): %s", refused)
-            if protocol.sync_gradients(received) and self.weight > 0:
+            if protocol.sync_gradients(received) and self.contributed:
                 with self.rounds.get_tensors() as buffers:
                     for buffer, average in zip(buffers, ended.tensors, strict=True):
                         buffer.copy_(average)

@@ -172,16 +172,24 @@ class PeerLoop:
     # ---- shared by the rounds
 
     def tag_along(self, control: Any) -> None:
-        """Take part with nothing (weight 0, zeroed buffers) in a round whose group may have formed already: leaving
-        it would make its members match again, and wait. Waits until the round ends."""
-        if self.grad_averager is not None and not control.triggered:  # (only gradient rounds are scheduled ahead)
-            # weight 0 does not keep NaN out of the others' average (0 * NaN is NaN), and the buffers may hold one
-            with torch.no_grad(), self.grad_averager.get_tensors() as buffers:
-                for buffer in buffers:
-                    buffer.zero_()
+        """Take part with nothing (zeros, weight 0) in a round whose group may have formed already: leaving it would
+        make its members match again, and wait. Waits until the round ends.
+
+        collabopt's rounds send zeros of their own: the shared buffers are the epoch's accumulation (accumulated in
+        place) or the offloaded optimizer's gradients, which a failed round still steps with. A user's hivemind
+        averager sends its buffers, so they are zeroed for it (weight 0 does not keep NaN out of the others' average:
+        0 * NaN is NaN, and the buffers may hold one)."""
         if not control.triggered:
-            control.weight = 0
-            control.allow_allreduce()
+            own_zeros = getattr(control, "tag_along", None)
+            if callable(own_zeros):  # (collabopt.engine.gradient_rounds.GradientRound)
+                own_zeros()
+            else:
+                if self.grad_averager is not None:  # (only gradient rounds are scheduled ahead)
+                    with torch.no_grad(), self.grad_averager.get_tensors() as buffers:
+                        for buffer in buffers:
+                            buffer.zero_()
+                control.weight = 0
+                control.allow_allreduce()
         if not control.done():
             try:
                 control.result(self.averaging_timeout)

@@ -76,9 +76,9 @@ def _download_state_once(optimizer: Any, **kwargs: Any) -> None:
     (:class:`collabopt.Terminated`, a ``SystemExit``) and Ctrl+C end the wait at once, and a model of other shapes
     (:class:`~collabopt.errors.ModelMismatchError`) stops the peer."""
     control, optimizer.scheduled_grads = optimizer.scheduled_grads, None
+    optimizer.state_averager.step(wait_for_delayed_updates=True)  # (first: a delayed step may read the buffers)
     if control is not None and not control.done():
         optimizer.tag_along(control)  # its group may have formed: leaving would make the others match again
-    optimizer.state_averager.step(wait_for_delayed_updates=True)
     with optimizer.tracker.pause_updates():
         for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
             try:

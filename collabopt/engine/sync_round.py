@@ -231,8 +231,10 @@ class SyncLoop(PeerLoop):
         round steps with this peer's gradients"."""
         finished, group = self._round_result(control)
         if not finished:
+            # a user's hivemind averager may still be writing its all-reduce's result into the buffers, under this
+            # lock: let it finish first (collabopt's rounds never write the buffers of a failed round)
             with self.grad_averager.get_tensors():
-                pass  # an all-reduce still writing them holds this lock: let it finish first
+                pass
         self._load_averaged_gradients()
         self.last_round = self._judge(epoch, num_peers, group)  # (no lineage check with delay_grad_averaging)
 
