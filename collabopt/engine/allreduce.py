@@ -5,9 +5,10 @@ Rules, and why:
 * hivemind's ``TensorPartContainer`` splits the tensors into slices, one a member (by the group's fractions), and the
   slices into parts; its compression serializes them. Each member reduces its slice with collabopt's
   :class:`~collabopt.engine.part_reducer.PartReducer`.
-* A reducer serializes each part's result once and answers every sender with the same bytes; it keeps for itself the
-  same bytes, read back. Every member thus holds bit-identical values for each part it received (hivemind sends
-  ``average - local`` and each member adds it back, so members ended a few ulps apart).
+* A reducer serializes each part's result once, in its own compression of the part, and answers every sender with the
+  same bytes; it keeps for itself the same bytes, read back. A sender's part in another compression, or beyond the
+  slice's parts, is that sender's protocol violation (it is left out; the others go on). Every member thus holds
+  bit-identical values for each part it received (hivemind sends ``average - local``: members ended ulps apart).
 * Each answer names the senders whose values the part holds: every member learns, as data, whose contribution is in
   which part, and which parts never came (:class:`RoundEvidence`). Where a reducer's results do not come, a member
   keeps its own values for them, and says so (``missing``); nothing here decides whether the round counts
@@ -31,11 +32,11 @@ import torch
 from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression import (
     CompressionBase,
-    CompressionInfo,
     NoCompression,
     deserialize_torch_tensor,
     serialize_torch_tensor,
 )
+from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, aiter_with_timeout, anext, as_aiter
@@ -52,6 +53,26 @@ LINGER = 30.0
 # Parts serialized ahead of the stream (hivemind's container runs the compression in its executor, which also
 # deserializes the parts and results that come in): 8 kept a sender's streams fed where 2 left them waiting (B3)
 PREFETCH = 8
+
+
+class ProtocolViolation(Exception):
+    """A sender sent what no member of the round sends: more parts than its reducer's slice, or a part in another
+    compression than the reducer's."""
+
+
+def _layout(container: TensorPartContainer, compression: CompressionBase) -> list[tuple[int, int]]:
+    """Every part of the group's tensors, in order, as hivemind's container cuts and compresses them: its compression
+    type (an adaptive compression chooses by the part's info only) and its number of elements."""
+    layout = []
+    for tensor, info, count in zip(container.local_tensors, container.tensor_infos, container.num_parts_by_tensor,
+                                   strict=True):
+        size = int(container.part_size_bytes / (tensor.element_size() * compression.estimate_compression_ratio(info)))
+        for i in range(count):
+            chosen = compression
+            while isinstance(chosen, AdaptiveCompressionBase):
+                chosen = chosen.choose_compression(info.get_part(i, size))
+            layout.append((int(chosen.compression_type), min(size, tensor.numel() - i * size)))
+    return layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +138,11 @@ class AllReduceRound:
                                              part_size_bytes=part_size_bytes, return_deltas=False, prefetch=PREFETCH)
         self.expected = self.container.num_parts_by_peer
         self.local_parts = self.container.get_raw_input_parts(me)
+        layout, first = _layout(self.container, compression), sum(self.expected[:me])
+        self.sizes = [[size for _, size in layout[sum(self.expected[:k]):sum(self.expected[:k + 1])]]
+                      for k in range(len(self.expected))]  # per reducer: its parts' numbers of elements
+        # each part of this member's slice in one compression type, the one every member sends it in
+        self.part_types = [kind for kind, _ in layout[first:first + len(self.local_parts)]]
         self.reducer = PartReducer([part.shape for part in self.local_parts], len(self.members), aggregate,
                                    patience=sender_timeout)
         n = len(self.members)
@@ -126,17 +152,15 @@ class AllReduceRound:
         self.held = [0] * n  # per member: received elements whose result holds its values
         self.errors: dict[int, str] = {}
         self.started: set[int] = {me}  # senders whose parts began to come
-        self._serialized: dict[tuple[int, int], Any] = {}  # (part, compression type) -> the result's bytes
-        self._part_types: dict[int, int] = {}  # part -> the compression type the senders' parts came in
+        self._serialized: dict[int, Any] = {}  # part -> the result's bytes
         self._open_streams: dict[PeerID, int] = {}  # senders' streams being served (run: they close before it ends)
 
     # ---------------------------------------------------------------- the reducer's side
-    def _result_bytes(self, index: int, result: torch.Tensor, compression_type: int) -> Any:
-        """Part ``index``'s result serialized as ``compression_type``: once, the same bytes for every sender."""
-        key = (index, int(compression_type))
-        if key not in self._serialized:
-            self._serialized[key] = serialize_torch_tensor(result, compression_type)
-        return self._serialized[key]
+    def _result_bytes(self, index: int, result: torch.Tensor) -> Any:
+        """Part ``index``'s result serialized in the part's compression: once, the same bytes for every sender."""
+        if index not in self._serialized:
+            self._serialized[index] = serialize_torch_tensor(result, self.part_types[index])
+        return self._serialized[index]
 
     async def serve(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
                     sender_id: PeerID) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
@@ -152,35 +176,45 @@ class AllReduceRound:
             return
         sender = self.members.index(sender_id)
         self.started.add(sender)
-        parts: asyncio.Queue = asyncio.Queue()  # (compression type, part, weight); then None or an exception
-        taken: asyncio.Queue = asyncio.Queue()  # (part index, compression type, result's future); then the same
+        parts: asyncio.Queue = asyncio.Queue(PREFETCH)  # (part, weight); then None or an exception
+        taken: asyncio.Queue = asyncio.Queue()  # (part index, result's future); then the same
         steps = [asyncio.create_task(self._read_parts(stream, parts)),
                  asyncio.create_task(self._add_parts(sender, parts, taken))]
         try:
             while (item := await taken.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                index, kind, future = item
+                index, future = item
                 result, included = await asyncio.shield(future)
-                yield _answer(averaging_pb2.AVERAGED_PART, included, self._result_bytes(index, result, kind))
-        except (SenderDropped, ReducerClosed, ValueError, asyncio.TimeoutError) as e:
+                yield _answer(averaging_pb2.AVERAGED_PART, included, self._result_bytes(index, result))
+        except (ProtocolViolation, SenderDropped, ReducerClosed, ValueError, asyncio.TimeoutError) as e:
             self.errors.setdefault(sender, f"as a sender: {e!r}")
-            yield _answer(averaging_pb2.INTERNAL_ERROR)
+            yield _answer(averaging_pb2.PROTOCOL_VIOLATION if isinstance(e, ProtocolViolation) else
+                          averaging_pb2.INTERNAL_ERROR)
         finally:
             for step in steps:
                 step.cancel()
 
     async def _read_parts(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
                           parts: asyncio.Queue) -> None:
-        """Read and deserialize a sender's parts as they come (at most a slice: the reducer holds them anyway)."""
-        loop = asyncio.get_running_loop()
+        """Read and deserialize a sender's parts as they come, at most ``PREFETCH`` ahead of the reducer and at most
+        the slice's parts: a part beyond them, or in another compression than the part's, is the sender's protocol
+        violation: it is left out from there (a hostile sender would grow this member's memory without bound, or
+        make it answer others in other bytes than it keeps)."""
+        loop, count, end = asyncio.get_running_loop(), 0, None
         try:
             async for message in aiter_with_timeout(stream, self.sender_timeout):
+                if count >= self.reducer.num_parts:
+                    raise ProtocolViolation(f"sent more than the slice's {self.reducer.num_parts} parts")
+                if message.tensor_part.compression != self.part_types[count]:
+                    raise ProtocolViolation(f"sent part {count} in compression type {message.tensor_part.compression}"
+                                            f" where the group's is {self.part_types[count]}")
                 part = await loop.run_in_executor(None, deserialize_torch_tensor, message.tensor_part)
-                parts.put_nowait((message.tensor_part.compression, part, message.weight))
-            parts.put_nowait(None)
+                await parts.put((part, message.weight))
+                count += 1
         except Exception as e:  # (serve raises it: answered as hivemind's handler would)
-            parts.put_nowait(e)
+            end = e
+        await parts.put(end)
 
     async def _add_parts(self, sender: int, parts: asyncio.Queue, taken: asyncio.Queue) -> None:
         """Add a sender's parts to the reducer in order, queueing their results' futures in ``taken``; a sender
@@ -188,15 +222,14 @@ class AllReduceRound:
         index, end = 0, None
         try:
             while (item := await parts.get()) is not None and not isinstance(item, BaseException):
-                kind, part, weight = item
-                self._part_types.setdefault(index, kind)
-                taken.put_nowait((index, kind, await self.reducer.add(sender, index, part, weight)))
+                part, weight = item
+                taken.put_nowait((index, await self.reducer.add(sender, index, part, weight)))
                 index += 1
             end = item
         except Exception as e:
             end = e
         finally:
-            if index != self.reducer.num_parts:
+            if index != self.reducer.num_parts or isinstance(end, ProtocolViolation):
                 self.reducer.sender_failed(sender)
             taken.put_nowait(end)
 
@@ -232,11 +265,7 @@ class AllReduceRound:
     async def _reduce_own_slice(self) -> None:
         for index, part in enumerate(self.local_parts):
             result, included = await self.reducer.accumulate(self.me, index, part, self.weight)
-            # (kept as the senders get it: where every other sender failed, as this member would send it)
-            kind = self._part_types.get(index)
-            if kind is None:
-                kind = self.compression.compress(part[:1], CompressionInfo.from_tensor(part, key=index)).compression
-            serialized = self._result_bytes(index, result, kind)
+            serialized = self._result_bytes(index, result)  # (kept as the senders get it)
             self._register(self.me, index, deserialize_torch_tensor(serialized), included)
 
     async def _requests(self, reducer: int) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
@@ -251,8 +280,17 @@ class AllReduceRound:
             code, included = MSGPackSerializer.loads(answer.metadata)
             if code != averaging_pb2.AVERAGED_PART:
                 raise ConnectionError(f"answered {averaging_pb2.MessageCode.Name(code)}")
+            index = self.results[reducer]  # (a bad answer is this reducer's failure: its slice keeps local values)
+            if index >= self.expected[reducer]:
+                raise ConnectionError(f"sent more than the slice's {self.expected[reducer]} results")
+            if not isinstance(included, list) or len(set(included)) != len(included) or \
+                    not all(type(m) is int and 0 <= m < len(self.members) for m in included):
+                raise ConnectionError(f"named members {included!r} of part {index}, not in the group")
             result = await loop.run_in_executor(None, deserialize_torch_tensor, answer.tensor_part)
-            self._register(reducer, self.results[reducer], result, included)
+            if result.shape != (self.sizes[reducer][index],):
+                raise ConnectionError(f"sent part {index} of shape {tuple(result.shape)}, not "
+                                      f"({self.sizes[reducer][index]},)")
+            self._register(reducer, index, result, included)
         if self.results[reducer] != self.expected[reducer]:
             raise ConnectionError(f"sent {self.results[reducer]} results of {self.expected[reducer]}")
 

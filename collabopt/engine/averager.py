@@ -14,7 +14,8 @@ Rules, and why:
   and the round's evidence (:class:`~collabopt.engine.allreduce.RoundEvidence`); no group, a timeout or a lost member
   are reported there, never raised. :mod:`collabopt.engine.protocol` judges it.
 * Members must all use the same ``prefix``, ``aggregation``, compression and part size, and tensors of the same
-  shapes and dtypes (matchmaking refuses others by their schema hash).
+  shapes and dtypes: the matchmaking key hashes them all (:func:`~collabopt.engine.round_schema.round_schema`), so
+  peers that differ never form a group (a reducer also refuses a part in another compression than its own).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from hivemind.averaging.averager import compute_schema_hash
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.compression import CompressionBase, NoCompression
 from hivemind.p2p import P2PContext, PeerID
@@ -43,6 +43,7 @@ from collabopt.engine.allreduce import AllReduceRound, AllReduceService, RoundEv
 from collabopt.engine.clipping import MIN_CLIPPED_GROUP
 from collabopt.engine.p2p import own_replica
 from collabopt.engine.part_reducer import AGGREGATES
+from collabopt.engine.round_schema import round_schema
 from collabopt.engine.streams import MemberStub
 from collabopt.membership import MemberToken, SwarmKey, member_token_refusal, swarm_key_of
 
@@ -196,7 +197,7 @@ class AveragingService:
         if not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         shapes = [(t.shape, t.dtype) for t in template]
-        schema = compute_schema_hash([torch.empty(shape, dtype=dtype) for shape, dtype in shapes])
+        schema = round_schema(shapes, self.compression, self.part_size_bytes, self.aggregation)
         now = get_dht_time()
         search = _Search(scheduled_time=now + self.matchmaking_time if scheduled_time is None else scheduled_time,
                          deadline=now + timeout, data_for_gather=b"")
@@ -262,18 +263,22 @@ class AveragingService:
                                                      max(0.0, start + scheduled.timeout - time.monotonic()))
         except (asyncio.TimeoutError, asyncio.CancelledError):
             return AveragingResult(None, members, gathered, None, "this member handed no tensors to its group")
-        if contributes is not None and not contributes(gathered):
-            tensors, weight = [torch.zeros_like(t) for t in tensors], 0.0
-        round_ = AllReduceRound(
-            group_id=group.group_id, members=members, me=members.index(self.p2p.peer_id),
-            tensors=tensors, weight=weight, stub_for=self._stub_for, fractions=fractions,
-            aggregate=AGGREGATES[self.aggregation], compression=self.compression,
-            part_size_bytes=self.part_size_bytes, sender_timeout=self.sender_timeout,
-            reducer_timeout=self.reducer_timeout)
-        scheduled.began_allreduce = True
-        with self.servicer.registered(round_):
-            deadline = max(start + scheduled.timeout, time.monotonic() + self.reducer_timeout)
-            outputs, evidence = await round_.run(deadline)
+        try:  # (whatever goes wrong from here is an outcome too: a bug, or a member's data no check caught)
+            if contributes is not None and not contributes(gathered):
+                tensors, weight = [torch.zeros_like(t) for t in tensors], 0.0
+            round_ = AllReduceRound(
+                group_id=group.group_id, members=members, me=members.index(self.p2p.peer_id),
+                tensors=tensors, weight=weight, stub_for=self._stub_for, fractions=fractions,
+                aggregate=AGGREGATES[self.aggregation], compression=self.compression,
+                part_size_bytes=self.part_size_bytes, sender_timeout=self.sender_timeout,
+                reducer_timeout=self.reducer_timeout)
+            scheduled.began_allreduce = True
+            with self.servicer.registered(round_):
+                deadline = max(start + scheduled.timeout, time.monotonic() + self.reducer_timeout)
+                outputs, evidence = await round_.run(deadline)
+        except Exception as e:
+            logger.warning("collabopt: the round of group %s failed: %r", members, e)
+            return AveragingResult(None, members, gathered, None, f"round failed: {e!r}")
         return AveragingResult(outputs, members, gathered, evidence)
 
     def _refusal(self, members: tuple[PeerID, ...], entries: list[Any]) -> str | None:

@@ -15,7 +15,7 @@ STILL_OVER: dict[str, int] = {}
 ENGINE_LAYERS = [
     {"compat", "dialback", "streams", "protocol", "clipping", "part_reducer"},
     {"p2p", "records", "replicas", "progress", "averaging", "robust_averaging", "state", "member_checks",
-     "download_votes", "download_challenge", "progress_records", "allreduce", "averager",
+     "download_votes", "download_challenge", "progress_records", "allreduce", "averager", "round_schema",
      "state_service", "downloads",
      "model_records", "gradient_rounds"},
     {"loop"},

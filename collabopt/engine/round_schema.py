@@ -1,0 +1,40 @@
+"""The key under which collabopt's averaging service assembles groups: what every member of a round must share.
+
+Rules, and why:
+
+* The key hashes the tensors' shapes and dtypes (hivemind's ``compute_schema_hash``) together with the compression
+  (its class and settings, nested compressions included), the part size and the aggregation. Members that differ in
+  any of these would cut, serialize or reduce the same part differently and silently end apart; under different keys
+  they never form a group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from hivemind.averaging.averager import compute_schema_hash
+from hivemind.compression import CompressionBase
+from hivemind.dht.routing import DHTID
+
+
+def describe(value: Any) -> Any:
+    """A msgpack-able description of ``value`` (a compression: its class and its settings, recursively)."""
+    if isinstance(value, CompressionBase):
+        return [f"{type(value).__module__}.{type(value).__qualname__}",
+                {str(name): describe(setting) for name, setting in sorted(vars(value).items())}]
+    if isinstance(value, dict):
+        return sorted(([describe(k), describe(v)] for k, v in value.items()), key=repr)
+    if isinstance(value, (list, tuple)):
+        return [describe(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    return repr(value)
+
+
+def round_schema(shapes: Sequence[tuple[torch.Size, torch.dtype]], compression: CompressionBase,
+                 part_size_bytes: int, aggregation: str) -> bytes:
+    """The matchmaking key of a round of tensors of ``shapes`` (shape, dtype) with these settings."""
+    tensors = compute_schema_hash([torch.empty(shape, dtype=dtype) for shape, dtype in shapes])
+    return DHTID.generate(source=[tensors, describe(compression), int(part_size_bytes), aggregation]).to_bytes()
