@@ -132,8 +132,8 @@ def follow_round_decision(optimizer: Any, decision: Any) -> None:
         optimizer.sync_state.apart = True
         serve_below_the_others(optimizer)  # others' downloads should not fetch parameters only this peer holds
         logging.getLogger(__name__).warning(
-            "collabopt: %.1f%% of this peer's gradient round at epoch %d arrived (hivemind used its own gradients for "
-            "the rest): its parameters now differ from its group's; its next gradient round re-synchronizes it",
+            "collabopt: %.1f%% of this peer's gradient round at epoch %d arrived (it stepped with its own gradients): "
+            "its parameters now differ from its group's; its next gradient round re-synchronizes it",
             100 * decision.received, decision.my_epoch)
 
 
