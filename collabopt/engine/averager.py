@@ -25,7 +25,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
 import typing
 from collections.abc import Callable, Sequence
@@ -44,6 +43,7 @@ from collabopt.engine.clipping import MIN_CLIPPED_GROUP
 from collabopt.engine.p2p import own_replica
 from collabopt.engine.part_reducer import AGGREGATES
 from collabopt.engine.round_schema import round_schema
+from collabopt.engine.service_thread import ServiceThread
 from collabopt.engine.streams import MemberStub
 from collabopt.membership import MemberToken, SwarmKey, member_token_refusal, swarm_key_of
 
@@ -76,7 +76,7 @@ class _Search:
         return max(0.0, self.deadline - get_dht_time())
 
 
-class AveragingService:
+class AveragingService(ServiceThread):
     """Averages tensors with the peers of ``dht`` that run a service of the same ``prefix``.
 
     ``target_group_size`` / ``min_group_size``: the group matchmaking assembles (``aggregation="centered_clip"``
@@ -115,62 +115,19 @@ class AveragingService:
         self._matchmakings: dict[bytes, Matchmaking] = {}
         self._busy: asyncio.Lock | None = None
         self._key = swarm_key_of(dht)  # (with a swarm key: only members that prove it join a group)
-        self._event_loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._event_loop.run_forever, name=f"collabopt-averaging-{prefix}",
-                                        daemon=True)
-        self._thread.start()
-        self._closed = False
-        try:
-            self._call(self._start(), start_timeout)
-        except BaseException:
-            self._stop_loop()
-            raise
+        self._start_thread(f"collabopt-averaging-{prefix}", start_timeout)
 
     # ---------------------------------------------------------------- the thread
-    def _call(self, coroutine: Any, timeout: float | None) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._event_loop).result(timeout)
-
     async def _start(self) -> None:
         self._busy = asyncio.Lock()
         self.p2p = await own_replica(self.dht)
         await self.servicer.add_p2p_handlers(self.p2p, namespace=self.prefix)
 
-    def _stop_loop(self) -> None:
-        self._event_loop.call_soon_threadsafe(self._event_loop.stop)
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self._event_loop.close()
-
     async def _stop(self) -> None:
-        """Remove the handlers, close this thread's connection to the daemon (the DHT's replica: a DHT serves one
-        service's loop), and end the loop's other tasks."""
+        """Remove the handlers, then leave (:meth:`ServiceThread._leave`)."""
         with contextlib.suppress(Exception):  # (the DHT may be gone already: nothing left to remove)
             await self.servicer.remove_p2p_handlers(self.p2p, namespace=self.prefix)
-        with contextlib.suppress(Exception):
-            await self.p2p.shutdown()
-        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        """Stop serving this peer's rounds and end the thread (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(Exception):
-            self._call(self._stop(), 10)
-        self._stop_loop()
-
-    def __enter__(self) -> AveragingService:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        await self._leave(self.p2p)
 
     # ---------------------------------------------------------------- rounds
     def average(self, tensors: Sequence[torch.Tensor], weight: float = 1.0, timeout: float = 30.0,

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import typing
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -45,13 +44,13 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from collabopt.engine.download_challenge import ChallengeAnswers, ask_projections, challenge_protocol
 from collabopt.engine.member_checks import download_refusal, store_member_token
 from collabopt.engine.p2p import own_replica
+from collabopt.engine.service_thread import STOP_TIMEOUT, ServiceThread
 from collabopt.engine.streams import open_in_time
 from collabopt.membership import swarm_key_of
 
 logger = logging.getLogger(__name__)
 
 HIVEMIND_STATE_SERVICER = "TrainingStateAverager"  # the class name hivemind's state averagers serve downloads under
-STOP_TIMEOUT = 10.0  # seconds the service's shutdown waits for its thread
 
 
 RECEIVED_SHARE = 1.5  # of this peer's own state's bytes, the most one source may send (and RECEIVED_MARGIN more)
@@ -110,7 +109,7 @@ class StateServicer(ServicerBase):
         return name if namespace is None else f"{namespace}::{name}"
 
 
-class StateService:
+class StateService(ServiceThread):
     """Serves the state of ``averager`` (a :class:`~collabopt.engine.state.ConsistentStateAverager`) on ``dht``'s
     daemon, answers download challenges where ``averager.verify_downloads`` is set, and fetches others' states
     (:meth:`fetch`). ``declines``: while it returns True nothing is served (a peer downloading its first state)."""
@@ -124,16 +123,7 @@ class StateService:
         self.servicer = StateServicer(self._serve)
         self.challenges = ChallengeAnswers(averager.challenge_state, lambda: averager.allow_state_sharing,
                                            self._refusal) if averager.verify_downloads else None
-        self._event_loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._event_loop.run_forever, name=f"collabopt-state-{self.prefix}",
-                                        daemon=True)
-        self._thread.start()
-        self._closed = False
-        try:
-            self._call(self._start(), start_timeout)
-        except BaseException:
-            self._stop_loop()
-            raise
+        self._start_thread(f"collabopt-state-{self.prefix}", start_timeout)
 
     # ---------------------------------------------------------------- the thread
     def _call(self, coroutine: Any, timeout: float | None) -> Any:
@@ -160,27 +150,7 @@ class StateService:
         if self.serves and self.challenges is not None:
             with contextlib.suppress(Exception):
                 await self.p2p.remove_binary_stream_handler(challenge_protocol(self.prefix))
-        with contextlib.suppress(Exception):
-            await self.p2p.shutdown()
-        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _stop_loop(self) -> None:
-        self._event_loop.call_soon_threadsafe(self._event_loop.stop)
-        self._thread.join(timeout=STOP_TIMEOUT)
-        if not self._thread.is_alive():
-            self._event_loop.close()
-
-    def close(self) -> None:
-        """Stop serving and end the thread (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(Exception):
-            self._call(self._stop(), STOP_TIMEOUT)
-        self._stop_loop()
+        await self._leave(self.p2p)
 
     # ---------------------------------------------------------------- serving
     async def _refusal(self, caller: bytes) -> str | None:
