@@ -28,6 +28,19 @@ from helpers import (
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
 
+def stopped_with_a_mismatch(other) -> str:
+    """Wait for the peer of the other model to end; it must exit non-zero with ModelMismatchError naming the first
+    parameter. Returns its log."""
+    try:
+        code = wait_all({"other": other}, 150)["other"]
+    finally:
+        other.kill_tree()
+    log = other.log()
+    assert code not in (0, None), f"the peer of another model exited with {code}:\n{log[-4000:]}"
+    assert "ModelMismatchError" in log and "parameter 0 (0.weight)" in log, log[-4000:]
+    return log
+
+
 def test_a_peer_of_another_model_stops_before_its_first_contribution_and_the_swarm_trains_on(tmp_path, bootstrap):
     # the swarm's model: Linear(16, 64), ReLU, Linear(64, 4); the joiner's: Linear(16, 48), ReLU, Linear(48, 4)
     base = dict(run_id=unique_run_id("mismatch"), target_batch_size=480, epochs=6, lr=0.3, step_sleep=0.05,
@@ -38,14 +51,8 @@ def test_a_peer_of_another_model_stops_before_its_first_contribution_and_the_swa
     other = start_peer(tmp_path, "other", dict(base, seed=3, hidden=48, finish_with=[], max_seconds=150,
                                                start_after=dict(progress_file=str(tmp_path / "a.progress"),
                                                                 epoch=2)), bootstrap)
-    try:
-        code = wait_all({"other": other}, 150)["other"]
-    finally:
-        other.kill_tree()
-    log = other.log()
-    assert code not in (0, None), f"the peer of another model exited with {code}:\n{log[-4000:]}"
-    assert "ModelMismatchError" in log, log[-4000:]
-    assert "parameter 0 (0.weight)" in log and "(64, 16)" in log and "(48, 16)" in log, log[-4000:]
+    log = stopped_with_a_mismatch(other)
+    assert "(64, 16)" in log and "(48, 16)" in log, log[-4000:]
     assert not (tmp_path / "other.started").exists(), "it stopped after it started training"
     finish(procs, 150)
 
@@ -87,13 +94,7 @@ def test_peers_that_start_together_with_another_model_than_most_stop_before_thei
     worker = HERE / ("diloco_worker.py" if diloco else "peer_worker.py")
     procs = {name: start(tmp_path, name, dict(base, seed=i), bootstrap, worker) for i, name in enumerate("ab")}
     other = start(tmp_path, "other", dict(base, seed=3, hidden=48, finish_with=[]), bootstrap, worker)
-    try:
-        code = wait_all({"other": other}, 150)["other"]
-    finally:
-        other.kill_tree()
-    log = other.log()
-    assert code not in (0, None), f"the peer of another model exited with {code}:\n{log[-4000:]}"
-    assert "ModelMismatchError" in log and "parameter 0 (0.weight)" in log, log[-4000:]
+    log = stopped_with_a_mismatch(other)
     assert "is (48, 16) torch.float32 here and (64, 16) torch.float32" in log, log[-4000:]
     # within its first epoch: it never left epoch 0 (no round, no download)
     assert json.loads((tmp_path / "other.progress").read_text())["epoch"] == 0, log[-4000:]
