@@ -117,8 +117,8 @@ class DiLoCo:
         self.last_round: RoundOutcome | None = None
         self.pending: PendingRound | None = None  # overlap mode: the round whose all-reduce is running
         # after a partial round its pseudo-gradient may have reached: (the parameters it was taken from, its
-        # weight), until a download tells whether the swarm applied it
-        self.delivered: tuple[list[torch.Tensor], float] | None = None
+        # weight, the round's epoch), until a download of a later epoch tells whether the swarm applied it
+        self.delivered: tuple[list[torch.Tensor], float, int] | None = None
 
     # ------------------------------------------------------------------ between rounds
 
@@ -171,7 +171,7 @@ class DiLoCo:
                 report = e
             decision = self._judge(swarm, epoch, num_peers, weight, metadata, report)
             if decision.may_have_delivered:
-                self._may_have_delivered([p.detach().clone() for p in swarm.parameters], weight)
+                self._may_have_delivered([p.detach().clone() for p in swarm.parameters], weight, epoch)
             if not decision.outcome.applied:  # (its progress, pseudo-gradient included, stays for its next round)
                 return self._finish(decision.outcome)
             outcome = decision.outcome
@@ -209,7 +209,7 @@ class DiLoCo:
         if not decision.outcome.applied:
             self.pending_samples += int(pending.weight)
             if decision.may_have_delivered:
-                self._may_have_delivered(pending.base, pending.weight)
+                self._may_have_delivered(pending.base, pending.weight, int(pending.metadata.get("epoch", -1)))
             return self._finish(decision.outcome)
         progress = progress_from(swarm.parameters, pending.base)
         swarm.outer_step(increment_epoch=False)
@@ -255,13 +255,13 @@ class DiLoCo:
                                     "were not applied")
         return decision
 
-    def _may_have_delivered(self, base: list[torch.Tensor], weight: float) -> None:
+    def _may_have_delivered(self, base: list[torch.Tensor], weight: float, epoch: int) -> None:
         """A partial round: this peer's pseudo-gradient (taken from ``base``, weighing ``weight``) may have
         reached its group, which may have applied the round. It contributes nothing more until it knows: it downloads
         the swarm's state before its next round, and :meth:`restore_after_download` keeps only the progress made
         since ``base`` if the swarm's anchor moved (the round was applied), all of it otherwise. Contributing its
         pseudo-gradient again (in a retried round) would count it twice."""
-        self.delivered = (base, weight)
+        self.delivered = (base, weight, epoch)
         self.needs_sync = True  # (the protocol decided so too)
         logger.warning("collabopt: part of this DiLoCo round's average did not arrive; its pseudo-gradient may have "
                        "reached the others: this peer downloads the swarm's state before its next round (if the "
@@ -278,13 +278,18 @@ class DiLoCo:
                                since: Sequence[torch.Tensor] | None, downloaded: bool, anchor_moved: bool) -> None:
         """After a state download (``downloaded``: it succeeded; ``anchor_moved``: the swarm's anchor is not the
         one this peer held): parameters = anchor + the progress :meth:`progress_to_keep` returned, ``since`` if a
-        round this peer's pseudo-gradient may have reached was applied meanwhile."""
-        if since is not None and downloaded and anchor_moved:
+        round this peer's pseudo-gradient may have reached was applied meanwhile.
+
+        Only a state of a later epoch than that round's tells: a peer still at the round's epoch may be about to
+        apply it (its outer step comes after its all-reduce), so after such a download this peer keeps all its
+        progress and still remembers the round, for the next download to decide."""
+        tells = self.delivered is not None and downloaded and int(swarm.local_epoch) > self.delivered[2]
+        if since is not None and tells and anchor_moved:
             self.restore_progress(swarm, since)
             self.pending_samples = max(0, self.pending_samples - int(self.delivered[1]))
         else:
             self.restore_progress(swarm, progress)
-        if downloaded:
+        if tells:
             self.delivered = None
 
     def _finish(self, outcome: RoundOutcome) -> RoundOutcome:

@@ -9,7 +9,7 @@ finish_with, max_seconds, step_sleep): ``outer`` (SGD keyword arguments), ``comp
 averaging), ``fail_round`` (this peer's averaging fails at that round: an injected network fault),
 ``cut_results_round`` and ``cut_marker`` (from this peer's that-many-th all-reduce on, its reducer ends one member's
 results one part short, once per swarm: an injected fault, see :func:`cut_results`; a member that lost results saves
-``partial``: its parameters when its pseudo-gradient was taken, by the epoch it was at), ``stop_after`` (leave after
+``partial``: its parameters when its pseudo-gradient was taken, by the round's epoch), ``stop_after`` (leave after
 this many rounds, without waiting for anyone), ``collaborate`` (build it with
 ``collabopt.integrations.pytorch.collaborate``, the plain-loop adapter), ``overlap`` (``overlap_rounds=True``; then
 ``landed`` holds, per round applied, the anchor, the parameters after and before the step that applied it).
@@ -85,6 +85,7 @@ def main(config_path: str) -> None:
         copt = CollaborativeOptimizer(optimizer, run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"],
                                       model=model, **options)
     with copt:
+        record_partial_rounds(copt, model, params["partial"])
         if cfg.get("fail_round") is not None:
             inject_failure(copt, cfg["fail_round"])
         if cfg.get("wait_peers"):
@@ -104,14 +105,11 @@ def main(config_path: str) -> None:
             result["samples_fed"] += n
             fed_since_anchor += n
             before = (copt.local_epoch, copt.diloco.rounds_applied, copt.diloco.resyncs)
-            partial_before = copt.diloco.delivered is not None
+            partial_rounds = len(params["partial"])
             copt.step()
             copt.zero_grad()
-            if not cfg.get("overlap") and copt.diloco.delivered is not None and not partial_before:
-                # a round whose results did not all arrive: its pseudo-gradient (this step's parameters) reached the
-                # others, who applied it; what the next round weighs is what comes after
-                params["partial"][copt.local_epoch] = snapshot(model)
-                fed_since_anchor = 0
+            if not cfg.get("overlap") and len(params["partial"]) != partial_rounds:
+                fed_since_anchor = 0  # (what the next round weighs is what comes after the partial round)
             if cfg.get("overlap") and copt.diloco.rounds_applied != before[1]:  # a round landed in this step
                 params["landed"][copt.diloco.rounds_applied] = dict(
                     after=snapshot(model), before=last_inner["params"],
@@ -143,6 +141,19 @@ def main(config_path: str) -> None:
         params["final"] = snapshot(model)
         torch.save(params, out + ".pt")
     write_json(out + ".json", result)
+
+
+def record_partial_rounds(copt: CollaborativeOptimizer, model: torch.nn.Module, partial: dict) -> None:
+    """``partial[epoch]``: the parameters this peer's pseudo-gradient was taken from, in each round of that epoch whose
+    results did not all arrive though its pseudo-gradient may have reached the others (who may have applied it)."""
+    diloco, names = copt.diloco, [name for name, _ in model.named_parameters()]
+    may_have_delivered = diloco._may_have_delivered
+
+    def record(base, weight, epoch):
+        partial[epoch] = {name: b.detach().clone() for name, b in zip(names, base, strict=True)}
+        may_have_delivered(base, weight, epoch)
+
+    diloco._may_have_delivered = record
 
 
 def cut_results(round_index: int, marker: str) -> None:

@@ -229,14 +229,15 @@ def test_a_member_that_loses_part_of_a_rounds_results_counts_its_progress_once(t
     cut = [n for n in names if results_cut(tmp_path, n)]
     assert len(cutter) == 1 and len(cut) == 1 and cut != cutter, (cutter, cut, why)
     member, others = cut[0], [n for n in names if n != cut[0]]
-    epoch = min(e for e, r in rounds[member].items() if r["resynced"])  # the round it lost results of
-    assert not rounds[member][epoch]["applied"], why
+    [lost] = params[member]["partial"]  # the epoch of the round it lost results of
+    epoch = min(e for e, r in rounds[member].items() if r["resynced"])  # the epoch it downloaded
+    assert epoch > lost and not rounds[member][epoch]["applied"], why
     assert all(rounds[n][epoch]["applied"] and rounds[n][epoch]["group_size"] == 3 for n in others), why
     # after the download: the swarm's anchor plus the member's progress since its pseudo-gradient was taken
-    contributed, anchor = params[member]["partial"][epoch - 1], params[others[0]]["after"][epoch]
+    contributed, anchor = params[member]["partial"][lost], params[others[0]]["after"][epoch]
     kept = {k: anchor[k] + params[member]["before"][epoch][k] - contributed[k] for k in anchor}
     assert diff(params[member]["after"][epoch], kept) <= EQUAL, why
-    previous = params[member]["after"].get(epoch - 1, params[member]["start"])
+    previous = params[member]["after"].get(lost, params[member]["start"])
     assert diff(contributed, previous) > 1e-3  # (its pseudo-gradient was not nothing)
     following = epoch + 1  # everyone again, equal; the member's weight: its samples since that pseudo-gradient
     for name in names:

@@ -259,6 +259,8 @@ def inner_steps(model: torch.nn.Module, diloco: DiLoCo, steps: int = 1, samples:
 
 @pytest.mark.parametrize("anchor_moved", [True, False])
 def test_after_a_partial_round_a_download_keeps_the_progress_the_swarm_has_not_applied(anchor_moved):
+    """A download of the next epoch tells whether the others applied the round (the anchor moved): then the peer
+    keeps only what came after its pseudo-gradient; else everything since its anchor."""
     model, diloco, swarm = trained(num_peers=3)  # 24 samples since the anchor
     swarm.partial = True
     contributed = [p.detach().clone() for p in model.parameters()]
@@ -274,12 +276,40 @@ def test_after_a_partial_round_a_download_keeps_the_progress_the_swarm_has_not_a
         for p, a in zip(model.parameters(), swarm.anchors, strict=True):
             a.add_(0.5 if anchor_moved else 0.0)
             p.copy_(a)
+    swarm.local_epoch = 1  # (the round was of epoch 0)
     diloco.restore_after_download(swarm, progress, since, downloaded=True, anchor_moved=anchor_moved)
     kept = ([n - c for n, c in zip(now, contributed, strict=True)] if anchor_moved  # applied: only what came after
             else [n - a for n, a in zip(now, old_anchor, strict=True)])  # not applied: everything since the anchor
     for p, a, k in zip(model.parameters(), swarm.anchors, kept, strict=True):
         torch.testing.assert_close(p.detach(), a.detach() + k)
     assert diloco.pending_samples == (8 if anchor_moved else 32) and diloco.delivered is None
+
+
+def test_a_download_of_the_rounds_own_epoch_does_not_tell_whether_the_round_was_applied():
+    """The state of a peer still at the partial round's epoch (its all-reduce done, its outer step not yet) holds the
+    old anchor though that peer is about to apply the round: the peer keeps all its progress and the round, and the
+    download of the next epoch decides (its pseudo-gradient counted once)."""
+    model, diloco, swarm = trained(num_peers=3)
+    swarm.partial = True
+    contributed = [p.detach().clone() for p in model.parameters()]
+    diloco.run_round(swarm)
+    inner_steps(model, diloco)  # 8 more samples
+    now = [p.detach().clone() for p in model.parameters()]
+    progress, since = diloco.progress_to_keep(swarm)
+    diloco.restore_after_download(swarm, progress, since, downloaded=True, anchor_moved=False)  # (epoch 0 served)
+    for p, n in zip(model.parameters(), now, strict=True):
+        torch.testing.assert_close(p.detach(), n)
+    assert diloco.delivered is not None and diloco.pending_samples == 32
+    progress, since = diloco.progress_to_keep(swarm)
+    with torch.no_grad():  # the next download: epoch 1, the anchor the round moved
+        for p, a in zip(model.parameters(), swarm.anchors, strict=True):
+            a.add_(0.5)
+            p.copy_(a)
+    swarm.local_epoch = 1
+    diloco.restore_after_download(swarm, progress, since, downloaded=True, anchor_moved=True)
+    for p, a, n, c in zip(model.parameters(), swarm.anchors, now, contributed, strict=True):
+        torch.testing.assert_close(p.detach(), a.detach() + n - c)
+    assert diloco.pending_samples == 8 and diloco.delivered is None
 
 
 def test_a_failed_download_after_a_partial_round_keeps_what_it_must_decide():
