@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from collabopt import option_rules
+from collabopt.diloco_options import SparseLoCo
 from collabopt.engine import compat
 from collabopt.engine.averaging import gradient_averager_factory
 from collabopt.engine.robust_averaging import aggregation_options
@@ -76,6 +77,8 @@ class CollabConfig(DhtOptions):
     overlap_rounds: bool = False  # DiLoCo mode: a round's all-reduce runs while inner steps go on
     # "mean" (hivemind's) or "centered_clip": robust to a hostile member (collabopt/engine/robust_averaging.py)
     aggregation: str = "mean"
+    # DiLoCo mode: SparseLoCo(...) sends the top-k of each chunk at 2 bits, with error feedback (diloco_options.py)
+    pseudo_gradient_compression: SparseLoCo | None = None
 
     @classmethod
     def from_options(cls, **options: Any) -> CollabConfig:

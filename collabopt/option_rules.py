@@ -144,6 +144,28 @@ def _diloco(v: Mapping[str, Any]) -> Broken | None:
                   note="without outer_optimizer, the synchronous mode")
 
 
+def _pseudo_gradient_compression(v: Mapping[str, Any]) -> Broken | None:
+    """``pseudo_gradient_compression``: a :class:`~collabopt.diloco_options.SparseLoCo`, in DiLoCo mode, which
+    replaces ``grad_compression`` (the pseudo-gradient travels as its payload)."""
+    value = v["pseudo_gradient_compression"]
+    if value is None:
+        return None
+    name, drop = "pseudo_gradient_compression", {"pseudo_gradient_compression": DROP}
+    if not isinstance(value, diloco_options.SparseLoCo):
+        return Broken(name, f"expected collabopt.diloco_options.SparseLoCo(...), got {type(value).__name__}",
+                      [{name: diloco_options.SparseLoCo()}, drop], example=True)
+    if v["outer_optimizer"] is None:
+        return Broken(name, "applies to DiLoCo mode only", [{"outer_optimizer": outer_example()}, drop])
+    if v.get("grad_compression") is not None:
+        return Broken("grad_compression", f"cannot be combined with {name}: the pseudo-gradient travels as its "
+                      "payload", [{"grad_compression": DROP}, drop])
+    if not diloco_options.SPARSE_EXCHANGE_BUILT:
+        return Broken(name, "is not available yet: the exchange that gives every member of a round every member's "
+                      "compressed pseudo-gradient is not built (collabopt's all-reduce cannot carry sparse payloads)",
+                      [drop], note="DiLoCo's pseudo-gradients travel as fp16 meanwhile")
+    return None
+
+
 def _modes(v: Mapping[str, Any]) -> Broken | None:
     """The combinations of hivemind's modes that hivemind refuses or that would do nothing."""
     given = [name for name in ("reuse_grad_buffers", "delay_grad_averaging") if v[name]]
@@ -224,7 +246,8 @@ def _aggregation(v: Mapping[str, Any]) -> Broken | None:
     return None
 
 
-RULES: tuple[Rule, ...] = (_run_id, _numbers, _outer_optimizer, _diloco, _modes, _hivemind_options, _aggregation)
+RULES: tuple[Rule, ...] = (_run_id, _numbers, _outer_optimizer, _diloco, _pseudo_gradient_compression, _modes,
+                           _hivemind_options, _aggregation)
 
 
 # ---------------------------------------------------------------------- checking, completing and saying the fixes

@@ -1,0 +1,108 @@
+"""A peer's error-feedback buffer for compressed pseudo-gradients: what the compression drops is sent later.
+
+SparseLoCo (arXiv 2508.15706) keeps one buffer ``e`` a peer, in host memory, and in each round sends
+``compress(decay * e + delta)``, keeping the rest::
+
+    e    <- decay * e + delta          (delta: this round's pseudo-gradient, anchor - parameters)
+    sent <- decode(encode(e))          (what every member will decode from the payload)
+    e    <- e - sent
+
+With ``decay = 1`` the sum of everything sent plus the buffer equals the sum of the pseudo-gradients: nothing is
+lost for good. Below 1 the buffer also plays the part of DiLoCo's outer momentum (SparseLoCo and templar use 0.95
+with a plain SGD outer step, no momentum).
+
+Rule: a round's update of the buffer takes effect only once the round is applied (:meth:`ErrorFeedback.commit`);
+:meth:`ErrorFeedback.discard` (or the next :meth:`~ErrorFeedback.compress`) drops it. Why: a peer whose round is not
+applied keeps its pseudo-gradient (its parameters stay apart from the anchor), and the next round's pseudo-gradient
+holds it again; a buffer that had already given up the part it sent would send that part twice.
+
+The buffer is the peer's own: a checkpoint holds it (:meth:`~ErrorFeedback.state_dict`), a state download does not
+(a joiner starts with zeros).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from collabopt.sparse_codec import SparseCodec
+
+STATE_VERSION = 1
+
+
+class ErrorFeedback:
+    """The error-feedback buffer of one peer for tensors of ``shapes``, compressed by ``codec``."""
+
+    def __init__(self, codec: SparseCodec, shapes: Sequence[Sequence[int]], decay: float = 0.95):
+        if not (isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0.0 <= decay <= 1.0):
+            raise ValueError(f"decay must be a number in [0, 1], got {decay!r}")
+        self.codec = codec
+        self.shapes = [tuple(int(size) for size in shape) for shape in shapes]
+        self.decay = float(decay)
+        self.buffers = [torch.zeros(shape, dtype=torch.float32) for shape in self.shapes]
+        self._staged: list[torch.Tensor] | None = None
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(shape) for shape in self.shapes)
+
+    def compress(self, pseudo_gradient: Sequence[torch.Tensor]) -> bytes:
+        """This round's payload for ``pseudo_gradient`` (tensors of :attr:`shapes`, any device and float dtype);
+        the buffer's update is staged until :meth:`commit`. A staged update not yet committed is dropped."""
+        if len(pseudo_gradient) != len(self.shapes):
+            raise ValueError(f"{len(pseudo_gradient)} tensors for a buffer of {len(self.shapes)}")
+        staged = []
+        for buffer, delta, shape in zip(self.buffers, pseudo_gradient, self.shapes, strict=True):
+            if tuple(delta.shape) != shape:
+                raise ValueError(f"a tensor of shape {tuple(delta.shape)} for a buffer of {shape}")
+            staged.append(buffer * self.decay + delta.detach().to(device="cpu", dtype=torch.float32))
+        payload = self.codec.encode(staged)
+        for buffer, sent in zip(staged, self.codec.decode(payload, self.shapes), strict=True):
+            buffer.sub_(sent)
+        self._staged = staged
+        return payload
+
+    def commit(self) -> None:
+        """The round that sent the last payload was applied: the buffer keeps what it did not send."""
+        if self._staged is None:
+            raise RuntimeError("no payload to commit: call compress() first (once per round)")
+        self.buffers, self._staged = self._staged, None
+
+    def discard(self) -> None:
+        """The round was not applied: the buffer stays as it was before :meth:`compress`."""
+        self._staged = None
+
+    def reset(self) -> None:
+        """Zeros (a fresh start, e.g. the parameters were replaced by a downloaded state)."""
+        self.buffers = [torch.zeros(shape, dtype=torch.float32) for shape in self.shapes]
+        self._staged = None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The committed buffer and the settings it was built with (a staged update is not saved)."""
+        return {"version": STATE_VERSION, "decay": self.decay, "shapes": [list(shape) for shape in self.shapes],
+                "codec": {"density": self.codec.density, "chunk_size": self.codec.chunk_size,
+                          "bits": self.codec.bits},
+                "buffers": [buffer.clone() for buffer in self.buffers]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a buffer saved by :meth:`state_dict` for the same shapes. The saved buffer's values are taken as
+        they are; the settings are this object's (a checkpoint taken with another density or decay still holds
+        what was not sent). Raises ValueError for another format version, other shapes or non-finite values."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"error-feedback state of version {state.get('version')!r}, expected {STATE_VERSION}")
+        shapes = [tuple(shape) for shape in state["shapes"]]
+        if shapes != self.shapes:
+            raise ValueError(f"the saved error-feedback buffer is for shapes {shapes}, this model's are {self.shapes}")
+        buffers = [torch.as_tensor(buffer, dtype=torch.float32).reshape(shape).clone()
+                   for buffer, shape in zip(state["buffers"], self.shapes, strict=True)]
+        if not all(bool(torch.isfinite(buffer).all()) for buffer in buffers):
+            raise ValueError("the saved error-feedback buffer holds NaN/inf")
+        self.buffers, self._staged = buffers, None
+
+
+__all__ = ["STATE_VERSION", "ErrorFeedback"]

@@ -1,0 +1,148 @@
+"""The aggregate every member computes from a round's compressed contributions (collabopt/sparse_aggregation.py):
+the same bits from the same set in any order, a weighted mean or CenteredClip, hostile contributions bounded."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from collabopt.sparse_aggregation import aggregate, exact_sum
+from collabopt.sparse_codec import PayloadError, SparseCodec
+
+CODEC = SparseCodec(density=0.05, chunk_size=1024, bits=2)
+SHAPES = [(64, 100), (1200,)]  # 7,600 values
+NUMEL = 7600
+
+
+class FakePeerID:
+    """Like hivemind's PeerID: compared by its bytes."""
+
+    def __init__(self, raw: bytes):
+        self.raw = raw
+
+    def to_bytes(self) -> bytes:
+        return self.raw
+
+    def __hash__(self) -> int:
+        return hash(self.raw)
+
+
+def pseudo_gradients(count: int, seed: int = 0, noise: float = 0.3):
+    """``count`` honest members' pseudo-gradients: a common direction plus each member's noise."""
+    generator = torch.Generator().manual_seed(seed)
+    common = torch.randn(NUMEL, generator=generator)
+    return common, [common + noise * torch.randn(NUMEL, generator=generator) for _ in range(count)]
+
+
+def payload(vector: torch.Tensor) -> bytes:
+    return CODEC.encode([vector])
+
+
+def flat(parts) -> torch.Tensor:
+    return torch.cat([part.reshape(-1) for part in parts])
+
+
+def contributions(seed: int = 0, count: int = 5, ids=None):
+    _, members = pseudo_gradients(count, seed)
+    ids = ids or [f"peer-{i}" for i in range(count)]
+    pairs = enumerate(zip(ids, members, strict=True))
+    return {peer: (float(10 + 7 * i), payload(member)) for i, (peer, member) in pairs}
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+def test_the_same_set_in_any_order_gives_the_same_bits(aggregation):
+    base = contributions(ids=[FakePeerID(bytes([7 - i, i])) for i in range(5)])
+    expected = flat(aggregate(base, SHAPES, CODEC, aggregation))
+    for order in itertools.islice(itertools.permutations(base), 0, 120, 17):
+        reordered = {peer: base[peer] for peer in order}
+        assert torch.equal(flat(aggregate(reordered, SHAPES, CODEC, aggregation)), expected)
+    threads = torch.get_num_threads()
+    try:  # (another split of the work between threads: the same bits)
+        torch.set_num_threads(1)
+        assert torch.equal(flat(aggregate(base, SHAPES, CODEC, aggregation)), expected)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_mean_is_the_weighted_mean_of_the_decoded_contributions():
+    given = contributions()
+    total = sum(weight for weight, _ in given.values())
+    expected = sum(weight / total * CODEC.decode_flat(data, NUMEL).double() for weight, data in given.values())
+    result = aggregate(given, SHAPES, CODEC)
+    assert [tuple(part.shape) for part in result] == SHAPES and result[0].dtype == torch.float32
+    assert torch.allclose(flat(result).double(), expected, atol=1e-6)
+    single = {"only": (3.0, payload(torch.arange(NUMEL, dtype=torch.float32)))}
+    for aggregation in ("mean", "centered_clip"):
+        assert torch.equal(flat(aggregate(single, SHAPES, CODEC, aggregation)), CODEC.decode_flat(
+            single["only"][1], NUMEL))
+
+
+def test_honest_members_get_about_their_mean_from_centered_clip():
+    given = contributions(count=4)
+    mean = flat(aggregate(given, SHAPES, CODEC, "mean"))
+    clipped = flat(aggregate(given, SHAPES, CODEC, "centered_clip"))
+    assert float((clipped - mean).norm() / mean.norm()) < 0.15
+
+
+ATTACKS = {
+    "times -20": lambda own, norm, generator: (1.0, -20 * own),
+    "noise at 100x the norm": lambda own, norm, generator: (1.0, 100 * norm / math.sqrt(NUMEL) * torch.randn(
+        NUMEL, generator=generator)),
+    "1,000x the samples, flipped": lambda own, norm, generator: (1000.0, -own),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_centered_clip_bounds_one_hostile_member_of_four_where_the_mean_follows_it(attack):
+    _, members = pseudo_gradients(4, seed=3)
+    honest = {f"honest-{i}": (1.0, payload(member)) for i, member in enumerate(members[:3])}
+    honest_mean = flat(aggregate(honest, SHAPES, CODEC, "mean"))
+    weight, hostile = ATTACKS[attack](members[3], float(members[3].norm()), torch.Generator().manual_seed(9))
+    attacked = dict(honest, hostile=(weight, payload(hostile)))
+    scale = float(honest_mean.norm())
+    mean_error = float((flat(aggregate(attacked, SHAPES, CODEC, "mean")) - honest_mean).norm()) / scale
+    clipped_error = float((flat(aggregate(attacked, SHAPES, CODEC, "centered_clip")) - honest_mean).norm()) / scale
+    print(f"{attack}: mean off by {mean_error:.2f}, centered_clip by {clipped_error:.3f} of the honest mean's norm")
+    assert mean_error > 1.5, mean_error  # the mean follows the hostile member
+    assert clipped_error < 0.5, clipped_error  # CenteredClip keeps near the honest members' mean
+
+
+def test_weights_and_payloads_are_checked_and_a_bad_payload_names_its_sender():
+    given = contributions(count=3)
+    for bad in (-1.0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="weight"):
+            aggregate(dict(given, hostile=(bad, given["peer-0"][1])), SHAPES, CODEC)
+    with pytest.raises(PayloadError, match="'hostile'") as info:
+        aggregate(dict(given, hostile=(1.0, given["peer-0"][1][:-1])), SHAPES, CODEC)
+    assert info.value.peer == "hostile"
+    # weight 0: takes no part (its payload is not even read)
+    assert torch.equal(flat(aggregate(dict(given, idle=(0.0, b"")), SHAPES, CODEC)),
+                       flat(aggregate(given, SHAPES, CODEC)))
+    with pytest.raises(ValueError, match="positive weight"):
+        aggregate({"a": (0.0, b"")}, SHAPES, CODEC)
+    with pytest.raises(ValueError, match="positive weight"):
+        aggregate({}, SHAPES, CODEC)
+    with pytest.raises(ValueError, match="same bytes"):
+        aggregate({"a": given["peer-0"], b"a": given["peer-1"]}, SHAPES, CODEC)
+    with pytest.raises(ValueError, match="aggregation"):
+        aggregate(given, SHAPES, CODEC, "median")
+
+
+def test_exact_sum_is_the_same_in_any_order_and_close_to_the_true_sum():
+    generator = torch.Generator().manual_seed(4)
+    values = (torch.randn(100_000, generator=generator, dtype=torch.float64) * 10.0 ** torch.randint(
+        -6, 6, (100_000,), generator=generator)).double()
+    shuffled = values[torch.randperm(values.numel(), generator=generator)]
+    assert exact_sum(values) == exact_sum(shuffled)
+    true = math.fsum(values.tolist())
+    assert abs(exact_sum(values) - true) <= 1e-10 * float(values.abs().max())
+    assert exact_sum(torch.zeros(3, dtype=torch.float64)) == 0.0
+    assert exact_sum(torch.tensor([1e-300, 3e-300], dtype=torch.float64)) == pytest.approx(4e-300)
+    assert exact_sum(torch.tensor([1e300, 3e300], dtype=torch.float64)) == pytest.approx(4e300)
+    random.seed(0)  # the float sum does depend on the order (what exact_sum avoids)
+    parts = [random.uniform(-1, 1) * 10 ** random.randint(-8, 8) for _ in range(1000)]
+    assert len({sum(random.sample(parts, len(parts))) for _ in range(20)}) > 1
