@@ -1,7 +1,9 @@
-"""Faults and lifecycle on real swarms: a late joiner, lineages apart, partial rounds, Ctrl+C and SIGTERM, NaNs.
+"""Faults and lifecycle on real swarms: lineages apart, partial rounds, a plain hivemind peer's download, Ctrl+C and
+SIGTERM, NaNs.
 
 Peers SIGKILLed mid-training (the survivors go on and end in sync; no process of a killed peer is left) are
-test_churn's claim."""
+test_churn's claim; a late joiner of another initialization that holds the swarm's parameters, bit-identical, before
+its first contribution is test_swarm_schedules' (its plateau-offload case)."""
 
 from __future__ import annotations
 
@@ -29,39 +31,6 @@ from helpers import (
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
-
-
-# The swarm fills these tests' epochs (480 samples) in about 0.5 s: with the harness's matchmaking_time of 2 s every
-# epoch waited about 1.5 s for its gradient round's group. What they check does not depend on how long a round
-# gathers its group, and groups of 2-3 peers on loopback form within a second, also in a fresh-clone suite
-FAST_ROUNDS = dict(matchmaking_time=1.0)
-
-
-def test_late_joiner_holds_swarm_parameters_before_first_contribution(tmp_path, bootstrap):
-    base = dict(run_id=unique_run_id("late"), target_batch_size=480, epochs=6, lr=0.3, step_sleep=0.05,
-                save_epoch_params=True, finish_with=finish_line(tmp_path, "a", "b", "late"), options=FAST_ROUNDS)
-    procs = {
-        "a": start_peer(tmp_path, "a", dict(base, seed=1, model_seed=1, wait_peers=2), bootstrap),
-        "b": start_peer(tmp_path, "b", dict(base, seed=2, model_seed=2, wait_peers=2), bootstrap),
-        # its own, different initialization: it must be replaced by the swarm's parameters
-        "late": start_peer(tmp_path, "late", dict(base, seed=3, model_seed=3, start_after=dict(
-            progress_file=str(tmp_path / "a.progress"), epoch=2)), bootstrap),
-    }
-    finish(procs, 150)
-    late = read_result(tmp_path, "late")
-    start_epoch = late["start_epoch"]
-    assert start_epoch >= 2
-    late_start = torch.load(tmp_path / "late.start.pt")
-    # it downloaded the state of a or b at that epoch: bit-identical to one of them (a and b, which started from
-    # different initializations, may differ from each other in the last bits: hivemind adds averaged deltas)
-    sources = [torch.load(tmp_path / f"{name}.epochs.pt").get(start_epoch) for name in ("a", "b")]
-    diffs = [max_param_diff(late_start, params) for params in sources if params is not None]
-    assert diffs and min(diffs) == 0.0, diffs
-    # and it did not keep its own initialization
-    torch.manual_seed(3)
-    own = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).state_dict()
-    assert max_param_diff(late_start, own) > 0.01
-    assert late["final_epoch"] >= 6
 
 
 def test_a_peer_of_another_lineage_adopts_the_majoritys_parameters(tmp_path, bootstrap):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from helpers import (
     SWARM_ROUNDING,
     diffs_at_common_epochs,
@@ -45,6 +46,9 @@ CASES = {
         True),
     "plateau-offload": ("plateau", OFFLOAD, True),
 }
+# the case whose late joiner starts from a model initialization of its own (model_seed 3; the others' is 0): the
+# swarm's state replaces it before its first contribution, bit-identical to a server's parameters at that epoch
+OWN_INIT = "plateau-offload"
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -66,6 +70,8 @@ def test_lr_follows_global_epochs_on_every_peer_and_a_late_joiner(tmp_path, boot
         procs["b"] = start_peer(tmp_path, "b", dict(base, seed=2, batch_sizes=[8, 24], wait_peers=2), initial_peers)
         if with_late:
             late = dict(base, seed=3, start_after=dict(progress_file=str(tmp_path / "a.progress"), epoch=2))
+            if case == OWN_INIT:
+                late["model_seed"] = 3
             procs["late"] = start_peer(tmp_path, "late", late, initial_peers)
             started = wait_for_file(tmp_path / "late.started", 90)
             epochs = max(epochs, json.loads((tmp_path / "late.started").read_text())["epoch"] + 3 if started else 0)
@@ -114,3 +120,11 @@ def test_lr_follows_global_epochs_on_every_peer_and_a_late_joiner(tmp_path, boot
     for epoch in results["late"]["downloaded_epochs"]:
         if epoch + shift in epoch_params["a"]:
             assert max_param_diff(epoch_params["late"][epoch], epoch_params["a"][epoch + shift]) <= SWARM_ROUNDING
+    if case == OWN_INIT:  # before its first step it held a server's parameters of its start epoch, bit-identical,
+        # not its own initialization
+        start_epoch, start = results["late"]["start_epoch"], torch.load(tmp_path / "late.start.pt")
+        sources = [epoch_params[name][start_epoch] for name in ("a", "b") if start_epoch in epoch_params[name]]
+        assert sources and min(max_param_diff(start, params) for params in sources) == 0.0, start_epoch
+        torch.manual_seed(3)
+        own = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).state_dict()
+        assert max_param_diff(start, own) > 0.01
