@@ -33,6 +33,14 @@ from helpers import (
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
 
+# The swarm fills these tests' epochs (480-512 samples) in about 0.5 s: with the harness's matchmaking_time of 2 s
+# every epoch waited about 1.5 s for its gradient round's group, and as long again for its parameter round. What they
+# check does not depend on how long a round gathers its group, and groups of 3 peers on loopback form within a
+# second, also in a fresh-clone suite. next_chunk_timeout 5 s: by default matchmaking_time for a model this small,
+# and a member paused 1 s on a busy machine would be left out of a round's part (a fault these tests do not inject)
+FAST_ROUNDS = dict(matchmaking_time=1.0, next_chunk_timeout=5.0)
+
+
 def test_a_peer_of_another_lineage_adopts_the_majoritys_parameters(tmp_path, bootstrap):
     """Two lineages at the same epoch (a healed partition's sides, in small): a and b start from one model, c from
     another, and no parameter averaging runs (average_state_every=1000), so rounds of all three average only
@@ -40,7 +48,7 @@ def test_a_peer_of_another_lineage_adopts_the_majoritys_parameters(tmp_path, boo
     first gradient round: all three end in sync."""
     base = dict(run_id=unique_run_id("lineage"), target_batch_size=480, epochs=4, lr=0.3, step_sleep=0.05,
                 wait_peers=3, finish_with=finish_line(tmp_path, "a", "b", "c"),
-                options=dict(average_state_every=1000))
+                options=dict(FAST_ROUNDS, average_state_every=1000))
     configs = {"a": dict(base, seed=1, model_seed=0), "b": dict(base, seed=2, model_seed=0),
                "c": dict(base, seed=3, model_seed=1)}
     procs = {name: start_peer(tmp_path, name, cfg, bootstrap) for name, cfg in configs.items()}
@@ -177,7 +185,7 @@ def test_a_peer_with_nan_batches_does_not_poison_the_swarm(tmp_path, bootstrap):
     ended NaN)."""
     run_id = unique_run_id("nan_batches")
     base = dict(run_id=run_id, target_batch_size=512, epochs=3, model_seed=0, lr=0.5, step_sleep=0.05,
-                finish_with=finish_line(tmp_path, "a", "b", "c"), wait_peers=3, max_seconds=150)
+                finish_with=finish_line(tmp_path, "a", "b", "c"), wait_peers=3, max_seconds=150, options=FAST_ROUNDS)
     procs = {
         "a": start_peer(tmp_path, "a", dict(base, seed=1), bootstrap),
         "b": start_peer(tmp_path, "b", dict(base, seed=2), bootstrap),
@@ -207,12 +215,13 @@ def test_nan_from_an_unguarded_peer_is_never_applied(tmp_path, bootstrap):
     run_id = unique_run_id("nan_rogue")
     base = dict(run_id=run_id, target_batch_size=512, epochs=3, model_seed=0, lr=0.5, step_sleep=0.05,
                 finish_with=finish_line(tmp_path, "a", "b", "r"), wait_peers=3, max_seconds=150,
-                options={"averaging_timeout": 10.0})
+                options=dict(FAST_ROUNDS, averaging_timeout=10.0))
     procs = {
         "a": start_peer(tmp_path, "a", dict(base, seed=1), bootstrap),
         "b": start_peer(tmp_path, "b", dict(base, seed=2), bootstrap),
         "r": start_peer(tmp_path, "r", dict(base, seed=3, nan_every=20,
-                                            options={"averaging_timeout": 10.0, "nonfinite_guard": False}),
+                                            options=dict(FAST_ROUNDS, averaging_timeout=10.0,
+                                                         nonfinite_guard=False)),
                         bootstrap),
     }
     finish(procs, 180)
