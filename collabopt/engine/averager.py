@@ -6,7 +6,8 @@ Rules, and why:
 * It is composed of hivemind's transport, not derived from its averagers: the DHT's libp2p daemon (a connection of
   its own, :func:`~collabopt.engine.p2p.own_replica`), ``ServicerBase`` handlers
   (:class:`~collabopt.engine.allreduce.AllReduceService`),
-  hivemind's ``Matchmaking`` to assemble a group, and collabopt's own runner and part reducers
+  hivemind's ``Matchmaking`` to assemble a group (finding the others through
+  :class:`~collabopt.engine.group_search.SearchDHT`), and collabopt's own runner and part reducers
   (:mod:`collabopt.engine.allreduce`). What a round does is thus readable here and there, not in overrides.
 * It runs in a thread of the calling process (no averager process, no shared-memory buffers): the tensors it is handed
   are copied into the round, and the result comes back as new tensors.
@@ -40,6 +41,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from collabopt.engine.allreduce import AllReduceRound, AllReduceService, RoundEvidence
 from collabopt.engine.clipping import MIN_CLIPPED_GROUP
+from collabopt.engine.group_search import DeclarationService, PeerHints, SearchDHT, declared_expiration
 from collabopt.engine.p2p import own_replica
 from collabopt.engine.part_reducer import AGGREGATES
 from collabopt.engine.round_schema import round_schema
@@ -112,6 +114,8 @@ class AveragingService(ServiceThread):
         self.on_group = on_group
         self.p2p: Any = None
         self.servicer = AllReduceService(self._matchmaking_for)
+        self.declarations = DeclarationService(self._declaration)  # (peers met before find each other without the DHT)
+        self._hints = PeerHints()
         self._matchmakings: dict[bytes, Matchmaking] = {}
         self._busy: asyncio.Lock | None = None
         self._key = swarm_key_of(dht)  # (with a swarm key: only members that prove it join a group)
@@ -122,11 +126,13 @@ class AveragingService(ServiceThread):
         self._busy = asyncio.Lock()
         self.p2p = await own_replica(self.dht)
         await self.servicer.add_p2p_handlers(self.p2p, namespace=self.prefix)
+        await self.declarations.add_p2p_handlers(self.p2p, namespace=self.prefix)
 
     async def _stop(self) -> None:
         """Remove the handlers, then leave (:meth:`ServiceThread._leave`)."""
         with contextlib.suppress(Exception):  # (the DHT may be gone already: nothing left to remove)
             await self.servicer.remove_p2p_handlers(self.p2p, namespace=self.prefix)
+            await self.declarations.remove_p2p_handlers(self.p2p, namespace=self.prefix)
         await self._leave(self.p2p)
 
     # ---------------------------------------------------------------- rounds
@@ -170,12 +176,26 @@ class AveragingService(ServiceThread):
 
     def _matchmaker(self, schema_hash: bytes) -> Matchmaking:
         if schema_hash not in self._matchmakings:
+            search_dht = SearchDHT(self.dht, self.p2p, schema_hash=schema_hash, prefix=self.prefix, hints=self._hints,
+                                   entry=lambda: self._my_entry(None))  # (collabopt.engine.group_search)
             self._matchmakings[schema_hash] = Matchmaking(
-                self.p2p, schema_hash, self.dht, servicer_type=AllReduceService, prefix=self.prefix,
+                self.p2p, schema_hash, search_dht, servicer_type=AllReduceService, prefix=self.prefix,
                 target_group_size=self.target_group_size, min_group_size=self.min_group_size,
                 min_matchmaking_time=self.matchmaking_time, request_timeout=self.request_timeout,
                 client_mode=self.client_mode)
         return self._matchmakings[schema_hash]
+
+    def _declaration(self, request: averaging_pb2.JoinRequest, context: P2PContext) -> float | None:
+        """This peer's declaration for a member that asks (:class:`~collabopt.engine.group_search.SearchDHT`)."""
+        if self._key is not None:
+            try:
+                entry = MSGPackSerializer.loads(request.gather)
+            except Exception:
+                entry = None
+            if _token_refusal(entry, self._key, self.prefix, context.remote_id.to_bytes()) is not None:
+                return None
+        self._hints.add([context.remote_id])
+        return declared_expiration(self._matchmakings.get(request.schema_hash), request.group_key)
 
     def _stub_for(self, peer: PeerID) -> Any:
         stub = AllReduceService.get_stub(self.p2p, peer, namespace=self.prefix)
@@ -200,6 +220,7 @@ class AveragingService(ServiceThread):
             return AveragingResult(None, (), {}, None, f"no group assembled within {scheduled.timeout:.1f} s")
         members = tuple(group.peer_ids)
         scheduled.group = members
+        self._hints.add(member for member in members if member != self.p2p.peer_id)
         if self.on_group is not None:
             self.on_group(members)
         try:

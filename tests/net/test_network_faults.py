@@ -17,8 +17,8 @@ from netswarm import AVERAGING_TIMEOUT, FAULT_SECONDS, MATCHMAKING_TIME, assert_
 
 def test_a_cut_link_heals_and_the_peer_catches_up(tmp_path, make_net):
     """C's link is down for 25 s (``FAULT_SECONDS``) of a 14-epoch run. A and B keep making global epochs and wait
-    for C in one round at most: their longest ``step()`` stays within one ``averaging_timeout`` per round of a
-    boundary. C does not crash; once its link is back it reconnects and is in sync within ``averaging_timeout +
+    for C in one round at most: their longest ``step()`` stays within ``averaging_timeout + matchmaking_time``. C
+    does not crash; once its link is back it reconnects and is in sync within ``averaging_timeout +
     matchmaking_time`` of the link's return (a download or a round), and all three are equal at every common epoch
     from then on."""
     net = make_net(3)
@@ -35,11 +35,9 @@ def test_a_cut_link_heals_and_the_peer_catches_up(tmp_path, make_net):
     config = dict(target_batch_size=1152, epochs=14, lr=0.3, save_epoch_params=True, max_seconds=360)
     results, params, procs = run_swarm(tmp_path, net, config, cut_c)
     bound = AVERAGING_TIMEOUT + MATCHMAKING_TIME  # a protocol bound from the configured timeouts
-    # The healthy peers' bound: each of a boundary's two rounds (gradients, then parameters) waits at most
-    # averaging_timeout. collabopt's gradient round with a member whose link went down during its matchmaking waits
-    # out the whole averaging_timeout (A and B: 14.0-14.1 s in 2 runs, gradient round 10 s + parameter round 4 s),
-    # above the goal of averaging_timeout + matchmaking_time (12 s), which the service must reach.
-    healthy_bound = 2 * AVERAGING_TIMEOUT
+    # The healthy peers' bound too: their gradient round finds its members without the DHT, whose lookups and
+    # stores wait for C (collabopt.engine.group_search), so neither of a boundary's two rounds waits out its timeout.
+    healthy_bound = bound
     waits = {name: round(results[name]["max_step_wait"][0], 1) for name in results}
     synced = in_sync_since(tmp_path, results, seen["restore_time"])
     print(f"cut link: longest step {waits} s; epochs at cut {seen['at_cut']}, at restore {seen['at_restore']}; "

@@ -1,0 +1,194 @@
+"""How a round's matchmaking finds the others: hivemind's DHT declarations, bounded in time, and the peers it met
+before, asked directly.
+
+Rules, and why:
+
+* hivemind's ``Matchmaking`` finds partners through its ``GroupKeyManager``: each peer stores a declaration (its
+  peer id and the time its search ends) under the round's group key and reads the others' back. Both are DHT
+  operations that wait for every node on the key's path. A node whose link is cut holds each one up for the DHT's
+  ``wait_timeout`` (3 s), twice for a store (its lookup, then the store), until the DHT blacklists the node (5 s,
+  then 10 s...), and again after. A declaration made for ``matchmaking_time`` (2 s) then lands after it expired and
+  is dropped: the healthy peers saw nobody (hivemind asked the DHT about 150 times a second, found nothing) and
+  waited out the round's whole timeout. :class:`SearchDHT` is what ``Matchmaking`` gets as its DHT: a store is
+  awaited at most :data:`STORE_WAIT` (it finishes in the background), a lookup at most :data:`LOOKUP_WAIT` (a slow
+  one answers a later call), and an empty search looks again at most every :data:`PACE` seconds.
+* The peers this service met (members of its groups, peers found in the declarations, peers that asked) are asked
+  directly for their declaration (:class:`DeclarationService`, one request, :data:`LOOKUP_WAIT` at most), so that
+  they find each other without the DHT. An answer is the peer's own declaration, with its real end of search, so
+  hivemind's rules (who leads whom, when a group is assembled) stay as they are. A peer that does not answer is
+  not asked again for :data:`ASK_BACKOFF` seconds; one whose declaration the DHT already returned is not asked.
+* With a swarm key, a request carries the asker's member token and others are not answered (as join requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from hivemind.p2p import P2PContext, PeerID, ServicerBase
+from hivemind.proto import averaging_pb2
+from hivemind.utils import ValueWithExpiration, get_dht_time
+
+STORE_WAIT = 1.0  # seconds matchmaking waits for a DHT store of its declaration
+LOOKUP_WAIT = 1.0  # seconds a search waits for the DHT's declarations and the direct answers
+PACE = 0.1  # seconds between two searches (hivemind searches again at once after finding nobody)
+ASK_BACKOFF = 4.0  # seconds a peer that did not answer is left alone
+ASK_EVERY = 0.5  # seconds between two requests to the same peer (its answer holds meanwhile)
+HINTS_KEPT, HINT_SECONDS = 16, 300.0  # the most recent peers met, and for how long
+
+
+class PeerHints:
+    """The peers a service met recently (at most :data:`HINTS_KEPT`, seen within :data:`HINT_SECONDS`)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[PeerID, float] = {}
+
+    def add(self, peers: Iterable[PeerID]) -> None:
+        now = time.monotonic()
+        for peer in peers:
+            self._seen.pop(peer, None)
+            self._seen[peer] = now
+        while len(self._seen) > HINTS_KEPT:
+            self._seen.pop(next(iter(self._seen)))
+
+    def peers(self) -> list[PeerID]:
+        oldest = time.monotonic() - HINT_SECONDS
+        return [peer for peer, seen in self._seen.items() if seen >= oldest]
+
+
+def declared_expiration(matchmaking: Any, group_key: str) -> float | None:
+    """When ``matchmaking``'s declaration under ``group_key`` ends (DHT time); None where it looks for no group
+    there (not searching, a client, its group assembled, or declared under another key)."""
+    if matchmaking is None or matchmaking.client_mode or not matchmaking.is_looking_for_group:
+        return None
+    if matchmaking.assembled_group.done():
+        return None
+    leaders = matchmaking.potential_leaders
+    expiration = leaders.declared_expiration_time
+    if leaders.declared_group_key != group_key or not math.isfinite(expiration):
+        return None
+    return float(expiration)
+
+
+class DeclarationService(ServicerBase):
+    """Answers "what is your declaration under this group key, for these tensors?": ``answer(request, context)``
+    gives the end of this peer's search (DHT time) or None."""
+
+    def __init__(self, answer: Callable[[averaging_pb2.JoinRequest, P2PContext], float | None]):
+        self.answer = answer
+
+    async def rpc_declaration(self, request: averaging_pb2.JoinRequest,
+                              context: P2PContext) -> averaging_pb2.JoinRequest:
+        expiration = self.answer(request, context)
+        return averaging_pb2.JoinRequest(schema_hash=request.schema_hash, group_key=request.group_key,
+                                         expiration=0.0 if expiration is None else expiration)
+
+
+class SearchDHT:
+    """What hivemind's ``GroupKeyManager`` uses of a DHT (``peer_id``, ``store``, ``get``), for the matchmaking of
+    one tensor schema: the DHT's answers within bounded waits, merged with the declarations of the peers in
+    ``hints`` asked directly over ``p2p`` (see the module's rules). ``entry()``: this peer's gathered entry (its
+    member token) for the requests."""
+
+    def __init__(self, dht: Any, p2p: Any, *, schema_hash: bytes, prefix: str, hints: PeerHints,
+                 entry: Callable[[], bytes]):
+        self.dht, self.p2p, self.schema_hash, self.prefix = dht, p2p, schema_hash, prefix
+        self.hints, self.entry = hints, entry
+        self.peer_id = dht.peer_id
+        self._background: set[asyncio.Future] = set()  # (asyncio keeps weak references to tasks)
+        self._lookups: dict[str, asyncio.Future] = {}
+        self._answers: dict[PeerID, tuple[float, float | None]] = {}  # peer -> (asked at, its expiration)
+        self._quiet_until: dict[PeerID, float] = {}
+        self._in_dht: dict[PeerID, float] = {}  # peers the last lookup returned -> their expiration
+        self._next_search = 0.0
+
+    def _keep(self, future: asyncio.Future) -> asyncio.Future:
+        self._background.add(future)
+        future.add_done_callback(self._background.discard)
+        return future
+
+    async def store(self, key: str, subkey: bytes, value: Any, expiration_time: float, **_: Any) -> bool:
+        """Store a declaration; wait at most :data:`STORE_WAIT` (asyncio.wait, not wait_for: Python 3.11's wait_for
+        can swallow the cancel that ends matchmaking's declaring task)."""
+        task = self._keep(asyncio.ensure_future(self.dht.store(
+            key=key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)))
+        done, _ = await asyncio.wait({task}, timeout=STORE_WAIT)
+        if done and not task.cancelled() and task.exception() is None:
+            return bool(task.result())
+        return True  # (a slow store goes on; a declaration is advisory, and nothing reads the result)
+
+    async def get(self, key: str, **_: Any) -> ValueWithExpiration | None:
+        """The declarations under ``key``: the DHT's (what it returned within :data:`LOOKUP_WAIT`) and the answers
+        of the peers in the hints, as hivemind's ``DHT.get(key, latest=True)`` returns a dictionary value."""
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(max(0.0, self._next_search - loop.time()))
+        self._next_search = loop.time() + PACE
+        lookup = self._lookups.get(key)
+        if lookup is None:
+            lookup = self._lookups[key] = self._keep(asyncio.ensure_future(self._lookup(key)))
+        asks = {self._keep(asyncio.ensure_future(self._ask(peer, key))): peer for peer in self._to_ask()}
+        try:
+            done, _ = await asyncio.wait({lookup, *asks}, timeout=LOOKUP_WAIT)
+        except asyncio.CancelledError:
+            for task in asks:
+                task.cancel()
+            raise
+        now = time.monotonic()
+        for task, peer in asks.items():
+            if task in done and not task.cancelled() and task.exception() is None:
+                self._answers[peer] = (now, task.result())
+            else:
+                task.cancel()
+                self._quiet_until[peer] = now + ASK_BACKOFF
+                self._answers.pop(peer, None)
+        entries: dict[bytes, ValueWithExpiration] = {}
+        if lookup.done():
+            self._lookups.pop(key, None)
+            entries.update(self._declarations_in(None if lookup.cancelled() else lookup.result()))
+        for peer, (_, expiration) in self._answers.items():
+            if expiration is not None and expiration > get_dht_time():
+                entries[peer.to_bytes()] = ValueWithExpiration(True, expiration)
+        if not entries:
+            return None
+        return ValueWithExpiration(entries, max(entry.expiration_time for entry in entries.values()))
+
+    def _to_ask(self) -> list[PeerID]:
+        now, dht_now = time.monotonic(), get_dht_time()
+        return [peer for peer in self.hints.peers()
+                if peer != self.peer_id and self._quiet_until.get(peer, 0.0) <= now
+                and self._in_dht.get(peer, 0.0) <= dht_now
+                and now - self._answers.get(peer, (-math.inf, None))[0] >= ASK_EVERY]
+
+    async def _lookup(self, key: str) -> Any:
+        try:
+            return await self.dht.get(key, latest=True, return_future=True)
+        except Exception:  # (the DHT is shutting down, or failed: the direct answers still count)
+            return None
+
+    def _declarations_in(self, found: Any) -> dict[bytes, ValueWithExpiration]:
+        value = getattr(found, "value", None)
+        if not isinstance(value, dict):
+            return {}
+        peers = []
+        self._in_dht.clear()
+        for subkey, entry in value.items():
+            try:
+                peer = PeerID(subkey)
+            except Exception:
+                continue
+            peers.append(peer)
+            if getattr(entry, "value", False):
+                self._in_dht[peer] = float(entry.expiration_time)
+        self.hints.add(peer for peer in peers if peer != self.peer_id)
+        return dict(value)
+
+    async def _ask(self, peer: PeerID, key: str) -> float | None:
+        stub = DeclarationService.get_stub(self.p2p, peer, namespace=self.prefix)
+        answer = await stub.rpc_declaration(averaging_pb2.JoinRequest(
+            schema_hash=self.schema_hash, group_key=key, gather=self.entry()))
+        if answer.schema_hash != self.schema_hash or answer.group_key != key or not answer.expiration > 0:
+            return None
+        return float(answer.expiration)
