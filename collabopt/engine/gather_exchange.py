@@ -1,0 +1,281 @@
+"""collabopt's all-gather exchange: every member of a round receives every other member's payload (opaque bytes,
+e.g. a compressed pseudo-gradient) and aggregates for itself, so that no member has to trust another's reduction.
+
+Rules, and why:
+
+* Groups form as the averaging service's do (:mod:`collabopt.engine.averager`): hivemind's ``Matchmaking`` behind
+  the swarm key's member gate, under a key that hashes this exchange's settings, so that peers of other settings
+  never join. Each member announces in its gathered data a fresh
+  Ed25519 key, with which it signs its contribution (:mod:`collabopt.engine.gather_protocol` says why not the
+  swarm key).
+* The round (:mod:`collabopt.engine.gather_round`) ends with a set every applying member shares: the contributions
+  in the group's order, the members that sent two different ones excluded. A member that cannot show agreement
+  within the round's time applies nothing; :class:`ExchangeResult` says so, as data, never as an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import time
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.dht.routing import DHTID
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
+
+from collabopt.engine.averager import _MemberGate, _Search, _token_refusal
+from collabopt.engine.gather_round import MAX_PAYLOAD_LIMIT, ExchangeRound, ExchangeServicer, _is_weight
+from collabopt.engine.p2p import own_replica
+from collabopt.engine.service_thread import ServiceThread
+from collabopt.membership import MemberToken, swarm_key_of
+
+
+@dataclasses.dataclass(frozen=True)
+class Contribution:
+    """One member's contribution to a round: its ``payload``, ``weight`` and the payload's SHA-256 (``digest``)."""
+
+    peer: PeerID
+    payload: bytes
+    weight: float
+    digest: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeResult:
+    """One exchange: ``applied_set`` (the contributions to aggregate, in the group's order; None where this member
+    must not apply the round), ``excluded`` (members that sent different payloads to different members), the
+    ``group``, what each member ``gathered``, ``error`` (why nothing is applied, or None), and the bytes this member
+    sent and received (``sent_bytes`` / ``received_bytes``: the bodies of requests and answers) and how long its
+    round took from the payload's hand-over (``round_seconds``)."""
+
+    applied_set: tuple[Contribution, ...] | None
+    excluded: tuple[PeerID, ...]
+    group: tuple[PeerID, ...]
+    gathered: dict[PeerID, Any]
+    error: str | None = None
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    round_seconds: float = 0.0
+
+    @property
+    def applied(self) -> bool:
+        return self.applied_set is not None
+
+
+class ExchangeService(ServiceThread):
+    """All-gathers opaque payloads with the peers of ``dht`` that run an exchange of the same ``prefix``.
+
+    ``prefix``: the run id and a name of this exchange, without '.' and other than any averaging service's on the
+    same DHT (both would find the other's leaders in the DHT and lose matchmaking time asking them).
+    ``target_group_size`` / ``min_group_size``, ``matchmaking_time``, ``request_timeout``: as
+    :class:`~collabopt.engine.averager.AveragingService`'s. ``phase_timeout``: how long each of the round's three
+    phases waits for the other members. ``max_payload_bytes``: the largest payload a member sends or accepts (at
+    most :data:`~collabopt.engine.gather_round.MAX_PAYLOAD_LIMIT`)."""
+
+    def __init__(self, dht: Any, *, prefix: str, target_group_size: int | None = None, min_group_size: int = 2,
+                 matchmaking_time: float = 5.0, request_timeout: float = 3.0, phase_timeout: float = 5.0,
+                 max_payload_bytes: int = 2**20, start_timeout: float = 60.0):
+        if not prefix or "." in prefix:
+            raise ValueError(f"prefix must be a non-empty string without '.', got {prefix!r} (use the run id)")
+        if min_group_size < 2 or (target_group_size is not None and target_group_size < min_group_size):
+            raise ValueError(f"min_group_size must be >= 2 and target_group_size >= min_group_size, got "
+                             f"{min_group_size} and {target_group_size}")
+        if not (isinstance(max_payload_bytes, int) and 0 < max_payload_bytes <= MAX_PAYLOAD_LIMIT):
+            raise ValueError(f"max_payload_bytes must be an int in 1..{MAX_PAYLOAD_LIMIT} (one message of the "
+                             f"daemon), got {max_payload_bytes!r}")
+        if not phase_timeout > 0:
+            raise ValueError(f"phase_timeout must be positive, got {phase_timeout!r}")
+        self.dht, self.prefix = dht, prefix
+        self.target_group_size, self.min_group_size = target_group_size, min_group_size
+        self.matchmaking_time, self.request_timeout = matchmaking_time, request_timeout
+        self.phase_timeout, self.max_payload_bytes = phase_timeout, max_payload_bytes
+        self.schema = DHTID.generate(source=["collabopt-gather-exchange", 1, max_payload_bytes]).to_bytes()
+        self.servicer = ExchangeServicer(self._matchmaking_for)
+        self.p2p: Any = None
+        self._matchmaking: Matchmaking | None = None
+        self._busy: asyncio.Lock | None = None
+        self._key = swarm_key_of(dht)
+        self._signing_key = Ed25519PrivateKey.generate()  # (a fresh key a process: nothing to store or leak)
+        self._public_key = self._signing_key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        self._start_thread(f"collabopt-exchange-{prefix}", start_timeout)
+
+    async def _start(self) -> None:
+        self._busy = asyncio.Lock()
+        self.p2p = await own_replica(self.dht)
+        await self.servicer.add_p2p_handlers(self.p2p, namespace=self.prefix)
+        self._matchmaking = Matchmaking(
+            self.p2p, self.schema, self.dht, servicer_type=ExchangeServicer, prefix=self.prefix,
+            target_group_size=self.target_group_size, min_group_size=self.min_group_size,
+            min_matchmaking_time=self.matchmaking_time, request_timeout=self.request_timeout, client_mode=False)
+
+    async def _stop(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.servicer.remove_p2p_handlers(self.p2p, namespace=self.prefix)
+        await self._leave(self.p2p)
+
+    def _matchmaking_for(self, schema: bytes) -> Any:
+        return None if schema != self.schema or self._matchmaking is None else \
+            _MemberGate(self._matchmaking, self._key, self.prefix)
+
+    # ---------------------------------------------------------------- rounds
+    def exchange(self, payload: bytes, weight: float = 1.0, timeout: float = 30.0,
+                 gather: Any = None) -> ExchangeResult:
+        """All-gather ``payload`` (with ``weight``, e.g. this peer's sample count) with a group, within ``timeout``
+        seconds for matchmaking, and the round's three phases after it. ``gather``: any msgpack-able value every
+        member receives (``ExchangeResult.gathered``)."""
+        scheduled = self.schedule(timeout=timeout, gather=gather)
+        scheduled.run(payload, weight)
+        return scheduled.result()
+
+    def schedule(self, timeout: float = 30.0, gather: Any = None,
+                 scheduled_time: float | None = None) -> ScheduledExchange:
+        """Begin matchmaking now for a payload that comes later (:meth:`ScheduledExchange.run`): a group forms until
+        ``scheduled_time`` (DHT time; default ``matchmaking_time`` from now); matchmaking and the wait for the
+        payload give up ``timeout`` seconds from now."""
+        if self._closed:
+            raise RuntimeError("this ExchangeService is closed")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        now = get_dht_time()
+        search = _Search(scheduled_time=now + self.matchmaking_time if scheduled_time is None else scheduled_time,
+                         deadline=now + timeout, data_for_gather=self._my_entry(gather))
+        scheduled = ScheduledExchange(self, float(timeout))
+        scheduled._trigger = self._event_loop.create_future()
+        scheduled._future = asyncio.run_coroutine_threadsafe(self._scheduled(scheduled, search), self._event_loop)
+        return scheduled
+
+    def _my_entry(self, gather: Any) -> bytes:
+        token = None if self._key is None else \
+            MemberToken.issue(self._key, self.prefix, self.p2p.peer_id.to_bytes()).to_bytes()
+        return MSGPackSerializer.dumps([True, [gather, self._public_key], token])
+
+    def _group_of(self, group: Any) -> tuple[dict[PeerID, Any], list[bytes]] | str:
+        """What each member gathered and the key it announced; or why the group's gathered data does not do."""
+        members = tuple(group.peer_ids)
+        gathered, keys = {}, []
+        for peer, data in zip(members, group.gathered, strict=True):
+            try:
+                entry = MSGPackSerializer.loads(data)
+                gather, key = entry[1]
+            except Exception as e:  # (a member of another version, or a hostile one)
+                return f"unreadable gathered data of {peer}: {e!r}"
+            if not isinstance(key, bytes) or len(key) != len(self._public_key):
+                return f"{peer} announced no Ed25519 key"
+            if self._key is not None and (refusal := _token_refusal(entry, self._key, self.prefix,
+                                                                    peer.to_bytes())) is not None:
+                return f"{peer} of this group is no member of the swarm ({refusal})"
+            gathered[peer] = gather
+            keys.append(key)
+        return gathered, keys
+
+    async def _scheduled(self, scheduled: ScheduledExchange, search: _Search) -> ExchangeResult:
+        assert self._busy is not None and self._matchmaking is not None and scheduled._trigger is not None
+        start = time.monotonic()
+        async with self._busy:  # (one matchmaking at a time; a round may overlap the next one's)
+            try:
+                group = await self._matchmaking.look_for_group(search)
+            except Exception as e:
+                return ExchangeResult(None, (), (), {}, f"matchmaking failed: {e!r}")
+        if group is None:
+            return ExchangeResult(None, (), (), {}, f"no group assembled within {scheduled.timeout:.1f} s")
+        members = scheduled.group = tuple(group.peer_ids)
+        known = self._group_of(group)
+        if isinstance(known, str):
+            return ExchangeResult(None, (), members, {}, known)
+        gathered, keys = known
+        try:  # (registered now: the others' offers may come before this member's payload)
+            round_ = ExchangeRound(group_id=group.group_id, members=members, me=members.index(self.p2p.peer_id),
+                                   keys=keys, signing_key=self._signing_key, stub_for=self._stub_for,
+                                   phase_timeout=self.phase_timeout, max_payload_bytes=self.max_payload_bytes)
+        except Exception as e:  # (this member not in the list, or a key that is none: a hostile leader)
+            return ExchangeResult(None, (), members, gathered, f"the group's data does not do: {e!r}")
+        self.servicer.rounds[group.group_id] = round_
+        try:
+            try:
+                payload, weight = await asyncio.wait_for(asyncio.shield(scheduled._trigger),
+                                                         max(0.0, start + scheduled.timeout - time.monotonic()))
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                return ExchangeResult(None, (), members, gathered, "this member handed no payload to its group")
+            began = time.monotonic()
+            try:
+                decision, reason = await round_.run(payload, weight, began)
+            except Exception as e:  # (a bug, or a member's data no check caught: an outcome, never a raise)
+                decision, reason = None, f"round failed: {e!r}"
+        finally:  # (the others may still fetch from this member and confirm to it)
+            self._event_loop.call_later(self.phase_timeout, self._unregister, group.group_id, round_)
+        excluded = () if decision is None else tuple(members[m] for m in decision.excluded)
+        applied = None if reason is not None or decision is None else tuple(
+            Contribution(members[s], round_.payloads[s][d], w, d) for s, d, w in decision.applied)
+        return ExchangeResult(applied, excluded, members, gathered, reason, round_.sent_bytes,
+                              round_.received_bytes, time.monotonic() - began)
+
+    def _unregister(self, group_id: bytes, round_: ExchangeRound) -> None:
+        if self.servicer.rounds.get(group_id) is round_:
+            del self.servicer.rounds[group_id]
+
+    def _stub_for(self, peer: PeerID) -> Any:
+        return ExchangeServicer.get_stub(self.p2p, peer, namespace=self.prefix)
+
+
+class ScheduledExchange:
+    """An exchange of :meth:`ExchangeService.schedule`: matchmaking runs, the round waits for :meth:`run`.
+    ``group``: the members, once assembled (None before)."""
+
+    def __init__(self, service: ExchangeService, timeout: float):
+        self.service, self.timeout = service, timeout
+        self.group: tuple[PeerID, ...] | None = None
+        self.triggered = False
+        self._future: Any = None
+        self._trigger: asyncio.Future | None = None
+
+    def run(self, payload: bytes, weight: float = 1.0) -> None:
+        """Hand this member's ``payload`` and ``weight`` to the round. Once only."""
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise ValueError(f"payload must be bytes, got {type(payload).__name__}")
+        if len(payload) > self.service.max_payload_bytes:
+            raise ValueError(f"payload is {len(payload)} bytes, over max_payload_bytes="
+                             f"{self.service.max_payload_bytes} (raise it, up to {MAX_PAYLOAD_LIMIT})")
+        if not _is_weight(weight):
+            raise ValueError(f"weight must be a finite number >= 0, got {weight!r}")
+        if self.triggered:
+            raise RuntimeError("this exchange has its payload already")
+        self.triggered = True
+        value = (bytes(payload), float(weight))
+        self.service._event_loop.call_soon_threadsafe(self._set_trigger, value)
+
+    def _set_trigger(self, value: Any) -> None:
+        if self._trigger is not None and not self._trigger.done():
+            self._trigger.set_result(value)
+
+    def cancel(self) -> None:
+        """Leave: matchmaking stops; a group already assembled goes on without this member."""
+        self.triggered = True
+        self.service._event_loop.call_soon_threadsafe(self._leave)
+
+    def _leave(self) -> None:
+        if self.group is None:
+            self._future.cancel()
+        elif self._trigger is not None and not self._trigger.done():
+            self._trigger.cancel()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> ExchangeResult:
+        """The exchange's result (waits up to ``timeout``, default: as long as the exchange may take)."""
+        if timeout is None:
+            timeout = self.timeout + 3 * self.service.phase_timeout + 30
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.CancelledError:
+            return ExchangeResult(None, (), self.group or (), {}, "cancelled")
+
+
+__all__ = ["Contribution", "ExchangeResult", "ExchangeService", "ScheduledExchange"]
