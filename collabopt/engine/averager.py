@@ -220,7 +220,7 @@ class AveragingService(ServiceThread):
             return AveragingResult(None, (), {}, None, f"no group assembled within {scheduled.timeout:.1f} s")
         members = tuple(group.peer_ids)
         scheduled.group = members
-        self._hints.add(member for member in members if member != self.p2p.peer_id)
+        self._hints.add(members)  # (the peers met: SearchDHT asks them directly, never this peer itself)
         if self.on_group is not None:
             self.on_group(members)
         try:

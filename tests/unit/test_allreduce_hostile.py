@@ -210,6 +210,7 @@ def test_a_round_that_fails_after_its_group_formed_is_an_outcome_not_a_raise():
 
     async def main():
         service = SimpleNamespace(_busy=asyncio.Lock(), _my_entry=lambda gather: entry, on_group=None,
+                                  _hints=averager.PeerHints(),
                                   _matchmaker=lambda schema: SimpleNamespace(look_for_group=look_for_group),
                                   _refusal=lambda members, entries: None)
         trigger = asyncio.get_running_loop().create_future()
