@@ -63,8 +63,9 @@ QUICK: dict[str, Any] = {
     "b4": dict(FULL["b4"], params=300_000, width=256, epochs=1, modes=["plain torch", "none", "reuse"]),
     "b3": dict(FULL["b3"], compute_seconds=0.05, steps_per_epoch=30, warmup_epochs=1, measure_seconds=4,
                max_seconds=60, cases=[dict(peers=2, mbit=100, params=200_000, variant="no overlap")]),
+    # B5's two cases at once (each swarm's peers mostly wait for their rounds; one after the other they took 21 s)
     "b5": dict(FULL["b5"], params=100_000, width=256, compute_seconds=0.05, matchmaking_time=1.0, measure_epochs=2,
-               max_seconds=90,
+               max_seconds=90, cases_at_once=True,
                cases=[dict(peers=3, variant=variant, epoch_factor=2) for variant in ("default", "overlap")]),
 }
 
