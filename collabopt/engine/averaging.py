@@ -28,6 +28,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from collabopt.engine.gradient_rounds import GradientRounds
+from collabopt.engine.powersgd_rounds import PowerSGDRounds, powersgd_options
 from collabopt.engine.streams import MemberStub, serve_until_the_sender_closes
 
 
@@ -35,10 +36,16 @@ def gradient_averager_factory(factory: Callable[..., Any] | None, request_timeou
                               **options: Any) -> Callable[..., Any]:
     """The synchronous loop's gradient averager: without a factory of the user's, collabopt's gradient rounds
     (:class:`~collabopt.engine.gradient_rounds.GradientRounds`, aggregating as ``options`` say: those of
-    :func:`~collabopt.engine.robust_averaging.aggregation_options`). hivemind 1.1.12 hands ``averager_opts`` to its
-    state averager only: give the gradient averager the same join-request timeout, where one is set."""
+    :func:`~collabopt.engine.robust_averaging.aggregation_options`); with hivemind's ``PowerSGDGradientAverager``
+    (the class or a ``functools.partial`` of it), collabopt's PowerSGD rounds with its options
+    (:mod:`collabopt.engine.powersgd_rounds`); any other factory's averager, as it is. hivemind 1.1.12 hands
+    ``averager_opts`` to its state averager only: give the gradient averager the same join-request timeout, where one
+    is set."""
     extra = dict(options) if request_timeout is None else dict(options, request_timeout=request_timeout)
-    if factory is not None:  # (a hivemind averager of the user's, e.g. PowerSGDGradientAverager)
+    powersgd = None if factory is None else powersgd_options(factory)
+    if powersgd is not None:
+        return functools.partial(PowerSGDRounds, **dict(powersgd, **extra))
+    if factory is not None:  # (a hivemind averager of the user's: an instance of hivemind's class)
         return functools.partial(factory, **extra)
     aggregation = "centered_clip" if extra.pop("cap_gathered", None) is not None else "mean"
     extra.pop("part_reducer", None)

@@ -20,8 +20,8 @@ Rules, and why:
   gradients. Whether the round counts is :func:`collabopt.engine.protocol.sync_round`'s, from :attr:`GradientRound.
   evidence`.
 * Its interface is the part of hivemind's ``GradientAverager`` the loop uses (``step``, ``schedule_step``,
-  ``get_tensors``...), so that a user's ``grad_averager_factory`` (e.g. hivemind's ``PowerSGDGradientAverager``)
-  still plugs in as an instance of hivemind's class.
+  ``get_tensors``...), so that a user's ``grad_averager_factory`` still plugs in as an instance of hivemind's class
+  (hivemind's ``PowerSGDGradientAverager`` runs as collabopt's own: :mod:`collabopt.engine.powersgd_rounds`).
 """
 
 from __future__ import annotations

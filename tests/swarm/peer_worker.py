@@ -237,6 +237,12 @@ def main(config_path: str) -> None:
 
         options["grad_compression"] = {"fp16": Float16Compression, "8bit": Uniform8BitQuantization}[
             cfg["grad_compression"]]()
+    if cfg.get("powersgd_rank"):  # PowerSGD as users write it (collabopt runs its own PowerSGD round for it)
+        from functools import partial
+
+        from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
+
+        options["grad_averager_factory"] = partial(PowerSGDGradientAverager, averager_rank=cfg["powersgd_rank"])
     count_mode = cfg.get("count", "forward")  # forward | batch | batch_size
     accumulate = cfg.get("accumulate", 1)
     epochs = cfg["epochs"]

@@ -18,7 +18,7 @@ ENGINE_LAYERS = [
     {"p2p", "records", "replicas", "progress", "averaging", "robust_averaging", "state", "member_checks",
      "download_votes", "download_challenge", "progress_records", "allreduce", "averager", "round_schema",
      "state_service", "downloads", "gather_round", "gather_exchange",
-     "model_records", "gradient_rounds"},
+     "model_records", "gradient_rounds", "powersgd_rounds"},
     {"loop"},
     {"lineage_check", "sync_download", "sync_round"},
     {"diloco_averaging", "diloco_round"},
