@@ -19,6 +19,7 @@ from typing import Any
 
 PREFIX = "conet"
 SUBNET = "10.213.7"  # 10.213.7.0/24, private, exists only inside our namespaces
+RESERVED_SUBNET = "192.0.2"  # TEST-NET-1 (RFC 5737), as on machines whose only address lies in a reserved range
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -62,24 +63,27 @@ class TestNet:
     """``n`` peer namespaces (``.peers[i]`` with address ``.addr[i]``) plus one unlimited namespace for a bootstrap.
 
     ``rate_mbit`` limits each peer's upload and download (tbf on both ends of its link): one rate for all, or one
-    per peer (``None``: unlimited). Each peer in ``nat`` sits behind a router namespace of its own that masquerades
-    its outgoing connections and drops every incoming one: ``.addr[i]`` is then its private address (10.213.1xx.2,
-    unknown to the others), ``.public_addr[i]`` the router's address the others see.
+    per peer (``None``: unlimited). ``subnet``: the first three octets of the addresses on the bridge (a /24 that
+    exists only in these namespaces; ``RESERVED_SUBNET``: a reserved range, as on some machines). Each peer in ``nat``
+    sits behind a router namespace of its own that masquerades its outgoing connections and drops every incoming
+    one: ``.addr[i]`` is then its private address (10.213.1xx.2, unknown to the others), ``.public_addr[i]`` the
+    router's address the others see.
     """
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, n: int, rate_mbit: float | list[float | None] | None = None, nat: list[int] | tuple = ()):
+    def __init__(self, n: int, rate_mbit: float | list[float | None] | None = None, nat: list[int] | tuple = (),
+                 subnet: str = SUBNET):
         self.tag = f"{PREFIX}{os.getpid()}"
         self.hub = f"{self.tag}h"
         self.peers = [f"{self.tag}p{i}" for i in range(n)]
         self.bootstrap = f"{self.tag}b"
-        self.public_addr = [f"{SUBNET}.{i + 10}" for i in range(n)]
+        self.public_addr = [f"{subnet}.{i + 10}" for i in range(n)]
         self.nat = sorted(set(nat))
         if any(not 0 <= i < n for i in self.nat):
             raise ValueError(f"nat={list(nat)}: peer indices must be in 0..{n - 1}")
         self.addr = [_private_addr(i) if i in self.nat else self.public_addr[i] for i in range(n)]
-        self.bootstrap_addr = f"{SUBNET}.2"
+        self.bootstrap_addr = f"{subnet}.2"
         self.rates = list(rate_mbit) if isinstance(rate_mbit, (list, tuple)) else [rate_mbit] * n
         self._created: list[str] = []
         self._old_handlers: dict[int, Any] = {}

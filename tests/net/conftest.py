@@ -43,13 +43,13 @@ def require_testnet(nat: bool = False) -> None:
 
 @pytest.fixture
 def make_net():
-    """``make_net(n, rate_mbit, nat)``: a TestNet of ``n`` peer namespaces (those in ``nat`` behind NAT), removed
-    after the test."""
+    """``make_net(n, rate_mbit, nat, subnet)``: a TestNet of ``n`` peer namespaces (those in ``nat`` behind NAT),
+    removed after the test."""
     nets = []
 
-    def make(n: int, rate_mbit=None, nat=()) -> testnet.TestNet:
+    def make(n: int, rate_mbit=None, nat=(), subnet: str = testnet.SUBNET) -> testnet.TestNet:
         require_testnet(nat=bool(nat))
-        net = testnet.TestNet(n, rate_mbit, nat)
+        net = testnet.TestNet(n, rate_mbit, nat, subnet=subnet)
         nets.append(net)
         return net.__enter__()
 
