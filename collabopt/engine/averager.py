@@ -148,12 +148,14 @@ class AveragingService(ServiceThread):
 
     def schedule(self, template: Sequence[torch.Tensor], timeout: float = 30.0, gather: Any = None,
                  scheduled_time: float | None = None,
-                 contributes: Callable[[dict[PeerID, Any]], bool] | None = None) -> ScheduledRound:
+                 contributes: Callable[[dict[PeerID, Any]], bool] | None = None,
+                 target_group_size: Any = ...) -> ScheduledRound:
         """Begin a round now whose tensors come later (:meth:`ScheduledRound.run`): matchmaking assembles a group
         for tensors shaped like ``template`` until ``scheduled_time`` (DHT time; default: ``matchmaking_time`` from
         now) and gives up ``timeout`` seconds from now; the all-reduce begins once the group is assembled and the
         tensors are handed over. ``contributes(gathered)``: asked once the group is known; False: this member takes
-        part with weight 0 and zeros (its values must not count in this group, e.g. they belong to another epoch)."""
+        part with weight 0 and zeros (its values must not count in this group, e.g. they belong to another epoch).
+        ``target_group_size``: this round's (default: the service's)."""
         if self._closed:
             raise RuntimeError("this AveragingService is closed")
         _check_tensors(template)
@@ -167,7 +169,9 @@ class AveragingService(ServiceThread):
         scheduled = ScheduledRound(self, shapes, float(timeout))
         scheduled._trigger = self._event_loop.create_future()  # (set and read in the service's thread only)
         scheduled._future = asyncio.run_coroutine_threadsafe(
-            self._scheduled(scheduled, schema, search, gather, contributes), self._event_loop)
+            self._scheduled(scheduled, schema, search, gather, contributes,
+                            self.target_group_size if target_group_size is ... else target_group_size),
+            self._event_loop)
         return scheduled
 
     def _matchmaking_for(self, schema_hash: bytes) -> Any:
@@ -207,13 +211,16 @@ class AveragingService(ServiceThread):
         return MSGPackSerializer.dumps([not self.client_mode, gather, token])
 
     async def _scheduled(self, scheduled: ScheduledRound, schema: bytes, search: _Search, gather: Any,
-                         contributes: Callable[[dict[PeerID, Any]], bool] | None) -> AveragingResult:
+                         contributes: Callable[[dict[PeerID, Any]], bool] | None,
+                         target_group_size: int | None = None) -> AveragingResult:
         assert self._busy is not None
         start = time.monotonic()
         search.data_for_gather = self._my_entry(gather)
         async with self._busy:  # (one matchmaking at a time; an all-reduce may overlap the next one's)
             try:
-                group = await self._matchmaker(schema).look_for_group(search)
+                matchmaking = self._matchmaker(schema)
+                matchmaking.target_group_size = target_group_size
+                group = await matchmaking.look_for_group(search)
             except Exception as e:
                 return AveragingResult(None, (), {}, None, f"matchmaking failed: {e!r}")
         if group is None:
@@ -317,6 +324,10 @@ class ScheduledRound:
 
     def done(self) -> bool:
         return self._future.done()
+
+    def on_done(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once the round ends (in the service's thread; at once where it has)."""
+        self._future.add_done_callback(lambda _: callback())
 
     def result(self, timeout: float | None = None) -> AveragingResult:
         """The round's result (waits up to ``timeout``, default: as long as the round may take)."""

@@ -1,7 +1,8 @@
 """The hivemind versions collabopt supports, and the small facts about hivemind the rest of the package asks.
 
-collabopt's engine composes hivemind's parts and, at documented seams, subclasses a few of them; those seams were
-written against the versions below. A hivemind upgrade starts here: add the version once the suite passes with it.
+collabopt's engine composes hivemind's parts and subclasses only its designed extension points (record validators,
+authorizers, servicers); those seams were written against the versions below. A hivemind upgrade starts here: add
+the version once the suite passes with it.
 """
 
 from __future__ import annotations
@@ -25,48 +26,25 @@ except ImportError:  # pragma: no cover - older layouts
 SUPPORTED_HIVEMIND = ("1.1.12",)
 HIVEMIND_REQUEST_TIMEOUT = 3.0  # hivemind's default averager request_timeout (seconds)
 
-# The seams: every hivemind method that a class of collabopt's overrides, or that reads a module global which
-# collabopt's averager processes replace (those also in SEAM_READS), with the SHA-256 (first 12 hex digits) of its
+# The seams: every hivemind method that a class of collabopt's overrides, with the SHA-256 (first 12 hex digits) of its
 # source in the supported versions. tests/unit/test_seams.py checks that the list is complete and that the installed
 # hivemind's sources still hash to these: a release that changes one names it here, and collabopt's override is
 # reviewed against the new source before the digest is updated (docs/development.md, "Upgrading hivemind").
 SEAMS: dict[str, str] = {
-    "hivemind.averaging.allreduce.AllReduceRunner.__init__": "597a0c8dbbea",
-    "hivemind.averaging.averager.DecentralizedAverager._aggregate_with_group": "c297d8a435ce",
-    "hivemind.averaging.averager.DecentralizedAverager._run_allreduce_inplace_": "914d57cffc7d",
-    "hivemind.averaging.averager.DecentralizedAverager._run_internal": "8f85686e1ccd",
-    "hivemind.averaging.averager.DecentralizedAverager._step": "dfbb4416e9eb",
-    "hivemind.averaging.averager.DecentralizedAverager.rpc_aggregate_part": "06ad9597d588",
-    "hivemind.averaging.averager.DecentralizedAverager.run": "56590878daa9",
-    "hivemind.averaging.key_manager.GroupKeyManager.__init__": "853cbc97b338",
-    "hivemind.averaging.key_manager.GroupKeyManager.declare_averager": "3df3ecf507a8",
-    "hivemind.averaging.matchmaking.Matchmaking.__init__": "40dea3076c71",
-    "hivemind.averaging.matchmaking.Matchmaking._check_reasons_to_reject": "c694e8194862",
-    "hivemind.averaging.partition.TensorPartReducer.finalize": "dded462a1187",
-    "hivemind.averaging.partition.TensorPartReducer.reset_accumulators": "5d3dc36f344a",
     "hivemind.dht.validation.RecordValidatorBase.merge_with": "c98abae78e86",
     "hivemind.dht.validation.RecordValidatorBase.priority": "5daab08584a8",
     "hivemind.dht.validation.RecordValidatorBase.validate": "c9c52593d961",
-    "hivemind.optim.state_averager.TrainingStateAverager.__init__": "97f573400a46",
-    "hivemind.optim.state_averager.TrainingStateAverager._apply_averaging_results_": "32b49f6bd708",
-    "hivemind.optim.state_averager.TrainingStateAverager._do": "0b1896170cc6",
-    "hivemind.optim.state_averager.TrainingStateAverager.step": "c68d9335d0cc",
     "hivemind.p2p.servicer.ServicerBase._get_handle_name": "d3e13c74c5e5",
-    "hivemind.p2p.servicer.ServicerBase.get_stub": "f3e329ffb8ac",
     "hivemind.utils.auth.AuthorizerBase.sign_request": "7490d0f663d0",
     "hivemind.utils.auth.AuthorizerBase.sign_response": "9b9de6bf394d",
     "hivemind.utils.auth.AuthorizerBase.validate_request": "e22167cf5320",
     "hivemind.utils.auth.AuthorizerBase.validate_response": "2b380d477608",
 }
-# the seams that collabopt reads rather than overrides: the hivemind method, the module global it reads
-SEAM_READS: dict[str, str] = {
-    "hivemind.averaging.allreduce.AllReduceRunner.__init__": "allreduce.TensorPartReducer",
-    "hivemind.averaging.averager.DecentralizedAverager._run_allreduce_inplace_": "averager.AllReduceRunner",
-    "hivemind.averaging.averager.DecentralizedAverager._run_internal": "averager.Matchmaking",
-    "hivemind.averaging.matchmaking.Matchmaking.__init__": "matchmaking.GroupKeyManager",
-}
+# the seams that collabopt reads rather than overrides: the hivemind method, the module global it reads (none:
+# collabopt's averaging services replace no module global of hivemind's)
+SEAM_READS: dict[str, str] = {}
 
-__all__ = ["HIVEMIND_REQUEST_TIMEOUT", "SEAMS", "SEAM_READS", "SUPPORTED_HIVEMIND", "Multiaddr", "SameHandlers",
+__all__ = ["HIVEMIND_REQUEST_TIMEOUT", "SEAMS", "SEAM_READS", "SUPPORTED_HIVEMIND", "Multiaddr",
            "changed_seams", "check_compression", "dht_time", "hivemind_supported", "is_dht", "is_hivemind_object",
            "optimizer_parameter_names", "seam_digest", "versions"]
 
@@ -127,23 +105,3 @@ def versions() -> dict[str, str]:
 
     return dict(collabopt=__version__, hivemind=hivemind.__version__, torch=torch.__version__.split("+")[0],
                 python=platform.python_version())
-
-
-class SameHandlers:
-    """A mixin for subclasses of a hivemind averager: serve and call its RPCs under the names of hivemind's class.
-    hivemind names a servicer's handlers after its class (``ServicerBase._get_handle_name``): a subclass would
-    answer only peers running the same subclass (no round, no state download with plain hivemind or an older
-    collabopt). See docs/decisions.md, "Handlers under hivemind's names".
-
-    ``served_elsewhere``: RPCs a collabopt service serves under hivemind's name instead (the state service's
-    download); the averager's own handler of that name is registered under an unused one, as p2pd takes one handler
-    per name."""
-
-    served_elsewhere: tuple[str, ...] = ()
-
-    @classmethod
-    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
-        hivemind_class = next(base for base in cls.__mro__ if base.__module__.startswith("hivemind."))
-        owner = "collabopt.ServedElsewhere" if method_name in cls.served_elsewhere else hivemind_class.__name__
-        handle_name = f"{owner}.{method_name}"
-        return handle_name if namespace is None else f"{namespace}::{handle_name}"

@@ -60,6 +60,8 @@ class DiLoCoLoop(PeerLoop):
     (:meth:`collabopt.diloco.DiLoCo.run_round`) ends the global epoch. Also the :class:`collabopt.diloco.RoundSwarm`
     the round runs on."""
 
+    averages_parameters = False  # (its rounds are the pseudo-gradients')
+
     def __init__(self, *, diloco: Any, **kwargs: Any):
         self.diloco = diloco
         self._in_flight: Any = None  # overlap: the ScheduledRound whose all-reduce is running

@@ -86,7 +86,7 @@ def out_of_sync(optimizer: Any) -> bool:
 def hint_state_group(optimizer: Any, control: Any) -> None:
     """After a boundary's gradient round (``control``): if every peer present in the swarm (:func:`present_peers`)
     was in it, tell the state averager to expect that many peers in the parameter averaging that follows (see
-    ``ConsistentStateAverager._size_next_group``); otherwise (a failed round, groups split under load) no hint,
+    ``ParameterRounds.group_size``); otherwise (a failed round, groups split under load) no hint,
     since one too small makes a peer that finds the group full wait until ``averaging_timeout``. See
     docs/decisions.md, "Group size hint"."""
     hint = None  # (a delayed gradient round ends after the state round's matchmaking began: no hint)

@@ -37,6 +37,7 @@ class PeerLoop:
     """
 
     model_check: ModelCheck | None = None  # this peer's model record, and the check before its first round
+    averages_parameters = True  # the mode has parameter rounds (DiLoCo: none)
 
     def __init__(self, *, dht: Any, run_id: str, target_batch_size: int, optimizer: Any, params: Any = None,
                  scheduler: Any = None, batch_size_per_step: int | None = None, matchmaking_time: float = 15.0,
@@ -98,10 +99,10 @@ class PeerLoop:
             kwargs["reuse_tensors"] = True
         return ConsistentStateAverager(
             dht=self.dht, prefix=f"{self.run_id}_state_averager", min_matchmaking_time=self.matchmaking_time,
-            allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
-            offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
-            status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
-            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
+            allreduce_timeout=self.allreduce_timeout, offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer, status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout, client_mode=self.client_mode, auxiliary=self.auxiliary,
+            parameter_rounds=self.averages_parameters, **kwargs)
 
     def _make_gradient_averager(self, factory: Any, **kwargs: Any) -> Any:
         averager = (factory or GradientAverager)(

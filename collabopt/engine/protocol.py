@@ -9,7 +9,9 @@ happened and what to do next. The rest of the engine gathers the evidence and ex
 - a synchronous boundary: :func:`sync_boundary` (a peer two or more epochs behind downloads instead), then
   :func:`sync_round` (the gradient round's group, the lineage check, the share of the average that arrived), and
   within the round :func:`sync_contributes` (a member's epoch) and :func:`sync_gradients` (whether the average is used);
-- a DiLoCo round: :func:`diloco_round` (quorum, one anchor, a finite average, a partial all-reduce);
+- a synchronous parameter round: :func:`parameter_round` (whether its average replaces this peer's parameters);
+- a DiLoCo round: :func:`diloco_round` (quorum, one anchor, a finite average, a partial all-reduce; in
+  :mod:`collabopt.engine.protocol_diloco`);
 - the core's non-finite guard amends either outcome: :func:`guard_amended`.
 
     >>> sync_round(SyncRoundEvidence(epoch=4, num_peers=3)).outcome.reason
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from collabopt import lineage
-from collabopt.diloco_metadata import agrees_with_group
+from collabopt.engine.protocol_diloco import DiLoCoDecision, DiLoCoRoundEvidence, diloco_contributes, diloco_round
 from collabopt.interface import RoundOutcome
 
 # a gradient round's reasons after which this peer averages no parameters at its boundary (they would mix lineages)
@@ -282,103 +284,39 @@ def verdict_text(verdict: lineage.Verdict, group: Mapping[Hashable, Any], epoch:
             f"gradient round at epoch {epoch} (they trained apart, e.g. across a network partition)")
 
 
-# ---------------------------------------------------------------------------------------------- the DiLoCo round
+# --------------------------------------------------------------------------------------- the parameter round
 
 
 @dataclass(frozen=True)
-class DiLoCoRoundEvidence:
-    """What a DiLoCo round left on this peer.
+class ParameterRoundEvidence:
+    """What a parameter round left on this peer: ``error`` (why no average came; empty: it came), the
+    ``group_size``, whether this peer's values are in it (``contributed``: its epoch is its group's, weight above 0)
+    and the share of the average that arrived (``received``)."""
 
-    Attributes:
-        epoch, num_peers: the round's epoch, and the swarm's size this peer counted (at the round's start).
-        weight: the samples its pseudo-gradient weighs (0: refused as non-finite, or nothing trained).
-        sent: the round metadata this peer sent (epoch, anchor fingerprint).
-        me: its id as ``group`` names it.
-        group: what each member gathered (``{peer: round metadata}``); None: no group (alone, or see ``error``).
-        error: why no all-reduce ran (no group, a member refused, a timeout); empty: it ran.
-        received: the share of the average whose result arrived here (see ``RoundEvidence`` in engine/allreduce.py).
-        included: the share of those results that hold this peer's values (above 0: its pseudo-gradient reached them).
-        average_finite: the averaged pseudo-gradient is finite.
-        needs_sync: a download was owed before this round.
-        overlapped: the round ran in the background (``overlap_rounds``): the epoch moved on when it started.
-    """
-
-    epoch: int
-    num_peers: int
-    weight: float
-    sent: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    me: Hashable = None
-    group: Mapping[Hashable, Any] | None = None
     error: str = ""
+    group_size: int = 0
+    contributed: bool = True
     received: float = 1.0
-    included: float = 1.0
-    average_finite: bool = True
-    needs_sync: bool = False
-    overlapped: bool = False
 
 
 @dataclass(frozen=True)
-class DiLoCoDecision:
-    """A DiLoCo round's outcome and what this peer does next: ``needs_sync``: download the swarm's state before
-    its next round (keeping its progress); ``may_have_delivered``: its pseudo-gradient may have reached a group that
-    applied the round (a download tells); ``nonfinite_average``: the guard counts a refused round."""
+class ParameterDecision:
+    """Whether the average replaces this peer's parameters (``install``), and why not (``detail``)."""
 
-    outcome: RoundOutcome
-    needs_sync: bool = False
-    may_have_delivered: bool = False
-    nonfinite_average: bool = False
+    install: bool
+    detail: str = ""
 
 
-def diloco_round(e: DiLoCoRoundEvidence) -> DiLoCoDecision:
-    """A DiLoCo round is applied only if it is sound: every part of the average arrived, the group holds more than
-    half of the peers this peer counts (no split brain), its peers held the same anchor at the same epoch, and the
-    average is finite; alone, if it trained. Otherwise its progress stays for its next round, and it downloads the
-    swarm's state first where the others may have applied the round: its anchor differed, part of the average did
-    not arrive while results holding its pseudo-gradient did, or (overlapped) the epoch it would tell by moved on.
-
-    The anchor is judged on what the group gathered from this peer (``sent`` where that is missing), as
-    :func:`diloco_contributes` judged it before the all-reduce: a peer whose anchor is not the group's takes part
-    with weight 0, so that a round holds only the pseudo-gradients of the members that apply it."""
-    needs_sync, delivered, nonfinite = e.needs_sync, False, False
-    n, weight = e.num_peers, e.weight
-    if e.group is None and not e.error:
-        outcome = (RoundOutcome(True, "alone", 1, weight, 1) if weight != 0
-                   else RoundOutcome(False, "nothing to apply", weight=weight))
-    elif e.error or e.received < 1.0:  # (part of the average missing: delivered where its values are in the rest)
-        detail = e.error or f"{100 * e.received:.1f}% of the average arrived"
-        outcome = RoundOutcome(False, "averaging failed", weight=weight, num_peers=n, detail=detail)
-        delivered = not e.error and weight > 0 and e.included > 0
-    else:
-        group = dict(e.group or {})
-        size, sent = len(group), e.sent
-        if isinstance(group.get(e.me), dict) and "anchor" in group[e.me]:
-            sent = group[e.me]
-        if 2 * size <= n:
-            outcome = RoundOutcome(False, "no quorum", size, weight, n, detail=f"{size} of {n} peers averaged")
-        elif not agrees_with_group(dict(sent), list(group.values())):
-            needs_sync = True
-            outcome = RoundOutcome(False, "anchor differs", size, weight, n,
-                                   detail="this peer's anchor differs from its group's")
-        elif not e.average_finite:
-            nonfinite = True
-            outcome = RoundOutcome(False, "non-finite average", size, weight, n)
-        else:
-            outcome = RoundOutcome(True, "averaged", size, weight, n)
-    if not outcome.applied and e.overlapped:  # its epoch no longer tells whether the others applied it
-        needs_sync = needs_sync or n > 1
-    needs_sync = needs_sync or delivered
-    outcome = dataclasses.replace(outcome, epoch=e.epoch, resync=needs_sync)
-    return DiLoCoDecision(outcome, needs_sync, delivered, nonfinite)
-
-
-def diloco_contributes(group: Mapping[Hashable, Any], me: Hashable) -> bool:
-    """Whether this peer's pseudo-gradient goes into its group's round (else: weight 0 and zeros): only if its
-    anchor is the group's (as :func:`diloco_round` judges after it): a peer that will not apply a round must not move
-    the others'. True where it cannot tell (malformed metadata: the verdict after the round decides)."""
-    try:
-        return agrees_with_group(group[me], list(group.values()))
-    except Exception:
-        return True
+def parameter_round(e: ParameterRoundEvidence) -> ParameterDecision:
+    """A parameter round's average is installed only where it is whole and holds this peer's values; otherwise this
+    peer keeps its own parameters (another epoch's average, or one in part, would move it away from its group)."""
+    if e.error:
+        return ParameterDecision(False, e.error)
+    if not e.contributed:
+        return ParameterDecision(False, "this peer's values are not in its group's average (another epoch, or none)")
+    if e.received < 1.0:
+        return ParameterDecision(False, f"{100 * e.received:.1f}% of the average arrived")
+    return ParameterDecision(True)
 
 
 # ------------------------------------------------------------------------------------------------ both modes
@@ -395,6 +333,7 @@ def guard_amended(outcome: RoundOutcome, gradients_refused: bool, parameters_res
 
 
 __all__ = ["DOWNLOAD_REASONS", "REFUSING_REASONS", "DiLoCoDecision", "DiLoCoRoundEvidence", "DiLoCoStepEvidence",
-           "StepDecision", "SwarmView", "SyncDecision", "SyncRoundEvidence", "SyncStepEvidence", "averages_parameters",
-           "group_epoch", "sync_contributes", "sync_gradients", "diloco_contributes", "diloco_round", "diloco_step",
-           "guard_amended", "step_accepted", "sync_boundary", "sync_round", "sync_step", "verdict_text"]
+           "ParameterDecision", "ParameterRoundEvidence", "StepDecision", "SwarmView", "SyncDecision",
+           "SyncRoundEvidence", "SyncStepEvidence", "averages_parameters", "diloco_contributes", "diloco_round",
+           "diloco_step", "group_epoch", "guard_amended", "parameter_round", "step_accepted", "sync_boundary",
+           "sync_contributes", "sync_gradients", "sync_round", "sync_step", "verdict_text"]

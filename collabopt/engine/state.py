@@ -1,28 +1,29 @@
-"""This peer's training state: parameters, optimizer statistics, epoch, scheduler, and their parameter rounds.
+"""This peer's training state as the swarm sees it: the state it serves, the downloads it installs, and the
+answers to download challenges.
 
-:class:`ConsistentStateAverager` is hivemind's state averager, giving the state it serves an epoch and tensors that
-belong together, sizing the parameter-averaging group from the gradient round, and installing downloaded states.
-Serving and downloading are collabopt's state service (:mod:`collabopt.engine.state_service`,
-:mod:`collabopt.engine.downloads`).
+:class:`ConsistentStateAverager` is collabopt's training state (:class:`~collabopt.engine.training_state.
+TrainingState`, with its parameter rounds), giving the state it serves an epoch and tensors that belong together in
+hivemind's layout, and installing downloaded states. Serving and downloading are collabopt's state service
+(:mod:`collabopt.engine.state_service`, :mod:`collabopt.engine.downloads`).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from hivemind.optim.state_averager import TrainingStateAverager, load_optimizer_state
+from hivemind.compression import CompressionBase, CompressionInfo, NoCompression, TensorRole
+from hivemind.optim.state_averager import dump_optimizer_state, load_optimizer_state
 
-from collabopt.engine.averaging import ShieldedReducers
-from collabopt.engine.compat import HIVEMIND_REQUEST_TIMEOUT, SameHandlers
+from collabopt.engine.compat import HIVEMIND_REQUEST_TIMEOUT
 from collabopt.engine.download_votes import DownloadVotes
-from collabopt.engine.member_checks import MemberChecks
+from collabopt.engine.parameter_rounds import NoRounds, ParameterRound, ParameterRounds
+from collabopt.engine.training_state import TrainingState
 
 logger = logging.getLogger(__name__)
 
@@ -58,135 +59,113 @@ def averages_parameters_in_place(optimizer: Any, arguments: dict[str, Any]) -> b
                                  for t in tensors)
 
 
-class _EventThatCalls(threading.Event):
-    """A ``threading.Event`` that calls ``before_set`` each time it is set."""
-
-    def __init__(self, before_set: Callable[[], None]):
-        super().__init__()
-        self._before_set = before_set
-
-    def set(self) -> None:
-        self._before_set()
-        super().set()
-
-
 SERVE_WAIT_SHARE = 0.5  # of the downloader's chunk timeout (taken as this peer's), a download waits out a boundary
 DECLINED: tuple[dict, list, list] = ({}, [], [])  # no tensors: hivemind sends nothing, the next peer is tried
 STEP_WAIT = 1.0  # seconds a challenge's copy of the parameters waits for an optimizer step to end
 
 
-class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, TrainingStateAverager):
-    """hivemind's state averager, whose state the state service serves (:meth:`served_state`) and whose downloads
-    it installs (:meth:`install_state`). With ``verify_downloads=True`` downloads install only states most of the
-    swarm holds and this peer answers download challenges (:mod:`collabopt.engine.downloads`; :attr:`votes` is set
-    by the loop, which has the key to sign this peer's vote with).
+class ConsistentStateAverager(TrainingState):
+    """collabopt's training state (:class:`~collabopt.engine.training_state.TrainingState`), whose state the state
+    service serves (:meth:`served_state`) and whose downloads it installs (:meth:`install_state`). With
+    ``verify_downloads=True`` downloads install only states most of the swarm holds and this peer answers download
+    challenges (:mod:`collabopt.engine.downloads`; :attr:`votes` is set by the loop, which has the key to sign this
+    peer's vote with).
 
     A state is served as a copy taken while no optimizer step runs, labelled with the epoch whose update its
-    parameters hold: hivemind 1.1.12 served live tensors with an epoch read apart from them. It is not served during
-    a boundary (:meth:`closed_for_downloads`, and a step's foreground parameter averaging): that state is about to be
-    an epoch old. A download waits for the boundary's end for a share (:data:`SERVE_WAIT_SHARE`) of the chunk
-    timeout, which is how long the downloader waits for the first part, then gets an empty answer and tries the next
-    peer. See docs/decisions.md, "Consistent state serving"."""
+    parameters hold. It is not served during a boundary (:meth:`closed_for_downloads`, and a step's foreground
+    parameter round): that state is about to be an epoch old. A download waits for the boundary's end for a share
+    (:data:`SERVE_WAIT_SHARE`) of the chunk timeout, which is how long the downloader waits for the first part, then
+    gets an empty answer and tries the next peer. See docs/decisions.md, "Consistent state serving".
 
-    # hivemind's download RPC is the state service's (under hivemind's name); this averager's own is unreachable
-    served_elsewhere = ("rpc_download_state",)
+    Its arguments are hivemind's ``TrainingStateAverager``'s, and of its ``averager_opts`` those that have a meaning
+    for collabopt's parameter rounds (:class:`~collabopt.engine.parameter_rounds.ParameterRounds`:
+    ``request_timeout``, ``target_group_size``, ``min_group_size``, ``sender_timeout``, ``reducer_timeout``,
+    ``aggregation``); the others (``bandwidth``, ``initial_group_bits``...) are accepted and unused.
+    ``parameter_rounds=False``: no parameter round ever (DiLoCo), and no averaging service."""
+
     votes: DownloadVotes | None = None  # this peer's and the swarm's votes, where downloads are verified
-    model_names: list[str] | None = None  # the model's names of the parameters (set by the optimizer; hivemind's own
-    # parameter_names are the keys of its served state, and stay as they are)
+    model_names: list[str] | None = None  # the model's names of the parameters (set by the optimizer; the served
+    # state's keys are parameter_names, the parameters' indices, as hivemind's)
 
-    def __init__(self, *args: Any, verify_downloads: bool = False, **kwargs: Any):
-        self.verify_downloads = verify_downloads
-        self._label_lock = threading.Lock()
-        self._epoch = 0
-        self._steps_owed = 0  # epochs counted whose optimizer step has not run yet
-        self._step_with_increment = False  # the epoch step() counts next comes with an optimizer step
-        self._owes: collections.deque[bool] = collections.deque()  # per submitted _do: does it pay one?
-        self._paying = False  # the _do running now pays one when its optimizer step runs
-        self._no_boundary = threading.Event()  # cleared while a boundary's foreground averaging is unfinished
-        self._no_boundary.set()
+    def __init__(self, *, dht: Any, prefix: str, optimizer: Any, min_matchmaking_time: float = 5.0,
+                 allreduce_timeout: float = 30.0, request_timeout: float = HIVEMIND_REQUEST_TIMEOUT,
+                 next_chunk_timeout: float | None = None, sender_timeout: float | None = None,
+                 reducer_timeout: float | None = None,
+                 target_group_size: int | None = None, min_group_size: int | None = None, aggregation: str = "mean",
+                 compression: CompressionBase = NoCompression(), state_compression: CompressionBase = NoCompression(),
+                 client_mode: bool = False, auxiliary: bool = False, verify_downloads: bool = False,
+                 parameter_rounds: bool = True, status_loglevel: int = logging.DEBUG, **kwargs: Any):
+        state_options = {key: kwargs.pop(key) for key in self._STATE_OPTIONS if key in kwargs}
+        if kwargs:
+            logger.debug("collabopt: averager options without a meaning for its parameter rounds: %s", sorted(kwargs))
+        self.dht, self.prefix, self.client_mode, self.auxiliary = dht, prefix, client_mode, auxiliary
+        self.verify_downloads, self.state_compression = verify_downloads, state_compression
+        self._chunk_timeout = next_chunk_timeout if next_chunk_timeout is not None else request_timeout
+        self._allow_state_sharing = not client_mode and not auxiliary
+        self._state_sharing_priority = 0.0
+        self.sharing_changed: Any = lambda: None  # (set by the state service: it declares this peer's state anew)
         self._open_for_downloads = threading.Event()  # cleared while the loop ends an epoch (closed_for_downloads)
         self._open_for_downloads.set()
         self._closing_lock, self._closings = threading.Lock(), 0  # (closed_for_downloads nests)
-        chunk_timeout = kwargs.get("next_chunk_timeout")  # (hivemind's, in the averager's process only)
-        self._chunk_timeout = chunk_timeout if chunk_timeout is not None else kwargs.get(
-            "request_timeout", HIVEMIND_REQUEST_TIMEOUT)
-        super().__init__(*args, **kwargs)
-        # _do sets this event right after the optimizer step, still holding lock_optimizer: the step is paid there
-        self.finished_optimizer_step = _EventThatCalls(self._pay)
+        rounds = ParameterRounds(
+            dht, prefix=prefix, matchmaking_time=min_matchmaking_time, timeout=allreduce_timeout,
+            sender_timeout=sender_timeout or next_chunk_timeout or min_matchmaking_time,
+            request_timeout=request_timeout, reducer_timeout=reducer_timeout, target_group_size=target_group_size,
+            min_group_size=min_group_size, aggregation=aggregation, compression=compression,
+            client_mode=client_mode, auxiliary=auxiliary) if parameter_rounds else NoRounds()
+        try:
+            super().__init__(optimizer=optimizer, rounds=rounds, allreduce_timeout=allreduce_timeout,
+                             status_loglevel=status_loglevel, **state_options)
+        except BaseException:
+            rounds.shutdown()
+            raise
+
+    _STATE_OPTIONS = ("params", "scheduler", "initialize_optimizer", "offload_optimizer", "custom_gradients",
+                      "reuse_tensors", "delta_rule_averaging", "average_opt_statistics", "extra_tensors")
+
+    # ---- sharing, as hivemind's averagers declare it
 
     @property
-    def local_epoch(self) -> int:
-        return self._epoch
+    def allow_state_sharing(self) -> bool:
+        """Whether others may download this peer's state."""
+        return self._allow_state_sharing
 
-    @local_epoch.setter
-    def local_epoch(self, value: int) -> None:
-        with self._label_lock:  # hivemind's step() counts the epoch (+1) before that epoch's optimizer step runs
-            if self._step_with_increment and value == self._epoch + 1:
-                self._steps_owed += 1
-                self._step_with_increment = False
-            self._epoch = value
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        if value and self.client_mode:
+            raise ValueError("a client-mode peer cannot share its state (others cannot reach it)")
+        changed, self._allow_state_sharing = value != self._allow_state_sharing, bool(value)
+        if changed:
+            self.sharing_changed()
 
-    # (epoch, peers): the peers of this epoch's gradient round, who go on to its parameter averaging now
-    group_size_hint: tuple[int, int] | None = None
+    @property
+    def state_sharing_priority(self) -> float:
+        """Downloads prefer the peers of the highest priority (this peer's epoch, or below the others')."""
+        return self._state_sharing_priority
 
-    def step(self, *args: Any, increment_epoch: bool = False, optimizer_step: bool = False,
-             zero_grad: bool = False, averaging_round: bool = False, **kwargs: Any) -> Any:
-        if averaging_round and kwargs.get("averaging_control") is None:
-            self._size_next_group()
-        self._step_with_increment = increment_epoch and optimizer_step
-        if optimizer_step or zero_grad or averaging_round:  # hivemind submits one _do for this call
-            self._owes.append(increment_epoch and optimizer_step)
-        boundary = (increment_epoch and averaging_round and not kwargs.get("delay_averaging")
-                    and not kwargs.get("delay_optimizer_step"))  # step() returns once the result is applied
-        if boundary:
-            self._no_boundary.clear()
-        try:
-            return super().step(*args, increment_epoch=increment_epoch, optimizer_step=optimizer_step,
-                                zero_grad=zero_grad, averaging_round=averaging_round, **kwargs)
-        finally:
-            self._step_with_increment = False
-            self._no_boundary.set()
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        if value and self.client_mode:
+            raise ValueError("a client-mode peer shares no state: it has no priority")
+        changed, self._state_sharing_priority = value != self._state_sharing_priority, float(value)
+        if changed and self._allow_state_sharing:
+            self.sharing_changed()
 
-    def schedule_parameter_round(self, timeout: float) -> Any:
-        """Begin matchmaking for the parameter round of the boundary about to be stepped (pass the control to
-        :meth:`step` as ``averaging_control``), sized like the one :meth:`step` would begin. The caller holds the
-        control: it sees the round fail, which hivemind's step only logs."""
-        self._size_next_group()
-        return self.schedule_step(gather=self.local_epoch + 1, timeout=timeout)  # (gathered as step()'s would be)
+    # ---- the parameter rounds
 
-    def _size_next_group(self) -> None:
-        """Set the next parameter averaging's ``target_group_size`` to :attr:`group_size_hint` (for this epoch),
-        bounded by the user's: the peers of the epoch's gradient round reach the boundary together, so the group
-        assembles as soon as they are in instead of idling a whole ``matchmaking_time``. See docs/decisions.md,
-        "Group size hint"."""
-        hint, self.group_size_hint = self.group_size_hint, None
-        size = hint[1] if hint is not None and hint[0] == self.local_epoch else None
-        configured = self.matchmaking_kwargs.get("target_group_size")
-        if configured is not None:
-            size = configured if size is None else min(size, configured)
-        if size is not None:  # (a full group assembles at once: never one smaller than min_group_size allows)
-            size = max(size, self.matchmaking_kwargs.get("min_group_size", 2))
-        self._outer_pipe.send(("_set_target_group_size", [size], {}))  # before the step's own message
+    @property
+    def group_size_hint(self) -> tuple[int, int] | None:
+        """(epoch, peers): the peers of this epoch's gradient round, who go on to its parameter round now."""
+        return self.rounds.group_size_hint
 
-    async def _set_target_group_size(self, size: int | None) -> None:
-        self._matchmaking.target_group_size = size  # (runs in the averager's process)
+    @group_size_hint.setter
+    def group_size_hint(self, value: tuple[int, int] | None) -> None:
+        self.rounds.group_size_hint = value
 
-    def _do(self, *args: Any, **kwargs: Any) -> Any:
-        self._paying = self._owes.popleft() if self._owes else False
-        try:
-            return super()._do(*args, **kwargs)
-        finally:
-            self._pay()  # the step did not run (an aborted trigger): it is owed no more
-
-    def _pay(self) -> None:
-        if self._paying:
-            self._paying = False
-            with self._label_lock:
-                self._steps_owed -= 1
-
-    def _apply_averaging_results_(self) -> None:
-        with self.lock_optimizer:  # the copy of a round's result into the parameters is not served half done
-            super()._apply_averaging_results_()
+    def schedule_parameter_round(self, timeout: float) -> ParameterRound:
+        """Begin matchmaking for the parameter round of the boundary about to be stepped (pass it to :meth:`step` as
+        ``averaging_control``), sized by :attr:`group_size_hint`. The caller holds the round: it sees it fail."""
+        return self.rounds.schedule(self._averaged_tensors, self.local_epoch + 1, timeout)  # (the step's epoch)
 
     @contextlib.contextmanager
     def closed_for_downloads(self) -> Iterator[None]:
@@ -227,14 +206,21 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
         return self.state_copy()
 
     def state_copy(self) -> Any:
-        """The state served, as hivemind's ``get_current_state``: a copy taken while no optimizer step runs."""
-        with self.lock_optimizer:  # no optimizer step runs meanwhile
-            with self._label_lock:
-                epoch = self._epoch - self._steps_owed
-            metadata, tensors, infos = self.get_current_state()
-            # copies, taken now: on CPU, hivemind's tensors are the live ones (GPU ones were copied by .cpu())
-            tensors = [t.detach().clone() if t.device.type == "cpu" else t.detach().cpu() for t in tensors]
-        return dict(metadata, epoch=epoch), tensors, infos
+        """The state served, in hivemind's layout (``get_current_state``'s: metadata with the epoch and optimizer
+        metadata; the optimizer's parameters, the extra tensors, the optimizer statistics; their compression
+        infos): copies taken while no optimizer step runs, so that plain hivemind peers download it too."""
+        with self.lock_optimizer, self.lock_averaged_tensors, torch.no_grad():  # no step, no average meanwhile
+            epoch = self.served_epoch()
+            parameters = [p.detach().to("cpu", copy=True) for g in self.optimizer.param_groups for p in g["params"]]
+            extras = [t.detach().to("cpu", copy=True) for t in self.extra_tensors]
+            optimizer_metadata, statistics = dump_optimizer_state(self.optimizer)
+            statistics = [t.clone() if t.device.type == "cpu" else t for t in statistics]  # (.cpu() copied the rest)
+        infos = [*(CompressionInfo.from_tensor(p, key=key, role=TensorRole.PARAMETER)
+                   for p, key in zip(parameters, self.parameter_names, strict=True)),
+                 *(CompressionInfo.from_tensor(t, key=i, role=TensorRole.UNSPECIFIED) for i, t in enumerate(extras)),
+                 *(CompressionInfo.from_tensor(t, key=i, role=TensorRole.OPTIMIZER) for i, t in enumerate(statistics))]
+        metadata = dict(epoch=epoch, group_bits="", optimizer_metadata=optimizer_metadata)
+        return metadata, [*parameters, *extras, *statistics], infos
 
     def install_state(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> bool:
         """Install a downloaded state (hivemind's layout: parameters, extra tensors, optimizer statistics; the
@@ -266,19 +252,19 @@ class ConsistentStateAverager(SameHandlers, MemberChecks, ShieldedReducers, Trai
                 self._apply_optimizer_parameters_()
             if not self.reuse_tensors:
                 self._load_local_tensors_into_averager_()  # (takes lock_averaged_tensors itself)
+            self._average_ready = False  # (an average of the old state, not applied yet, is no longer this one's)
             self.local_epoch = epoch
             self._update_scheduler()
         return True
 
     def challenge_state(self) -> tuple[int, list[torch.Tensor]] | None:
-        """(host process; a download's secret challenge) The epoch and a copy of the parameters this peer serves
+        """(a download's secret challenge) The epoch and a copy of the parameters this peer serves
         (the optimizer's: what its vote fingerprints; no optimizer state). None mid-boundary, rather than wait for
         it (a challenge has its own timeout), or if an optimizer step holds them over :data:`STEP_WAIT`."""
         if not self._no_boundary.is_set() or not self.lock_optimizer.acquire(timeout=STEP_WAIT):
             return None
         try:
-            with self._label_lock:
-                epoch = self._epoch - self._steps_owed
+            epoch = self.served_epoch()
             with self.lock_averaged_tensors:  # (as a download's copy: DiLoCo writes its anchors under it)
                 return epoch, [p.detach().clone() if p.device.type == "cpu" else p.detach().cpu()
                                for group in self.optimizer.param_groups for p in group["params"]]

@@ -7,13 +7,12 @@ Rules, and why:
   its own, :func:`~collabopt.engine.p2p.own_replica`), a ``ServicerBase`` handler (:class:`StateServicer`),
   hivemind's compression, serializer and
   streaming. What serving and downloading do is readable here and in :mod:`collabopt.engine.downloads`.
-* The download RPC keeps hivemind's name (``<prefix>::TrainingStateAverager.rpc_download_state``) and messages:
-  plain hivemind peers and older collabopt peers download from it, and it from them. The state averager's own
-  handler of that name is registered under another (``ConsistentStateAverager.served_elsewhere``): p2pd takes one
-  handler per name.
+* The download RPC keeps hivemind's name (``<prefix>::TrainingStateAverager.rpc_download_state``) and messages,
+  and the service advertises the state in hivemind's ``<prefix>.all_averagers`` record: plain hivemind peers and
+  older collabopt peers download from it, and it from them.
 * What is served is the state averager's (:meth:`~collabopt.engine.state.ConsistentStateAverager.served_state`: a
-  copy whose epoch and tensors belong together, declined during a boundary), advertised with its epoch as priority
-  in hivemind's ``<prefix>.all_averagers`` record, and nothing while its ``allow_state_sharing`` is off. With a swarm
+  copy whose epoch and tensors belong together, declined during a boundary), advertised with its epoch as priority,
+  and nothing while its ``allow_state_sharing`` is off. With a swarm
   key only members get it (:func:`~collabopt.engine.member_checks.download_refusal`).
 * A stream to a peer opens within the chunk timeout and each chunk comes within it: a download from a lost peer fails
   in seconds, and the next peer is tried (:mod:`collabopt.engine.downloads`).
@@ -36,6 +35,7 @@ import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 HIVEMIND_STATE_SERVICER = "TrainingStateAverager"  # the class name hivemind's state averagers serve downloads under
 
 
+DECLARE_PERIOD = 30.0  # seconds between two advertisements of this peer's state (hivemind's declare_state_period)
 RECEIVED_SHARE = 1.5  # of this peer's own state's bytes, the most one source may send (and RECEIVED_MARGIN more)
 RECEIVED_MARGIN = 1 << 20  # bytes: metadata and message framing
 
@@ -142,6 +143,32 @@ class StateService(ServiceThread):
             await self.servicer.add_p2p_handlers(self.p2p, namespace=self.prefix)
             if self.challenges is not None:
                 await self.p2p.add_binary_stream_handler(challenge_protocol(self.prefix), self.challenges.serve)
+            self._sharing_changed = asyncio.Event()
+            self.averager.sharing_changed = self._declare_soon
+            self._declaring = asyncio.create_task(self._declare_periodically())
+
+    def _declare_soon(self) -> None:
+        """(any thread) Advertise this peer's state anew at once: its sharing or priority changed."""
+        if not self._closed:
+            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile: nothing left to advertise)
+                self._event_loop.call_soon_threadsafe(self._sharing_changed.set)
+
+    async def _declare_periodically(self) -> None:
+        """Advertise this peer's state in hivemind's ``<prefix>.all_averagers`` record (its priority; None once it
+        stops sharing), every :data:`DECLARE_PERIOD` seconds and at once when either changes: downloaders, plain
+        hivemind peers included, find the peers to ask there."""
+        key, me, shared = f"{self.prefix}.all_averagers", self.p2p.peer_id.to_bytes(), False
+        while True:
+            expiration = get_dht_time() + DECLARE_PERIOD
+            sharing = self.averager.allow_state_sharing
+            if sharing or shared:
+                value = self.averager.state_sharing_priority if sharing else None
+                store = self.dht.store(key, subkey=me, value=value, expiration_time=expiration, return_future=True)
+                asyncio.ensure_future(asyncio.wait_for(store, DECLARE_PERIOD))
+                shared = sharing
+            self._sharing_changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._sharing_changed.wait(), DECLARE_PERIOD)
 
     async def _stop(self) -> None:
         if self.serves:

@@ -157,10 +157,10 @@ def attack(spec: dict, model: torch.nn.Module, samples: int) -> dict:
 def corrupt_reducer(scale: float) -> None:
     """Fault injection: every part this peer reduces with ``aggregation="centered_clip"`` (gradients and parameters)
     is sent back times ``scale`` (patched before the averager processes are forked)."""
-    from collabopt.engine import robust_averaging
+    from collabopt.engine import clipping
 
-    honest = robust_averaging.ClippedPart.div_
-    robust_averaging.ClippedPart.div_ = lambda self, denominator: honest(self, denominator) * scale
+    honest = clipping.ClippedPart.div_
+    clipping.ClippedPart.div_ = lambda self, denominator: honest(self, denominator) * scale
 
 
 def serve_altered(constant: float | str) -> None:

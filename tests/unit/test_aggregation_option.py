@@ -4,28 +4,17 @@ What the averagers then do with it runs in real swarms (tests/swarm/test_robustn
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import functools
 
 import pytest
 import torch
-from hivemind.averaging import allreduce, matchmaking
-from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.utils.serializer import MSGPackSerializer
 
 import collabopt.optimizer as optimizer_module
 import collabopt.swarm as swarm_module
 from collabopt import CollabConfig, CollaborativeOptimizer, ConfigurationError
-from collabopt.engine.averaging import ShieldedReducers, ShieldedTensorPartReducer
 from collabopt.engine.diloco_averaging import PseudoGradientRounds
 from collabopt.engine.gradient_rounds import GradientRounds
-from collabopt.engine.robust_averaging import (
-    ClippingTensorPartReducer,
-    aggregation_options,
-    cap_gathered_bandwidths,
-)
+from collabopt.engine.robust_averaging import aggregation_options
 from collabopt.hivemind_arguments import peer_arguments
 
 SWARM = dict(run_id="aggregation", target_batch_size=64)
@@ -62,13 +51,12 @@ def test_mean_changes_nothing():
     assert arguments["grad_averager_factory"].keywords == {"aggregation": "mean", "request_timeout": 1.0}
     assert "tracker_opts" not in arguments
     assert aggregation_options("mean") == {}
-    assert ShieldedReducers.part_reducer is ShieldedTensorPartReducer
 
 
 def test_centered_clip_reaches_the_gradient_and_the_state_averager():
     arguments = CollabConfig.from_options(aggregation="centered_clip", **SWARM).hivemind_arguments()
-    assert arguments["averager_opts"]["part_reducer"] is ClippingTensorPartReducer
-    assert arguments["averager_opts"]["cap_gathered"] is cap_gathered_bandwidths
+    # the state averager's parameter rounds (collabopt.engine.parameter_rounds): the aggregation by its name
+    assert arguments["averager_opts"] == dict(aggregation="centered_clip", min_group_size=3, verify_downloads=True)
     factory = arguments["grad_averager_factory"]  # collabopt's gradient rounds: the aggregation by its name
     assert factory.func is GradientRounds
     assert factory.keywords["aggregation"] == "centered_clip" and factory.keywords["min_group_size"] == 3
@@ -83,44 +71,4 @@ def test_centered_clip_reaches_the_pseudo_gradient_rounds():
     factory = arguments["grad_averager_factory"]
     assert factory.func is PseudoGradientRounds
     assert factory.keywords == {"aggregation": "centered_clip", "request_timeout": 1.0}
-    assert arguments["averager_opts"]["part_reducer"] is ClippingTensorPartReducer
-
-
-class _Base:
-    """Stands for hivemind's averager under the mixin: records what the mixin hands it."""
-
-    def __init__(self, **kwargs):
-        self.kwargs = kwargs
-
-    def run(self):
-        self.installed = allreduce.TensorPartReducer
-
-    async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
-        return group_info
-
-
-class _Averager(ShieldedReducers, _Base):
-    matchmaking_kwargs = dict(request_timeout=None)
-    allreduce_kwargs = dict(reducer_timeout=None)
-
-
-@pytest.mark.parametrize("aggregation, reducer", [("mean", ShieldedTensorPartReducer),
-                                                  ("centered_clip", ClippingTensorPartReducer)])
-def test_the_averager_installs_its_reducer_and_caps_bandwidths(monkeypatch, aggregation, reducer):
-    monkeypatch.setattr(allreduce, "TensorPartReducer", allreduce.TensorPartReducer)  # (both restored after the test)
-    monkeypatch.setattr(matchmaking, "GroupKeyManager", matchmaking.GroupKeyManager)
-    averager = _Averager(other=1, **aggregation_options(aggregation))
-    extra = {} if aggregation == "mean" else dict(min_group_size=3)  # (hivemind's: no group of 2 when clipping)
-    assert averager.kwargs == dict(other=1, **extra)  # the mixin's own arguments stop at the mixin
-    averager.run()
-    assert averager.installed is reducer
-    gathered = tuple(MSGPackSerializer.dumps([bandwidth, 0, b""]) for bandwidth in (100.0, 100.0, 100.0, 1e9))
-    group = GroupInfo(group_id=b"g", peer_ids=tuple(range(4)), gathered=gathered)
-    seen = asyncio.run(averager._aggregate_with_group(group, 0))
-    bandwidths = [MSGPackSerializer.loads(data)[0] for data in seen.gathered]
-    shares = load_balance_peers(10**6, bandwidths)
-    if aggregation == "mean":
-        assert seen is group and shares == (0, 0, 0, 10**6)  # hivemind's: the claimant reduces everything
-    else:
-        assert dataclasses.replace(seen, gathered=group.gathered) == group
-        assert bandwidths == [100.0] * 4 and max(shares) == 250_000
+    assert arguments["averager_opts"]["aggregation"] == "centered_clip"

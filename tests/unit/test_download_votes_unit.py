@@ -240,18 +240,13 @@ def test_an_unverified_download_asks_by_priority_preferred_first_never_itself_an
     assert averager.asked == ["b"]
 
 
-def test_the_state_service_serves_under_hivemind_s_name_and_the_averager_s_own_handler_is_out_of_the_way():
+def test_the_state_service_serves_under_hivemind_s_name():
     """Plain hivemind peers download from ``<prefix>::TrainingStateAverager.rpc_download_state``: the state service
-    answers under that name, and the state averager registers its own download handler under another (p2pd takes
-    one handler per name)."""
-    from collabopt.engine.state import ConsistentStateAverager
+    answers under that name."""
     from collabopt.engine.state_service import StateServicer
 
     name = "run_state_averager::TrainingStateAverager.rpc_download_state"
     assert StateServicer._get_handle_name("run_state_averager", "rpc_download_state") == name
-    assert ConsistentStateAverager._get_handle_name("run_state_averager", "rpc_download_state") != name
-    assert ConsistentStateAverager._get_handle_name("run_state_averager", "rpc_join_group") == \
-        "run_state_averager::TrainingStateAverager.rpc_join_group"
 
 
 def test_a_read_of_the_votes_that_no_node_answered_is_an_error_not_an_empty_ballot(monkeypatch):

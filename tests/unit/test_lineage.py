@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from collabopt import lineage
-from collabopt.engine import lineage_check, protocol, state, sync_round
+from collabopt.engine import lineage_check, protocol, sync_round
 from collabopt.engine.lineage_check import SyncState
 from collabopt.lineage import Verdict, canonical_peers, fingerprint, judge, same_fingerprint
 
@@ -171,19 +171,16 @@ def test_a_peer_behind_by_its_count_only_holds_the_lineage():
     assert judge({"a": meta(4, A), "c": meta(3, A)}, "c") == Verdict([], "holds")
 
 
-def test_collabopts_averagers_answer_under_hiveminds_handler_names():
-    """hivemind names a servicer's RPCs after its class: subclasses keep hivemind's names, so collabopt's peers form
-    rounds and serve downloads with plain hivemind peers (and each other, whichever version)."""
+def test_collabopts_state_service_answers_under_hiveminds_handler_name():
+    """hivemind names a servicer's RPCs after its class: the state service serves downloads under the name of
+    hivemind's state averager, so plain hivemind peers (and collabopt's of any version) download from it."""
     from hivemind.optim.state_averager import TrainingStateAverager
 
     from collabopt.engine.state_service import StateServicer
 
-    for ours, theirs in ((state.ConsistentStateAverager, TrainingStateAverager),):
-        for method in ("rpc_join_group", "rpc_aggregate_part", "rpc_download_state"):
-            if method == "rpc_download_state" and ours is state.ConsistentStateAverager:
-                ours = StateServicer  # (its downloads are the state service's: the averager's own is out of the way)
-            assert ours._get_handle_name("run", method) == theirs._get_handle_name("run", method)
-            assert ours._get_handle_name(None, method) == theirs._get_handle_name(None, method)
+    for namespace in ("run", None):
+        assert StateServicer._get_handle_name(namespace, "rpc_download_state") == \
+            TrainingStateAverager._get_handle_name(namespace, "rpc_download_state")
 
 
 def test_a_pending_resync_is_not_replaced():

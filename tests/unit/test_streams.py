@@ -5,12 +5,11 @@ with no fault"); here, the protocol on each side."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 from hivemind.proto import averaging_pb2
 
-from collabopt.engine import averaging, streams
+from collabopt.engine import streams
 
 ME = b"sender-peer-id"
 
@@ -101,7 +100,7 @@ def test_a_stream_that_does_not_open_fails_within_its_timeout():
 @pytest.mark.parametrize("opens_after", range(5))
 def test_a_caller_cancelled_as_its_stream_opens_is_cancelled(opens_after):
     """The caller's cancel (the round's, or matchmaking's) is not lost when the stream opens in the same loop
-    iteration: Python 3.11's wait_for returned the stream instead (see GroupKeyManagerThatDoesNotWait)."""
+    iteration: Python 3.11's wait_for returned the stream instead (docs/decisions.md, "A search that never ended")."""
     member = streams.MemberStub(Stub(opens_after, "stream"), {"rpc_join_group": 5.0}, ME)
 
     async def cancel_as_it_opens():
@@ -201,44 +200,16 @@ def test_a_reducer_stops_lingering_when_the_sender_closes():
     assert len(asyncio.run(asyncio.wait_for(serve(), 5))) == 2
 
 
-def test_collabopts_all_reduce_handler_is_hiveminds_streaming_handler_under_hiveminds_name():
+def test_collabopts_all_reduce_handler_is_a_streaming_handler():
     """hivemind tells a streaming handler by its annotations (typing's AsyncIterator): with collections.abc's, the
     handler would be registered as unary and no round would run."""
     from hivemind.optim.grad_averager import GradientAverager
 
-    from collabopt.engine.state import ConsistentStateAverager
+    from collabopt.engine.allreduce import AllReduceService
 
     def handler(cls):
         cls._collect_rpc_handlers()
         found = next(h for h in cls._rpc_handlers if h.method_name == "rpc_aggregate_part")
-        return found.stream_input, found.stream_output, found.request_type, found.response_type
+        return found.stream_input, found.stream_output
 
-    assert handler(ConsistentStateAverager) == handler(GradientAverager)
-    assert ConsistentStateAverager._get_handle_name(None, "rpc_aggregate_part") == (
-        "TrainingStateAverager.rpc_aggregate_part")
-
-
-def test_the_averagers_stubs_open_streams_in_their_own_timeouts(monkeypatch):
-    """hivemind's matchmaking and all-reduce get their stubs from the averager's class (``servicer_type``); as its
-    process starts, the averager sets the time its streams may take to open from its own timeouts."""
-    from hivemind.averaging import allreduce, matchmaking
-    from hivemind.p2p import ServicerBase
-
-    monkeypatch.setattr(allreduce, "TensorPartReducer", allreduce.TensorPartReducer)  # restored after the test
-    monkeypatch.setattr(matchmaking, "GroupKeyManager", matchmaking.GroupKeyManager)
-    monkeypatch.setattr(ServicerBase, "get_stub", classmethod(lambda cls, p2p, peer, namespace=None: Stub()))
-
-    class Process(ServicerBase):
-        def run(self) -> None:
-            pass
-
-    class Averager(averaging.ShieldedReducers, Process):
-        matchmaking_kwargs = dict(request_timeout=3.0)
-        allreduce_kwargs = dict(reducer_timeout=None)
-
-    p2p = SimpleNamespace(peer_id=SimpleNamespace(to_bytes=lambda: ME))
-    Averager().run()  # what an averager's process does first
-    stub = Averager.get_stub(p2p, "member", namespace="x")
-    assert isinstance(stub, streams.MemberStub) and stub._sender_id == ME
-    assert Averager.stream_open_timeouts == {"rpc_join_group": 3.0}  # no reducer_timeout: none for the all-reduce
-    assert averaging.ShieldedReducers.stream_open_timeouts == {}  # (set on the averager's own class)
+    assert handler(AllReduceService) == handler(GradientAverager) == (True, True)

@@ -1,0 +1,191 @@
+"""The synchronous mode's parameter ("state") rounds, on collabopt's own averaging service
+(:class:`~collabopt.engine.averager.AveragingService`): the parameters, the optimizer statistics named in
+``average_opt_statistics`` and the extra tensors of a peer, averaged with a group of its swarm.
+
+Rules, and why:
+
+* A round is scheduled ahead (:meth:`ParameterRounds.schedule`: matchmaking runs while the boundary's optimizer step
+  does) and handed its tensors when they are final (:meth:`ParameterRounds.finish`). Every member gathers the epoch
+  its parameters will hold; a member whose epoch is not its group's takes part with weight 0 and zeros
+  (:func:`collabopt.engine.protocol.sync_contributes`): a stale joiner's parameters never enter a round.
+* Whether the average replaces this peer's tensors is :func:`collabopt.engine.protocol.parameter_round`'s decision:
+  only a whole average this peer's own values are in. Otherwise it keeps its own tensors.
+* A round is sized by the gradient round before it (:attr:`ParameterRounds.group_size_hint`): its peers reach the
+  boundary together, so the group assembles as soon as they are in instead of idling a whole ``matchmaking_time``.
+  See docs/decisions.md, "Group size hint".
+* An auxiliary peer helps reduce and takes no average (weight 0): its parameters come from downloads.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from hivemind.compression import CompressionBase, NoCompression
+
+from collabopt.engine import protocol
+from collabopt.engine.averager import AveragingResult, AveragingService, ScheduledRound
+from collabopt.engine.clipping import MIN_CLIPPED_GROUP
+
+logger = logging.getLogger(__name__)
+
+
+class RoundFailed(Exception):
+    """A parameter round whose average this peer did not install (no group, a refused member, part of it missing)."""
+
+
+class ParameterRound:
+    """One scheduled parameter round, as the loop holds it: ``done()``, ``cancel()``, ``cancelled()``,
+    ``exception()`` (None where its average was installed), ``triggered`` and ``began_allreduce``."""
+
+    def __init__(self, scheduled: ScheduledRound, epoch: int):
+        self.scheduled, self.epoch = scheduled, epoch
+        self.decision: protocol.ParameterDecision | None = None
+        self._cancelled = False
+
+    @property
+    def triggered(self) -> bool:
+        return self.scheduled.triggered
+
+    @property
+    def began_allreduce(self) -> bool:
+        return self.scheduled.began_allreduce
+
+    def done(self) -> bool:
+        return self._cancelled or self.decision is not None
+
+    def cancel(self) -> bool:
+        """Leave the round (a group already assembled goes on without this peer)."""
+        if self.decision is not None:
+            return False
+        self._cancelled = True
+        self.scheduled.cancel()
+        return True
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def exception(self) -> BaseException | None:
+        if self.decision is None:
+            return RoundFailed("cancelled" if self._cancelled else "not finished")
+        return None if self.decision.install else RoundFailed(self.decision.detail)
+
+
+class ParameterRounds:
+    """The parameter rounds of one peer, on a service of ``prefix`` (``<run_id>_state_averager``). ``timeout``: a
+    round's default (matchmaking and all-reduce); ``sender_timeout``: how long a reducer waits for a sender's next
+    part; ``reducer_timeout``: how long a sender waits for a reducer's result (default: twice as long, as the gradient
+    rounds do)."""
+
+    group_size_hint: tuple[int, int] | None = None  # (epoch, peers) of an epoch's gradient round, whose boundary's
+    # parameter round gathers the next epoch (the one its parameters will hold)
+
+    def __init__(self, dht: Any, *, prefix: str, matchmaking_time: float, timeout: float, sender_timeout: float,
+                 request_timeout: float, reducer_timeout: float | None = None,
+                 target_group_size: int | None = None, min_group_size: int | None = None,
+                 aggregation: str = "mean", compression: CompressionBase = NoCompression(),
+                 client_mode: bool = False, auxiliary: bool = False):
+        if min_group_size is None:
+            min_group_size = MIN_CLIPPED_GROUP if aggregation == "centered_clip" else 2
+        self.timeout, self.auxiliary = timeout, auxiliary
+        self.target_group_size, self.min_group_size = target_group_size, min_group_size
+        self.service = AveragingService(
+            dht, prefix=prefix, target_group_size=target_group_size, min_group_size=min_group_size,
+            matchmaking_time=matchmaking_time, request_timeout=request_timeout, sender_timeout=sender_timeout,
+            reducer_timeout=reducer_timeout or 2 * sender_timeout, aggregation=aggregation, compression=compression,
+            client_mode=client_mode)
+
+    def group_size(self, epoch: int) -> int | None:
+        """The next round's target group size: :attr:`group_size_hint` where it is of ``epoch`` (used once), bounded
+        by the configured one above and ``min_group_size`` below (a full group assembles at once)."""
+        hint, self.group_size_hint = self.group_size_hint, None
+        size = hint[1] if hint is not None and hint[0] == epoch else None
+        if self.target_group_size is not None:
+            size = self.target_group_size if size is None else min(size, self.target_group_size)
+        return None if size is None else max(size, self.min_group_size)
+
+    def schedule(self, template: Sequence[torch.Tensor], epoch: int, timeout: float | None = None) -> ParameterRound:
+        """Begin matchmaking now for a round of tensors shaped like ``template``, whose parameters will be of
+        ``epoch`` (gathered: only members at their group's epoch contribute)."""
+        gather = {"epoch": int(epoch)}
+        scheduled = self.service.schedule(template, timeout=timeout or self.timeout, gather=gather,
+                                          contributes=functools.partial(protocol.sync_contributes, gather),
+                                          target_group_size=self.group_size(epoch - 1))  # (the boundary's epoch)
+        return ParameterRound(scheduled, epoch)
+
+    def finish(self, control: ParameterRound, tensors: Sequence[torch.Tensor], lock: Any, timeout: float,
+               late: Callable[[], None]) -> dict:
+        """Hand ``tensors`` to ``control``, wait up to ``timeout`` and write the average into them where
+        :func:`~collabopt.engine.protocol.parameter_round` says so, all under ``lock``: a state copied meanwhile (a
+        download) waits for the average rather than get the tensors the round is about to replace, as hivemind's
+        in-place all-reduce held them. Returns the group's gathered data; raises :class:`RoundFailed`. A round whose
+        all-reduce outlives the wait writes its average when it ends, then calls ``late`` (the service's thread)."""
+        with lock:
+            control.scheduled.run(tensors, 0.0 if self.auxiliary else 1.0)
+            try:
+                result = control.scheduled.result(timeout)
+            except TimeoutError:
+                result = None
+            if result is not None:
+                return self._install(control, result, tensors)
+        if not control.began_allreduce:
+            control.decision = protocol.ParameterDecision(False, f"no group within {timeout:.1f} s")
+            control.scheduled.cancel()
+            raise RoundFailed(control.decision.detail)
+        control.scheduled.on_done(lambda: self._late(control, tensors, lock, late))
+        raise RoundFailed("its all-reduce outlived the wait: it ends in the background")
+
+    def _late(self, control: ParameterRound, tensors: Sequence[torch.Tensor], lock: Any,
+              late: Callable[[], None]) -> None:
+        if control.cancelled():
+            return
+        try:
+            with lock:
+                self._install(control, control.scheduled.result(0), tensors)
+        except RoundFailed as e:
+            logger.info("collabopt: the parameter round that ended in the background failed (%s)", e)
+            return
+        late()
+
+    def _install(self, control: ParameterRound, result: AveragingResult, tensors: Sequence[torch.Tensor]) -> dict:
+        """(under the tensors' lock) The protocol's decision on ``result``; the average into ``tensors`` if so."""
+        me = self.service.p2p.peer_id
+        evidence = result.evidence
+        control.decision = decision = protocol.parameter_round(protocol.ParameterRoundEvidence(
+            error=result.error or ("" if result.tensors is not None else "no average"),
+            group_size=len(result.group),
+            contributed=not self.auxiliary and protocol.sync_contributes(result.gathered.get(me), result.gathered),
+            received=evidence.received if evidence is not None else 0.0))
+        if not decision.install:
+            raise RoundFailed(decision.detail)
+        assert result.tensors is not None
+        with torch.no_grad():
+            for tensor, average in zip(tensors, result.tensors, strict=True):
+                tensor.copy_(average.to(dtype=tensor.dtype), non_blocking=True)
+        return dict(result.gathered)
+
+    def is_alive(self) -> bool:
+        return not self.service.closed
+
+    def shutdown(self) -> None:
+        self.service.close()
+
+
+class NoRounds:
+    """A peer that averages no parameters (DiLoCo: its rounds are the pseudo-gradients'): no service at all."""
+
+    group_size_hint = None
+
+    def schedule(self, *args: Any, **kwargs: Any) -> ParameterRound:
+        raise RuntimeError("this peer averages no parameters (DiLoCo mode)")
+
+    def is_alive(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+__all__ = ["NoRounds", "ParameterRound", "ParameterRounds", "RoundFailed"]

@@ -1,0 +1,381 @@
+"""This peer's training state, owned by collabopt: the model's parameters, their host copies (``offload_optimizer``),
+the optimizer and its step (in the background too: ``delay_optimizer_step``), the scheduler, the extra tensors, the
+epoch, and the parameter rounds (:mod:`collabopt.engine.parameter_rounds`) that average them.
+
+Rules, and why:
+
+* It is composed of hivemind's parts (``initialize_optimizer_state_``; the state it serves is hivemind's layout,
+  :mod:`collabopt.engine.state`), not derived from hivemind's ``TrainingStateAverager``: what a step does is readable
+  here. Its arguments and its ``step()`` keep that class's names and meanings, so that users' options keep theirs.
+* :meth:`TrainingState.step` runs its actions in hivemind's order: wait for delayed work, apply what finished,
+  count the epoch, then (in one executor, so that they never overlap) the optimizer step, the scheduler and the
+  parameter round; the caller waits for those it does not delay.
+* The averaged tensors are the optimizer's parameters, statistics and extras themselves where ``reuse_tensors``
+  (a round's average is written into them as it ends), else host copies, whose average is applied by the next
+  ``step()`` (a round in the background never writes tensors the training loop is using).
+* Locks, always taken in this order: ``lock_optimizer`` (an optimizer step; an average applied; an install),
+  ``lock_averaged_tensors`` (the averaged tensors); ``lock_averaging`` is held while a parameter round runs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+from hivemind.optim.state_averager import initialize_optimizer_state_
+
+from collabopt.engine.parameter_rounds import ParameterRound, RoundFailed
+
+logger = logging.getLogger(__name__)
+
+
+def _param_groups(optimizer: Any, params: Any) -> tuple[dict, ...]:
+    """The parameter groups of ``params`` (tensors or dicts), else of a built ``optimizer``."""
+    if params is None:
+        if not hasattr(optimizer, "param_groups"):
+            raise ValueError("optimizer must be a torch optimizer, or a factory given params=")
+        params = optimizer.param_groups
+    groups = tuple(params)
+    if all(isinstance(p, torch.Tensor) for p in groups):
+        groups = (dict(params=groups),)
+    for group in groups:
+        if not isinstance(group, dict) or not all(isinstance(p, torch.Tensor) for p in group.get("params") or ()):
+            raise ValueError("params must be tensors or parameter groups (dicts with 'params': tensors)")
+    return groups
+
+
+class TrainingState:
+    """The training state of one peer (see the module). Arguments are hivemind's ``TrainingStateAverager``'s:
+    ``optimizer`` (a torch optimizer, or a factory of one given ``params``), ``scheduler`` (or its factory),
+    ``offload_optimizer``, ``custom_gradients``, ``reuse_tensors``, ``delta_rule_averaging``,
+    ``average_opt_statistics``, ``extra_tensors``, ``initialize_optimizer``; ``rounds``: the parameter rounds
+    (:class:`~collabopt.engine.parameter_rounds.ParameterRounds`, or ``NoRounds``)."""
+
+    def __init__(self, *, optimizer: Any, rounds: Any, params: Any = None, scheduler: Any = None,
+                 initialize_optimizer: bool | None = None, offload_optimizer: bool = False,
+                 custom_gradients: bool = False, reuse_tensors: bool | None = None,
+                 delta_rule_averaging: bool = False, average_opt_statistics: Sequence[str] = (),
+                 extra_tensors: Sequence[torch.Tensor] = (), allreduce_timeout: float = 30.0,
+                 status_loglevel: int = logging.DEBUG):
+        if reuse_tensors is None:
+            reuse_tensors = offload_optimizer and not delta_rule_averaging
+        if reuse_tensors and delta_rule_averaging:
+            raise ValueError("reuse_tensors and delta_rule_averaging are mutually exclusive")
+        groups = _param_groups(optimizer, params)
+        self.rounds, self.status_loglevel, self.allreduce_timeout = rounds, status_loglevel, allreduce_timeout
+        self.offload_optimizer, self.custom_gradients = offload_optimizer, custom_gradients
+        self.reuse_tensors, self.delta_rule_averaging = reuse_tensors, delta_rule_averaging
+        self.main_parameters = tuple(chain.from_iterable(group["params"] for group in groups))
+        if len(set(self.main_parameters)) != len(self.main_parameters):
+            raise ValueError("params holds a parameter twice")
+        self.parameter_names = tuple(range(len(self.main_parameters)))
+        self._averaged_parameters = tuple(self._host_tensor(p, copy=offload_optimizer) for p in self.main_parameters)
+        self.optimizer, self.scheduler = self._components(groups, optimizer, scheduler, initialize_optimizer)
+        self.opt_keys_for_averaging, self.extra_tensors = tuple(average_opt_statistics), tuple(extra_tensors)
+        local = tuple(self._local_tensors())
+        self._averaged_tensors = (*(t.detach() for t in self._averaged_parameters),
+                                  *map(self._host_tensor, local[len(self.main_parameters):]))
+        self._old_tensors: tuple[torch.Tensor, ...] | None = None  # (delta rule: the tensors a round was handed)
+        self._average_ready = False  # the averaged tensors hold a round's average not applied yet (not reused)
+        self._label_lock = threading.Lock()
+        self._epoch = 0
+        self._steps_owed = 0  # epochs counted whose optimizer step has not run yet (the served epoch is behind)
+        self._step_with_increment = False  # the epoch step() counts next comes with an optimizer step
+        self._no_boundary = threading.Event()  # cleared while a boundary's foreground parameter round is unfinished
+        self._no_boundary.set()
+        self.step_executor = concurrent.futures.ThreadPoolExecutor(max_workers=2 if delta_rule_averaging else 1)
+        self.finished_optimizer_step, self.finished_averaging_round = threading.Event(), threading.Event()
+        self.lock_optimizer, self.lock_averaged_tensors = threading.Lock(), threading.Lock()
+        self.lock_averaging = threading.Lock()
+        self.pending_updates: set[concurrent.futures.Future] = set()
+
+    # ---- building
+
+    def _host_tensor(self, source: torch.Tensor, copy: bool = False) -> torch.Tensor:
+        """``source`` itself where tensors are reused (it must be on the CPU), else a float32 host copy."""
+        if self.reuse_tensors and not copy:
+            if source.device.type != "cpu":
+                raise ValueError("reuse_tensors needs every averaged tensor on the CPU")
+            return source
+        return source.detach().to(device="cpu", dtype=torch.float32, copy=True).requires_grad_(source.requires_grad)
+
+    def _components(self, groups: tuple[dict, ...], optimizer: Any, scheduler: Any,
+                    initialize: bool | None) -> tuple[torch.optim.Optimizer, Any]:
+        """The optimizer (on the host copies where offloaded) and the scheduler, built from their factories."""
+        optimizer_factory = callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
+        scheduler_factory = callable(scheduler) and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
+        if optimizer_factory and scheduler is not None and not scheduler_factory:
+            raise ValueError("where the optimizer is a factory, the scheduler must be one too")
+        if self.offload_optimizer and not optimizer_factory:
+            raise ValueError("offload_optimizer needs the optimizer as a factory")
+        if optimizer_factory:
+            if self.offload_optimizer:
+                copies = self._averaged_parameters if self.reuse_tensors else tuple(
+                    t.detach().clone().requires_grad_(t.requires_grad) for t in self._averaged_parameters)
+                for param in copies:
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                sizes = [len(group["params"]) for group in groups]
+                starts = [sum(sizes[:i]) for i in range(len(sizes))]
+                groups = tuple(dict(group, params=copies[start:start + size])
+                               for group, start, size in zip(groups, starts, sizes, strict=True))
+            optimizer = optimizer(groups)
+        if initialize is None:  # (no statistics yet: one step with zero gradients makes them, as hivemind does)
+            initialize = not any(isinstance(value, torch.Tensor)
+                                 for state in optimizer.state_dict()["state"].values() for value in state.values())
+        if initialize:
+            initialize_optimizer_state_(optimizer)
+        if scheduler_factory:
+            scheduler = scheduler(optimizer)
+        if len(optimizer.param_groups) != len(groups) or getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError("the optimizer (and scheduler) must be built on the given parameter groups")
+        return optimizer, scheduler
+
+    def _local_tensors(self) -> Iterator[torch.Tensor]:
+        """The tensors a parameter round averages: the optimizer's parameters, the averaged statistics, extras."""
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+        for key in self.opt_keys_for_averaging:
+            for group in self.optimizer.param_groups:
+                for param in group["params"]:
+                    yield self.optimizer.state[param][key]
+        yield from self.extra_tensors
+
+    # ---- the epoch
+
+    @property
+    def local_epoch(self) -> int:
+        return self._epoch
+
+    @local_epoch.setter
+    def local_epoch(self, value: int) -> None:
+        with self._label_lock:  # step() counts the epoch (+1) before that epoch's optimizer step runs
+            if self._step_with_increment and value == self._epoch + 1:
+                self._steps_owed += 1
+                self._step_with_increment = False
+            self._epoch = value
+
+    def served_epoch(self) -> int:
+        """The epoch whose update the optimizer's parameters hold (behind :attr:`local_epoch` while a counted
+        epoch's optimizer step has not run). Call under ``lock_optimizer``."""
+        with self._label_lock:
+            return self._epoch - self._steps_owed
+
+    def _pay(self) -> None:
+        with self._label_lock:
+            self._steps_owed -= 1
+
+    @contextlib.contextmanager
+    def get_tensors(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        """The averaged tensors, under ``lock_averaged_tensors``."""
+        with self.lock_averaged_tensors:
+            yield self._averaged_tensors
+
+    @property
+    def averaging_in_progress(self) -> bool:
+        return self.lock_averaging.locked()
+
+    # ---- the step
+
+    def step(self, wait_for_delayed_updates: bool | None = None, apply_delayed_updates: bool = True,
+             increment_epoch: bool = False, optimizer_step: bool = False, zero_grad: bool = False,
+             delay_optimizer_step: bool = False, averaging_round: bool = False, delay_averaging: bool | None = None,
+             averaging_control: ParameterRound | None = None, wait_for_trigger: Any = None,
+             averaging_opts: dict[str, Any] | None = None) -> None:
+        """hivemind's ``TrainingStateAverager.step``, with its arguments' meanings (see the module)."""
+        if delay_averaging is None:
+            delay_averaging = delay_optimizer_step
+        should_wait = averaging_round or optimizer_step or zero_grad if self.delta_rule_averaging else averaging_round
+        if wait_for_delayed_updates is None:
+            wait_for_delayed_updates = should_wait
+        if should_wait and not (wait_for_delayed_updates and apply_delayed_updates):
+            raise ValueError("a new round or step waits for the background ones first")
+        if delay_optimizer_step and not (self.offload_optimizer and delay_averaging):
+            raise ValueError("a delayed optimizer step needs offload_optimizer and delayed averaging")
+        timeout = (averaging_opts or {}).get("timeout")
+        if wait_for_delayed_updates:
+            for pending in list(self.pending_updates):
+                try:
+                    pending.result(timeout if timeout is not None else self.allreduce_timeout)
+                except BaseException:
+                    if not pending.done():
+                        pending.cancel()
+        finished = {pending for pending in self.pending_updates if pending.done()}
+        self.pending_updates -= finished
+        if apply_delayed_updates:
+            self._apply_finished()
+        self._step_with_increment = increment_epoch and optimizer_step
+        pays = self._step_with_increment
+        if increment_epoch:
+            self.local_epoch += 1
+        self._step_with_increment = False
+        if not (optimizer_step or zero_grad or averaging_round):
+            return
+        boundary = increment_epoch and averaging_round and not delay_averaging and not delay_optimizer_step
+        if boundary:
+            self._no_boundary.clear()
+        try:
+            if self.offload_optimizer and not self.custom_gradients:
+                self._load_local_grads_into_optimizer_()
+            pending = self.step_executor.submit(self._do, wait_for_trigger, optimizer_step, zero_grad,
+                                                averaging_round, averaging_control, pays, timeout)
+            self.pending_updates.add(pending)
+            await_optimizer = (optimizer_step or zero_grad) and not delay_optimizer_step
+            await_averaging = averaging_round and not delay_averaging
+            if await_optimizer:
+                self.finished_optimizer_step.wait()
+                self.finished_optimizer_step.clear()
+                if self.offload_optimizer and not await_averaging:
+                    self._apply_optimizer_parameters_()
+            if await_averaging:
+                self.finished_averaging_round.wait()
+                self.finished_averaging_round.clear()
+                if not self.reuse_tensors:
+                    self._apply_averaging_results_()
+                if self.offload_optimizer:
+                    self._apply_optimizer_parameters_()
+            if not ((averaging_round and delay_averaging) or ((optimizer_step or zero_grad) and delay_optimizer_step)):
+                try:
+                    pending.result()
+                finally:
+                    self.pending_updates.discard(pending)
+        finally:
+            self._no_boundary.set()
+
+    def _apply_finished(self) -> None:
+        """Apply a background round's average and a background optimizer step that finished."""
+        if self.finished_averaging_round.is_set():
+            if not self.reuse_tensors:
+                self._apply_averaging_results_()
+            if self.offload_optimizer and not self.finished_optimizer_step.is_set():
+                self._apply_optimizer_parameters_()
+            self.finished_averaging_round.clear()
+        if self.finished_optimizer_step.is_set():
+            if self.offload_optimizer:
+                self._apply_optimizer_parameters_()
+            self.finished_optimizer_step.clear()
+
+    def _do(self, wait_for_trigger: Any, optimizer_step: bool, zero_grad: bool, averaging_round: bool,
+            control: ParameterRound | None, pays: bool, timeout: float | None) -> Any:
+        """(the executor) The optimizer step, the scheduler and the parameter round, each where asked."""
+        timeout = timeout if timeout is not None else self.allreduce_timeout
+        if control is not None and (control.triggered or control.done()):
+            logger.log(self.status_loglevel, "collabopt: a parameter round scheduled earlier ended: a new one")
+            control = None
+        began = False
+        try:
+            if averaging_round and control is None:
+                control = self.rounds.schedule(self._averaged_tensors, self.local_epoch, timeout)
+            if wait_for_trigger is not None:
+                wait_for_trigger()
+            began = True
+            with self.lock_optimizer:
+                if optimizer_step:
+                    with self.lock_averaged_tensors if self.reuse_tensors else contextlib.nullcontext():
+                        self.optimizer.step()
+                if zero_grad:
+                    self.optimizer.zero_grad()
+                self._update_scheduler()
+                if pays:
+                    pays = False
+                    self._pay()
+                self.finished_optimizer_step.set()
+            if averaging_round:
+                assert control is not None
+                self._average(control, timeout)
+        except Exception as e:
+            logger.error("collabopt: the training state's step failed%s: %r",
+                         "" if began else " (its trigger raised)", e)
+            if control is not None and not control.done():
+                control.cancel()
+            self.finished_optimizer_step.set()
+            self.finished_averaging_round.set()
+        finally:
+            if pays:  # (the step did not run: the epoch is owed no step any more)
+                self._pay()
+
+    def _average(self, control: ParameterRound, timeout: float) -> None:
+        with self.lock_averaging:
+            if not self.reuse_tensors:
+                self._load_local_tensors_into_averager_()
+            if self.delta_rule_averaging:
+                with torch.no_grad(), self.get_tensors() as averaged:
+                    self._old_tensors = tuple(t.detach().cpu().clone() for t in averaged)
+            try:
+                gathered = self.rounds.finish(control, self._averaged_tensors, self.lock_averaged_tensors, timeout,
+                                              late=self._averaged_late)
+                self._average_ready = True
+                logger.log(self.status_loglevel, "collabopt: parameters averaged with %d peers", len(gathered))
+            except RoundFailed as e:
+                logger.log(self.status_loglevel, "collabopt: the parameter round failed (%s)", e)
+            self.finished_averaging_round.set()
+
+    def _averaged_late(self) -> None:
+        """(the service's thread) A round's average came after its wait: the next step applies it."""
+        self._average_ready = True
+        self.finished_averaging_round.set()
+
+    # ---- moving tensors
+
+    @torch.no_grad()
+    def _load_local_grads_into_optimizer_(self) -> None:
+        """The model's gradients into the offloaded optimizer's."""
+        offloaded = [param for group in self.optimizer.param_groups for param in group["params"]]
+        for main, param in zip(self.main_parameters, offloaded, strict=True):
+            if main.grad is not None:
+                if param.grad is None:
+                    param.grad = main.grad.clone()
+                else:
+                    param.grad.copy_(main.grad, non_blocking=True)
+
+    @torch.no_grad()
+    def _apply_optimizer_parameters_(self) -> None:
+        """The offloaded optimizer's parameters into the model's."""
+        offloaded = [param for group in self.optimizer.param_groups for param in group["params"]]
+        for main, param in zip(self.main_parameters, offloaded, strict=True):
+            main.copy_(param, non_blocking=True)
+
+    @torch.no_grad()
+    def _load_local_tensors_into_averager_(self) -> None:
+        with self.get_tensors() as averaged:
+            for local, copy in zip(self._local_tensors(), averaged, strict=True):
+                copy.copy_(local, non_blocking=True)
+
+    @torch.no_grad()
+    def _apply_averaging_results_(self) -> None:
+        """The averaged tensors into the local ones (with the delta rule: what the round changed is added), under
+        ``lock_optimizer``: an average is never served half copied."""
+        with self.lock_optimizer, self.get_tensors() as averaged:
+            old, self._old_tensors = self._old_tensors, None
+            ready, self._average_ready = self._average_ready, False
+            if not ready:  # (the round failed: the local tensors stay as they are)
+                return
+            for i, (local, new) in enumerate(zip(self._local_tensors(), averaged, strict=True)):
+                if not self.delta_rule_averaging:
+                    local.copy_(new, non_blocking=True)
+                elif old is not None:
+                    local.add_(torch.sub(new, old[i]).to(device=local.device, dtype=local.dtype))
+
+    def _update_scheduler(self) -> None:
+        """Step the scheduler until it is at :attr:`local_epoch`."""
+        if self.scheduler:
+            while self.scheduler._step_count <= self.local_epoch:
+                self.scheduler.step()
+
+    # ---- the services
+
+    def is_alive(self) -> bool:
+        return self.rounds.is_alive()
+
+    def shutdown(self) -> None:
+        self.step_executor.shutdown(wait=False)
+        self.rounds.shutdown()
+
+
+__all__ = ["TrainingState"]
