@@ -119,6 +119,7 @@ class DiLoCo:
         # after a partial round its pseudo-gradient may have reached: (the parameters it was taken from, its
         # weight, the round's epoch), until a download of a later epoch tells whether the swarm applied it
         self.delivered: tuple[list[torch.Tensor], float, int] | None = None
+        self._undecided = 0  # downloads since, none of which told (see restore_after_download)
 
     # ------------------------------------------------------------------ between rounds
 
@@ -261,7 +262,7 @@ class DiLoCo:
         the swarm's state before its next round, and :meth:`restore_after_download` keeps only the progress made
         since ``base`` if the swarm's anchor moved (the round was applied), all of it otherwise. Contributing its
         pseudo-gradient again (in a retried round) would count it twice."""
-        self.delivered = (base, weight, epoch)
+        self.delivered, self._undecided = (base, weight, epoch), 0
         self.needs_sync = True  # (the protocol decided so too)
         logger.warning("collabopt: part of this DiLoCo round's average did not arrive; its pseudo-gradient may have "
                        "reached the others: this peer downloads the swarm's state before its next round (if the "
@@ -275,14 +276,16 @@ class DiLoCo:
         return self.local_progress(swarm), since
 
     def restore_after_download(self, swarm: RoundSwarm, progress: Sequence[torch.Tensor],
-                               since: Sequence[torch.Tensor] | None, downloaded: bool, anchor_moved: bool) -> None:
+                               since: Sequence[torch.Tensor] | None, downloaded: bool, anchor_moved: bool) -> bool:
         """After a state download (``downloaded``: it succeeded; ``anchor_moved``: the swarm's anchor is not the
         one this peer held): parameters = anchor + the progress :meth:`progress_to_keep` returned, ``since`` if a
-        round this peer's pseudo-gradient may have reached was applied meanwhile.
+        round this peer's pseudo-gradient may have reached was applied meanwhile. Returns whether it downloads again
+        before its next round.
 
         Only a state of a later epoch than that round's tells: a peer still at the round's epoch may be about to
-        apply it (its outer step comes after its all-reduce), so after such a download this peer keeps all its
-        progress and still remembers the round, for the next download to decide."""
+        apply it (its outer step comes after its all-reduce). After such a download this peer keeps all its
+        progress, still remembers the round and downloads again, up to :data:`UNDECIDED_DOWNLOADS` times; then the
+        swarm is taken to have not applied it (every peer it asked was still at that epoch)."""
         tells = self.delivered is not None and downloaded and int(swarm.local_epoch) > self.delivered[2]
         if since is not None and tells and anchor_moved:
             self.restore_progress(swarm, since)
@@ -290,7 +293,18 @@ class DiLoCo:
         else:
             self.restore_progress(swarm, progress)
         if tells:
-            self.delivered = None
+            self.delivered, self._undecided = None, 0
+        elif self.delivered is not None and downloaded:
+            self._undecided += 1
+            if self._undecided < UNDECIDED_DOWNLOADS:
+                logger.info("collabopt: the state downloaded is of the epoch of the round this peer lost results of "
+                            "(%d): it does not tell whether the others applied it; downloading again",
+                            swarm.local_epoch)
+                return True
+            logger.info("collabopt: %d downloads found the swarm still at epoch %d: the round this peer lost results "
+                        "of was not applied; its progress is kept whole", self._undecided, swarm.local_epoch)
+            self.delivered, self._undecided = None, 0
+        return False
 
     def _finish(self, outcome: RoundOutcome) -> RoundOutcome:
         if not outcome.applied:
@@ -345,6 +359,7 @@ def should_download(diloco: DiLoCo, local_epoch: int, global_epoch: int) -> bool
     return step_decision(diloco, local_epoch, global_epoch).download
 
 
+UNDECIDED_DOWNLOADS = 3  # downloads of a partial round's own epoch before it counts as not applied
 REPORT_SHARE = 0.1  # a DiLoCo peer stores its progress record at most once per this share of a round
 
 

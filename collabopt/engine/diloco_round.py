@@ -219,8 +219,8 @@ class DiLoCoLoop(PeerLoop):
                 logger.warning("collabopt: downloading the swarm's state failed: %r", e)
                 downloaded = False
             moved = self.local_epoch != epoch or diloco_module.fingerprint(self.anchors) != anchor
-            self.diloco.restore_after_download(self, progress, since, downloaded, moved)
-            self.diloco.needs_sync = False
+            # (True: the download did not tell whether a round this peer lost results of was applied)
+            self.diloco.needs_sync = bool(self.diloco.restore_after_download(self, progress, since, downloaded, moved))
             if moved:
                 self.diloco.resyncs += 1
             self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)

@@ -296,7 +296,7 @@ def test_a_download_of_the_rounds_own_epoch_does_not_tell_whether_the_round_was_
     inner_steps(model, diloco)  # 8 more samples
     now = [p.detach().clone() for p in model.parameters()]
     progress, since = diloco.progress_to_keep(swarm)
-    diloco.restore_after_download(swarm, progress, since, downloaded=True, anchor_moved=False)  # (epoch 0 served)
+    assert diloco.restore_after_download(swarm, progress, since, downloaded=True, anchor_moved=False)  # (epoch 0)
     for p, n in zip(model.parameters(), now, strict=True):
         torch.testing.assert_close(p.detach(), n)
     assert diloco.delivered is not None and diloco.pending_samples == 32
@@ -306,10 +306,26 @@ def test_a_download_of_the_rounds_own_epoch_does_not_tell_whether_the_round_was_
             a.add_(0.5)
             p.copy_(a)
     swarm.local_epoch = 1
-    diloco.restore_after_download(swarm, progress, since, downloaded=True, anchor_moved=True)
+    assert not diloco.restore_after_download(swarm, progress, since, downloaded=True, anchor_moved=True)
     for p, a, n, c in zip(model.parameters(), swarm.anchors, now, contributed, strict=True):
         torch.testing.assert_close(p.detach(), a.detach() + n - c)
     assert diloco.pending_samples == 8 and diloco.delivered is None
+
+
+def test_downloads_that_keep_finding_the_rounds_epoch_conclude_it_was_not_applied():
+    """Every peer asked is still at the partial round's epoch, UNDECIDED_DOWNLOADS times: nobody applied it; the
+    peer keeps its whole progress and contributes it in its next round (no endless downloads)."""
+    from collabopt.diloco import UNDECIDED_DOWNLOADS
+
+    model, diloco, swarm = trained(num_peers=3)
+    swarm.partial = True
+    diloco.run_round(swarm)
+    owed = []
+    for _ in range(UNDECIDED_DOWNLOADS):
+        progress, since = diloco.progress_to_keep(swarm)
+        owed.append(diloco.restore_after_download(swarm, progress, since, downloaded=True, anchor_moved=False))
+    assert owed == [True] * (UNDECIDED_DOWNLOADS - 1) + [False]
+    assert diloco.delivered is None and diloco.pending_samples == 24
 
 
 def test_a_failed_download_after_a_partial_round_keeps_what_it_must_decide():
