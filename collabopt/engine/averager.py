@@ -203,7 +203,7 @@ class AveragingService(ServiceThread):
 
     def _stub_for(self, peer: PeerID) -> Any:
         stub = AllReduceService.get_stub(self.p2p, peer, namespace=self.prefix)
-        return MemberStub(stub, {"rpc_aggregate_part": self.reducer_timeout}, self.p2p.peer_id.to_bytes())
+        return MemberStub(stub, {"rpc_aggregate_part": self.reducer_timeout}, self.p2p.peer_id.to_bytes(), peer)
 
     def _my_entry(self, gather: Any) -> bytes:
         token = None if self._key is None else \

@@ -45,13 +45,13 @@ class MemberStub:
     streams: to a member whose link was cut, opening one waited for libp2p to give up, and matchmaking or the round
     until its deadline (docs/decisions.md, "A stream to a lost member that never opens")."""
 
-    def __init__(self, stub: Any, timeouts: dict[str, float], sender_id: bytes):
-        self._stub, self._timeouts, self._sender_id = stub, timeouts, sender_id
+    def __init__(self, stub: Any, timeouts: dict[str, float], sender_id: bytes, peer: Any = "a member"):
+        self._member, self._timeouts, self._sender_id, self._peer_name = stub, timeouts, sender_id, peer
 
     def __getattr__(self, name: str) -> Any:
         if name == "rpc_aggregate_part":
             return self._aggregate_part
-        method = getattr(self._stub, name)
+        method = getattr(self._member, name)
         if name not in self._timeouts:
             return method
 
@@ -62,11 +62,11 @@ class MemberStub:
 
     async def _opened(self, name: str, opening: Awaitable[Any]) -> Any:
         timeout = self._timeouts.get(name)
-        return await (opening if timeout is None else open_in_time(opening, timeout, f"{name} to {self._stub._peer}"))
+        return await (opening if timeout is None else open_in_time(opening, timeout, f"{name} to {self._peer_name}"))
 
     async def _aggregate_part(self, requests: AsyncIterator[Any], *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         sent = _CountedRequests(requests, self._sender_id)
-        stream = await self._opened("rpc_aggregate_part", self._stub.rpc_aggregate_part(sent, *args, **kwargs))
+        stream = await self._opened("rpc_aggregate_part", self._member.rpc_aggregate_part(sent, *args, **kwargs))
         return _results_until_complete(stream, sent)
 
 
