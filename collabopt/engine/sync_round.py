@@ -50,8 +50,9 @@ class SyncLoop(PeerLoop):
                            "serves, so downloads are not verified against the swarm's majority (docs/faults.md)")
 
     def _make_gradient_averager(self, factory: Any, **kwargs: Any) -> Any:
-        """collabopt's gradient rounds (:mod:`collabopt.engine.gradient_rounds`), or the user's averager (e.g.
-        hivemind's ``PowerSGDGradientAverager``, an instance of hivemind's class)."""
+        """collabopt's gradient rounds (:mod:`collabopt.engine.gradient_rounds`), its PowerSGD rounds for hivemind's
+        ``PowerSGDGradientAverager`` (:mod:`collabopt.engine.powersgd_rounds`), or any other averager of the user's,
+        an instance of its class."""
         averager = super()._make_gradient_averager(factory or GradientRounds, **kwargs)
         if isinstance(averager, GradientRounds) and can_accumulate_in_place(self, averager):
             averager.accumulate_in_place()

@@ -114,9 +114,10 @@ def test_peers_of_a_partial_round_adopt_the_parameters_of_the_peer_whose_round_w
 
 
 def test_a_plain_hivemind_peer_downloads_a_collabopt_peers_state(tmp_path, bootstrap):
-    """hivemind names its RPC handlers after the averager's class: collabopt's averagers (subclasses) answer under
-    hivemind's names, so a plain hivemind peer of the run gets the state of a collabopt peer (before, collabopt's
-    state averager answered as ``ConsistentStateAverager``: the download found no one to serve it)."""
+    """hivemind names its RPC handlers after the averager's class: collabopt's state service answers downloads under
+    hivemind's name (``<prefix>::TrainingStateAverager.rpc_download_state``) and advertises its state in hivemind's
+    ``<prefix>.all_averagers`` record, so a plain hivemind peer of the run gets the state of a collabopt peer (it joins
+    none of collabopt's averaging rounds)."""
     collab = start_peer(tmp_path, "collab", dict(run_id=unique_run_id("plain"), target_batch_size=64, epochs=3,
                                                  model_seed=0, lr=0.1, linger=60), bootstrap)
     try:
