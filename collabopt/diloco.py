@@ -283,9 +283,9 @@ class DiLoCo:
         before its next round.
 
         Only a state of a later epoch than that round's tells: a peer still at the round's epoch may be about to
-        apply it (its outer step comes after its all-reduce). After such a download this peer keeps all its
-        progress, still remembers the round and downloads again, up to :data:`UNDECIDED_DOWNLOADS` times; then the
-        swarm is taken to have not applied it (every peer it asked was still at that epoch)."""
+        apply it (its outer step comes after its all-reduce). After a download that does not tell (or fails) this
+        peer keeps all its progress, still remembers the round and downloads again before its next round, up to
+        :data:`UNDECIDED_DOWNLOADS` times; then the round is taken as not applied (no peer served a later epoch)."""
         tells = self.delivered is not None and downloaded and int(swarm.local_epoch) > self.delivered[2]
         if since is not None and tells and anchor_moved:
             self.restore_progress(swarm, since)
@@ -294,15 +294,16 @@ class DiLoCo:
             self.restore_progress(swarm, progress)
         if tells:
             self.delivered, self._undecided = None, 0
-        elif self.delivered is not None and downloaded:
+        elif self.delivered is not None:
             self._undecided += 1
             if self._undecided < UNDECIDED_DOWNLOADS:
-                logger.info("collabopt: the state downloaded is of the epoch of the round this peer lost results of "
-                            "(%d): it does not tell whether the others applied it; downloading again",
-                            swarm.local_epoch)
+                logger.info("collabopt: the download (%s) does not tell whether the others applied the round this "
+                            "peer lost results of (epoch %d): downloading again",
+                            "of that epoch" if downloaded else "failed", self.delivered[2])
                 return True
-            logger.info("collabopt: %d downloads found the swarm still at epoch %d: the round this peer lost results "
-                        "of was not applied; its progress is kept whole", self._undecided, swarm.local_epoch)
+            logger.info("collabopt: %d downloads did not tell whether the others applied the round of epoch %d this "
+                        "peer lost results of: taken as not applied, its progress kept whole", self._undecided,
+                        self.delivered[2])
             self.delivered, self._undecided = None, 0
         return False
 

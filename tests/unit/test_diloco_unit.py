@@ -334,7 +334,7 @@ def test_a_failed_download_after_a_partial_round_keeps_what_it_must_decide():
     diloco.run_round(swarm)
     before = [p.detach().clone() for p in model.parameters()]
     progress, since = diloco.progress_to_keep(swarm)
-    diloco.restore_after_download(swarm, progress, since, downloaded=False, anchor_moved=False)
+    assert diloco.restore_after_download(swarm, progress, since, downloaded=False, anchor_moved=False)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     assert diloco.delivered is not None and diloco.pending_samples == 24  # the next download decides
 
