@@ -85,7 +85,15 @@ def _order_key(peer: Hashable) -> bytes:
 
 
 def _normalized(weights: Sequence[float]) -> list[float]:
-    total = math.fsum(weights)  # (exactly rounded: the same whatever the order)
+    """Each weight's share of their sum, exactly rounded (the same whatever the order). Weights whose sum passes
+    float64's range (two of 1e308: each is finite) are first scaled by a power of two, exact, that brings the
+    largest below 1, so that their shares stay finite; other weights keep their bits."""
+    try:
+        total = math.fsum(weights)
+    except OverflowError:
+        scale = 2.0 ** -math.frexp(max(weights))[1]
+        weights = [weight * scale for weight in weights]
+        total = math.fsum(weights)
     return [weight / total for weight in weights]
 
 

@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -35,6 +36,8 @@ from collabopt.engine.gather_round import MAX_PAYLOAD_LIMIT, ExchangeRound, Exch
 from collabopt.engine.p2p import own_replica
 from collabopt.engine.service_thread import ServiceThread
 from collabopt.membership import MemberToken, swarm_key_of
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +100,7 @@ class ExchangeService(ServiceThread):
         self.matchmaking_time, self.request_timeout = matchmaking_time, request_timeout
         self.phase_timeout, self.max_payload_bytes = phase_timeout, max_payload_bytes
         self.schema = DHTID.generate(source=["collabopt-gather-exchange", 1, max_payload_bytes]).to_bytes()
-        self.servicer = ExchangeServicer(self._matchmaking_for)
+        self.servicer = ExchangeServicer(self._matchmaking_for, max_payload_bytes)
         self.p2p: Any = None
         self._matchmaking: Matchmaking | None = None
         self._busy: asyncio.Lock | None = None
@@ -156,18 +159,27 @@ class ExchangeService(ServiceThread):
             MemberToken.issue(self._key, self.prefix, self.p2p.peer_id.to_bytes()).to_bytes()
         return MSGPackSerializer.dumps([True, [gather, self._public_key], token])
 
-    def _group_of(self, group: Any) -> tuple[dict[PeerID, Any], list[bytes]] | str:
-        """What each member gathered and the key it announced; or why the group's gathered data does not do."""
+    def _group_of(self, group: Any) -> tuple[dict[PeerID, Any], list[bytes | None]] | str:
+        """What each member gathered and the key it announced; or why the group's gathered data does not do.
+
+        A member whose data is unreadable or holds no Ed25519 key is absent (key None, left out of ``gathered``,
+        logged): one peer of another version, or a hostile one, must not end the round for the others."""
         members = tuple(group.peer_ids)
         gathered, keys = {}, []
         for peer, data in zip(members, group.gathered, strict=True):
             try:
                 entry = MSGPackSerializer.loads(data)
                 gather, key = entry[1]
+                absent = None if isinstance(key, bytes) and len(key) == len(self._public_key) else \
+                    "announced no Ed25519 key"
             except Exception as e:  # (a member of another version, or a hostile one)
-                return f"unreadable gathered data of {peer}: {e!r}"
-            if not isinstance(key, bytes) or len(key) != len(self._public_key):
-                return f"{peer} announced no Ed25519 key"
+                absent = f"unreadable gathered data: {e!r}"
+            if peer == self.p2p.peer_id and (absent is not None or key != self._public_key):
+                return "the group's data does not hold this member's own key (its leader changed it)"
+            if absent is not None:
+                logger.warning("collabopt: %s is absent from this exchange round: %s", peer, absent)
+                keys.append(None)
+                continue
             if self._key is not None and (refusal := _token_refusal(entry, self._key, self.prefix,
                                                                     peer.to_bytes())) is not None:
                 return f"{peer} of this group is no member of the swarm ({refusal})"
@@ -175,9 +187,11 @@ class ExchangeService(ServiceThread):
             keys.append(key)
         return gathered, keys
 
-    async def _scheduled(self, scheduled: ScheduledExchange, search: _Search) -> ExchangeResult:
-        assert self._busy is not None and self._matchmaking is not None and scheduled._trigger is not None
-        start = time.monotonic()
+    async def _assemble(self, scheduled: ScheduledExchange,
+                        search: _Search) -> tuple[Any, ExchangeRound, dict[PeerID, Any]] | ExchangeResult:
+        """Matchmaking, then the group's round registered (the others' offers may come before this member's
+        payload); or why there is no round."""
+        assert self._busy is not None and self._matchmaking is not None
         async with self._busy:  # (one matchmaking at a time; a round may overlap the next one's)
             try:
                 group = await self._matchmaking.look_for_group(search)
@@ -190,13 +204,27 @@ class ExchangeService(ServiceThread):
         if isinstance(known, str):
             return ExchangeResult(None, (), members, {}, known)
         gathered, keys = known
-        try:  # (registered now: the others' offers may come before this member's payload)
+        try:
             round_ = ExchangeRound(group_id=group.group_id, members=members, me=members.index(self.p2p.peer_id),
                                    keys=keys, signing_key=self._signing_key, stub_for=self._stub_for,
                                    phase_timeout=self.phase_timeout, max_payload_bytes=self.max_payload_bytes)
-        except Exception as e:  # (this member not in the list, or a key that is none: a hostile leader)
+        except Exception as e:  # (this member not in the list: a hostile leader)
             return ExchangeResult(None, (), members, gathered, f"the group's data does not do: {e!r}")
-        self.servicer.rounds[group.group_id] = round_
+        self.servicer.register(group.group_id, round_)
+        return group, round_, gathered
+
+    async def _scheduled(self, scheduled: ScheduledExchange, search: _Search) -> ExchangeResult:
+        assert scheduled._trigger is not None
+        start = time.monotonic()
+        self.servicer.assembling += 1
+        try:
+            assembled = await self._assemble(scheduled, search)
+        finally:  # (after the registration: the messages that waited for it go on)
+            self.servicer.assembled()
+        if isinstance(assembled, ExchangeResult):
+            return assembled
+        group, round_, gathered = assembled
+        members = round_.members
         try:
             try:
                 payload, weight = await asyncio.wait_for(asyncio.shield(scheduled._trigger),

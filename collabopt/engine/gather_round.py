@@ -15,6 +15,12 @@ Rules, and why:
   statements of a sender are kept (two prove it equivocated), so a hostile member cannot grow a member's memory.
 * Messages are unary calls (msgpack in ``DownloadData.metadata``): a payload must fit one daemon message
   (:data:`MAX_PAYLOAD_LIMIT`).
+* A message for a group this member has not registered yet (the leader's last matchmaking message may come after a
+  fast member's offer) waits for the registration only while this member assembles a group, only within the size
+  of an offer, at most :data:`REGISTRATION_WAIT` seconds and at most :data:`PENDING_LIMIT` messages at once (more
+  are refused): any peer may send messages, and each holds a payload's memory while it waits.
+* A member whose gathered data this member cannot use (unreadable, no Ed25519 key) is absent from the round: it
+  counts in the group's size for the majority and none of its messages count.
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ logger = logging.getLogger(__name__)
 MAX_PAYLOAD_LIMIT = 3 * 2**20
 # How long a message for a group this member has not registered yet waits for the registration
 REGISTRATION_WAIT = 5.0
+# How many messages may wait for a registration at once (memory: up to one payload each)
+PENDING_LIMIT = 16
+# What a message holds beyond its payload (a digest: about 230 bytes a member)
+MESSAGE_OVERHEAD = 2**16
 HASH_BYTES, SIGNATURE_BYTES = 32, 64
 
 
@@ -57,18 +67,30 @@ class Refused(Exception):
     """A message from the network that does not count (the reason is logged and answered)."""
 
 
-class ExchangeRound:
-    """One member's side of one round. ``keys``: the Ed25519 public key each member announced (raw, 32 bytes);
-    ``stub_for(peer)``: the member's :class:`ExchangeServicer` stub."""
+def _public_key(raw: bytes | None) -> Ed25519PublicKey | None:
+    try:
+        return None if raw is None else Ed25519PublicKey.from_public_bytes(raw)
+    except ValueError:
+        return None
 
-    def __init__(self, *, group_id: bytes, members: Sequence[PeerID], me: int, keys: Sequence[bytes],
+
+class ExchangeRound:
+    """One member's side of one round. ``keys``: the Ed25519 public key each member announced (raw, 32 bytes; None
+    for a member whose gathered data does not do: absent, see the module's rules); ``stub_for(peer)``: the member's
+    :class:`ExchangeServicer` stub."""
+
+    def __init__(self, *, group_id: bytes, members: Sequence[PeerID], me: int, keys: Sequence[bytes | None],
                  signing_key: Ed25519PrivateKey, stub_for: Callable[[PeerID], Any], phase_timeout: float,
                  max_payload_bytes: int):
         self.group_id, self.members, self.me = group_id, tuple(members), me
         self.signing_key, self.stub_for = signing_key, stub_for
         self.phase_timeout, self.max_payload_bytes = phase_timeout, max_payload_bytes
-        self.view = protocol.view_hash(group_id, [m.to_bytes() for m in self.members], list(keys))
-        self.keys = [Ed25519PublicKey.from_public_bytes(key) for key in keys]
+        self.view = protocol.view_hash(group_id, [m.to_bytes() for m in self.members], [k or b"" for k in keys])
+        self.keys = [_public_key(key) for key in keys]
+        self.absent = frozenset(m for m, key in enumerate(self.keys) if key is None)
+        if me in self.absent:
+            raise ValueError("this member's own key is not among the group's keys")
+        self.present = [m for m in range(len(self.members)) if m != me and m not in self.absent]  # (the others)
         self.held: dict[int, dict[tuple[bytes, float], bytes]] = {}  # sender -> statement -> signature (direct)
         self.payloads: dict[int, dict[bytes, bytes]] = {}  # sender -> payload hash -> payload
         self.digests: dict[int, list[tuple[int, bytes, float]]] = {}  # member -> the statements it holds
@@ -83,6 +105,8 @@ class ExchangeRound:
         if not (isinstance(digest, bytes) and len(digest) == HASH_BYTES and _is_weight(weight)
                 and isinstance(signature, bytes) and len(signature) == SIGNATURE_BYTES):
             raise Refused("a malformed statement")
+        if self.keys[sender] is None:
+            raise Refused(f"a statement of {self.members[sender]}, absent from this round (no usable key)")
         statement = protocol.statement_bytes(self.group_id, self.members[sender].to_bytes(), digest, float(weight))
         try:
             self.keys[sender].verify(signature, statement)
@@ -162,7 +186,7 @@ class ExchangeRound:
             except Exception as e:
                 self.problems.setdefault(member, f"{rpc}: {e!r}")
                 logger.debug("collabopt: %s to %s failed: %r", rpc, self.members[member], e)
-        tasks = {m: asyncio.create_task(send(m)) for m in range(len(self.members)) if m != self.me}
+        tasks = {m: asyncio.create_task(send(m)) for m in self.present}
         self._sending.extend(tasks.values())  # (a task the loop alone refers to may be collected before its end)
         return tasks
 
@@ -196,7 +220,7 @@ class ExchangeRound:
 
     async def run(self, payload: bytes, weight: float, start: float) -> tuple[protocol.Decision | None, str | None]:
         """The round from this member's side: its decision, and why it must not apply it (None: it may)."""
-        others = [m for m in range(len(self.members)) if m != self.me]
+        others = self.present
         digest, signature = self.sign(payload, weight)
         self._keep(self.me, digest, weight, signature)
         self.payloads[self.me] = {digest: payload}
@@ -241,11 +265,52 @@ class ExchangeRound:
 
 class ExchangeServicer(ServicerBase):
     """The handlers of the exchange on one peer: join requests (handed to the matchmaking of the request's schema,
-    ``matchmaking_for``) and the messages of the rounds registered in ``rounds``."""
+    ``matchmaking_for``) and the messages of the rounds registered (:meth:`register`) in ``rounds``.
+    ``assembling``: how many of this member's matchmakings run (:meth:`assembled` at each one's end, after its
+    registration); only then may a message wait for its group (the module's rules)."""
 
-    def __init__(self, matchmaking_for: Callable[[bytes], Any]):
+    def __init__(self, matchmaking_for: Callable[[bytes], Any], max_payload_bytes: int = MAX_PAYLOAD_LIMIT):
         self.matchmaking_for = matchmaking_for
+        self.max_message_bytes = max_payload_bytes + MESSAGE_OVERHEAD
         self.rounds: dict[bytes, ExchangeRound] = {}
+        self.assembling = self.pending = 0
+        self._waiting: dict[bytes, list] = {}  # group id -> [its registration's event, how many wait for it]
+
+    def register(self, group_id: bytes, round_: ExchangeRound) -> None:
+        self.rounds[group_id] = round_
+        if (waiting := self._waiting.pop(group_id, None)) is not None:
+            waiting[0].set()
+
+    def assembled(self) -> None:
+        """One matchmaking of this member ended (its group registered, or none): with none left, a message still
+        waiting is for no group of this member's."""
+        self.assembling -= 1
+        if not self.assembling:
+            for event, _ in self._waiting.values():
+                event.set()
+            self._waiting.clear()
+
+    async def _round_for(self, group_id: bytes) -> ExchangeRound:
+        if group_id not in self.rounds:
+            if not self.assembling:
+                raise Refused("a message for a group this member is not in")
+            if self.pending >= PENDING_LIMIT:
+                raise Refused(f"a message for a group not registered yet while {PENDING_LIMIT} others wait")
+            self.pending += 1
+            waiting = self._waiting.setdefault(group_id, [asyncio.Event(), 0])
+            waiting[1] += 1
+            try:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(waiting[0].wait(), REGISTRATION_WAIT)
+            finally:
+                self.pending -= 1
+                waiting[1] -= 1
+                if not waiting[1] and self._waiting.get(group_id) is waiting:
+                    del self._waiting[group_id]
+        round_ = self.rounds.get(group_id)
+        if round_ is None:
+            raise Refused("a message for a group this member is not in")
+        return round_
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
                              context: P2PContext) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
@@ -260,21 +325,20 @@ class ExchangeServicer(ServicerBase):
                       arity: int) -> averaging_pb2.DownloadData:
         """Check a message's envelope and sender and hand it to its round; whatever fails is logged and answered."""
         try:
+            if len(request.metadata) > self.max_message_bytes:
+                raise Refused(f"a message of {len(request.metadata)} bytes, over {self.max_message_bytes}")
             try:
                 fields = MSGPackSerializer.loads(request.metadata)
             except Exception:
                 raise Refused("an unreadable message") from None
             if not isinstance(fields, list) or len(fields) != arity + 1 or not isinstance(fields[0], bytes):
                 raise Refused("a malformed message")
-            deadline = time.monotonic() + REGISTRATION_WAIT
-            while fields[0] not in self.rounds and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            round_ = self.rounds.get(fields[0])
-            if round_ is None:
-                raise Refused("a message for a group this member is not in")
+            round_ = await self._round_for(fields[0])
             if context.remote_id not in round_.members or context.remote_id == round_.members[round_.me]:
                 raise Refused("a message from a peer that is no other member of the group")
             sender = round_.members.index(context.remote_id)
+            if sender in round_.absent:
+                raise Refused("a message from a member absent from this round (its gathered data does not do)")
             round_.received_bytes += request.ByteSize()
             if kind == "fetch":
                 answer = _message(True, round_.on_fetch(fields[1:]))

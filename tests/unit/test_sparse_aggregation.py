@@ -146,3 +146,18 @@ def test_exact_sum_is_the_same_in_any_order_and_close_to_the_true_sum():
     random.seed(0)  # the float sum does depend on the order (what exact_sum avoids)
     parts = [random.uniform(-1, 1) * 10 ** random.randint(-8, 8) for _ in range(1000)]
     assert len({sum(random.sample(parts, len(parts))) for _ in range(20)}) > 1
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+def test_weights_whose_sum_passes_the_float_range_give_finite_shares(aggregation):
+    """Weights of 1.68e308 or 1e308 are each finite (accepted) and sum past float64's range: the aggregate is the one of
+    their ratios, never an OverflowError."""
+    given = contributions(count=3)
+    huge = {peer: (weight * 7e306, data) for peer, (weight, data) in given.items()}  # 7e307, 1.19e308 and 1.68e308
+    result = flat(aggregate(huge, SHAPES, CODEC, aggregation))
+    assert bool(torch.isfinite(result).all())
+    assert torch.allclose(result, flat(aggregate(given, SHAPES, CODEC, aggregation)), atol=1e-6)
+    equal = {"a": (1e308, given["peer-0"][1]), "b": (1e308, given["peer-1"][1])}
+    ones = {"a": (1.0, given["peer-0"][1]), "b": (1.0, given["peer-1"][1])}
+    assert torch.equal(flat(aggregate(equal, SHAPES, CODEC, aggregation)), flat(aggregate(ones, SHAPES, CODEC,
+                                                                                          aggregation)))

@@ -1,0 +1,179 @@
+"""The all-gather exchange's defences against peers that send what they like (collabopt.engine.gather_round,
+collabopt.engine.gather_exchange), without a network: messages for groups this member has not registered, members
+whose gathered data does not do."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import types
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+
+from collabopt.engine import gather_protocol as protocol
+from collabopt.engine.gather_exchange import ExchangeService
+from collabopt.engine.gather_round import PENDING_LIMIT, ExchangeRound, ExchangeServicer, Refused
+
+
+def _peer(i: int) -> PeerID:
+    return PeerID(b"\x00\x24\x08\x01\x12\x20" + bytes([i]) * 32)
+
+
+def _raw(key: Ed25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def _call(servicer: ExchangeServicer, rpc: str, fields: list, sender: PeerID, metadata: bytes | None = None):
+    """A coroutine of one message to ``servicer``, as its handler gets it from the daemon."""
+    request = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(fields) if metadata is None else metadata)
+    context = P2PContext(handle_name=rpc, local_id=_peer(0), remote_id=sender)
+    return getattr(servicer, rpc)(request, context)
+
+
+def _answer(message: averaging_pb2.DownloadData) -> list:
+    return MSGPackSerializer.loads(message.metadata)
+
+
+async def _settle() -> None:
+    """Let every task that can go on without time passing do so."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def _rounds(count: int = 3, absent: tuple[int, ...] = (), max_payload_bytes: int = 100):
+    keys = [Ed25519PrivateKey.generate() for _ in range(count)]
+    raw = [None if i in absent else _raw(k) for i, k in enumerate(keys)]
+    members = [_peer(i) for i in range(count)]
+    return [ExchangeRound(group_id=b"g", members=members, me=i, keys=raw, signing_key=keys[i], stub_for=None,
+                          phase_timeout=5.0, max_payload_bytes=max_payload_bytes)
+            for i in range(count) if i not in absent]
+
+
+# ---------------------------------------------------------------- messages for groups not registered
+def test_a_message_for_an_unknown_group_is_refused_at_once_unless_this_member_assembles_one():
+    r0, r1, _ = _rounds()
+    _, signature = r1.sign(b"p", 1.0)
+    offer = [b"g", b"p", 1.0, signature]
+
+    async def scenario():
+        servicer = ExchangeServicer(lambda schema: None)
+        stranger = asyncio.ensure_future(_call(servicer, "rpc_offer", offer, _peer(1)))
+        await _settle()  # (no matchmaking runs: no group is coming, no waiting)
+        assert stranger.done() and _answer(stranger.result()) == [False, "a message for a group this member is not in"]
+        servicer.assembling += 1
+        early = asyncio.ensure_future(_call(servicer, "rpc_offer", offer, _peer(1)))
+        other = asyncio.ensure_future(_call(servicer, "rpc_offer", [b"h", *offer[1:]], _peer(1)))
+        await _settle()
+        assert not early.done() and not other.done() and servicer.pending == 2
+        servicer.register(b"g", r0)  # (the registration hands the waiting message on: no polling)
+        await _settle()
+        assert early.done() and _answer(early.result()) == [True, None] and r0.payloads[1]
+        assert not other.done()
+        servicer.assembled()  # (the matchmaking ended: group h is none of this member's)
+        await _settle()
+        assert other.done() and _answer(other.result()) == [False, "a message for a group this member is not in"]
+        assert servicer.pending == 0 and not servicer._waiting
+
+    asyncio.run(scenario())
+
+
+def test_at_most_pending_limit_messages_wait_and_an_oversized_one_never_does(caplog):
+    async def scenario():
+        servicer = ExchangeServicer(lambda schema: None, max_payload_bytes=100)
+        servicer.assembling += 1
+        waiting = [asyncio.ensure_future(_call(servicer, "rpc_confirm", [bytes([i]) * 20, b"x" * 32], _peer(1)))
+                   for i in range(PENDING_LIMIT)]
+        await _settle()
+        assert not any(task.done() for task in waiting) and servicer.pending == PENDING_LIMIT
+        one_more = asyncio.ensure_future(_call(servicer, "rpc_confirm", [b"z" * 20, b"x" * 32], _peer(1)))
+        big = asyncio.ensure_future(_call(servicer, "rpc_offer", [], _peer(1),
+                                          metadata=b"\x00" * (servicer.max_message_bytes + 1)))
+        await _settle()
+        assert one_more.done() and "others wait" in _answer(one_more.result())[1]
+        assert big.done() and "over" in _answer(big.result())[1]
+        servicer.assembled()
+        await _settle()
+        assert all(task.done() and _answer(task.result())[0] is False for task in waiting)
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(scenario())
+    assert "refused confirm from" in caplog.text
+
+
+# ---------------------------------------------------------------- members whose gathered data does not do
+def test_a_member_with_unreadable_data_or_no_key_is_absent_not_the_end_of_the_round(caplog):
+    keys = [Ed25519PrivateKey.generate() for _ in range(4)]
+    entries = [MSGPackSerializer.dumps([True, [{"seed": 0}, _raw(keys[0])], None]), b"\xc1garbage",
+               MSGPackSerializer.dumps([True, [{"seed": 2}, b"short"], None]),
+               MSGPackSerializer.dumps([True, [{"seed": 3}, _raw(keys[3])], None])]
+    members = [_peer(i) for i in range(4)]
+    service = types.SimpleNamespace(_public_key=_raw(keys[0]), _key=None, prefix="x",
+                                    p2p=types.SimpleNamespace(peer_id=members[0]))
+    with caplog.at_level(logging.WARNING):
+        gathered, raw = ExchangeService._group_of(service, types.SimpleNamespace(peer_ids=members, gathered=entries))
+    assert raw == [_raw(keys[0]), None, None, _raw(keys[3])]
+    assert gathered == {members[0]: {"seed": 0}, members[3]: {"seed": 3}}
+    assert "unreadable gathered data" in caplog.text and "announced no Ed25519 key" in caplog.text
+    altered = types.SimpleNamespace(peer_ids=members, gathered=[entries[3], *entries[1:]])  # (not this member's key)
+    assert "this member's own key" in ExchangeService._group_of(service, altered)
+
+
+def test_an_absent_members_messages_and_statements_do_not_count():
+    keys = [Ed25519PrivateKey.generate() for _ in range(3)]
+    r0 = ExchangeRound(group_id=b"g", members=[_peer(i) for i in range(3)], me=0,
+                       keys=[_raw(keys[0]), _raw(keys[1]), None], signing_key=keys[0], stub_for=None,
+                       phase_timeout=1.0, max_payload_bytes=100)
+    assert r0.absent == {2} and r0.present == [1]
+    digest = protocol.payload_hash(b"p")
+    signature = keys[2].sign(protocol.statement_bytes(b"g", _peer(2).to_bytes(), digest, 1.0))
+    with pytest.raises(Refused, match="absent from this round"):
+        r0.on_offer(2, [b"p", 1.0, signature])
+    with pytest.raises(Refused, match="absent from this round"):
+        r0.on_digest(1, [[[2, digest, 1.0, signature]]])
+    servicer = ExchangeServicer(lambda schema: None)
+    servicer.register(b"g", r0)
+    answer = _answer(asyncio.run(_call(servicer, "rpc_confirm", [b"g", b"x" * 32], _peer(2))))
+    assert answer[0] is False and "absent" in answer[1] and not r0.confirmations
+
+
+class _Stub:
+    """A member's stub that hands each message straight to another member's servicer."""
+
+    def __init__(self, servicer: ExchangeServicer, caller: PeerID):
+        self.servicer, self.caller = servicer, caller
+
+    def __getattr__(self, rpc: str):
+        async def call(request, timeout):
+            context = P2PContext(handle_name=rpc, local_id=_peer(0), remote_id=self.caller)
+            return await getattr(self.servicer, rpc)(request, context)
+        return call
+
+
+def test_the_present_members_apply_one_set_without_the_absent_one_which_counts_in_the_group_size():
+    asked = set()
+
+    async def scenario():
+        r0, r1 = _rounds(absent=(2,))
+        servicers = {}
+        for round_ in (r0, r1):
+            servicers[round_.members[round_.me]] = servicer = ExchangeServicer(lambda schema: None)
+            servicer.register(b"g", round_)
+        for round_ in (r0, r1):
+            me = round_.members[round_.me]
+            round_.stub_for = lambda peer, me=me: asked.add(peer) or _Stub(servicers[peer], me)
+        start = time.monotonic()
+        return await asyncio.gather(r0.run(b"zero", 1.0, start), r1.run(b"one", 2.0, start))
+
+    (d0, reason0), (d1, reason1) = asyncio.run(scenario())
+    assert asked == {_peer(0), _peer(1)}  # (the absent member 2 is sent nothing)
+    assert reason0 is None and reason1 is None
+    assert d0 == d1 and d0.senders == (0, 1) and d0.excluded == ()
+    (alone,) = _rounds(absent=(1, 2))  # (the absent count in the group's size: 1 of 3 is no majority)
+    decision, reason = asyncio.run(alone.run(b"zero", 1.0, 0.0))
+    assert decision.senders == (0,) and "only 1 of 3" in reason
