@@ -181,7 +181,8 @@ class AveragingService(ServiceThread):
     def _matchmaker(self, schema_hash: bytes) -> Matchmaking:
         if schema_hash not in self._matchmakings:
             search_dht = SearchDHT(self.dht, self.p2p, schema_hash=schema_hash, prefix=self.prefix, hints=self._hints,
-                                   entry=lambda: self._my_entry(None))  # (collabopt.engine.group_search)
+                                   entry=lambda: self._my_entry(None),  # (collabopt.engine.group_search)
+                                   matchmaking_time=self.matchmaking_time)
             self._matchmakings[schema_hash] = Matchmaking(
                 self.p2p, schema_hash, search_dht, servicer_type=AllReduceService, prefix=self.prefix,
                 target_group_size=self.target_group_size, min_group_size=self.min_group_size,
@@ -198,8 +199,11 @@ class AveragingService(ServiceThread):
                 entry = None
             if _token_refusal(entry, self._key, self.prefix, context.remote_id.to_bytes()) is not None:
                 return None
-        self._hints.add([context.remote_id])
-        return declared_expiration(self._matchmakings.get(request.schema_hash), request.group_key)
+        matchmaking = self._matchmakings.get(request.schema_hash)
+        if matchmaking is None:
+            return None  # (tensors this peer never averaged: the caller is no hint)
+        self._hints.add_caller(context.remote_id)
+        return declared_expiration(matchmaking, request.group_key)
 
     def _stub_for(self, peer: PeerID) -> Any:
         stub = AllReduceService.get_stub(self.p2p, peer, namespace=self.prefix)

@@ -17,6 +17,11 @@ Rules, and why:
   they find each other without the DHT. An answer is the peer's own declaration, with its real end of search, so
   hivemind's rules (who leads whom, when a group is assembled) stay as they are. A peer that does not answer is
   not asked again for :data:`ASK_BACKOFF` seconds; one whose declaration the DHT already returned is not asked.
+* An answer's end of search counts up to ``matchmaking_time`` from now plus :data:`CLOCK_ALLOWANCE` (hivemind's
+  matchmaking takes the latest declared end as assured: one at infinity or far ahead stalled every search). A peer
+  that asks joins the hints only after the averaging service's checks, and then in :data:`CALLERS_KEPT` slots of its
+  own: asks from fresh ids never push out the peers met in groups or found in the DHT. What a search remembers of
+  the peers it asked is pruned to the hints.
 * With a swarm key, a request carries the asker's member token and others are not answered (as join requests).
 """
 
@@ -38,25 +43,38 @@ PACE = 0.1  # seconds between two searches (hivemind searches again at once afte
 ASK_BACKOFF = 4.0  # seconds a peer that did not answer is left alone
 ASK_EVERY = 0.5  # seconds between two requests to the same peer (its answer holds meanwhile)
 HINTS_KEPT, HINT_SECONDS = 16, 300.0  # the most recent peers met, and for how long
+CALLERS_KEPT = 4  # the most recent peers that asked this one (kept apart from those met)
+CLOCK_ALLOWANCE = 3.0  # seconds two peers' DHT times may differ (hivemind's MAX_DHT_TIME_DISCREPANCY_SECONDS)
 
 
 class PeerHints:
-    """The peers a service met recently (at most :data:`HINTS_KEPT`, seen within :data:`HINT_SECONDS`)."""
+    """The peers a service met recently (at most :data:`HINTS_KEPT`, seen within :data:`HINT_SECONDS`), and apart
+    from them the peers that asked it (at most :data:`CALLERS_KEPT`)."""
 
     def __init__(self) -> None:
         self._seen: dict[PeerID, float] = {}
+        self._callers: dict[PeerID, float] = {}
 
     def add(self, peers: Iterable[PeerID]) -> None:
+        self._add(self._seen, peers, HINTS_KEPT)
+
+    def add_caller(self, peer: PeerID) -> None:
+        if peer not in self._seen:
+            self._add(self._callers, [peer], CALLERS_KEPT)
+
+    @staticmethod
+    def _add(kept: dict[PeerID, float], peers: Iterable[PeerID], limit: int) -> None:
         now = time.monotonic()
         for peer in peers:
-            self._seen.pop(peer, None)
-            self._seen[peer] = now
-        while len(self._seen) > HINTS_KEPT:
-            self._seen.pop(next(iter(self._seen)))
+            kept.pop(peer, None)
+            kept[peer] = now
+        while len(kept) > limit:
+            kept.pop(next(iter(kept)))
 
     def peers(self) -> list[PeerID]:
         oldest = time.monotonic() - HINT_SECONDS
-        return [peer for peer, seen in self._seen.items() if seen >= oldest]
+        met = [peer for peer, seen in self._seen.items() if seen >= oldest]
+        return met + [peer for peer, seen in self._callers.items() if seen >= oldest and peer not in self._seen]
 
 
 def declared_expiration(matchmaking: Any, group_key: str) -> float | None:
@@ -91,12 +109,12 @@ class SearchDHT:
     """What hivemind's ``GroupKeyManager`` uses of a DHT (``peer_id``, ``store``, ``get``), for the matchmaking of
     one tensor schema: the DHT's answers within bounded waits, merged with the declarations of the peers in
     ``hints`` asked directly over ``p2p`` (see the module's rules). ``entry()``: this peer's gathered entry (its
-    member token) for the requests."""
+    member token) for the requests; ``matchmaking_time``: the longest a declaration lasts (seconds)."""
 
     def __init__(self, dht: Any, p2p: Any, *, schema_hash: bytes, prefix: str, hints: PeerHints,
-                 entry: Callable[[], bytes]):
+                 entry: Callable[[], bytes], matchmaking_time: float):
         self.dht, self.p2p, self.schema_hash, self.prefix = dht, p2p, schema_hash, prefix
-        self.hints, self.entry = hints, entry
+        self.hints, self.entry, self.matchmaking_time = hints, entry, matchmaking_time
         self.peer_id = dht.peer_id
         self._background: set[asyncio.Future] = set()  # (asyncio keeps weak references to tasks)
         self._lookups: dict[str, asyncio.Future] = {}
@@ -144,6 +162,7 @@ class SearchDHT:
                 task.cancel()
                 self._quiet_until[peer] = now + ASK_BACKOFF
                 self._answers.pop(peer, None)
+        self._prune(now)
         entries: dict[bytes, ValueWithExpiration] = {}
         if lookup.done():
             self._lookups.pop(key, None)
@@ -154,6 +173,12 @@ class SearchDHT:
         if not entries:
             return None
         return ValueWithExpiration(entries, max(entry.expiration_time for entry in entries.values()))
+
+    def _prune(self, now: float) -> None:
+        """Forget the answers of peers no longer in the hints, and backoffs that ended: both stay bounded."""
+        hinted = set(self.hints.peers())
+        self._answers = {peer: answer for peer, answer in self._answers.items() if peer in hinted}
+        self._quiet_until = {peer: until for peer, until in self._quiet_until.items() if until > now}
 
     def _to_ask(self) -> list[PeerID]:
         now, dht_now = time.monotonic(), get_dht_time()
@@ -189,6 +214,7 @@ class SearchDHT:
         stub = DeclarationService.get_stub(self.p2p, peer, namespace=self.prefix)
         answer = await stub.rpc_declaration(averaging_pb2.JoinRequest(
             schema_hash=self.schema_hash, group_key=key, gather=self.entry()))
-        if answer.schema_hash != self.schema_hash or answer.group_key != key or not answer.expiration > 0:
+        if answer.schema_hash != self.schema_hash or answer.group_key != key or not answer.expiration > 0 \
+                or not math.isfinite(answer.expiration):
             return None
-        return float(answer.expiration)
+        return min(float(answer.expiration), get_dht_time() + self.matchmaking_time + CLOCK_ALLOWANCE)

@@ -1,9 +1,7 @@
 """Starting hivemind's DHT and libp2p daemons the way collabopt's peers, ``collabopt dht`` and ``doctor`` need.
 
 Every DHT that is not a client also serves the dial-back check of :mod:`collabopt.engine.dialback`, so that
-``collabopt doctor`` on another machine can learn whether that machine is reachable. Every DHT keeps the swarm's
-address book (:mod:`collabopt.engine.peer_addresses`): it publishes where its peer is reachable, unless a client,
-and connects to the peers the others published.
+``collabopt doctor`` on another machine can learn whether that machine is reachable.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from hivemind.utils import logging as hivemind_logging
 
 from collabopt.engine.compat import Multiaddr
 from collabopt.engine.dialback import DIALBACK_PROTOCOL, serve_dialback
-from collabopt.engine.peer_addresses import keep_peers_connected
 from collabopt.lifeline import children_follow_parent
 from collabopt.membership import swarm_key_of
 
@@ -67,11 +64,6 @@ def start_dht(**kwargs: Any) -> Any:
             dht.run_coroutine(functools.partial(_add_dialback_handler, swarm_key_of(dht)))
         except Exception as e:  # a convenience for others' diagnosis: never a reason not to start
             logger.debug("collabopt: could not serve the dial-back check: %r", e)
-    try:
-        dht.run_coroutine(functools.partial(keep_peers_connected, not kwargs.get("client_mode"), connect_to),
-                          return_future=True)
-    except Exception as e:  # (without it, peers reach the others that libp2p's routing finds)
-        logger.warning("collabopt: the swarm's address book did not start: %r", e)
     return dht
 
 

@@ -19,6 +19,7 @@ from collabopt.engine.compat import dht_time
 from collabopt.engine.diloco_round import DiLoCoLoop
 from collabopt.engine.gradient_rounds import GradientRounds
 from collabopt.engine.lineage_check import out_of_sync
+from collabopt.engine.peer_addresses import start_address_book, stop_address_book
 from collabopt.engine.records import MAX_RECORD_BYTES, RecordSizeValidator, metrics_validators, votes_validators
 from collabopt.engine.sync_round import SyncLoop
 from collabopt.interface import RoundOutcome
@@ -45,6 +46,9 @@ class HivemindPeer:
         dht.add_validators([*metrics_validators(run_id), *votes_validators(run_id),
                             RecordSizeValidator([f"{run_id}_progress", self.metrics_key, f"{run_id}_fingerprints"],
                                                 MAX_RECORD_BYTES)])
+        # the run's address book: peers that libp2p's routing does not find reach each other (peer_addresses.py)
+        self.run_id = run_id
+        start_address_book(dht, run_id, self.loop.tracker.local_public_key, publish=not dht.client_mode)
 
     def _create_loop(self, dht: Any, arguments: dict[str, Any]) -> Any:
         return SyncLoop(dht=dht, **arguments)
@@ -218,6 +222,7 @@ class HivemindPeer:
         return out_of_sync(self.loop)
 
     def shutdown(self) -> None:
+        stop_address_book(self.dht, self.run_id)
         self.loop.shutdown()
 
 

@@ -1,5 +1,5 @@
-"""The swarm's address book: every DHT of collabopt publishes the addresses its peer is reachable at, and connects to
-the peers whose addresses the others published.
+"""The run's address book: every training peer of a run publishes the addresses it is reachable at, and connects to
+the run's peers whose addresses the others published.
 
 Rules, and why:
 
@@ -8,97 +8,225 @@ Rules, and why:
   it deems public (or private, on a LAN): on machines whose only address lies in a reserved range such as
   ``192.0.2.0/24`` it finds nothing ("Connect failed. msg=routing: not found"), and two peers that joined through one
   initial peer never reach each other: no round of them all, partial rounds, no download from each other.
-* So each peer that others can reach stores its visible multiaddrs under :data:`ADDRESSES_KEY` (subkey: its peer
-  id; at most :data:`MAX_MADDRS`), again every :data:`PUBLISH_EVERY` seconds, and each peer reads the key soon after
-  it starts and then every :data:`LOOK_EVERY` seconds, and connects to the peers it is not connected to. A peer that
-  lost its connection (a cut link) is thus reached again at the addresses it published, within seconds of its
-  return.
-* A record names addresses for the peer id of its subkey only, and libp2p checks that id when it connects: a false
-  record costs a failed dial, never a connection to someone else.
-* It runs in the DHT's process (``DHT.run_coroutine``) and ends with it.
+* So each peer that others can reach stores ``{peer_id, maddrs}`` under ``<run_id>_addresses`` (a key per run: runs
+  that share a DHT never dial each other's peers), subkey its progress records' signed key (hivemind's
+  ``[owner:...]``: nobody else can write or replace it), again every :data:`PUBLISH_EVERY` seconds, on the key's
+  replicas (:mod:`collabopt.engine.replicas`). Each peer reads the key soon after it starts and then every
+  :data:`LOOK_EVERY` seconds (spaced out as the swarm grows, :func:`look_period`) and connects to at most
+  :data:`DIALS_PER_LOOK` peers it is not connected to. A peer whose link was cut is thus reached again within
+  seconds of its return.
+* A record counts only where the same key's progress record names the same peer id (:func:`peers_to_dial`), and
+  only for addresses of that peer id, which libp2p checks when it connects: a false record costs a failed dial,
+  never a connection to someone else, and an outsider makes no peer dial more than a few addresses per look.
+* :class:`AddressRecordValidator` refuses, under the key, anything but a dictionary entry (one plain value with a
+  later expiration would replace the whole book) and expirations beyond :data:`LONGEST_RECORD` from now (a record
+  that outlives its owner's renewals); the schema bounds every record's size.
+* It runs in the DHT's process (``DHT.run_coroutine``), one per run, until :func:`stop_address_book` or the DHT ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import random
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
+from pydantic.v1 import BaseModel, Extra, conbytes, conlist, constr
+
+from collabopt.engine.p2p import connect_to
+from collabopt.engine.replicas import READ_REPLICAS, _store_on_replicas
 
 logger = logging.getLogger(__name__)
 
-ADDRESSES_KEY = "collabopt_addresses"
 PUBLISH_EVERY, RECORD_SECONDS = 10.0, 45.0
+LONGEST_RECORD = 2 * RECORD_SECONDS  # the latest expiration a record may have, from now (clocks differ a little)
 FIRST_LOOKS = (0.5, 1.0, 2.0, 3.0)  # seconds after the start: peers that start together find each other at once
-LOOK_EVERY = 5.0
+LOOK_EVERY, LONGEST_LOOK, PEERS_PER_LOOK = 5.0, 60.0, 16  # see look_period
+DIALS_PER_LOOK = 4
 CONNECT_TIMEOUT = 5.0
-MAX_MADDRS, MAX_MADDR_CHARS, MAX_PEERS = 8, 256, 256
+MAX_MADDRS, MAX_MADDR_CHARS = 8, 256
+
+PeerIdBytes = conbytes(strict=True, min_length=1, max_length=64)
+Maddrs = conlist(constr(strict=True, min_length=1, max_length=MAX_MADDR_CHARS), min_items=1, max_items=MAX_MADDRS)
 
 
-def addresses_in(found: Any, own: PeerID) -> dict[PeerID, list[str]]:
-    """The peers and multiaddrs of a DHT value read under :data:`ADDRESSES_KEY` (a dictionary value: subkey a peer
-    id's bytes, value a list of full multiaddr strings of that peer); malformed entries, addresses of another peer
-    and this peer's own are left out."""
-    value = getattr(found, "value", None)
-    if not isinstance(value, dict):
-        return {}
-    peers: dict[PeerID, list[str]] = {}
-    for subkey, entry in list(value.items())[:MAX_PEERS]:
-        maddrs = getattr(entry, "value", None)
-        if not isinstance(subkey, bytes) or not isinstance(maddrs, (list, tuple)):
+class AddressRecord(BaseModel):
+    """A peer's record: its peer id and full multiaddrs."""
+
+    peer_id: PeerIdBytes
+    maddrs: Maddrs
+
+    class Config:
+        extra = Extra.forbid
+
+
+class AddressesSchema(BaseModel):
+    """The key's records: each under its owner's signed key."""
+
+    addresses: dict[BytesWithPublicKey, AddressRecord]
+
+
+_OWNER = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
+
+
+def addresses_key(run_id: str) -> str:
+    return f"{run_id}_addresses"
+
+
+class AddressRecordValidator(RecordValidatorBase):
+    """Under the keys of ``run_ids``' address books: refuses anything but a dictionary entry under a signed subkey
+    (a plain value, whose subkey names no owner, would replace the whole book) and an expiration beyond
+    :data:`LONGEST_RECORD` from now. Several instances merge into one."""
+
+    def __init__(self, run_ids: list[str]):
+        self.key_ids = {DHTID.generate(source=addresses_key(run_id)).to_bytes() for run_id in run_ids}
+
+    def validate(self, record: Any) -> bool:
+        if record.key not in self.key_ids:
+            return True
+        if not _OWNER.search(record.subkey or b""):
+            return False  # a plain value (its subkey names no owner), or an entry anyone may write
+        return record.expiration_time <= get_dht_time() + LONGEST_RECORD
+
+    @property
+    def priority(self) -> int:
+        return 20  # before RSASignatureValidator's 10 (higher runs first): cheaper
+
+    def merge_with(self, other: Any) -> bool:
+        if not isinstance(other, AddressRecordValidator):
+            return False
+        self.key_ids |= other.key_ids
+        return True
+
+
+def peers_to_dial(found: Any, progress: Any, own: PeerID, connected: set[PeerID],
+                  limit: int = DIALS_PER_LOOK) -> dict[PeerID, list[str]]:
+    """At most ``limit`` peers (chosen at random) to connect to, with their addresses, from ``found`` (the value read
+    under the run's address key) and ``progress`` (under its progress key): a record counts where the progress
+    record of its owner names the same peer id, and not for this peer (``own``) or one ``connected`` already; only
+    addresses of that peer id count, at most :data:`MAX_MADDRS`. Where several owners name one peer id, one record
+    is chosen at random each time: a false one shadows the peer's own at most for a look."""
+    training = {owner: getattr(entry, "value", None) for owner, entry in _entries(progress).items()}
+    candidates: dict[PeerID, list[list[str]]] = {}
+    for owner, entry in _entries(found).items():
+        record = getattr(entry, "value", None)
+        peer_bytes = record.get("peer_id") if isinstance(record, dict) else None
+        maddrs = record.get("maddrs") if isinstance(record, dict) else None
+        named = training.get(owner)
+        if not isinstance(peer_bytes, bytes) or not isinstance(maddrs, list) or not isinstance(named, dict) \
+                or named.get("peer_id") != peer_bytes:
             continue
         try:
-            peer = PeerID(subkey)
+            peer = PeerID(peer_bytes)
         except Exception:
             continue
-        suffix = f"/p2p/{peer.to_base58()}"  # (addresses of the subkey's peer only)
+        if peer == own or peer in connected:
+            continue
+        suffix = f"/p2p/{peer.to_base58()}"  # (addresses of the record's peer only)
         kept = [m for m in maddrs[:MAX_MADDRS] if isinstance(m, str) and len(m) <= MAX_MADDR_CHARS
                 and m.endswith(suffix)]
-        if peer != own and kept:
-            peers[peer] = kept
-    return peers
+        if kept:
+            candidates.setdefault(peer, []).append(kept)
+    chosen = random.sample(sorted(candidates, key=PeerID.to_bytes), min(limit, len(candidates)))
+    return {peer: random.choice(candidates[peer]) for peer in chosen}  # (one record of a peer named by several)
+
+
+def _entries(found: Any) -> dict[Any, Any]:
+    value = getattr(found, "value", None)
+    return value if isinstance(value, dict) else {}
+
+
+def look_period(peers: int) -> float:
+    """Seconds between two looks at the book in a swarm of ``peers``: :data:`LOOK_EVERY` up to
+    :data:`PEERS_PER_LOOK` peers, then longer in proportion (the key's replicas answer every peer's looks), up to
+    :data:`LONGEST_LOOK`."""
+    return min(LONGEST_LOOK, LOOK_EVERY * max(1.0, peers / PEERS_PER_LOOK))
 
 
 Connect = Callable[[Any, PeerID, list[str]], Awaitable[None]]
+_BOOKS: dict[str, asyncio.Task] = {}  # in the DHT's process: run id -> its running book
 
 
-async def keep_peers_connected(publish: bool, connect: Connect, _dht: Any, node: Any) -> None:
-    """Run the address book in the DHT's process (``dht.run_coroutine(partial(keep_peers_connected, publish,
-    connect), return_future=True)``) until the DHT shuts down; ``publish``: this peer is reachable (no client);
-    ``connect(p2p, peer, maddrs)`` opens a connection."""
-    with contextlib.suppress(asyncio.CancelledError):
-        published_at, looks = -PUBLISH_EVERY, 0
-        while True:
-            if publish and get_dht_time() - published_at >= PUBLISH_EVERY:
-                published_at = get_dht_time()
-                await _publish(node)
-            await _connect_to_published(node, connect)
-            await asyncio.sleep(FIRST_LOOKS[looks] if looks < len(FIRST_LOOKS) else LOOK_EVERY)
-            looks += 1
+def start_address_book(dht: Any, run_id: str, owner: bytes, publish: bool) -> None:
+    """Start ``run_id``'s book in ``dht``'s process (replacing one running there for the run), with the validators
+    of its records. ``owner``: the signed key of this peer's progress records (its DHT signs with it); ``publish``:
+    this peer is reachable (not a client)."""
+    dht.add_validators([SchemaValidator(AddressesSchema, prefix=run_id), AddressRecordValidator([run_id])])
+    dht.run_coroutine(functools.partial(keep_peers_connected, run_id, owner, publish, connect_to),
+                      return_future=True)
 
 
-async def _publish(node: Any) -> None:
+def stop_address_book(dht: Any, run_id: str) -> None:
+    """Stop ``run_id``'s book in ``dht``'s process (without waiting; nothing if it runs none or has stopped)."""
+    with contextlib.suppress(Exception):
+        dht.run_coroutine(functools.partial(_stop, run_id), return_future=True)
+
+
+async def _stop(run_id: str, _dht: Any, _node: Any) -> None:
+    task = _BOOKS.pop(run_id, None)
+    if task is not None:
+        task.cancel()
+
+
+async def keep_peers_connected(run_id: str, owner: bytes, publish: bool, connect: Connect, _dht: Any,
+                               node: Any) -> None:
+    """Run ``run_id``'s book in the DHT's process until it is stopped or the DHT shuts down; ``connect(p2p, peer,
+    maddrs)`` opens a connection."""
+    this = asyncio.current_task()
+    previous, _BOOKS[run_id] = _BOOKS.get(run_id), this
+    if previous is not None:
+        previous.cancel()
+    key, progress_key = addresses_key(run_id), f"{run_id}_progress"
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            loop = asyncio.get_running_loop()
+            next_publish = next_look = loop.time()
+            looks = 0
+            while True:
+                if publish and loop.time() >= next_publish:
+                    next_publish = loop.time() + PUBLISH_EVERY
+                    await _publish(node, key, owner)
+                if loop.time() >= next_look:
+                    peers = await _connect_to_published(node, key, progress_key, connect)
+                    next_look = loop.time() + (FIRST_LOOKS[looks] if looks < len(FIRST_LOOKS) else look_period(peers))
+                    looks += 1
+                await asyncio.sleep(max(0.0, min(next_look, next_publish if publish else next_look) - loop.time()))
+    finally:
+        if _BOOKS.get(run_id) is this:
+            del _BOOKS[run_id]
+
+
+async def _publish(node: Any, key: str, owner: bytes) -> None:
     try:
         maddrs = [str(m) for m in await node.p2p.get_visible_maddrs(latest=True)][:MAX_MADDRS]
-        await node.store(ADDRESSES_KEY, maddrs, get_dht_time() + RECORD_SECONDS, subkey=node.peer_id.to_bytes())
+        maddrs = [m for m in maddrs if len(m) <= MAX_MADDR_CHARS]
+        if maddrs:
+            record = dict(peer_id=node.peer_id.to_bytes(), maddrs=maddrs)
+            await _store_on_replicas(key, owner, record, get_dht_time() + RECORD_SECONDS, None, node)
     except Exception as e:  # (no address yet, or the DHT is stopping: the next turn tries again)
         logger.debug("collabopt: could not publish this peer's addresses: %r", e)
 
 
-async def _connect_to_published(node: Any, connect: Connect) -> None:
+async def _connect_to_published(node: Any, key: str, progress_key: str, connect: Connect) -> int:
+    """Connect to a few of the published peers this one misses; return how many training peers the run has."""
     try:
-        found = await node.get(ADDRESSES_KEY, latest=True)
+        found, progress = await asyncio.gather(node.get(key, latest=True, beam_size=READ_REPLICAS),
+                                               node.get(progress_key, latest=True, beam_size=READ_REPLICAS))
         connected = {info.peer_id for info in await node.p2p.list_peers()}
     except Exception as e:
-        logger.debug("collabopt: could not read the swarm's addresses: %r", e)
-        return
-    missing = {peer: maddrs for peer, maddrs in addresses_in(found, node.peer_id).items() if peer not in connected}
-    if not missing:
-        return
+        logger.debug("collabopt: could not read the run's addresses: %r", e)
+        return 0
+    missing = peers_to_dial(found, progress, node.peer_id, connected)
 
     async def reach(peer: PeerID, maddrs: list[str]) -> None:
         try:
@@ -108,3 +236,4 @@ async def _connect_to_published(node: Any, connect: Connect) -> None:
             logger.debug("collabopt: could not connect to %s at %s: %r", peer, maddrs, e)
 
     await asyncio.gather(*(reach(peer, maddrs) for peer, maddrs in missing.items()))
+    return len(_entries(progress))

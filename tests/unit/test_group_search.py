@@ -4,6 +4,7 @@ bounded waits, and the declarations of peers met before, asked directly, as hive
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from types import SimpleNamespace
 
@@ -13,12 +14,14 @@ from hivemind.p2p import PeerID
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from collabopt.engine import group_search
+from collabopt.engine.averager import AveragingService
 from collabopt.engine.group_search import PeerHints, SearchDHT, declared_expiration
 
 ALICE, BOB, CAROL = (PeerID.from_base58(text) for text in (
     "QmXfzzKcYg6ARUVzmWz1CjJzUHMMF7i7CuBfi1W8gwjEP4", "QmNLei78zWmzUdbeRB3CiUfAizWUrbeeZh5K1rhAQKCh51",
     "QmRTdBeGgZG2xdBqHdDs5sBHQnKpc5Rm7cKXgbKXYTyJwN"))
 KEY = "run_grad_averager.0b"
+MATCHMAKING_TIME = 60.0
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +52,7 @@ def search_dht(dht, hints=(), answers=None):
     peer_hints = PeerHints()
     peer_hints.add(hints)
     search = SearchDHT(dht, None, schema_hash=b"schema", prefix="run_grad_averager", hints=peer_hints,
-                       entry=lambda: b"")
+                       entry=lambda: b"", matchmaking_time=MATCHMAKING_TIME)
     asked = []
 
     async def ask(peer, key):
@@ -137,3 +140,77 @@ def test_hints_keep_the_most_recent_peers():
     hints.add(peers)
     hints.add([peers[0]])
     assert hints.peers() == peers[3:] + [peers[0]]
+
+
+def test_hints_keep_the_callers_apart_so_that_fresh_ids_never_push_out_the_peers_met():
+    hints = PeerHints()
+    met = [PeerID(bytes([i]) * 34) for i in range(group_search.HINTS_KEPT)]
+    hints.add(met)
+    callers = [PeerID(bytes([100 + i]) * 34) for i in range(50)]
+    for caller in callers:
+        hints.add_caller(caller)
+    hints.add_caller(met[0])  # (a peer met already stays among those met)
+    assert hints.peers() == met + callers[-group_search.CALLERS_KEPT:]
+
+
+class Stub:
+    def __init__(self, expiration):
+        self.expiration = expiration
+
+    async def rpc_declaration(self, request):
+        return SimpleNamespace(schema_hash=request.schema_hash, group_key=request.group_key,
+                               expiration=self.expiration)
+
+
+@pytest.mark.parametrize("offset, counted", [(10.0, True), (math.inf, False), (-math.inf, False), (math.nan, False),
+                                             (1e9, "clamped"), (None, False)])
+def test_a_direct_answers_end_of_search_counts_up_to_matchmaking_time_from_now(monkeypatch, offset, counted):
+    now = get_dht_time()
+    expiration = 0.0 if offset is None else now + offset
+    monkeypatch.setattr(group_search.DeclarationService, "get_stub",
+                        classmethod(lambda cls, p2p, peer, namespace: Stub(expiration)))
+    search = SearchDHT(SilentDHT(), None, schema_hash=b"schema", prefix="run_grad_averager", hints=PeerHints(),
+                       entry=lambda: b"", matchmaking_time=MATCHMAKING_TIME)
+    answer = run(search._ask(BOB, KEY))
+    if counted is False:
+        assert answer is None
+    elif counted == "clamped":
+        assert now < answer <= get_dht_time() + MATCHMAKING_TIME + group_search.CLOCK_ALLOWANCE
+    else:
+        assert answer == expiration
+
+
+def test_what_a_search_keeps_of_the_peers_it_asked_stays_bounded(monkeypatch):
+    monkeypatch.setattr(group_search, "ASK_BACKOFF", 0.0)
+
+    async def go():
+        search, _ = search_dht(SilentDHT())
+        sizes = []
+        for i in range(60):  # fresh callers, one after the other, half of them silent
+            peer = PeerID(bytes([0x12, 0x20]) + i.to_bytes(2, "big") * 16)
+            search.hints.add_caller(peer)
+            search._ask = functools.partial(silent_or_answer, i % 2)
+            await search.get(KEY, latest=True)
+            sizes.append((len(search._answers), len(search._quiet_until)))
+        return sizes
+
+    sizes = run(go())
+    assert max(answers for answers, _ in sizes) <= group_search.CALLERS_KEPT
+    assert max(quiet for _, quiet in sizes) <= group_search.CALLERS_KEPT
+
+
+async def silent_or_answer(silent, peer, key):
+    if silent:
+        await asyncio.sleep(3600)
+    return get_dht_time() + 30
+
+
+def test_a_caller_joins_the_hints_only_for_tensors_this_peer_averages():
+    not_looking = SimpleNamespace(client_mode=True)
+    service = SimpleNamespace(_key=None, _hints=PeerHints(), _matchmakings={b"schema": not_looking})
+    request = SimpleNamespace(schema_hash=b"other", group_key=KEY, gather=b"")
+    assert AveragingService._declaration(service, request, SimpleNamespace(remote_id=BOB)) is None
+    assert service._hints.peers() == []
+    request.schema_hash = b"schema"
+    assert AveragingService._declaration(service, request, SimpleNamespace(remote_id=BOB)) is None  # (not looking)
+    assert service._hints.peers() == [BOB]
