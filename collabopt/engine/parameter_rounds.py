@@ -18,6 +18,7 @@ Rules, and why:
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -127,7 +128,7 @@ class ParameterRounds:
             control.scheduled.run(tensors, 0.0 if self.auxiliary else 1.0)
             try:
                 result = control.scheduled.result(timeout)
-            except TimeoutError:
+            except (TimeoutError, concurrent.futures.TimeoutError):
                 result = None
             if result is not None:
                 return self._install(control, result, tensors)
@@ -179,13 +180,16 @@ class NoRounds:
 
     group_size_hint = None
 
+    def __init__(self) -> None:
+        self.closed = False
+
     def schedule(self, *args: Any, **kwargs: Any) -> ParameterRound:
         raise RuntimeError("this peer averages no parameters (DiLoCo mode)")
 
     def is_alive(self) -> bool:
-        return True
+        return not self.closed
 
     def shutdown(self) -> None:
-        pass
+        self.closed = True
 
 __all__ = ["NoRounds", "ParameterRound", "ParameterRounds", "RoundFailed"]

@@ -223,14 +223,18 @@ class TrainingState:
         try:
             if self.offload_optimizer and not self.custom_gradients:
                 self._load_local_grads_into_optimizer_()
+            failed: list[Exception] = []  # (the optimizer step's error: raised here where it is awaited)
             pending = self.step_executor.submit(self._do, wait_for_trigger, optimizer_step, zero_grad,
-                                                averaging_round, averaging_control, pays, timeout)
+                                                averaging_round, averaging_control, pays, timeout, failed)
             self.pending_updates.add(pending)
             await_optimizer = (optimizer_step or zero_grad) and not delay_optimizer_step
             await_averaging = averaging_round and not delay_averaging
             if await_optimizer:
                 self.finished_optimizer_step.wait()
                 self.finished_optimizer_step.clear()
+                if failed:
+                    self.pending_updates.discard(pending)
+                    raise failed[0]
                 if self.offload_optimizer and not await_averaging:
                     self._apply_optimizer_parameters_()
             if await_averaging:
@@ -262,13 +266,13 @@ class TrainingState:
             self.finished_optimizer_step.clear()
 
     def _do(self, wait_for_trigger: Any, optimizer_step: bool, zero_grad: bool, averaging_round: bool,
-            control: ParameterRound | None, pays: bool, timeout: float | None) -> Any:
+            control: ParameterRound | None, pays: bool, timeout: float | None, failed: list[Exception]) -> Any:
         """(the executor) The optimizer step, the scheduler and the parameter round, each where asked."""
         timeout = timeout if timeout is not None else self.allreduce_timeout
-        if control is not None and (control.triggered or control.done()):
+        if control is not None and (control.triggered or control.done() or control.scheduled.done()):
             logger.log(self.status_loglevel, "collabopt: a parameter round scheduled earlier ended: a new one")
             control = None
-        began = False
+        began = stepped = False
         try:
             if averaging_round and control is None:
                 control = self.rounds.schedule(self._averaged_tensors, self.local_epoch, timeout)
@@ -279,26 +283,26 @@ class TrainingState:
                 if optimizer_step:
                     with self.lock_averaged_tensors if self.reuse_tensors else contextlib.nullcontext():
                         self.optimizer.step()
+                    if pays:  # (only a step that ran pays its epoch: else the served state stays labelled behind)
+                        self._pay()
                 if zero_grad:
                     self.optimizer.zero_grad()
                 self._update_scheduler()
-                if pays:
-                    pays = False
-                    self._pay()
+                stepped = True
                 self.finished_optimizer_step.set()
             if averaging_round:
                 assert control is not None
                 self._average(control, timeout)
         except Exception as e:
-            logger.error("collabopt: the training state's step failed%s: %r",
-                         "" if began else " (its trigger raised)", e)
+            logger.exception("collabopt: the training state's step failed%s", "" if began else " (its trigger raised)")
             if control is not None and not control.done():
                 control.cancel()
+            if began and not stepped:  # (the optimizer step itself raised: its epoch stays owed, served behind)
+                failed.append(e)
+            elif pays and not began:  # (its trigger raised, as a failed round: no step comes, none is owed)
+                self._pay()
             self.finished_optimizer_step.set()
             self.finished_averaging_round.set()
-        finally:
-            if pays:  # (the step did not run: the epoch is owed no step any more)
-                self._pay()
 
     def _average(self, control: ParameterRound, timeout: float) -> None:
         with self.lock_averaging:
@@ -374,7 +378,8 @@ class TrainingState:
         return self.rounds.is_alive()
 
     def shutdown(self) -> None:
-        self.step_executor.shutdown(wait=False)
+        """Stop: steps not begun are dropped (no worker outlives the peer)."""
+        self.step_executor.shutdown(wait=False, cancel_futures=True)
         self.rounds.shutdown()
 
 
