@@ -45,7 +45,7 @@ from collabopt.engine.group_search import DeclarationService, PeerHints, SearchD
 from collabopt.engine.p2p import own_replica
 from collabopt.engine.part_reducer import AGGREGATES
 from collabopt.engine.round_schema import round_schema
-from collabopt.engine.service_thread import ServiceThread
+from collabopt.engine.service_thread import ScheduledWork, ServiceThread
 from collabopt.engine.streams import MemberStub
 from collabopt.membership import MemberToken, SwarmKey, member_token_refusal, swarm_key_of
 
@@ -282,7 +282,7 @@ class AveragingService(ServiceThread):
         return None
 
 
-class ScheduledRound:
+class ScheduledRound(ScheduledWork):
     """A round of :meth:`AveragingService.schedule`: matchmaking runs, the all-reduce waits for :meth:`run`.
 
     ``group``: the members, once assembled (None before). ``triggered``: :meth:`run` was called.
@@ -310,24 +310,6 @@ class ScheduledRound:
     def tag_along(self) -> None:
         """Take part with nothing: zeros, weight 0 (leaving a group already assembled makes its members wait)."""
         self.run([torch.zeros(shape, dtype=dtype) for shape, dtype in self.shapes], 0.0)
-
-    def _set_trigger(self, value: Any) -> None:
-        if self._trigger is not None and not self._trigger.done():
-            self._trigger.set_result(value)
-
-    def cancel(self) -> None:
-        """Leave the round: matchmaking stops; a group already assembled goes on without this member."""
-        self.triggered = True
-        self.service._event_loop.call_soon_threadsafe(self._leave)
-
-    def _leave(self) -> None:
-        if self.group is None:
-            self._future.cancel()
-        elif self._trigger is not None and not self._trigger.done():
-            self._trigger.cancel()
-
-    def done(self) -> bool:
-        return self._future.done()
 
     def on_done(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once the round ends (in the service's thread; at once where it has)."""

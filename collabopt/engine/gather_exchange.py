@@ -34,7 +34,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from collabopt.engine.averager import _MemberGate, _Search, _token_refusal
 from collabopt.engine.gather_round import MAX_PAYLOAD_LIMIT, ExchangeRound, ExchangeServicer, _is_weight
 from collabopt.engine.p2p import own_replica
-from collabopt.engine.service_thread import ServiceThread
+from collabopt.engine.service_thread import ScheduledWork, ServiceThread
 from collabopt.membership import MemberToken, swarm_key_of
 
 logger = logging.getLogger(__name__)
@@ -252,7 +252,7 @@ class ExchangeService(ServiceThread):
         return ExchangeServicer.get_stub(self.p2p, peer, namespace=self.prefix)
 
 
-class ScheduledExchange:
+class ScheduledExchange(ScheduledWork):
     """An exchange of :meth:`ExchangeService.schedule`: matchmaking runs, the round waits for :meth:`run`.
     ``group``: the members, once assembled (None before)."""
 
@@ -277,24 +277,6 @@ class ScheduledExchange:
         self.triggered = True
         value = (bytes(payload), float(weight))
         self.service._event_loop.call_soon_threadsafe(self._set_trigger, value)
-
-    def _set_trigger(self, value: Any) -> None:
-        if self._trigger is not None and not self._trigger.done():
-            self._trigger.set_result(value)
-
-    def cancel(self) -> None:
-        """Leave: matchmaking stops; a group already assembled goes on without this member."""
-        self.triggered = True
-        self.service._event_loop.call_soon_threadsafe(self._leave)
-
-    def _leave(self) -> None:
-        if self.group is None:
-            self._future.cancel()
-        elif self._trigger is not None and not self._trigger.done():
-            self._trigger.cancel()
-
-    def done(self) -> bool:
-        return self._future.done()
 
     def result(self, timeout: float | None = None) -> ExchangeResult:
         """The exchange's result (waits up to ``timeout``, default: as long as the exchange may take)."""

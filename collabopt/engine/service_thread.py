@@ -76,3 +76,34 @@ class ServiceThread:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class ScheduledWork:
+    """The part of a scheduled round that the caller's thread shares with the service's loop: ``triggered`` (the
+    caller handed its data over, or left), ``group`` (the members, once assembled), ``_future`` (the round's task)
+    and ``_trigger`` (the loop's future the data comes through). Subclasses set them and hand data over with
+    ``service._event_loop.call_soon_threadsafe(self._set_trigger, value)``."""
+
+    service: Any
+    group: Any = None
+    triggered: bool = False
+    _future: Any = None
+    _trigger: asyncio.Future | None = None
+
+    def _set_trigger(self, value: Any) -> None:
+        if self._trigger is not None and not self._trigger.done():
+            self._trigger.set_result(value)
+
+    def cancel(self) -> None:
+        """Leave: matchmaking stops; a group already assembled goes on without this member."""
+        self.triggered = True
+        self.service._event_loop.call_soon_threadsafe(self._leave)
+
+    def _leave(self) -> None:
+        if self.group is None:
+            self._future.cancel()
+        elif self._trigger is not None and not self._trigger.done():
+            self._trigger.cancel()
+
+    def done(self) -> bool:
+        return self._future.done()
