@@ -9,9 +9,8 @@ of the round NaN, for good. collabopt refuses non-finite values at both ends:
   read pass) at every global epoch's boundary, before it is averaged, and between boundaries at most once per
   :data:`CHECK_INTERVAL` seconds and never more often than :data:`CHECK_COST_SHARE` of the time allows (so a
   local step pays nothing for it: the check costs a pass over the gradients, as much as a tenth of a CPU step).
-  A non-finite accumulation is dropped with its samples (they stay in the swarm's count of the epoch, so that
-  every peer sees the epoch end at the same count; the round weighs this peer by its samples since), as an AMP
-  overflow drops it with ``reuse_grad_buffers``. Where a step's gradients are applied at once with ``use_local_updates``
+  A non-finite accumulation is dropped with its samples (retracted from the swarm's count), as an AMP overflow
+  drops it with ``reuse_grad_buffers``. Where a step's gradients are applied at once with ``use_local_updates``
   they are checked at every step (:meth:`NonFiniteGuard.gradients_finite`) and a non-finite step contributes
   nothing. DiLoCo's inner steps are applied at once too, but what a round contributes is the change of the
   parameters: they are checked at every round and between rounds at most once per

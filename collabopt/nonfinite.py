@@ -65,9 +65,9 @@ class NonFiniteHandling:
             self._dropped_at_boundary = self._drop_accumulation(counted=self._stepping_samples)
 
     def _drop_accumulation(self, counted: int = 0) -> int:
-        """Forget the gradients accumulated toward the next global epoch and their samples (they leave
-        ``samples_reported``, not the swarm's count of the epoch: see ``PeerLoop._count_toward_epoch``); ``counted`` of
-        them are not in ``samples_reported`` yet. Returns how many samples they were."""
+        """Forget the gradients accumulated toward the next global epoch and their samples (the swarm's count loses
+        them at this peer's next progress report); ``counted`` of them are not in ``samples_reported`` yet. Returns
+        how many samples they were."""
         lost = self._peer.accumulated_samples
         self._peer.drop_accumulated()
         self.samples_reported -= lost - counted

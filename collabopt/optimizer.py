@@ -273,7 +273,7 @@ class CollaborativeOptimizer(PeerViews, NonFiniteHandling, Checkpointing, CatchU
                 and self._peer.accumulated_steps > 0 and self._guard.check_due()
                 and not self._guard.accumulation_finite(self._peer.accumulators())):
             dropped = self._drop_accumulation()
-        if dropped:  # NaN/inf in the accumulation: it was not contributed, its samples left samples_reported
+        if dropped:  # NaN/inf in the accumulation: it was not contributed, its samples were retracted
             self._grad_units = None
             accepted = False
         grads_reset = reuse and (dropped > 0 or self._peer.accumulated_steps == 0)

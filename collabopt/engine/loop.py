@@ -145,22 +145,13 @@ class PeerLoop:
     def _accumulate(self, batch_size: int) -> None:
         if self.grad_averager is not None:
             self.grad_averager.accumulate_grads_(batch_size)
-            self._count_toward_epoch(batch_size)
+            self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
             return
         # use_local_updates: the optimizer steps at every local step; rounds average parameters only
-        self._count_toward_epoch(batch_size)
+        self.tracker.report_local_progress(self.local_epoch, self.tracker.local_progress.samples_accumulated
+                                           + batch_size)
         self.state_averager.step(increment_epoch=False, optimizer_step=True,
                                  delay_optimizer_step=self.delay_optimizer_step)
-
-    def _count_toward_epoch(self, batch_size: int) -> None:
-        """Report ``batch_size`` more samples toward this epoch. Within an epoch the count only grows, also where
-        an accumulation was dropped (NaN/inf, an AMP overflow): a count that fell would move this peer's view of
-        the epoch's end away from the others', and it would miss the round they start (then download, dropping a
-        step). A dropped accumulation weighs nothing in the round: the round's weight is the accumulator's
-        samples."""
-        progress = self.tracker.local_progress
-        before = progress.samples_accumulated if progress.epoch == self.local_epoch else 0
-        self.tracker.report_local_progress(self.local_epoch, before + batch_size)
 
     def step_decision(self) -> protocol.StepDecision:
         """Whether this peer must download the swarm's state before its step counts, and why (the mode's rule, in

@@ -100,9 +100,8 @@ class HivemindPeer:
         return self.loop.sync_state.parameter_round_due
 
     def drop_accumulated(self) -> None:
-        """Forget the gradients and samples accumulated toward the next global epoch. The swarm's count of the epoch
-        keeps them (it only grows within an epoch: see ``PeerLoop._count_toward_epoch``); the round weighs this
-        peer by the samples accumulated since."""
+        """Forget the gradients and samples accumulated toward the next global epoch."""
+        self.loop.tracker.report_local_progress(self.local_epoch, samples_accumulated=0)
         if self.loop.grad_averager is not None:
             self.loop.grad_averager.reset_accumulated_grads_()
 

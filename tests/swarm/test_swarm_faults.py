@@ -198,10 +198,7 @@ def test_a_peer_with_nan_batches_does_not_poison_the_swarm(tmp_path, bootstrap):
     for name, result in results.items():
         assert result["final_epoch"] >= 3, (name, result)
         assert all_finite(params[name]), name
-        # (a dropped accumulation stays in the swarm's count: a count that fell made C miss a round and download)
-        accounts = {key: result[key] for key in ("samples_fed", "samples_reported", "samples_skipped",
-                                                 "samples_dropped", "downloaded_epochs", "rounds")}
-        assert result["samples_reported"] + result["samples_skipped"] == result["samples_fed"], (name, accounts)
+        assert result["samples_reported"] + result["samples_skipped"] == result["samples_fed"], (name, result)
     assert results["c"]["nonfinite_steps"] >= 5 and results["c"]["samples_skipped"] > 0
     assert results["a"]["nonfinite_steps"] == results["b"]["nonfinite_steps"] == 0
     assert max_param_diff(params["a"], params["b"]) <= SWARM_ROUNDING

@@ -148,30 +148,3 @@ def test_sigterm_or_ctrl_c_while_a_diloco_peer_tags_along_ends_the_wait(stop):
     with pytest.raises(type(stop)):
         diloco_loop(control)._leave_scheduled_round()
     assert control.cancelled
-
-
-def test_the_epochs_count_only_grows_where_an_accumulation_is_dropped():
-    """A dropped accumulation (NaN/inf) leaves the round's weight, not the swarm's count: a count that fell made this
-    peer see the epoch's end later than the others, miss their round, and download (a step of its lost)."""
-    reported = []
-    tracker = SimpleNamespace(local_progress=SimpleNamespace(epoch=4, samples_accumulated=0))
-
-    def report(epoch: int, samples: int) -> None:
-        reported.append(samples)
-        tracker.local_progress = SimpleNamespace(epoch=epoch, samples_accumulated=samples)
-
-    tracker.report_local_progress = report
-    averager = SimpleNamespace(local_samples_accumulated=0)
-    averager.accumulate_grads_ = lambda n: setattr(averager, "local_samples_accumulated",
-                                                   averager.local_samples_accumulated + n)
-    loop = PeerLoop.__new__(PeerLoop)
-    loop.tracker, loop.grad_averager = tracker, averager
-    loop.state_averager = SimpleNamespace(local_epoch=4)
-    for _ in range(3):
-        loop._accumulate(16)
-    averager.local_samples_accumulated = 0  # (Peer.drop_accumulated resets the accumulators)
-    loop._accumulate(16)
-    assert reported == [16, 32, 48, 64] and averager.local_samples_accumulated == 16
-    loop.state_averager.local_epoch = 5  # a new epoch counts from 0
-    loop._accumulate(16)
-    assert reported[-1] == 16

@@ -278,13 +278,13 @@ def sync_peer(model: torch.nn.Module, opt: torch.optim.Optimizer, local_epoch: i
     loop = object.__new__(sync_round.SyncLoop)
     loop.state_averager = SimpleNamespace(local_epoch=local_epoch, votes=None, step=lambda **kwargs: None,
                                           main_parameters=tuple(model.parameters()), optimizer=opt)
-    progress = SimpleNamespace(epoch=local_epoch, samples_accumulated=0)
+    progress = SimpleNamespace(samples_accumulated=0)
     fetched = threading.Event()
     fetched.set()
     loop.tracker = SimpleNamespace(
         global_epoch=swarm_epoch, global_progress=SimpleNamespace(num_peers=2, samples_accumulated=0),
         local_progress=progress, fetched_global_progress_this_epoch=fetched, ready_to_update_epoch=False,
-        report_local_progress=lambda epoch, samples: progress.__dict__.update(epoch=epoch, samples_accumulated=samples),
+        report_local_progress=lambda epoch, samples: setattr(progress, "samples_accumulated", samples),
         performance_ema=SimpleNamespace(samples_per_second=0.0), estimated_next_update_time=float("inf"),
         dht=SimpleNamespace(store=lambda **kwargs: None), local_public_key=b"key", _local_public_key=b"key")
     loop.grad_averager, loop.sync_state, loop.downloads = Accumulator(), SyncState(), []
