@@ -198,7 +198,15 @@ def test_a_peer_with_nan_batches_does_not_poison_the_swarm(tmp_path, bootstrap):
     for name, result in results.items():
         assert result["final_epoch"] >= 3, (name, result)
         assert all_finite(params[name]), name
-        assert result["samples_reported"] + result["samples_skipped"] == result["samples_fed"], (name, result)
+        # Every sample is contributed, skipped (NaN/inf) or dropped by a step that downloaded first. C may download:
+        # a drop lowers its count of the epoch (as hivemind's does after a GradScaler overflow), and a drop just
+        # before the epoch's end can leave it out of the round the others start (seen once in CI: 16 samples).
+        accounts = {key: result[key] for key in ("samples_fed", "samples_reported", "samples_skipped",
+                                                 "samples_dropped", "downloaded_epochs", "rounds")}
+        assert (result["samples_reported"] + result["samples_skipped"] + result["samples_dropped"]
+                == result["samples_fed"]), (name, accounts)
+        assert not result["samples_dropped"] or result["downloaded_epochs"], (name, accounts)
+    assert results["a"]["samples_dropped"] == results["b"]["samples_dropped"] == 0
     assert results["c"]["nonfinite_steps"] >= 5 and results["c"]["samples_skipped"] > 0
     assert results["a"]["nonfinite_steps"] == results["b"]["nonfinite_steps"] == 0
     assert max_param_diff(params["a"], params["b"]) <= SWARM_ROUNDING
