@@ -48,6 +48,7 @@ from collabopt.engine.dialback import (
     write_message,
 )
 from collabopt.errors import ConfigurationError
+from collabopt.local_ports import PORT_FIX, taken_ports
 from collabopt.membership import SwarmKeyAuthorizer
 from collabopt.version import __version__
 
@@ -204,6 +205,9 @@ def check_addresses(options: DoctorOptions) -> tuple[list[str], list[Check]]:
                                              "announce the fixed port this machine listens on (and forwards)")
             except ConfigurationError as e:
                 checks.append(Check(parameter, FAIL, e.problem, e.fix))
+    if not checks:  # a port held here: a daemon would share it with that process (collabopt.local_ports)
+        checks += [Check("--host-maddrs", FAIL, f"{maddr}: this port is already in use on this machine (by a peer "
+                         "that runs here, or another program)", PORT_FIX) for maddr in taken_ports(options.host_maddrs)]
     if not checks:
         announced = f", announce {' '.join(options.announce_maddrs)}" if options.announce_maddrs else ""
         checks.append(Check("addresses", PASS, f"{len(peers)} initial peer{'s' if len(peers) != 1 else ''}, "

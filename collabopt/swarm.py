@@ -16,6 +16,7 @@ from typing import Any, TextIO
 from collabopt.engine import p2p
 from collabopt.engine.compat import Multiaddr
 from collabopt.errors import DROP, ConfigurationError, SwarmConnectionError, SwarmKeyError
+from collabopt.local_ports import check_ports_free
 from collabopt.membership import (  # noqa: F401 (found here too)
     MEMBERS_ONLY,
     OPEN_SWARM,
@@ -245,6 +246,7 @@ def start_dht(options: SwarmOptions):
     key = swarm_key_from(options.swarm_key, environment=False)
     if key is not None:  # every DHT request and answer signed with the key: outsiders neither read nor store
         kwargs["authorizer"] = SwarmKeyAuthorizer(key)
+    check_ports_free(kwargs["host_maddrs"])  # a port held here: said now, not as silent initial peers later
     try:
         return p2p.start_dht(**kwargs)
     except Exception as e:
