@@ -7,8 +7,6 @@ from torch.optim import lr_scheduler
 
 
 def make_scheduler(spec: str, optimizer: torch.optim.Optimizer):
-    if spec == "onecycle":
-        return lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=20)
     if spec == "warmup_lambda":  # HF-style linear warmup then linear decay, a closure (not picklable)
         warmup, total = 3, 20
         return lr_scheduler.LambdaLR(
