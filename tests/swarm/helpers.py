@@ -2,8 +2,9 @@
 demo and the benchmarks use too): a bootstrap DHT, peer processes, their results, and the checks the tests share.
 
 :class:`Process` adds to the harness's process what the fault tests check: which descendants (DHT, p2pd,
-averagers) a peer had, and whether any of them outlived it. Processes outside a network namespace are forked from
-the harness's launcher (``collabopt.testing.launcher``: torch, numpy and hivemind imported once, not by each peer).
+averagers) a peer had, and whether any of them outlived it. Every process is forked from the harness's launcher
+(``collabopt.testing.launcher``: torch, numpy and hivemind imported once, not by each peer); one in a network
+namespace then moves itself there (``tests/net/in_netns.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collabopt.testing import processes
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "peer_worker.py"
+IN_NETNS = ROOT / "tests" / "net" / "in_netns.py"
 
 
 # Peers of a swarm agree to float rounding, not always to the last bit: hivemind's all-reduce returns each peer
@@ -53,11 +55,13 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 class Process(processes.Process):
-    """A harness process started from the repository root (forked from the launcher unless in ``netns``), which
-    remembers its descendants."""
+    """A harness process (``[sys.executable, script or "-m" module, ...]``) forked from the launcher in the repository
+    root, inside network namespace ``netns`` if given, which remembers its descendants."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, netns: str | None = None):
-        super().__init__(args, log_path, env=env or child_env(), cwd=ROOT, netns=netns, fork=netns is None)
+        if netns is not None:  # not `ip netns exec`: a fresh interpreter imports torch and hivemind again
+            args = [args[0], str(IN_NETNS), netns, *args[1:]]
+        super().__init__(args, log_path, env=env or child_env(), cwd=ROOT, fork=True)
         self._descendants: set[int] = set()
 
     def remember_descendants(self) -> None:
@@ -88,10 +92,23 @@ class Process(processes.Process):
 
 
 def start_bootstrap(tmp_path: Path, host: str = "127.0.0.1", netns: str | None = None) -> tuple[processes.Process, str]:
-    """Start ``collabopt dht`` on ``host`` (loopback by default; log: ``<tmp_path>/bootstrap.log``); return it and
-    its INITIAL_PEERS."""
-    return processes.start_bootstrap(tmp_path, host=host, env=child_env(), cwd=ROOT, netns=netns,
-                                     fork=netns is None)
+    """Start ``collabopt dht`` on ``host`` (loopback by default; log: ``<tmp_path>/bootstrap.log``), inside network
+    namespace ``netns`` if given; return it and its INITIAL_PEERS."""
+    if netns is None:
+        return processes.start_bootstrap(tmp_path, host=host, env=child_env(), cwd=ROOT, fork=True)
+    # processes.start_bootstrap's command, forked into the namespace as Process does
+    peers_file = tmp_path / "bootstrap.initial_peers"
+    peers_file.unlink(missing_ok=True)
+    proc = Process([sys.executable, "-m", "collabopt", "dht", "--host-maddrs", f"/ip4/{host}/tcp/0", "--peers-file",
+                    str(peers_file)], tmp_path / "bootstrap.log", netns=netns)
+    deadline = time.monotonic() + 60
+    while not (peers_file.exists() and peers_file.read_text().strip()):  # written whole (renamed into place)
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill_tree()
+            raise RuntimeError(f"the bootstrap DHT exited or did not serve within 60 s; its log ends with:\n"
+                               f"{proc.tail()}")
+        time.sleep(0.2)
+    return proc, peers_file.read_text().strip()
 
 
 def start_peer(tmp_path: Path, name: str, config: dict[str, Any], initial_peers: str,
