@@ -77,11 +77,6 @@ def check_config(config: Any) -> None:
                                      f"drop {name}")
 
 
-# Whether the exchange that gives every member of a round every member's compressed payload exists: until it does,
-# pseudo_gradient_compression is refused when a config is built (collabopt.option_rules), not half-run in a round.
-SPARSE_EXCHANGE_BUILT = False
-
-
 @dataclass(frozen=True)
 class SparseLoCo:
     """``pseudo_gradient_compression=SparseLoCo(...)``: DiLoCo's pseudo-gradients sent as the top ``density`` of

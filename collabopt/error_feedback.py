@@ -65,6 +65,11 @@ class ErrorFeedback:
         self._staged = staged
         return payload
 
+    @property
+    def staged(self) -> bool:
+        """Whether a payload's update of the buffer waits for :meth:`commit` or :meth:`discard`."""
+        return self._staged is not None
+
     def commit(self) -> None:
         """The round that sent the last payload was applied: the buffer keeps what it did not send."""
         if self._staged is None:

@@ -100,7 +100,8 @@ def _diloco_arguments(config: CollabConfig, inner: torch.optim.Optimizer,
         # the outer optimizer's hyperparameters are its own: hand it the parameters only
         params=[{"params": list(group["params"])} for group in inner.param_groups],
         offload_optimizer=True,
-        grad_averager_factory=pseudo_gradient_averager_factory(request_timeout, config.aggregation),
+        grad_averager_factory=pseudo_gradient_averager_factory(request_timeout, config.aggregation,
+                                                               config.pseudo_gradient_compression),
         grad_compression=arguments.get("grad_compression") or default_pseudo_gradient_compression(),
     )
     return arguments

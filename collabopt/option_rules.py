@@ -159,10 +159,9 @@ def _pseudo_gradient_compression(v: Mapping[str, Any]) -> Broken | None:
     if v.get("grad_compression") is not None:
         return Broken("grad_compression", f"cannot be combined with {name}: the pseudo-gradient travels as its "
                       "payload", [{"grad_compression": DROP}, drop])
-    if not diloco_options.SPARSE_EXCHANGE_BUILT:
-        return Broken(name, "is not available yet: the exchange that gives every member of a round every member's "
-                      "compressed pseudo-gradient is not built (collabopt's all-reduce cannot carry sparse payloads)",
-                      [drop], note="DiLoCo's pseudo-gradients travel as fp16 meanwhile")
+    if v["client_mode"]:
+        return Broken("client_mode", f"cannot be combined with {name}: every member of the exchange receives the "
+                      "others' payloads, so it must be reachable", [{"client_mode": DROP}, drop])
     return None
 
 

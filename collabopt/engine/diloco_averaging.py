@@ -13,13 +13,20 @@ Rules, and why:
 * The swarm key: the service refuses a join request, and a group, with a member that proves no membership.
 * What happened is handed on as evidence (:meth:`PseudoGradientRounds.report`); whether the round counts is
   :func:`collabopt.engine.protocol.diloco_round`'s decision only.
+* With ``pseudo_gradient_compression=SparseLoCo(...)`` the rounds are :class:`SparsePseudoGradientRounds`: each
+  member compresses ``error feedback + pseudo-gradient``, all-gathers the payloads on an
+  :class:`~collabopt.engine.gather_exchange.ExchangeService` and aggregates the agreed set itself
+  (:func:`collabopt.sparse_aggregation.aggregate`: the same bits on every member that applies it). The buffer keeps
+  what the payload left out only once the round is applied (:meth:`SparsePseudoGradientRounds.settle`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -27,9 +34,15 @@ from typing import Any
 import torch
 from hivemind.compression import CompressionBase, Float16Compression
 
+from collabopt.diloco_options import SparseLoCo
 from collabopt.engine import protocol
 from collabopt.engine.averager import AveragingResult, AveragingService, ScheduledRound
 from collabopt.engine.clipping import MIN_CLIPPED_GROUP
+from collabopt.engine.gather_exchange import ExchangeResult, ExchangeService, ScheduledExchange
+from collabopt.engine.gather_round import MAX_PAYLOAD_LIMIT
+from collabopt.errors import ConfigurationError
+from collabopt.sparse_aggregation import aggregate
+from collabopt.sparse_codec import PayloadError
 
 logger = logging.getLogger(__name__)
 
@@ -39,39 +52,25 @@ def default_pseudo_gradient_compression() -> Any:
     return Float16Compression()
 
 
-def pseudo_gradient_averager_factory(request_timeout: float | None, aggregation: str = "mean") -> Callable[..., Any]:
+def pseudo_gradient_averager_factory(request_timeout: float | None, aggregation: str = "mean",
+                                     compression: SparseLoCo | None = None) -> Callable[..., Any]:
     """The loop's ``grad_averager_factory`` in DiLoCo mode: :class:`PseudoGradientRounds` with the averager options
-    ``request_timeout`` (None: the service's default) and ``aggregation``."""
+    ``request_timeout`` (None: the service's default) and ``aggregation``; :class:`SparsePseudoGradientRounds` where
+    ``compression`` (``pseudo_gradient_compression``) is given."""
+    if compression is not None:
+        return functools.partial(SparsePseudoGradientRounds, sparse=compression, request_timeout=request_timeout,
+                                 aggregation=aggregation)
     return functools.partial(PseudoGradientRounds, request_timeout=request_timeout, aggregation=aggregation)
 
 
-class PseudoGradientRounds:
-    """The pseudo-gradient averaging of one DiLoCo peer: the buffers, the samples counted toward the next round, and
-    rounds on an :class:`~collabopt.engine.averager.AveragingService` of ``prefix`` (``<run_id>_grad_averager``: two
-    runs never meet).
+class _Buffers:
+    """The host buffers of a DiLoCo peer's rounds (float32, one per parameter; also the outer optimizer's ``.grad``)
+    and the samples counted toward the next round."""
 
-    Takes the loop's averager arguments (:meth:`collabopt.engine.loop.PeerLoop._make_gradient_averager`), with
-    hivemind's meanings: ``min_matchmaking_time``; ``next_chunk_timeout``: how long a reducer waits for a sender's
-    next part (a sender waits twice as long for a reducer's next result, as hivemind's averagers do). Those of
-    hivemind's that have no meaning here (``shutdown_timeout``, ``start``, ...) are accepted and unused."""
-
-    def __init__(self, *, dht: Any, prefix: str, parameters: Sequence[torch.Tensor],
-                 compression: CompressionBase | None = None, client_mode: bool | None = None,
-                 aggregation: str = "mean", request_timeout: float | None = None, min_matchmaking_time: float = 5.0,
-                 next_chunk_timeout: float | None = None, **_unused: Any):
+    def __init__(self, parameters: Sequence[torch.Tensor]):
         self.buffers = [torch.zeros(p.shape, dtype=torch.float32) for p in parameters]
         self._lock = threading.RLock()
         self.local_samples_accumulated = self.local_times_accumulated = 0
-        sender_timeout = next_chunk_timeout if next_chunk_timeout is not None else min_matchmaking_time
-        options = {} if request_timeout is None else {"request_timeout": request_timeout}
-        self.service = AveragingService(
-            dht, prefix=prefix, min_group_size=MIN_CLIPPED_GROUP if aggregation == "centered_clip" else 2,
-            matchmaking_time=min_matchmaking_time, sender_timeout=sender_timeout,
-            reducer_timeout=2 * sender_timeout, aggregation=aggregation,
-            compression=compression if compression is not None else default_pseudo_gradient_compression(),
-            client_mode=bool(client_mode), **options)
-
-    # ---- what the loop reads and counts
 
     @contextlib.contextmanager
     def get_tensors(self) -> Iterator[list[torch.Tensor]]:
@@ -86,6 +85,35 @@ class PseudoGradientRounds:
 
     def reset_accumulated_grads_(self) -> None:
         self.local_samples_accumulated = self.local_times_accumulated = 0
+
+    def settle(self, applied: bool) -> None:
+        """The round this peer last contributed to was decided (``applied``: the outer step follows). Nothing to do
+        for dense rounds; :class:`SparsePseudoGradientRounds` settles its error feedback."""
+
+
+class PseudoGradientRounds(_Buffers):
+    """The pseudo-gradient averaging of one DiLoCo peer: the buffers, the samples counted toward the next round, and
+    rounds on an :class:`~collabopt.engine.averager.AveragingService` of ``prefix`` (``<run_id>_grad_averager``: two
+    runs never meet).
+
+    Takes the loop's averager arguments (:meth:`collabopt.engine.loop.PeerLoop._make_gradient_averager`), with
+    hivemind's meanings: ``min_matchmaking_time``; ``next_chunk_timeout``: how long a reducer waits for a sender's
+    next part (a sender waits twice as long for a reducer's next result, as hivemind's averagers do). Those of
+    hivemind's that have no meaning here (``shutdown_timeout``, ``start``, ...) are accepted and unused."""
+
+    def __init__(self, *, dht: Any, prefix: str, parameters: Sequence[torch.Tensor],
+                 compression: CompressionBase | None = None, client_mode: bool | None = None,
+                 aggregation: str = "mean", request_timeout: float | None = None, min_matchmaking_time: float = 5.0,
+                 next_chunk_timeout: float | None = None, **_unused: Any):
+        super().__init__(parameters)
+        sender_timeout = next_chunk_timeout if next_chunk_timeout is not None else min_matchmaking_time
+        options = {} if request_timeout is None else {"request_timeout": request_timeout}
+        self.service = AveragingService(
+            dht, prefix=prefix, min_group_size=MIN_CLIPPED_GROUP if aggregation == "centered_clip" else 2,
+            matchmaking_time=min_matchmaking_time, sender_timeout=sender_timeout,
+            reducer_timeout=2 * sender_timeout, aggregation=aggregation,
+            compression=compression if compression is not None else default_pseudo_gradient_compression(),
+            client_mode=bool(client_mode), **options)
 
     # ---- rounds
 
@@ -133,4 +161,106 @@ class PseudoGradientRounds:
         self.service.close()
 
 
-__all__ = ["PseudoGradientRounds", "default_pseudo_gradient_compression", "pseudo_gradient_averager_factory"]
+class SparsePseudoGradientRounds(_Buffers):
+    """The pseudo-gradient rounds of a DiLoCo peer with ``pseudo_gradient_compression=sparse``: the same buffers and
+    loop interface as :class:`PseudoGradientRounds`, the round an all-gather of compressed payloads.
+
+    * :meth:`run`: the payload is ``compress(error_decay * e + pseudo-gradient)``; the update of ``e`` waits for
+      :meth:`settle` (kept where the round is applied, dropped otherwise: an unapplied round's pseudo-gradient stays in
+      the parameters and is sent again, see :mod:`collabopt.error_feedback`). A peer of weight 0 sends nothing.
+    * :meth:`report`: every member that applies the round aggregates the same set of payloads, those of members whose
+      anchor is not the group's at weight 0 (:func:`collabopt.engine.protocol.diloco_contributes`, on the group's
+      gathered metadata, which every member holds alike), a payload that does not decode left out by all.
+    * Peers meet only peers of the same codec settings and ``aggregation`` (both are in the exchange's prefix): two
+      members that decoded or aggregated differently would apply different rounds. The error feedback's decay is
+      the peer's own.
+    * A joiner starts with a zero buffer: the buffer is not part of the state peers download.
+    """
+
+    def __init__(self, *, dht: Any, prefix: str, parameters: Sequence[torch.Tensor], sparse: SparseLoCo,
+                 aggregation: str = "mean", request_timeout: float | None = None, min_matchmaking_time: float = 5.0,
+                 next_chunk_timeout: float | None = None, **_unused: Any):
+        super().__init__(parameters)
+        self.shapes = [tuple(b.shape) for b in self.buffers]
+        self.codec, self.aggregation = sparse.codec, aggregation
+        self.error_feedback = sparse.error_feedback(self.shapes)
+        self.bytes_sent = self.bytes_received = 0  # the bodies of the exchange's messages, over all rounds
+        payload_bytes = self.codec.payload_bytes(sum(math.prod(shape) for shape in self.shapes))
+        if payload_bytes > MAX_PAYLOAD_LIMIT:
+            raise ConfigurationError(
+                "pseudo_gradient_compression", f"its payload for this model is {payload_bytes} bytes, over the "
+                f"exchange's limit of {MAX_PAYLOAD_LIMIT} (one message of the daemon)",
+                "pass a lower SparseLoCo(density=...) or bits, or drop pseudo_gradient_compression")
+        settings = repr((self.codec.density, self.codec.chunk_size, self.codec.bits, aggregation)).encode()
+        options = {} if request_timeout is None else {"request_timeout": request_timeout}
+        self.service = ExchangeService(
+            dht, prefix=f"{prefix}_sparse{hashlib.sha256(settings).hexdigest()[:12]}",
+            min_group_size=MIN_CLIPPED_GROUP if aggregation == "centered_clip" else 2,
+            matchmaking_time=min_matchmaking_time, max_payload_bytes=payload_bytes,
+            phase_timeout=next_chunk_timeout if next_chunk_timeout is not None else min_matchmaking_time, **options)
+
+    def schedule(self, timeout: float, gather: Any) -> ScheduledExchange:
+        """Begin matchmaking for a round whose payload comes later (:meth:`run`); ``gather``: this peer's round
+        metadata (epoch, anchor fingerprint), which every member of the group receives."""
+        return self.service.schedule(timeout=timeout, gather=gather)
+
+    def run(self, control: ScheduledExchange, weight: float) -> None:
+        """Compress the buffers (this peer's pseudo-gradient) with the error feedback and hand the payload and
+        ``weight`` to the round ``control``; weight 0 (nothing trained, or refused as non-finite) sends nothing."""
+        if weight == 0:
+            self.error_feedback.discard()
+            control.tag_along()
+            return
+        with self.get_tensors() as buffers:
+            payload = self.error_feedback.compress(buffers)
+        control.run(payload, weight)
+
+    def settle(self, applied: bool) -> None:
+        """The round decided (:func:`collabopt.engine.protocol.diloco_round`): the error feedback keeps what this
+        round's payload left out where it was ``applied``, and stays as before it otherwise."""
+        if self.error_feedback.staged:
+            if applied:
+                self.error_feedback.commit()
+            else:
+                self.error_feedback.discard()
+
+    def report(self, result: ExchangeResult) -> protocol.DiLoCoRoundEvidence:
+        """What the exchange left, as the evidence :func:`collabopt.engine.protocol.diloco_round` takes; the aggregate
+        written into the buffers where this member may apply the set. A member that may not, after its offers went
+        out, reports that none of the average arrived while its pseudo-gradient may have reached the others (who may
+        apply the round): it downloads before its next round."""
+        self.bytes_sent += result.sent_bytes
+        self.bytes_received += result.received_bytes
+        group = dict(result.gathered) if result.group and result.gathered else None
+        if result.applied_set is None:
+            if result.group and result.sent_bytes > 0:
+                logger.warning("collabopt: this DiLoCo exchange is not applied here (%s); its payload went out",
+                               result.error)
+                return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, received=0.0, included=1.0)
+            return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, error=result.error or "no round")
+        gathered = dict(result.gathered)
+        contributions = {c.peer: (c.weight if protocol.diloco_contributes(gathered, c.peer) else 0.0, c.payload)
+                         for c in result.applied_set}
+        while True:
+            try:
+                average = aggregate(contributions, self.shapes, self.codec, self.aggregation)
+                break
+            except PayloadError as e:  # (every member decodes the same payloads: all leave the same one out)
+                peer = getattr(e, "peer", None)
+                if peer not in contributions or contributions[peer][0] == 0:
+                    return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, error=f"aggregation failed: {e}")
+                logger.warning("collabopt: a payload of this DiLoCo exchange does not decode, left out: %s", e)
+                contributions[peer] = (0.0, b"")
+            except ValueError as e:  # (no contribution of positive weight)
+                return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, error=f"nothing to aggregate: {e}")
+        with torch.no_grad(), self.get_tensors() as buffers:
+            for buffer, value in zip(buffers, average, strict=True):
+                buffer.copy_(value)
+        return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group)
+
+    def shutdown(self) -> None:
+        self.service.close()
+
+
+__all__ = ["PseudoGradientRounds", "SparsePseudoGradientRounds", "default_pseudo_gradient_compression",
+           "pseudo_gradient_averager_factory"]

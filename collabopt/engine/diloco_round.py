@@ -177,6 +177,7 @@ class DiLoCoLoop(PeerLoop):
             return
         with self.tracker.pause_updates():
             outcome = self.diloco.run_round(self)
+            self._settle(outcome.applied)
             if outcome.applied:
                 self.tracker.update_epoch(new_epoch=self.local_epoch)
             else:  # keep the pseudo-gradient: count samples toward the next round from zero
@@ -254,14 +255,24 @@ class DiLoCoLoop(PeerLoop):
                 control.cancel()
         if not apply:
             self.diloco.pending = None
+            self._settle(False)
             self._resume_sharing()
             return
         outcome = self.diloco.land_round(self, result)
+        self._settle(outcome.applied)
         self._resume_sharing()  # (only now: before the outer step, the old anchor would be served as the new epoch's)
         self._share_state()
         if not outcome.applied:
             self._fetch_progress_now()
         logger.log(self.status_loglevel, f"DiLoCo round landed at epoch {self.local_epoch}: {outcome}")
+
+    def _settle(self, applied: bool) -> None:
+        """The round's decision reaches the rounds' own state: with ``pseudo_gradient_compression`` the error feedback
+        keeps what the round's payload left out only where the round was applied
+        (:meth:`collabopt.engine.diloco_averaging.SparsePseudoGradientRounds.settle`)."""
+        settle = getattr(self.grad_averager, "settle", None)
+        if settle is not None:
+            settle(applied)
 
     def _resume_sharing(self) -> None:
         """Serve this peer's state again once its epoch and anchor agree (sharing paused while a round was in

@@ -278,6 +278,11 @@ class ScheduledExchange(ScheduledWork):
         value = (bytes(payload), float(weight))
         self.service._event_loop.call_soon_threadsafe(self._set_trigger, value)
 
+    def tag_along(self) -> None:
+        """Take part with nothing (an empty payload of weight 0, which no aggregate reads): leaving a group already
+        assembled makes its members wait a phase for this member's offer, and counts against their majority."""
+        self.run(b"", 0.0)
+
     def result(self, timeout: float | None = None) -> ExchangeResult:
         """The exchange's result (waits up to ``timeout``, default: as long as the exchange may take)."""
         if timeout is None:

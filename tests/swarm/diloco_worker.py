@@ -12,7 +12,9 @@ results one part short, once per swarm: an injected fault, see :func:`cut_result
 ``partial``: its parameters when its pseudo-gradient was taken, by the round's epoch), ``stop_after`` (leave after
 this many rounds, without waiting for anyone), ``collaborate`` (build it with
 ``collabopt.integrations.pytorch.collaborate``, the plain-loop adapter), ``overlap`` (``overlap_rounds=True``; then
-``landed`` holds, per round applied, the anchor, the parameters after and before the step that applied it).
+``landed`` holds, per round applied, the anchor, the parameters after and before the step that applied it),
+``sparse`` (``pseudo_gradient_compression=SparseLoCo(**sparse)``; the result then holds ``exchange_bytes``: the
+bytes its exchanges sent and received).
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ def main(config_path: str) -> None:
         options["overlap_rounds"] = True
     if cfg.get("aggregation"):
         options["aggregation"] = cfg["aggregation"]
+    if cfg.get("sparse") is not None:
+        from collabopt.diloco_options import SparseLoCo
+
+        options["pseudo_gradient_compression"] = SparseLoCo(**cfg["sparse"])
     if cfg.get("compression") == "none":
         from hivemind.compression import NoCompression
 
@@ -137,7 +143,9 @@ def main(config_path: str) -> None:
         result.update(final_epoch=copt.local_epoch, final_loss=full_loss(model, x_all, y_all),
                       rounds_applied=copt.diloco.rounds_applied, rounds_failed=copt.diloco.rounds_failed,
                       resyncs=copt.diloco.resyncs, samples_reported=copt.samples_reported,
-                      nonfinite_steps=copt.nonfinite_steps, metrics_interval=copt._reporter.interval)
+                      nonfinite_steps=copt.nonfinite_steps, metrics_interval=copt._reporter.interval,
+                      exchange_bytes=[getattr(copt.loop.grad_averager, name, None)
+                                      for name in ("bytes_sent", "bytes_received")])
         params["final"] = snapshot(model)
         torch.save(params, out + ".pt")
     write_json(out + ".json", result)

@@ -11,7 +11,6 @@ import torch
 from hivemind.compression import Float16Compression
 
 from collabopt import CollabConfig, ConfigurationError
-from collabopt import diloco_options as options_module
 from collabopt.diloco_options import SparseLoCo, check_outer_optimizer
 from collabopt.error_feedback import ErrorFeedback
 from collabopt.errors import DROP, apply_fix
@@ -285,15 +284,7 @@ def refused_then_fixed(options):
     return info.value
 
 
-def test_the_option_is_refused_until_the_exchange_is_built():
-    error = refused_then_fixed(dict(BASE, outer_optimizer=SparseLoCo.outer_optimizer(),
-                                    pseudo_gradient_compression=SparseLoCo()))
-    assert error.parameter == "pseudo_gradient_compression" and "not available" in error.problem
-    assert error.fixes == [{"pseudo_gradient_compression": DROP}]
-
-
-def test_once_the_exchange_exists_diloco_mode_accepts_it_and_its_rules_hold(monkeypatch):
-    monkeypatch.setattr(options_module, "SPARSE_EXCHANGE_BUILT", True)
+def test_diloco_mode_accepts_the_option_and_its_rules_hold():
     outer = SparseLoCo.outer_optimizer()
     config = CollabConfig.from_options(**BASE, outer_optimizer=outer, pseudo_gradient_compression=SparseLoCo())
     assert config.pseudo_gradient_compression == SparseLoCo()
@@ -303,6 +294,30 @@ def test_once_the_exchange_exists_diloco_mode_accepts_it_and_its_rules_hold(monk
         dict(BASE, outer_optimizer=outer, pseudo_gradient_compression="sparseloco")).problem
     assert refused_then_fixed(dict(BASE, outer_optimizer=outer, pseudo_gradient_compression=SparseLoCo(),
                                    grad_compression=Float16Compression())).parameter == "grad_compression"
+    error = refused_then_fixed(dict(BASE, outer_optimizer=outer, pseudo_gradient_compression=SparseLoCo(),
+                                    client_mode=True))  # (the exchange sends every member the others' payloads)
+    assert error.parameter == "client_mode" and "reachable" in error.problem
+    assert error.fixes == [{"client_mode": DROP}, {"pseudo_gradient_compression": DROP}]
+    for overlap in (True, False):
+        CollabConfig.from_options(**BASE, outer_optimizer=outer, pseudo_gradient_compression=SparseLoCo(),
+                                  overlap_rounds=overlap, aggregation="centered_clip")
+
+
+def test_the_option_builds_the_compressed_rounds():
+    from collabopt.engine.diloco_averaging import (
+        PseudoGradientRounds,
+        SparsePseudoGradientRounds,
+        pseudo_gradient_averager_factory,
+    )
+    from collabopt.hivemind_arguments import _diloco_arguments
+
+    outer = SparseLoCo.outer_optimizer()
+    inner = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    sparse = SparseLoCo(density=0.05)
+    config = CollabConfig.from_options(**BASE, outer_optimizer=outer, pseudo_gradient_compression=sparse)
+    factory = _diloco_arguments(config, inner, None)["grad_averager_factory"]
+    assert factory.func is SparsePseudoGradientRounds and factory.keywords["sparse"] == sparse
+    assert pseudo_gradient_averager_factory(None).func is PseudoGradientRounds
 
 
 def test_every_adapter_takes_the_option_beside_outer_optimizer():

@@ -1,0 +1,108 @@
+"""Compressed DiLoCo (``pseudo_gradient_compression=SparseLoCo(...)``) on real swarms: peers are OS processes
+(diloco_worker.py) on loopback, each compressing its pseudo-gradient with error feedback, all-gathering the payloads
+(collabopt.engine.gather_exchange) and aggregating them itself.
+
+What is checked: every member of every round applies the bit-identical aggregate (the parameters after each round
+are equal exactly, not within a tolerance; apart between rounds); a late joiner starts from the swarm's anchor and,
+with a zero error-feedback buffer, applies the same rounds as the others, equal to them exactly."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import pytest
+from helpers import finish, finish_line, read_params, read_result, unique_run_id
+from test_diloco import diff, log_tail, peers, rounds_by_epoch, run_swarm, start
+
+pytestmark = pytest.mark.swarm
+SPARSE = dict(density=0.05, chunk_size=256, bits=2, error_decay=0.95)
+OUTER = dict(lr=1.0)  # SparseLoCo's outer step: SGD without momentum (SparseLoCo.outer_optimizer())
+
+
+def test_three_peers_apply_bit_identical_aggregates_in_every_round(tmp_path, bootstrap):
+    names = {"a": [8], "b": [16], "c": [24]}
+    configs = peers(unique_run_id("sparse3"), names, epochs=3, sparse=SPARSE, outer=OUTER)
+    for name in configs:
+        configs[name]["finish_with"] = finish_line(tmp_path, *(n for n in names if n != name))
+    results, params = run_swarm(tmp_path, bootstrap, configs)
+
+    why = ({n: results[n]["rounds"] for n in names}, {n: log_tail(tmp_path, n) for n in names})
+    for epoch in range(1, 4):
+        rounds = {name: rounds_by_epoch(results[name]).get(epoch, {}) for name in names}
+        assert all(rounds[n].get("applied") and rounds[n]["group_size"] == 3 for n in names), (epoch, why)
+        after = {name: params[name]["after"][epoch] for name in names}
+        before = {name: params[name]["before"][epoch] for name in names}
+        for x, y in itertools.combinations(names, 2):
+            assert diff(after[x], after[y]) == 0.0, (epoch, x, y)  # the same bits: each aggregated alone
+            assert diff(before[x], before[y]) > 1e-3, (epoch, x, y)  # local steps between rounds
+        previous = params["a"]["after"].get(epoch - 1, params["a"]["start"])
+        assert diff(after["a"], previous) > 1e-3  # the round moved the parameters
+    for name in names:
+        assert results[name]["resyncs"] == 0, (name, why)
+        assert results[name]["final_loss"] < results[name]["start_loss"]
+        sent, received = results[name]["exchange_bytes"]
+        assert sent > 0 and received > 0
+    print("exchange bytes (sent, received) per peer:", {n: results[n]["exchange_bytes"] for n in names},
+          "samples fed:", {n: results[n]["samples_fed"] for n in names})
+
+
+def test_a_late_joiner_gets_in_sync_with_a_zero_error_feedback_buffer(tmp_path, bootstrap):
+    def progress(name: str) -> int:
+        try:
+            return json.loads((tmp_path / f"{name}.progress").read_text())["epoch"]
+        except (OSError, ValueError):
+            return -1
+
+    def wait_until(condition, seconds: float = 60) -> None:
+        deadline = time.monotonic() + seconds
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    names = {"a": [8], "b": [16]}
+    configs = peers(unique_run_id("sparse_late"), names, epochs=0, epochs_file=str(tmp_path / "epochs"),
+                    sparse=SPARSE, outer=OUTER)
+    for name in configs:
+        configs[name]["finish_with"] = finish_line(tmp_path, *(n for n in ("a", "b", "d") if n != name))
+    procs = {name: start(tmp_path, name, config, bootstrap) for name, config in configs.items()}
+    wait_until(lambda: progress("a") >= 1)
+    procs["d"] = start(tmp_path, "d", dict(configs["a"], batch_sizes=[12], seed=3, wait_peers=None,
+                                           finish_with=finish_line(tmp_path, "a", "b")), bootstrap)
+    wait_until(lambda: progress("d") >= 0)
+    (tmp_path / "epochs").write_text(str(max(progress("d"), 1) + 2))
+    finish(procs, timeout=120)
+    results = {name: read_result(tmp_path, name) for name in procs}
+    params = {name: read_params(tmp_path, name) for name in procs}
+
+    late = results["d"]
+    why = ({n: results[n]["rounds"] for n in procs}, {n: log_tail(tmp_path, n) for n in procs})
+    assert late["start_epoch"] >= 1, why  # downloaded the swarm's state before its first step
+    assert diff(params["d"]["start"], params["a"]["after"][late["start_epoch"]]) == 0.0
+    joined = [r["epoch"] for r in late["rounds"] if r["applied"] and r["group_size"] == 3]
+    assert joined, why
+    for epoch in joined:  # A and B applied that round too, and all three hold the same bits
+        for name in "ab":
+            assert rounds_by_epoch(results[name])[epoch]["applied"], (epoch, why)
+            assert diff(params["d"]["after"][epoch], params[name]["after"][epoch]) == 0.0, (epoch, name)
+
+
+def test_overlapped_rounds_land_on_bit_identical_anchors(tmp_path, bootstrap):
+    """overlap_rounds=True: each round's exchange runs while inner steps go on; the anchors the peers land on are the
+    same bits, and the parameters after a landing are that anchor plus the progress made meanwhile."""
+    names = {"a": [8, 40], "b": [16]}
+    configs = peers(unique_run_id("sparse_overlap"), names, epochs=3, sparse=SPARSE, outer=OUTER, overlap=True)
+    for name in configs:
+        configs[name]["finish_with"] = finish_line(tmp_path, *(n for n in names if n != name))
+    results, params = run_swarm(tmp_path, bootstrap, configs)
+
+    why = ({n: results[n]["rounds"] for n in names}, {n: log_tail(tmp_path, n) for n in names})
+    for k in (1, 2):  # the k-th round landed (it started at epoch k)
+        assert all(k in params[n]["landed"] for n in names), why
+        assert diff(params["a"]["landed"][k]["anchor"], params["b"]["landed"][k]["anchor"]) == 0.0, k
+        for name in names:
+            land = params[name]["landed"][k]
+            kept = {key: land["anchor"][key] + land["before"][key] - params[name]["base"][k][key]
+                    for key in land["anchor"]}
+            assert diff(land["after"], kept) <= 1e-6, (k, name)
+    assert all(results[n]["rounds_failed"] == 0 for n in names), why
