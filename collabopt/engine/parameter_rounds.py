@@ -14,6 +14,12 @@ Rules, and why:
   boundary together, so the group assembles as soon as they are in instead of idling a whole ``matchmaking_time``.
   See docs/decisions.md, "Group size hint".
 * An auxiliary peer helps reduce and takes no average (weight 0): its parameters come from downloads.
+* The averaged tensors' lock is held from the group's assembly to the install, as hivemind holds it, not during
+  matchmaking (the state served meanwhile is not the round's yet). A round whose all-reduce outlives the step's wait
+  is installed by the training thread's next step (:meth:`ParameterRounds.install_late`), never on the service's event
+  loop: that loop runs every round of the service and must not wait on a lock the training thread holds. An average
+  is written only while ``may_write()`` says its round still owns the tensors: a newer round handed them, or a
+  downloaded state installed in them, replaces an average of the tensors it was handed.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +53,7 @@ class ParameterRound:
     def __init__(self, scheduled: ScheduledRound, epoch: int):
         self.scheduled, self.epoch = scheduled, epoch
         self.decision: protocol.ParameterDecision | None = None
+        self.in_background = False  # its all-reduce outlived the step's wait (install_late installs it)
         self._cancelled = False
 
     @property
@@ -93,11 +102,16 @@ class ParameterRounds:
             min_group_size = MIN_CLIPPED_GROUP if aggregation == "centered_clip" else 2
         self.timeout, self.auxiliary = timeout, auxiliary
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
+        self._assembly = threading.Condition()  # (notified in the service's thread: a group assembled, a round ended)
         self.service = AveragingService(
             dht, prefix=prefix, target_group_size=target_group_size, min_group_size=min_group_size,
             matchmaking_time=matchmaking_time, request_timeout=request_timeout, sender_timeout=sender_timeout,
             reducer_timeout=reducer_timeout or 2 * sender_timeout, aggregation=aggregation, compression=compression,
-            client_mode=client_mode)
+            client_mode=client_mode, on_group=self._assembled)
+
+    def _assembled(self, *_: Any) -> None:
+        with self._assembly:
+            self._assembly.notify_all()
 
     def group_size(self, epoch: int) -> int | None:
         """The next round's target group size: :attr:`group_size_hint` where it is of ``epoch`` (used once), bounded
@@ -115,43 +129,50 @@ class ParameterRounds:
         scheduled = self.service.schedule(template, timeout=timeout or self.timeout, gather=gather,
                                           contributes=functools.partial(protocol.sync_contributes, gather),
                                           target_group_size=self.group_size(epoch - 1))  # (the boundary's epoch)
+        scheduled.on_done(self._assembled)
         return ParameterRound(scheduled, epoch)
 
     def finish(self, control: ParameterRound, tensors: Sequence[torch.Tensor], lock: Any, timeout: float,
-               late: Callable[[], None]) -> dict:
-        """Hand ``tensors`` to ``control``, wait up to ``timeout`` and write the average into them where
-        :func:`~collabopt.engine.protocol.parameter_round` says so, all under ``lock``: a state copied meanwhile (a
-        download) waits for the average rather than get the tensors the round is about to replace, as hivemind's
-        in-place all-reduce held them. Returns the group's gathered data; raises :class:`RoundFailed`. A round whose
-        all-reduce outlives the wait writes its average when it ends, then calls ``late`` (the service's thread)."""
-        with lock:
-            control.scheduled.run(tensors, 0.0 if self.auxiliary else 1.0)
-            try:
-                result = control.scheduled.result(timeout)
-            except (TimeoutError, concurrent.futures.TimeoutError):
-                result = None
-            if result is not None:
-                return self._install(control, result, tensors)
+               may_write: Callable[[], bool], late: Callable[[], None]) -> dict:
+        """Wait up to ``timeout`` in all for ``control``'s group, then under ``lock`` hand it ``tensors``, wait for
+        its result and write the average into them where :func:`~collabopt.engine.protocol.parameter_round` says
+        so and ``may_write()`` (asked under ``lock``) allows. ``lock`` is held from the group's assembly to the
+        install: a state copied meanwhile (a download) waits for the average rather than get the tensors the round
+        is about to replace. Returns the group's gathered data; raises :class:`RoundFailed`. A round whose
+        all-reduce outlives the wait calls ``late()`` as it ends, in the service's thread (it must not block):
+        :meth:`install_late` installs it then."""
+        scheduled, deadline = control.scheduled, time.monotonic() + timeout
+        with self._assembly:  # (matchmaking: the tensors are not the round's yet, so the lock stays free)
+            self._assembly.wait_for(lambda: scheduled.group is not None or scheduled.done(), timeout)
+        if scheduled.group is not None or scheduled.done():
+            with lock:
+                if not scheduled.done():
+                    scheduled.run(tensors, 0.0 if self.auxiliary else 1.0)
+                try:
+                    result = scheduled.result(max(0.0, deadline - time.monotonic()))
+                except (TimeoutError, concurrent.futures.TimeoutError):
+                    result = None
+                if result is not None:
+                    return self._install(control, result, tensors, may_write)
         if not control.began_allreduce:
             control.decision = protocol.ParameterDecision(False, f"no group within {timeout:.1f} s")
-            control.scheduled.cancel()
+            scheduled.cancel()
             raise RoundFailed(control.decision.detail)
-        control.scheduled.on_done(lambda: self._late(control, tensors, lock, late))
+        control.in_background = True
+        scheduled.on_done(late)
         raise RoundFailed("its all-reduce outlived the wait: it ends in the background")
 
-    def _late(self, control: ParameterRound, tensors: Sequence[torch.Tensor], lock: Any,
-              late: Callable[[], None]) -> None:
-        if control.cancelled():
-            return
-        try:
-            with lock:
-                self._install(control, control.scheduled.result(0), tensors)
-        except RoundFailed as e:
-            logger.info("collabopt: the parameter round that ended in the background failed (%s)", e)
-            return
-        late()
+    def install_late(self, control: ParameterRound, tensors: Sequence[torch.Tensor],
+                     may_write: Callable[[], bool]) -> dict | None:
+        """(under the tensors' lock; the training thread) Install ``control``'s average into ``tensors`` as
+        :meth:`finish` would, where its all-reduce outlived the wait and has ended since. Returns the group's
+        gathered data; None where there is nothing to install (yet); raises :class:`RoundFailed`."""
+        if not control.in_background or control.done() or not control.scheduled.done():
+            return None
+        return self._install(control, control.scheduled.result(0), tensors, may_write)
 
-    def _install(self, control: ParameterRound, result: AveragingResult, tensors: Sequence[torch.Tensor]) -> dict:
+    def _install(self, control: ParameterRound, result: AveragingResult, tensors: Sequence[torch.Tensor],
+                 may_write: Callable[[], bool]) -> dict:
         """(under the tensors' lock) The protocol's decision on ``result``; the average into ``tensors`` if so."""
         me = self.service.p2p.peer_id
         evidence = result.evidence
@@ -160,6 +181,9 @@ class ParameterRounds:
             group_size=len(result.group),
             contributed=not self.auxiliary and protocol.sync_contributes(result.gathered.get(me), result.gathered),
             received=evidence.received if evidence is not None else 0.0))
+        if decision.install and not may_write():
+            control.decision = decision = protocol.ParameterDecision(
+                False, "a newer round or a downloaded state replaced the tensors it was handed")
         if not decision.install:
             raise RoundFailed(decision.detail)
         assert result.tensors is not None

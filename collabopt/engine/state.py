@@ -246,13 +246,13 @@ class ConsistentStateAverager(TrainingState):
                 except StopIteration:
                     logger.warning("collabopt: a downloaded state's optimizer statistics do not fit: not installed")
                     return False
+                self._replaced()  # (no round handed the old state writes its average over this one)
                 for local, loaded in zip(main, tensors, strict=False):
                     local.copy_(loaded, non_blocking=True)
             if self.offload_optimizer:
                 self._apply_optimizer_parameters_()
             if not self.reuse_tensors:
                 self._load_local_tensors_into_averager_()  # (takes lock_averaged_tensors itself)
-            self._average_ready = False  # (an average of the old state, not applied yet, is no longer this one's)
             self.local_epoch = epoch
             self._update_scheduler()
         return True

@@ -15,12 +15,16 @@ Rules, and why:
   ``step()`` (a round in the background never writes tensors the training loop is using).
 * Locks, always taken in this order: ``lock_optimizer`` (an optimizer step; an average applied; an install),
   ``lock_averaged_tensors`` (the averaged tensors); ``lock_averaging`` is held while a parameter round runs.
+* An average is written into the averaged tensors only by the round last handed them (``_writer``), and not after a
+  downloaded state replaced them (:meth:`_replaced`): else it would bring back the state they held (or, with the
+  delta rule, add an older epoch's change). A round that outlived the step's wait is installed by the next step.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -28,26 +32,11 @@ from itertools import chain
 from typing import Any
 
 import torch
-from hivemind.optim.state_averager import initialize_optimizer_state_
 
 from collabopt.engine.parameter_rounds import ParameterRound, RoundFailed
+from collabopt.engine.training_components import build_components, param_groups
 
 logger = logging.getLogger(__name__)
-
-
-def _param_groups(optimizer: Any, params: Any) -> tuple[dict, ...]:
-    """The parameter groups of ``params`` (tensors or dicts), else of a built ``optimizer``."""
-    if params is None:
-        if not hasattr(optimizer, "param_groups"):
-            raise ValueError("optimizer must be a torch optimizer, or a factory given params=")
-        params = optimizer.param_groups
-    groups = tuple(params)
-    if all(isinstance(p, torch.Tensor) for p in groups):
-        groups = (dict(params=groups),)
-    for group in groups:
-        if not isinstance(group, dict) or not all(isinstance(p, torch.Tensor) for p in group.get("params") or ()):
-            raise ValueError("params must be tensors or parameter groups (dicts with 'params': tensors)")
-    return groups
 
 
 class TrainingState:
@@ -56,6 +45,8 @@ class TrainingState:
     ``offload_optimizer``, ``custom_gradients``, ``reuse_tensors``, ``delta_rule_averaging``,
     ``average_opt_statistics``, ``extra_tensors``, ``initialize_optimizer``; ``rounds``: the parameter rounds
     (:class:`~collabopt.engine.parameter_rounds.ParameterRounds`, or ``NoRounds``)."""
+
+    _writer: ParameterRound | None = None  # the round whose average may write the averaged tensors (their lock)
 
     def __init__(self, *, optimizer: Any, rounds: Any, params: Any = None, scheduler: Any = None,
                  initialize_optimizer: bool | None = None, offload_optimizer: bool = False,
@@ -67,7 +58,7 @@ class TrainingState:
             reuse_tensors = offload_optimizer and not delta_rule_averaging
         if reuse_tensors and delta_rule_averaging:
             raise ValueError("reuse_tensors and delta_rule_averaging are mutually exclusive")
-        groups = _param_groups(optimizer, params)
+        groups = param_groups(optimizer, params)
         self.rounds, self.status_loglevel, self.allreduce_timeout = rounds, status_loglevel, allreduce_timeout
         self.offload_optimizer, self.custom_gradients = offload_optimizer, custom_gradients
         self.reuse_tensors, self.delta_rule_averaging = reuse_tensors, delta_rule_averaging
@@ -76,7 +67,8 @@ class TrainingState:
             raise ValueError("params holds a parameter twice")
         self.parameter_names = tuple(range(len(self.main_parameters)))
         self._averaged_parameters = tuple(self._host_tensor(p, copy=offload_optimizer) for p in self.main_parameters)
-        self.optimizer, self.scheduler = self._components(groups, optimizer, scheduler, initialize_optimizer)
+        self.optimizer, self.scheduler = build_components(groups, optimizer, scheduler, initialize_optimizer,
+                                                          offload_optimizer, reuse_tensors, self._averaged_parameters)
         self.opt_keys_for_averaging, self.extra_tensors = tuple(average_opt_statistics), tuple(extra_tensors)
         local = tuple(self._local_tensors())
         self._averaged_tensors = (*(t.detach() for t in self._averaged_parameters),
@@ -91,6 +83,7 @@ class TrainingState:
         self._no_boundary.set()
         self.step_executor = concurrent.futures.ThreadPoolExecutor(max_workers=2 if delta_rule_averaging else 1)
         self.finished_optimizer_step, self.finished_averaging_round = threading.Event(), threading.Event()
+        self._ended_late = threading.Event()  # a round that outlived its step's wait ended (the next step installs it)
         self.lock_optimizer, self.lock_averaged_tensors = threading.Lock(), threading.Lock()
         self.lock_averaging = threading.Lock()
         self.pending_updates: set[concurrent.futures.Future] = set()
@@ -104,38 +97,6 @@ class TrainingState:
                 raise ValueError("reuse_tensors needs every averaged tensor on the CPU")
             return source
         return source.detach().to(device="cpu", dtype=torch.float32, copy=True).requires_grad_(source.requires_grad)
-
-    def _components(self, groups: tuple[dict, ...], optimizer: Any, scheduler: Any,
-                    initialize: bool | None) -> tuple[torch.optim.Optimizer, Any]:
-        """The optimizer (on the host copies where offloaded) and the scheduler, built from their factories."""
-        optimizer_factory = callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
-        scheduler_factory = callable(scheduler) and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
-        if optimizer_factory and scheduler is not None and not scheduler_factory:
-            raise ValueError("where the optimizer is a factory, the scheduler must be one too")
-        if self.offload_optimizer and not optimizer_factory:
-            raise ValueError("offload_optimizer needs the optimizer as a factory")
-        if optimizer_factory:
-            if self.offload_optimizer:
-                copies = self._averaged_parameters if self.reuse_tensors else tuple(
-                    t.detach().clone().requires_grad_(t.requires_grad) for t in self._averaged_parameters)
-                for param in copies:
-                    if param.grad is None:
-                        param.grad = torch.zeros_like(param)
-                sizes = [len(group["params"]) for group in groups]
-                starts = [sum(sizes[:i]) for i in range(len(sizes))]
-                groups = tuple(dict(group, params=copies[start:start + size])
-                               for group, start, size in zip(groups, starts, sizes, strict=True))
-            optimizer = optimizer(groups)
-        if initialize is None:  # (no statistics yet: one step with zero gradients makes them, as hivemind does)
-            initialize = not any(isinstance(value, torch.Tensor)
-                                 for state in optimizer.state_dict()["state"].values() for value in state.values())
-        if initialize:
-            initialize_optimizer_state_(optimizer)
-        if scheduler_factory:
-            scheduler = scheduler(optimizer)
-        if len(optimizer.param_groups) != len(groups) or getattr(scheduler, "optimizer", optimizer) is not optimizer:
-            raise ValueError("the optimizer (and scheduler) must be built on the given parameter groups")
-        return optimizer, scheduler
 
     def _local_tensors(self) -> Iterator[torch.Tensor]:
         """The tensors a parameter round averages: the optimizer's parameters, the averaged statistics, extras."""
@@ -240,8 +201,7 @@ class TrainingState:
             if await_averaging:
                 self.finished_averaging_round.wait()
                 self.finished_averaging_round.clear()
-                if not self.reuse_tensors:
-                    self._apply_averaging_results_()
+                self._apply_averaging_results_()
                 if self.offload_optimizer:
                     self._apply_optimizer_parameters_()
             if not ((averaging_round and delay_averaging) or ((optimizer_step or zero_grad) and delay_optimizer_step)):
@@ -254,12 +214,15 @@ class TrainingState:
 
     def _apply_finished(self) -> None:
         """Apply a background round's average and a background optimizer step that finished."""
-        if self.finished_averaging_round.is_set():
-            if not self.reuse_tensors:
-                self._apply_averaging_results_()
+        background, late = self.finished_averaging_round.is_set(), self._ended_late.is_set()
+        if background:  # (each cleared before its average is applied: a round that ends meanwhile sets it anew)
+            self.finished_averaging_round.clear()
+        if late:
+            self._ended_late.clear()
+        if background or late:
+            self._apply_averaging_results_()
             if self.offload_optimizer and not self.finished_optimizer_step.is_set():
                 self._apply_optimizer_parameters_()
-            self.finished_averaging_round.clear()
         if self.finished_optimizer_step.is_set():
             if self.offload_optimizer:
                 self._apply_optimizer_parameters_()
@@ -306,6 +269,8 @@ class TrainingState:
 
     def _average(self, control: ParameterRound, timeout: float) -> None:
         with self.lock_averaging:
+            with self.lock_averaged_tensors:  # (a round before it that ends late writes nothing from now on)
+                self._writer = control
             if not self.reuse_tensors:
                 self._load_local_tensors_into_averager_()
             if self.delta_rule_averaging:
@@ -313,17 +278,40 @@ class TrainingState:
                     self._old_tensors = tuple(t.detach().cpu().clone() for t in averaged)
             try:
                 gathered = self.rounds.finish(control, self._averaged_tensors, self.lock_averaged_tensors, timeout,
-                                              late=self._averaged_late)
-                self._average_ready = True
+                                              functools.partial(self._may_write, control),
+                                              late=self._ended_late.set)
                 logger.log(self.status_loglevel, "collabopt: parameters averaged with %d peers", len(gathered))
             except RoundFailed as e:
                 logger.log(self.status_loglevel, "collabopt: the parameter round failed (%s)", e)
             self.finished_averaging_round.set()
 
-    def _averaged_late(self) -> None:
-        """(the service's thread) A round's average came after its wait: the next step applies it."""
+    def _may_write(self, control: ParameterRound) -> bool:
+        """(under ``lock_averaged_tensors``) Whether ``control``'s average may be written (see the module); if so,
+        the next step applies it."""
+        if self._writer is not control:
+            return False
         self._average_ready = True
-        self.finished_averaging_round.set()
+        return True
+
+    def _replaced(self) -> None:
+        """(under ``lock_averaged_tensors``) A downloaded state replaced the averaged tensors: no round handed them
+        before writes its average over it, and no average of the old state is applied."""
+        self._writer, self._average_ready = None, False
+
+    def _install_late(self) -> None:
+        """(under ``lock_averaged_tensors``) The average of a round that outlived its step's wait and has ended."""
+        control = self._writer
+        if control is None:
+            return
+        try:
+            gathered = self.rounds.install_late(control, self._averaged_tensors,
+                                                functools.partial(self._may_write, control))
+        except RoundFailed as e:
+            logger.log(self.status_loglevel, "collabopt: the parameter round in the background failed (%s)", e)
+            return
+        if gathered:
+            logger.log(self.status_loglevel, "collabopt: parameters averaged with %d peers (in the background)",
+                       len(gathered))
 
     # ---- moving tensors
 
@@ -354,12 +342,14 @@ class TrainingState:
     @torch.no_grad()
     def _apply_averaging_results_(self) -> None:
         """The averaged tensors into the local ones (with the delta rule: what the round changed is added), under
-        ``lock_optimizer``: an average is never served half copied."""
+        ``lock_optimizer``: an average is never served half copied. A round in the background that ended is
+        installed first (in place: where tensors are reused, that is all)."""
         with self.lock_optimizer, self.get_tensors() as averaged:
-            old, self._old_tensors = self._old_tensors, None
+            self._install_late()
             ready, self._average_ready = self._average_ready, False
-            if not ready:  # (the round failed: the local tensors stay as they are)
+            if not ready or self.reuse_tensors:  # (the round failed, or is still under way: the local tensors stay)
                 return
+            old, self._old_tensors = self._old_tensors, None
             for i, (local, new) in enumerate(zip(self._local_tensors(), averaged, strict=True)):
                 if not self.delta_rule_averaging:
                     local.copy_(new, non_blocking=True)
