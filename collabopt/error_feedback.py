@@ -94,20 +94,30 @@ class ErrorFeedback:
                           "bits": self.codec.bits},
                 "buffers": [buffer.clone() for buffer in self.buffers]}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a buffer saved by :meth:`state_dict` for the same shapes. The saved buffer's values are taken as
+    def load_state_dict(self, state: Mapping[str, Any], names: Sequence[str] | None = None) -> None:
+        """Restore a buffer saved by :meth:`state_dict` for the same model. The saved buffer's values are taken as
         they are; the settings are this object's (a checkpoint taken with another density or decay still holds
-        what was not sent). Raises ValueError for another format version, other shapes or non-finite values."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"error-feedback state of version {state.get('version')!r}, expected {STATE_VERSION}")
-        shapes = [tuple(shape) for shape in state["shapes"]]
+        what was not sent). Raises ValueError, naming the parameter (``names[i]`` where given), for another format
+        version, another number of tensors, a tensor of another shape or dtype (float32), or NaN/inf."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            version = state.get("version") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"error-feedback state of version {version!r}, expected {STATE_VERSION}")
+        shapes = [tuple(shape) for shape in state.get("shapes", self.shapes)]
         if shapes != self.shapes:
             raise ValueError(f"the saved error-feedback buffer is for shapes {shapes}, this model's are {self.shapes}")
-        buffers = [torch.as_tensor(buffer, dtype=torch.float32).reshape(shape).clone()
-                   for buffer, shape in zip(state["buffers"], self.shapes, strict=True)]
-        if not all(bool(torch.isfinite(buffer).all()) for buffer in buffers):
-            raise ValueError("the saved error-feedback buffer holds NaN/inf")
-        self.buffers, self._staged = buffers, None
-
+        saved = list(state.get("buffers") or [])
+        if len(saved) != len(self.shapes):
+            raise ValueError(f"the saved error-feedback buffer holds {len(saved)} tensors, this model has "
+                             f"{len(self.shapes)} parameters")
+        for index, (buffer, shape) in enumerate(zip(saved, self.shapes, strict=True)):
+            label = f"parameter {index}" + (f" ({names[index]})" if names and index < len(names) else "")
+            if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.float32 or tuple(buffer.shape) != shape:
+                found = (f"{buffer.dtype} {tuple(buffer.shape)}" if isinstance(buffer, torch.Tensor)
+                         else type(buffer).__name__)
+                raise ValueError(f"the saved error-feedback buffer of {label} is {found}, this model's is "
+                                 f"torch.float32 {shape}")
+            if not bool(torch.isfinite(buffer).all()):
+                raise ValueError(f"the saved error-feedback buffer of {label} holds NaN/inf")
+        self.buffers, self._staged = [buffer.detach().to("cpu").clone() for buffer in saved], None
 
 __all__ = ["STATE_VERSION", "ErrorFeedback"]

@@ -14,7 +14,10 @@ this many rounds, without waiting for anyone), ``collaborate`` (build it with
 ``collabopt.integrations.pytorch.collaborate``, the plain-loop adapter), ``overlap`` (``overlap_rounds=True``; then
 ``landed`` holds, per round applied, the anchor, the parameters after and before the step that applied it),
 ``sparse`` (``pseudo_gradient_compression=SparseLoCo(**sparse)``; the result then holds ``exchange_bytes``: the
-bytes its exchanges sent and received).
+bytes its exchanges sent and received), ``checkpoint_epoch`` (at that epoch, once a round was applied, save
+``<out>.ckpt``: ``copt.state_dict()``, the model's parameters and the error-feedback buffer as it was; then leave),
+``resume_from`` (a ``.ckpt`` to start from: parameters loaded before the optimizer is built, its state right after;
+``<out>.pt`` then holds ``loaded_error_feedback``: the buffer after loading).
 """
 
 from __future__ import annotations
@@ -84,6 +87,9 @@ def main(config_path: str) -> None:
 
     if cfg.get("cut_results_round") is not None:
         cut_results(cfg["cut_results_round"], cfg["cut_marker"])
+    checkpoint = torch.load(cfg["resume_from"]) if cfg.get("resume_from") else None
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
     if cfg.get("collaborate"):  # the plain-loop adapter
         copt = collaborate(model, optimizer, run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"],
                            **options)
@@ -92,6 +98,9 @@ def main(config_path: str) -> None:
                                       model=model, **options)
     with copt:
         record_partial_rounds(copt, model, params["partial"])
+        if checkpoint is not None:
+            copt.load_state_dict(checkpoint["copt"])
+            params["loaded_error_feedback"] = error_feedback_buffers(copt)
         if cfg.get("fail_round") is not None:
             inject_failure(copt, cfg["fail_round"])
         if cfg.get("wait_peers"):
@@ -139,6 +148,10 @@ def main(config_path: str) -> None:
                 if applied:
                     fed_since_anchor = 0
                 write_json(out + ".progress", {"epoch": epoch})
+                if applied and cfg.get("checkpoint_epoch") is not None and epoch >= cfg["checkpoint_epoch"]:
+                    torch.save(dict(copt=copt.state_dict(), model=snapshot(model),
+                                    error_feedback=error_feedback_buffers(copt)), out + ".ckpt")
+                    break
             time.sleep(cfg.get("step_sleep", 0.02))
         result.update(final_epoch=copt.local_epoch, final_loss=full_loss(model, x_all, y_all),
                       rounds_applied=copt.diloco.rounds_applied, rounds_failed=copt.diloco.rounds_failed,
@@ -149,6 +162,11 @@ def main(config_path: str) -> None:
         params["final"] = snapshot(model)
         torch.save(params, out + ".pt")
     write_json(out + ".json", result)
+
+
+def error_feedback_buffers(copt: CollaborativeOptimizer) -> list[torch.Tensor]:
+    """A copy of this peer's committed error-feedback buffer (``pseudo_gradient_compression``)."""
+    return [b.clone() for b in copt.loop.grad_averager.error_feedback.buffers]
 
 
 def record_partial_rounds(copt: CollaborativeOptimizer, model: torch.nn.Module, partial: dict) -> None:

@@ -4,7 +4,8 @@
 
 What is checked: every member of every round applies the bit-identical aggregate (the parameters after each round
 are equal exactly, not within a tolerance; apart between rounds); a late joiner starts from the swarm's anchor and,
-with a zero error-feedback buffer, applies the same rounds as the others, equal to them exactly."""
+with a zero error-feedback buffer, applies the same rounds as the others, equal to them exactly; a peer restarted from
+its checkpoint gets its error-feedback buffer back exactly and applies the same rounds as the others."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import time
 
 import pytest
+import torch
 from helpers import finish, finish_line, read_params, read_result, unique_run_id
 from test_diloco import diff, log_tail, peers, rounds_by_epoch, run_swarm, start
 
@@ -48,29 +50,31 @@ def test_three_peers_apply_bit_identical_aggregates_in_every_round(tmp_path, boo
           "samples fed:", {n: results[n]["samples_fed"] for n in names})
 
 
+def progress(tmp_path, name: str) -> int:
+    try:
+        return json.loads((tmp_path / f"{name}.progress").read_text())["epoch"]
+    except (OSError, ValueError):
+        return -1
+
+
+def wait_until(condition, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def test_a_late_joiner_gets_in_sync_with_a_zero_error_feedback_buffer(tmp_path, bootstrap):
-    def progress(name: str) -> int:
-        try:
-            return json.loads((tmp_path / f"{name}.progress").read_text())["epoch"]
-        except (OSError, ValueError):
-            return -1
-
-    def wait_until(condition, seconds: float = 60) -> None:
-        deadline = time.monotonic() + seconds
-        while not condition() and time.monotonic() < deadline:
-            time.sleep(0.2)
-
     names = {"a": [8], "b": [16]}
     configs = peers(unique_run_id("sparse_late"), names, epochs=0, epochs_file=str(tmp_path / "epochs"),
                     sparse=SPARSE, outer=OUTER)
     for name in configs:
         configs[name]["finish_with"] = finish_line(tmp_path, *(n for n in ("a", "b", "d") if n != name))
     procs = {name: start(tmp_path, name, config, bootstrap) for name, config in configs.items()}
-    wait_until(lambda: progress("a") >= 1)
+    wait_until(lambda: progress(tmp_path, "a") >= 1)
     procs["d"] = start(tmp_path, "d", dict(configs["a"], batch_sizes=[12], seed=3, wait_peers=None,
                                            finish_with=finish_line(tmp_path, "a", "b")), bootstrap)
-    wait_until(lambda: progress("d") >= 0)
-    (tmp_path / "epochs").write_text(str(max(progress("d"), 1) + 2))
+    wait_until(lambda: progress(tmp_path, "d") >= 0)
+    (tmp_path / "epochs").write_text(str(max(progress(tmp_path, "d"), 1) + 2))
     finish(procs, timeout=120)
     results = {name: read_result(tmp_path, name) for name in procs}
     params = {name: read_params(tmp_path, name) for name in procs}
@@ -106,3 +110,39 @@ def test_overlapped_rounds_land_on_bit_identical_anchors(tmp_path, bootstrap):
                     for key in land["anchor"]}
             assert diff(land["after"], kept) <= 1e-6, (k, name)
     assert all(results[n]["rounds_failed"] == 0 for n in names), why
+
+
+def test_a_peer_restarted_from_its_checkpoint_gets_its_error_feedback_back_and_rejoins(tmp_path, bootstrap):
+    """A saves a checkpoint (optimizer state with its error-feedback buffer, and its parameters) after its first
+    round and leaves; a new process A2 starts from that checkpoint while B and C train on: A2's buffer right after
+    loading is the saved one, bit for bit, and A2 then applies rounds with B and C, equal to them exactly."""
+    names = {"a": [8], "b": [16], "c": [24]}
+    configs = peers(unique_run_id("sparse_resume"), names, epochs=0, epochs_file=str(tmp_path / "epochs"),
+                    sparse=SPARSE, outer=OUTER)
+    configs["a"]["checkpoint_epoch"] = 1
+    for name in "bc":
+        configs[name]["finish_with"] = finish_line(tmp_path, *(n for n in ("a2", "b", "c") if n != name))
+    procs = {name: start(tmp_path, name, config, bootstrap) for name, config in configs.items()}
+    assert procs["a"].wait(90) == 0, procs["a"].log()[-4000:]
+    procs["a2"] = start(tmp_path, "a2", dict(configs["a"], checkpoint_epoch=None, wait_peers=None,
+                                             resume_from=str(tmp_path / "a.ckpt"),
+                                             finish_with=finish_line(tmp_path, "b", "c")), bootstrap)
+    # (after A2's download: one that lands as B and C start the next round leaves A2 out of it, at weight 0)
+    wait_until(lambda: progress(tmp_path, "a2") >= 2)
+    (tmp_path / "epochs").write_text(str(max(progress(tmp_path, n) for n in ("a2", "b", "c")) + 2))
+    finish(procs, timeout=120)
+    results = {name: read_result(tmp_path, name) for name in procs}
+    params = {name: read_params(tmp_path, name) for name in procs}
+
+    saved = torch.load(tmp_path / "a.ckpt")["error_feedback"]
+    assert sum(float(b.abs().sum()) for b in saved) > 0  # a round left something in it
+    loaded = params["a2"]["loaded_error_feedback"]
+    assert all(torch.equal(s, x) for s, x in zip(saved, loaded, strict=True))
+    why = ({n: results[n]["rounds"] for n in procs}, {n: log_tail(tmp_path, n) for n in procs})
+    assert results["a2"]["start_epoch"] == 1, why  # the checkpoint's epoch
+    joined = [r["epoch"] for r in results["a2"]["rounds"] if r["applied"] and r["group_size"] == 3]
+    assert joined, why
+    for epoch in joined:  # B and C applied that round too, and all three hold the same bits
+        for name in "bc":
+            assert rounds_by_epoch(results[name])[epoch]["applied"], (epoch, why)
+            assert diff(params["a2"]["after"][epoch], params[name]["after"][epoch]) == 0.0, (epoch, name)
