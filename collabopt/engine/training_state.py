@@ -244,6 +244,7 @@ class TrainingState:
             began = True
             with self.lock_optimizer:
                 if optimizer_step:
+                    self._drop_late_round()
                     with self.lock_averaged_tensors if self.reuse_tensors else contextlib.nullcontext():
                         self.optimizer.step()
                     if pays:  # (only a step that ran pays its epoch: else the served state stays labelled behind)
@@ -283,6 +284,9 @@ class TrainingState:
                 logger.log(self.status_loglevel, "collabopt: parameters averaged with %d peers", len(gathered))
             except RoundFailed as e:
                 logger.log(self.status_loglevel, "collabopt: the parameter round failed (%s)", e)
+            with self.lock_averaged_tensors:  # (decided: its result is not kept a whole epoch; no older round writes)
+                if self._writer is control and not control.in_background:
+                    self._writer = None
             self.finished_averaging_round.set()
 
     def _may_write(self, control: ParameterRound) -> bool:
@@ -298,6 +302,17 @@ class TrainingState:
         before writes its average over it, and no average of the old state is applied."""
         self._writer, self._average_ready = None, False
 
+    def _drop_late_round(self) -> None:
+        """An optimizer step comes before a round in the background ended: the round was handed the tensors before
+        this step, so its average would undo the step's update (the delta rule adds only what the round changed)."""
+        if self.delta_rule_averaging:
+            return
+        with self.lock_averaged_tensors:
+            if self._writer is not None and self._writer.in_background:
+                self._writer = None
+                logger.log(self.status_loglevel, "collabopt: a parameter round still in the background writes "
+                           "nothing: an optimizer step came first")
+
     def _install_late(self) -> None:
         """(under ``lock_averaged_tensors``) The average of a round that outlived its step's wait and has ended."""
         control = self._writer
@@ -307,8 +322,11 @@ class TrainingState:
             gathered = self.rounds.install_late(control, self._averaged_tensors,
                                                 functools.partial(self._may_write, control))
         except RoundFailed as e:
+            self._writer = None
             logger.log(self.status_loglevel, "collabopt: the parameter round in the background failed (%s)", e)
             return
+        if gathered is not None:
+            self._writer = None
         if gathered:
             logger.log(self.status_loglevel, "collabopt: parameters averaged with %d peers (in the background)",
                        len(gathered))

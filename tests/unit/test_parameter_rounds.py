@@ -282,3 +282,40 @@ def test_a_download_installed_during_matchmaking_is_not_written_over_by_the_roun
     state.step()
     assert all(torch.equal(p, s) for p, s in zip(model.parameters(), served, strict=True))
     state.shutdown()
+
+
+@pytest.mark.parametrize("options", [dict(reuse_tensors=True), dict(reuse_tensors=False),
+                                     dict(delta_rule_averaging=True)], ids=["in place", "copy", "delta rule"])
+def test_an_optimizer_step_before_a_late_round_ends_keeps_its_update(rounds, options):
+    """A boundary with an optimizer step and no parameter round (average_state_every > 1) comes while an earlier
+    round is in the background: that round was handed the tensors before the step, so its average would undo the
+    step's update; with the delta rule only what the round changed is added."""
+    state, model = averager(rounds, **options)
+    scheduled, average = late_round(state, model, background=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    state.step(increment_epoch=True, optimizer_step=True)
+    stepped = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(s, b - 0.1) for s, b in zip(stepped, before, strict=True))
+    scheduled.end(average)
+    state.step()
+    expected = ([s + (a - b) for s, a, b in zip(stepped, average, before, strict=True)]
+                if options.get("delta_rule_averaging") else stepped)
+    assert all(torch.allclose(p, e) for p, e in zip(model.parameters(), expected, strict=True))
+    state.shutdown()
+
+
+def test_a_decided_round_is_not_kept_until_the_next_one(rounds):
+    """A round's result holds a copy of every averaged tensor: once its average is installed (or refused) nothing
+    refers to it, also where it ended after its wait."""
+    state, model = averager(rounds, reuse_tensors=False)
+    rounds.service.averages.append([p.detach() + 1 for p in model.parameters()])
+    state.step(increment_epoch=True, averaging_round=True, delay_averaging=False)
+    assert state._writer is None
+    scheduled, average = late_round(state, model, background=True)
+    assert state._writer is not None  # (in the background: it may still write)
+    scheduled.end(average)
+    state.step()
+    assert state._writer is None and all(torch.equal(p, a) for p, a in zip(model.parameters(), average, strict=True))
+    state.shutdown()
