@@ -17,7 +17,9 @@ this many rounds, without waiting for anyone), ``collaborate`` (build it with
 bytes its exchanges sent and received), ``checkpoint_epoch`` (at that epoch, once a round was applied, save
 ``<out>.ckpt``: ``copt.state_dict()``, the model's parameters and the error-feedback buffer as it was; then leave),
 ``resume_from`` (a ``.ckpt`` to start from: parameters loaded before the optimizer is built, its state right after;
-``<out>.pt`` then holds ``loaded_error_feedback``: the buffer after loading).
+``<out>.pt`` then holds ``loaded_error_feedback``: the buffer after loading), ``kill_in_exchange`` (in its
+that-many-th exchange this peer sends its offer to one member only, then SIGKILLs itself: see
+:func:`kill_mid_exchange`).
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ def main(config_path: str) -> None:
     last_inner = {}
     optimizer.register_step_post_hook(lambda *_: last_inner.update(params=snapshot(model)))
 
+    if cfg.get("kill_in_exchange") is not None:
+        kill_mid_exchange(cfg["kill_in_exchange"])
     if cfg.get("cut_results_round") is not None:
         cut_results(cfg["cut_results_round"], cfg["cut_marker"])
     checkpoint = torch.load(cfg["resume_from"]) if cfg.get("resume_from") else None
@@ -167,6 +171,29 @@ def main(config_path: str) -> None:
 def error_feedback_buffers(copt: CollaborativeOptimizer) -> list[torch.Tensor]:
     """A copy of this peer's committed error-feedback buffer (``pseudo_gradient_compression``)."""
     return [b.clone() for b in copt.loop.grad_averager.error_feedback.buffers]
+
+
+def kill_mid_exchange(round_index: int) -> None:
+    """Fault injection: in this peer's ``round_index``-th exchange (1-based, compressed DiLoCo), its offer goes to the
+    first other member only (delivered: the call returned); then the process is SIGKILLed, the rest of the round
+    going on without it. Patched on the exchange's runner (its rounds run in this process)."""
+    import os
+    import signal
+
+    from collabopt.engine.gather_round import ExchangeRound
+
+    send_offers, state = ExchangeRound.send_offers, {"rounds": 0}
+
+    async def send_one_then_die(self, payload, weight, digest, signature, deadline):
+        state["rounds"] += 1
+        if state["rounds"] < round_index or not self.present:
+            return await send_offers(self, payload, weight, digest, signature, deadline)
+        await self._call(self.present[0], "rpc_offer", deadline, payload, weight, signature)
+        print(f"fault injection: exchange {state['rounds']}: offer sent to {self.members[self.present[0]]} only, "
+              "killed", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    ExchangeRound.send_offers = send_one_then_die
 
 
 def record_partial_rounds(copt: CollaborativeOptimizer, model: torch.nn.Module, partial: dict) -> None:

@@ -5,12 +5,14 @@
 What is checked: every member of every round applies the bit-identical aggregate (the parameters after each round
 are equal exactly, not within a tolerance; apart between rounds); a late joiner starts from the swarm's anchor and,
 with a zero error-feedback buffer, applies the same rounds as the others, equal to them exactly; a peer restarted from
-its checkpoint gets its error-feedback buffer back exactly and applies the same rounds as the others."""
+its checkpoint gets its error-feedback buffer back exactly and applies the same rounds as the others; a member
+SIGKILLed after its offer reached one member leaves the others one aggregate (both apply it, the same bits)."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import signal
 import time
 
 import pytest
@@ -146,3 +148,33 @@ def test_a_peer_restarted_from_its_checkpoint_gets_its_error_feedback_back_and_r
         for name in "bc":
             assert rounds_by_epoch(results[name])[epoch]["applied"], (epoch, why)
             assert diff(params["a2"]["after"][epoch], params[name]["after"][epoch]) == 0.0, (epoch, name)
+
+
+def test_a_member_killed_mid_exchange_leaves_the_others_one_aggregate(tmp_path, bootstrap):
+    """X sends its offer of its second exchange to one member only and is SIGKILLed: A and B, the others, both apply
+    that round (X's payload fetched from the member that holds it) with the same bits, then go on as two."""
+    names = {"a": [8], "b": [16], "x": [24]}
+    configs = peers(unique_run_id("sparse_kill"), names, epochs=4, sparse=SPARSE, outer=OUTER)
+    configs["x"]["kill_in_exchange"] = 2
+    for name in "ab":
+        configs[name]["finish_with"] = finish_line(tmp_path, "b" if name == "a" else "a")
+    procs = {name: start(tmp_path, name, config, bootstrap) for name, config in configs.items()}
+    killed = procs.pop("x")
+    try:
+        code = killed.wait(90)
+    finally:
+        killed.kill_tree()
+    assert code == -signal.SIGKILL and "fault injection" in killed.log(), (code, killed.log()[-3000:])
+    finish(procs, timeout=120)
+    results = {name: read_result(tmp_path, name) for name in procs}
+    params = {name: read_params(tmp_path, name) for name in procs}
+
+    why = ({n: results[n]["rounds"] for n in procs}, {n: log_tail(tmp_path, n) for n in procs})
+    rounds = {name: rounds_by_epoch(results[name]) for name in procs}
+    for epoch in (1, 2):  # the second: X killed in it
+        assert all(rounds[n][epoch]["applied"] and rounds[n][epoch]["group_size"] == 3 for n in "ab"), (epoch, why)
+        assert diff(params["a"]["after"][epoch], params["b"]["after"][epoch]) == 0.0, epoch
+    later = [e for e in rounds["a"] if e > 2 and rounds["a"][e]["applied"] and rounds["b"].get(e, {}).get("applied")]
+    assert later, why
+    for epoch in later:
+        assert diff(params["a"]["after"][epoch], params["b"]["after"][epoch]) == 0.0, epoch
