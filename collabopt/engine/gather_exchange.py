@@ -10,7 +10,9 @@ Rules, and why:
   swarm key).
 * The round (:mod:`collabopt.engine.gather_round`) ends with a set every applying member shares: the contributions
   in the group's order, the members that sent two different ones excluded. A member that cannot show agreement
-  within the round's time applies nothing; :class:`ExchangeResult` says so, as data, never as an exception.
+  within the round's time applies nothing; :class:`ExchangeResult` says so, as data, never as an exception. The
+  agreement covers every member's gathered data as each received it: members that a leader told different
+  metadata (an epoch, an anchor) weigh contributions by different facts, so none of them applies.
 """
 
 from __future__ import annotations
@@ -206,8 +208,9 @@ class ExchangeService(ServiceThread):
         gathered, keys = known
         try:
             round_ = ExchangeRound(group_id=group.group_id, members=members, me=members.index(self.p2p.peer_id),
-                                   keys=keys, signing_key=self._signing_key, stub_for=self._stub_for,
-                                   phase_timeout=self.phase_timeout, max_payload_bytes=self.max_payload_bytes)
+                                   keys=keys, gathered=group.gathered, signing_key=self._signing_key,
+                                   stub_for=self._stub_for, phase_timeout=self.phase_timeout,
+                                   max_payload_bytes=self.max_payload_bytes)
         except Exception as e:  # (this member not in the list: a hostile leader)
             return ExchangeResult(None, (), members, gathered, f"the group's data does not do: {e!r}")
         self.servicer.register(group.group_id, round_)

@@ -10,12 +10,12 @@ Rules, and why:
 * Each member's *evidence* is the verified statements it received directly (frozen when it sends its digest) and
   those in the other members' digests. :func:`decide`: a sender with one statement is in the set, a sender with
   two different statements (payload or weight) equivocated and is excluded; a sender nobody holds is left out.
-* Members may see different evidence (a member killed while sending its digest). So each member sends the hash of
-  its decision (:func:`decision_hash`, which also covers the group's view of members and keys) to the others, and
-  :func:`refusal` applies a set only where more than half of the group (this member included, excluded members not
-  counted) confirmed the same hash and no member confirmed another. Two members that apply thus share a member that
-  confirmed one decision to both (majorities of one group intersect), so they apply the same set, with or without
-  a member killed mid-round; a member that cannot show that does not apply.
+* Members may see different evidence (a member killed while sending its digest). So each member sends the hash of its
+  decision (:func:`decision_hash`, which also covers the group's view: members, keys and each member's gathered data)
+  to the others, and :func:`refusal` applies a set only where more than half of the group (this member included,
+  excluded members not counted) confirmed the same hash and no member confirmed another. Two members that apply thus
+  share a member that confirmed one decision to both (majorities of one group intersect), so they apply the same set,
+  with or without a member killed mid-round; a member that cannot show that does not apply.
   Left open: a hostile member in both majorities that confirms different decisions to two honest members, where it
   also made their evidence differ (a digest shown to one only) and their confirmations to each other were lost.
 """
@@ -44,10 +44,15 @@ def statement_bytes(group_id: bytes, sender: bytes, digest: bytes, weight: float
     return _framed(DOMAIN, b"statement", group_id, sender, digest, struct.pack(">d", weight))
 
 
-def view_hash(group_id: bytes, members: Sequence[bytes], keys: Sequence[bytes]) -> bytes:
-    """The group as this member knows it: its id, the members in order and the key each announced. A leader that
-    hands members different keys makes their decisions differ, so none applies."""
-    return hashlib.sha256(_framed(DOMAIN, b"view", group_id, *members, *keys)).digest()
+def view_hash(group_id: bytes, members: Sequence[bytes], keys: Sequence[bytes], gathered: Sequence[bytes]) -> bytes:
+    """The group as this member knows it: its id, the members in order, the key each announced and each member's
+    gathered data as this member received it (raw bytes, e.g. its epoch and anchor). A leader that hands members
+    different keys or different metadata of any member makes their views, hence their decision hashes, differ, so
+    none applies (otherwise they could weigh one member differently and apply different aggregates unnoticed)."""
+    if not len(members) == len(keys) == len(gathered):
+        raise ValueError(f"members, keys and gathered must have one entry a member, got {len(members)}, "
+                         f"{len(keys)} and {len(gathered)}")
+    return hashlib.sha256(_framed(DOMAIN, b"view", group_id, *members, *keys, *gathered)).digest()
 
 
 @dataclasses.dataclass(frozen=True)

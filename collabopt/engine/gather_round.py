@@ -76,16 +76,19 @@ def _public_key(raw: bytes | None) -> Ed25519PublicKey | None:
 
 class ExchangeRound:
     """One member's side of one round. ``keys``: the Ed25519 public key each member announced (raw, 32 bytes; None
-    for a member whose gathered data does not do: absent, see the module's rules); ``stub_for(peer)``: the member's
+    for a member whose gathered data does not do: absent, see the module's rules); ``gathered``: each member's
+    gathered data as this member received it (raw bytes; in the view the members confirm, see
+    :func:`~collabopt.engine.gather_protocol.view_hash`); ``stub_for(peer)``: the member's
     :class:`ExchangeServicer` stub."""
 
     def __init__(self, *, group_id: bytes, members: Sequence[PeerID], me: int, keys: Sequence[bytes | None],
-                 signing_key: Ed25519PrivateKey, stub_for: Callable[[PeerID], Any], phase_timeout: float,
-                 max_payload_bytes: int):
+                 gathered: Sequence[bytes], signing_key: Ed25519PrivateKey, stub_for: Callable[[PeerID], Any],
+                 phase_timeout: float, max_payload_bytes: int):
         self.group_id, self.members, self.me = group_id, tuple(members), me
         self.signing_key, self.stub_for = signing_key, stub_for
         self.phase_timeout, self.max_payload_bytes = phase_timeout, max_payload_bytes
-        self.view = protocol.view_hash(group_id, [m.to_bytes() for m in self.members], [k or b"" for k in keys])
+        self.view = protocol.view_hash(group_id, [m.to_bytes() for m in self.members], [k or b"" for k in keys],
+                                       [bytes(data) for data in gathered])
         self.keys = [_public_key(key) for key in keys]
         self.absent = frozenset(m for m, key in enumerate(self.keys) if key is None)
         if me in self.absent:

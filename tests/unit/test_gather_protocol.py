@@ -39,6 +39,19 @@ def test_decision_hash_covers_the_view_the_set_and_the_exclusions():
     assert len(hashes) == 6
 
 
+def test_view_hash_covers_every_members_gathered_data_as_received():
+    members, keys = [b"m0", b"m1", b"m2"], [b"k0", b"k1", b"k2"]
+    view = protocol.view_hash(b"g", members, keys, [b"e0", b"e1", b"epoch 7 anchor A"])
+    assert view == protocol.view_hash(b"g", members, keys, [b"e0", b"e1", b"epoch 7 anchor A"])
+    others = [protocol.view_hash(b"g", members, keys, [b"e0", b"e1", b"epoch 7 anchor B"]),
+              protocol.view_hash(b"g", members, keys, [b"e0x", b"e1", b"epoch 7 anchor A"]),
+              protocol.view_hash(b"g", members, [b"k0", b"k1", b"kx"], [b"e0", b"e1", b"epoch 7 anchor A"]),
+              protocol.view_hash(b"h", members, keys, [b"e0", b"e1", b"epoch 7 anchor A"])]
+    assert len({view, *others}) == 5
+    with pytest.raises(ValueError, match="gathered"):
+        protocol.view_hash(b"g", members, keys, [b"e0", b"e1"])
+
+
 SET3 = protocol.Decision(((0, H1, 1.0), (1, H2, 1.0), (2, H3, 1.0)), ())
 SET2 = protocol.Decision(((0, H1, 1.0), (1, H2, 1.0)), (2,))
 MINE = b"m" * 32
@@ -80,8 +93,9 @@ def rounds():
     """Round 'g' as members 0 and 1 see it (member 2's key is known to both)."""
     keys = [Ed25519PrivateKey.generate() for _ in range(3)]
     members = [_peer(i) for i in range(3)]
-    return keys, [ExchangeRound(group_id=b"g", members=members, me=i, keys=[_raw(k) for k in keys], signing_key=keys[i],
-                                stub_for=None, phase_timeout=1.0, max_payload_bytes=100) for i in range(3)]
+    return keys, [ExchangeRound(group_id=b"g", members=members, me=i, keys=[_raw(k) for k in keys],
+                                gathered=[b"", b"", b""], signing_key=keys[i], stub_for=None, phase_timeout=1.0,
+                                max_payload_bytes=100) for i in range(3)]
 
 
 def test_an_offer_counts_only_with_its_senders_signature_and_within_the_size(rounds):

@@ -46,12 +46,14 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
-def _rounds(count: int = 3, absent: tuple[int, ...] = (), max_payload_bytes: int = 100):
+def _rounds(count: int = 3, absent: tuple[int, ...] = (), max_payload_bytes: int = 100, gathered=None):
+    """The members' rounds; ``gathered(i)``: the gathered data member i received (default: the same for all)."""
     keys = [Ed25519PrivateKey.generate() for _ in range(count)]
     raw = [None if i in absent else _raw(k) for i, k in enumerate(keys)]
     members = [_peer(i) for i in range(count)]
-    return [ExchangeRound(group_id=b"g", members=members, me=i, keys=raw, signing_key=keys[i], stub_for=None,
-                          phase_timeout=5.0, max_payload_bytes=max_payload_bytes)
+    gathered = gathered or (lambda i: [b"entry %d" % m for m in range(count)])
+    return [ExchangeRound(group_id=b"g", members=members, me=i, keys=raw, gathered=gathered(i), signing_key=keys[i],
+                          stub_for=None, phase_timeout=5.0, max_payload_bytes=max_payload_bytes)
             for i in range(count) if i not in absent]
 
 
@@ -127,8 +129,8 @@ def test_a_member_with_unreadable_data_or_no_key_is_absent_not_the_end_of_the_ro
 def test_an_absent_members_messages_and_statements_do_not_count():
     keys = [Ed25519PrivateKey.generate() for _ in range(3)]
     r0 = ExchangeRound(group_id=b"g", members=[_peer(i) for i in range(3)], me=0,
-                       keys=[_raw(keys[0]), _raw(keys[1]), None], signing_key=keys[0], stub_for=None,
-                       phase_timeout=1.0, max_payload_bytes=100)
+                       keys=[_raw(keys[0]), _raw(keys[1]), None], gathered=[b"", b"", b""], signing_key=keys[0],
+                       stub_for=None, phase_timeout=1.0, max_payload_bytes=100)
     assert r0.absent == {2} and r0.present == [1]
     digest = protocol.payload_hash(b"p")
     signature = keys[2].sign(protocol.statement_bytes(b"g", _peer(2).to_bytes(), digest, 1.0))
@@ -155,25 +157,46 @@ class _Stub:
         return call
 
 
-def test_the_present_members_apply_one_set_without_the_absent_one_which_counts_in_the_group_size():
-    asked = set()
-
+def _run_together(rounds, asked: set | None = None) -> list:
+    """Run the members' ``rounds`` against each other in one loop, each member's messages handed straight to the
+    others' servicers; member i's payload: b"p<i>" of weight i + 1. The (decision, reason) of each."""
     async def scenario():
-        r0, r1 = _rounds(absent=(2,))
         servicers = {}
-        for round_ in (r0, r1):
+        for round_ in rounds:
             servicers[round_.members[round_.me]] = servicer = ExchangeServicer(lambda schema: None)
             servicer.register(b"g", round_)
-        for round_ in (r0, r1):
-            me = round_.members[round_.me]
-            round_.stub_for = lambda peer, me=me: asked.add(peer) or _Stub(servicers[peer], me)
-        start = time.monotonic()
-        return await asyncio.gather(r0.run(b"zero", 1.0, start), r1.run(b"one", 2.0, start))
 
-    (d0, reason0), (d1, reason1) = asyncio.run(scenario())
+        def stub_for(peer: PeerID, me: PeerID) -> _Stub:
+            if asked is not None:
+                asked.add(peer)
+            return _Stub(servicers[peer], me)
+        for round_ in rounds:
+            round_.stub_for = lambda peer, me=round_.members[round_.me]: stub_for(peer, me)
+        start = time.monotonic()
+        return await asyncio.gather(*(r.run(b"p%d" % r.me, r.me + 1.0, start) for r in rounds))
+    return asyncio.run(scenario())
+
+
+def test_the_present_members_apply_one_set_without_the_absent_one_which_counts_in_the_group_size():
+    asked = set()
+    (d0, reason0), (d1, reason1) = _run_together(_rounds(absent=(2,)), asked)
     assert asked == {_peer(0), _peer(1)}  # (the absent member 2 is sent nothing)
     assert reason0 is None and reason1 is None
     assert d0 == d1 and d0.senders == (0, 1) and d0.excluded == ()
     (alone,) = _rounds(absent=(1, 2))  # (the absent count in the group's size: 1 of 3 is no majority)
     decision, reason = asyncio.run(alone.run(b"zero", 1.0, 0.0))
     assert decision.senders == (0,) and "only 1 of 3" in reason
+
+
+def test_members_told_different_metadata_of_a_member_see_different_views_and_none_applies():
+    """A leader that tells member 0 one epoch/anchor of member 2 and member 1 another (so that they would weigh
+    member 2's contribution differently) makes their views differ: every member refuses the round."""
+    told = {0: b"epoch 7 anchor A", 1: b"epoch 7 anchor B", 2: b"epoch 7 anchor A"}  # (what each got for member 2)
+    rounds = _rounds(gathered=lambda i: [b"entry 0", b"entry 1", told[i]])
+    assert rounds[0].view == rounds[2].view != rounds[1].view
+    results = _run_together(rounds)
+    assert [decision.senders for decision, _ in results] == [(0, 1, 2)] * 3  # (the same contributions arrived)
+    assert all(reason is not None and "decided another set" in reason for _, reason in results)
+    same = _rounds()  # (identical gathered data: one view, every member applies)
+    assert len({r.view for r in same}) == 1
+    assert [reason for _, reason in _run_together(same)] == [None, None, None]
