@@ -260,7 +260,8 @@ class TrainingState:
         except Exception as e:
             logger.exception("collabopt: the training state's step failed%s", "" if began else " (its trigger raised)")
             if control is not None and not control.done():
-                control.cancel()
+                with contextlib.suppress(RuntimeError):  # (the service's loop closed at shutdown: the round is gone)
+                    control.cancel()
             if began and not stepped:  # (the optimizer step itself raised: its epoch stays owed, served behind)
                 failed.append(e)
             elif pays and not began:  # (its trigger raised, as a failed round: no step comes, none is owed)

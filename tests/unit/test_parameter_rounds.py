@@ -319,3 +319,32 @@ def test_a_decided_round_is_not_kept_until_the_next_one(rounds):
     state.step()
     assert state._writer is None and all(torch.equal(p, a) for p, a in zip(model.parameters(), average, strict=True))
     state.shutdown()
+
+
+def test_a_round_whose_service_closed_under_it_ends_the_step(monkeypatch):
+    """At shutdown the service's loop may close between the group's assembly and the hand-off: handing the tensors
+    and cancelling both raise RuntimeError. The step that waits for the round still returns (it waited forever)."""
+
+    class Closing(Round):
+        def run(self, tensors, weight):
+            raise RuntimeError("Event loop is closed")
+
+        def cancel(self):
+            raise RuntimeError("Event loop is closed")
+
+    class ClosingService(Service):
+        def schedule(self, template, **options):
+            scheduled = Closing(self, options["gather"], None)
+            scheduled.group = ("me", "other")
+            self.rounds.append(scheduled)
+            return scheduled
+
+    monkeypatch.setattr(parameter_rounds, "AveragingService", ClosingService)
+    state, _ = averager(ParameterRounds(None, prefix="t", matchmaking_time=1.0, timeout=30.0, sender_timeout=1.0,
+                                        request_timeout=1.0))
+    finished = threading.Event()
+    stepping = threading.Thread(target=lambda: (state.step(increment_epoch=True, averaging_round=True,
+                                                           delay_averaging=False), finished.set()), daemon=True)
+    stepping.start()
+    assert finished.wait(10), "the step waits forever for a round whose service closed"
+    state.shutdown()
