@@ -214,9 +214,9 @@ def test_a_peer_with_nan_batches_does_not_poison_the_swarm(tmp_path, bootstrap):
 
 
 def test_nan_from_an_unguarded_peer_is_never_applied(tmp_path, bootstrap):
-    """R runs without the guard (as plain hivemind or an older collabopt would) and sends NaN gradients. A's and B's
-    reducers refuse its parts (each logs the refusal, so the poison reached them): they end finite and equal to each
-    other.
+    """R runs without the guard (as plain hivemind or an older collabopt would) and sends NaN gradients. The reducers
+    of its rounds refuse its parts (they log the refusal, so the poison reached a round): A and B end finite and
+    equal to each other.
 
     averaging_timeout is 10 s, not the harness's 30 s. In one fresh-clone suite A began epoch 3's global step 0.07 s
     after entering epoch 3, while R was downloading and B was at the finish line: its gradient round and then its
@@ -239,5 +239,9 @@ def test_nan_from_an_unguarded_peer_is_never_applied(tmp_path, bootstrap):
     for name in ("a", "b"):
         assert all_finite(params[name]), name
         assert results[name]["final_epoch"] >= 3, (name, results[name])
-        assert "reducer refused parts of a gradient round" in (tmp_path / f"{name}.log").read_text(), name
+    # the poison reached a round and a reducer refused it. Not necessarily A's and B's: in one fresh-clone suite A's
+    # log had no refusal (B's and R's had), and in a local run B's had none (not traced: which reducer sees R's
+    # non-finite values varies from run to run, also with every element of R's gradients NaN)
+    assert any("reducer refused parts of a gradient round" in (tmp_path / f"{name}.log").read_text()
+               for name in procs), "no reducer refused a NaN part: did R send NaN?"
     assert max_param_diff(params["a"], params["b"]) <= SWARM_ROUNDING
