@@ -221,8 +221,13 @@ def late_round(state, model, background=False):
     return scheduled, [p.detach() + 10 for p in model.parameters()]
 
 
-@pytest.mark.parametrize("options", [dict(reuse_tensors=True), dict(reuse_tensors=False),
-                                     dict(delta_rule_averaging=True)], ids=["in place", "copy", "delta rule"])
+# the three ways a round's average reaches the parameters
+EVERY_MODE = pytest.mark.parametrize("options", [dict(reuse_tensors=True), dict(reuse_tensors=False),
+                                                 dict(delta_rule_averaging=True)],
+                                     ids=["in place", "copy", "delta rule"])
+
+
+@EVERY_MODE
 def test_a_round_that_outlives_its_wait_is_installed_by_the_next_step_not_on_the_services_loop(rounds, options):
     state, model = averager(rounds, **options)
     scheduled, average = late_round(state, model)
@@ -235,8 +240,7 @@ def test_a_round_that_outlives_its_wait_is_installed_by_the_next_step_not_on_the
     state.shutdown()
 
 
-@pytest.mark.parametrize("options", [dict(reuse_tensors=True), dict(reuse_tensors=False),
-                                     dict(delta_rule_averaging=True)], ids=["in place", "copy", "delta rule"])
+@EVERY_MODE
 @pytest.mark.parametrize("replaced_by", ["a download", "a newer round"])
 def test_a_round_that_ends_late_never_writes_over_a_newer_state(rounds, options, replaced_by):
     state, model = averager(rounds, **options)
@@ -256,8 +260,7 @@ def test_a_round_that_ends_late_never_writes_over_a_newer_state(rounds, options,
     state.shutdown()
 
 
-@pytest.mark.parametrize("options", [dict(reuse_tensors=True), dict(reuse_tensors=False),
-                                     dict(delta_rule_averaging=True)], ids=["in place", "copy", "delta rule"])
+@EVERY_MODE
 def test_a_download_installed_during_matchmaking_is_not_written_over_by_the_rounds_average(rounds, options):
     """The tensors' lock is free until the group assembles, so a download may install meanwhile: the round, handed
     tensors earlier (its snapshot for the delta rule), then averages a state this peer no longer holds."""
@@ -284,8 +287,7 @@ def test_a_download_installed_during_matchmaking_is_not_written_over_by_the_roun
     state.shutdown()
 
 
-@pytest.mark.parametrize("options", [dict(reuse_tensors=True), dict(reuse_tensors=False),
-                                     dict(delta_rule_averaging=True)], ids=["in place", "copy", "delta rule"])
+@EVERY_MODE
 def test_an_optimizer_step_before_a_late_round_ends_keeps_its_update(rounds, options):
     """A boundary with an optimizer step and no parameter round (average_state_every > 1) comes while an earlier
     round is in the background: that round was handed the tensors before the step, so its average would undo the
