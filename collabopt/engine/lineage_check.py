@@ -16,6 +16,7 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from collabopt import lineage
+from collabopt.engine import protocol
 
 logger = logging.getLogger(__name__)
 
@@ -86,13 +87,15 @@ def out_of_sync(optimizer: Any) -> bool:
 def hint_state_group(optimizer: Any, control: Any) -> None:
     """After a boundary's gradient round (``control``): if every peer present in the swarm (:func:`present_peers`)
     was in it, tell the state averager to expect that many peers in the parameter averaging that follows (see
-    ``ParameterRounds.group_size``); otherwise (a failed round, groups split under load) no hint,
-    since one too small makes a peer that finds the group full wait until ``averaging_timeout``. See
+    ``ParameterRounds.group_size``), counting only its members at this peer's epoch (the others download: a hint
+    of 1 means no parameter round, :func:`~collabopt.engine.protocol.averages_parameters`); otherwise (a failed round,
+    groups split under load) no hint, since one too small makes a peer that finds the group full wait until
+    ``averaging_timeout``. See
     docs/decisions.md, "Group size hint"."""
     hint = None  # (a delayed gradient round ends after the state round's matchmaking began: no hint)
     group = None if optimizer.delay_grad_averaging else finished_group(control)
     if isinstance(group, dict) and len(group) >= max(2, present_peers(optimizer)):
-        hint = (optimizer.local_epoch, len(group))
+        hint = (optimizer.local_epoch, protocol.parameter_round_peers(group, optimizer.local_epoch))
     optimizer.state_averager.group_size_hint = hint
 
 

@@ -197,9 +197,20 @@ class SyncDecision:
         return averages_parameters(self.outcome)
 
 
-def averages_parameters(outcome: RoundOutcome | None) -> bool:
-    """After a gradient round with this ``outcome`` (None: it ends in the background), may parameters be averaged?"""
-    return outcome is None or outcome.reason not in REFUSING_REASONS
+def averages_parameters(outcome: RoundOutcome | None, peers_expected: int | None = None) -> bool:
+    """After a gradient round with this ``outcome`` (None: it ends in the background), may parameters be averaged?
+    Not where the round showed this peer alone at its epoch (``peers_expected`` 1, :func:`parameter_round_peers`):
+    its other members download instead, and a parameter round would wait ``averaging_timeout`` for a group that
+    never comes."""
+    return (outcome is None or outcome.reason not in REFUSING_REASONS) and peers_expected != 1
+
+
+def parameter_round_peers(gathered: Mapping[Hashable, Any], epoch: int) -> int:
+    """How many members of a gradient round's group (``gathered``) come to the parameter round after it, for a member
+    at ``epoch``: those at that epoch, or of no known epoch. A member at another epoch is behind or apart
+    (:func:`sync_round`) and skips it."""
+    return sum(1 for m in gathered.values()
+               if not isinstance(m, Mapping) or type(m.get("epoch")) is not int or m["epoch"] == epoch)
 
 
 def group_epoch(gathered: Mapping[Hashable, Any]) -> int | None:
@@ -335,5 +346,5 @@ def guard_amended(outcome: RoundOutcome, gradients_refused: bool, parameters_res
 __all__ = ["DOWNLOAD_REASONS", "REFUSING_REASONS", "DiLoCoDecision", "DiLoCoRoundEvidence", "DiLoCoStepEvidence",
            "ParameterDecision", "ParameterRoundEvidence", "StepDecision", "SwarmView", "SyncDecision",
            "SyncRoundEvidence", "SyncStepEvidence", "averages_parameters", "diloco_contributes", "diloco_round",
-           "diloco_step", "group_epoch", "guard_amended", "parameter_round", "step_accepted", "sync_boundary",
-           "sync_contributes", "sync_gradients", "sync_round", "sync_step", "verdict_text"]
+           "diloco_step", "group_epoch", "guard_amended", "parameter_round", "parameter_round_peers", "step_accepted",
+           "sync_boundary", "sync_contributes", "sync_gradients", "sync_round", "sync_step", "verdict_text"]

@@ -120,9 +120,10 @@ class SyncLoop(PeerLoop):
                     self.state_averager.step(wait_for_delayed_updates=True)
                 outcome, in_background = self._gradient_round(epoch, num_peers)
             next_epoch = max(epoch + 1, self.tracker.global_epoch)
+            hint = self.state_averager.group_size_hint
             average_state = (num_peers > 1 and next_epoch % self.average_state_every == 0
                              and not self.state_averager.averaging_in_progress
-                             and protocol.averages_parameters(outcome))
+                             and protocol.averages_parameters(outcome, hint[1] if hint and hint[0] == epoch else None))
             optimizer_step = not self.auxiliary and self.grad_averager is not None
             delay_averaging = self.delay_state_averaging and not self.auxiliary
             parameter_round = (self.state_averager.schedule_parameter_round(self.averaging_timeout)

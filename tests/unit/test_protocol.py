@@ -172,6 +172,22 @@ def test_only_the_members_at_their_groups_epoch_contribute_gradients(gathered, e
     assert {peer: protocol.sync_contributes(gathered[peer], gathered) for peer in gathered} == counts
 
 
+@pytest.mark.parametrize(("gathered", "epoch", "peers", "averages"), [
+    ({"me": {"epoch": 5}, "b": {"epoch": 5}, "c": {"epoch": 4}}, 5, 2, True),  # (c downloads)
+    ({"me": {"epoch": 14}, "b": {"epoch": 12}}, 14, 1, False),  # a joiner just downloaded: alone at its epoch
+    ({"me": {"epoch": 5}, "b": None, "c": {}}, 5, 3, True),  # (no epoch known: counted)
+    ({"me": {"epoch": 4}, "b": {"epoch": 5}, "c": {"epoch": 5}}, 4, 1, False),  # (me: behind, refused anyway)
+])
+def test_a_parameter_round_expects_the_members_at_this_peers_epoch_and_none_runs_alone(gathered, epoch, peers,
+                                                                                       averages):
+    """A peer alone at its epoch in its gradient round (the others download) runs no parameter round: it would wait
+    ``averaging_timeout`` for a group that never comes."""
+    assert protocol.parameter_round_peers(gathered, epoch) == peers
+    outcome = protocol.sync_round(SyncRoundEvidence(epoch, len(gathered), group=gathered, me="me")).outcome
+    assert protocol.averages_parameters(outcome, peers) is averages
+    assert protocol.averages_parameters(outcome, None) is (outcome.reason == "averaged")  # (no hint: as before)
+
+
 def test_only_a_whole_average_replaces_a_peers_own_gradients():
     assert protocol.sync_gradients(1.0)
     assert not protocol.sync_gradients(0.999) and not protocol.sync_gradients(0.0)

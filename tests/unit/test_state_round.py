@@ -283,7 +283,8 @@ class DoneRound:
 
 
 @pytest.mark.parametrize(("control", "delayed", "ages", "expected"), [
-    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}, "c": {"epoch": 4}}), False, [0, 0, 0], (5, 3)),  # all counted
+    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}, "c": {"epoch": 4}}), False, [0, 0, 0], (5, 2)),  # c downloads
+    (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 3}}), False, [0, 0], (5, 1)),  # alone at its epoch: no round
     (DoneRound({"me": None, "b": None, "c": None}), False, [0, 0], (5, 3)),  # (a peer not counted yet)
     (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), False, [0, 0, 0], None),  # split groups: the others may come
     (DoneRound({"me": {"epoch": 5}, "b": {"epoch": 5}}), False, [0, 0, 7.5], None),  # 7.5 s ago: in a round, say
