@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from collabopt import lineage
-from collabopt.engine.protocol_diloco import DiLoCoDecision, DiLoCoRoundEvidence, diloco_contributes, diloco_round
+from collabopt.engine.protocol_diloco import (
+    DiLoCoDecision,
+    DiLoCoRoundEvidence,
+    diloco_contributes,
+    diloco_round,
+    quorum_count,
+)
 from collabopt.interface import RoundOutcome
 
 # a gradient round's reasons after which this peer averages no parameters at its boundary (they would mix lineages)
@@ -346,5 +352,6 @@ def guard_amended(outcome: RoundOutcome, gradients_refused: bool, parameters_res
 __all__ = ["DOWNLOAD_REASONS", "REFUSING_REASONS", "DiLoCoDecision", "DiLoCoRoundEvidence", "DiLoCoStepEvidence",
            "ParameterDecision", "ParameterRoundEvidence", "StepDecision", "SwarmView", "SyncDecision",
            "SyncRoundEvidence", "SyncStepEvidence", "averages_parameters", "diloco_contributes", "diloco_round",
-           "diloco_step", "group_epoch", "guard_amended", "parameter_round", "parameter_round_peers", "step_accepted",
-           "sync_boundary", "sync_contributes", "sync_gradients", "sync_round", "sync_step", "verdict_text"]
+           "diloco_step", "group_epoch", "guard_amended", "parameter_round", "parameter_round_peers", "quorum_count",
+           "step_accepted", "sync_boundary", "sync_contributes", "sync_gradients", "sync_round", "sync_step",
+           "verdict_text"]

@@ -58,16 +58,17 @@ class DiLoCoDecision:
 
 def diloco_round(e: DiLoCoRoundEvidence) -> DiLoCoDecision:
     """A DiLoCo round is applied only if it is sound: every part of the average arrived, the group holds more than
-    half of the peers this peer counts (no split brain), its peers held the same anchor at the same epoch, and the
-    average is finite; alone, if it trained. Otherwise its progress stays for its next round, and it downloads the
-    swarm's state first where the others may have applied the round: its anchor differed, part of the average did
-    not arrive while results holding its pseudo-gradient did, or (overlapped) the epoch it would tell by moved on.
+    half of the peers its members counted (:func:`quorum_count`: no split brain), its peers held the same anchor at
+    the same epoch, and the average is finite; alone, if it trained. Otherwise its progress stays for its next round,
+    and it downloads the swarm's state first where the others may have applied the round: its anchor differed, part
+    of the average did not arrive while results holding its pseudo-gradient did, or (overlapped) the epoch it would
+    tell by moved on.
 
     The anchor is judged on what the group gathered from this peer (``sent`` where that is missing), as
     :func:`diloco_contributes` judged it before the all-reduce: a peer whose anchor is not the group's takes part
     with weight 0, so that a round holds only the pseudo-gradients of the members that apply it."""
     needs_sync, delivered, nonfinite = e.needs_sync, False, False
-    n, weight = e.num_peers, e.weight
+    n, weight = quorum_count(e.group, e.num_peers), e.weight
     if e.group is None and not e.error:
         outcome = (RoundOutcome(True, "alone", 1, weight, 1) if weight != 0
                    else RoundOutcome(False, "nothing to apply", weight=weight))
@@ -98,6 +99,16 @@ def diloco_round(e: DiLoCoRoundEvidence) -> DiLoCoDecision:
     return DiLoCoDecision(outcome, needs_sync, delivered, nonfinite)
 
 
+def quorum_count(group: Mapping[Hashable, Any] | None, own: int) -> int:
+    """The swarm's size a round's quorum is judged against: the largest count a member of the group told it
+    (``"peers"`` in its round metadata); ``own`` (this peer's count) where none did. Every member sees the same group,
+    so all judge the quorum alike: a member that counted more peers than the others (a record not yet expired) no
+    longer refuses a round they apply, which would apply its pseudo-gradient twice."""
+    counts = [m["peers"] for m in (group or {}).values()
+              if isinstance(m, Mapping) and type(m.get("peers")) is int and m["peers"] >= 1]
+    return max(counts, default=own)
+
+
 def diloco_contributes(group: Mapping[Hashable, Any], me: Hashable) -> bool:
     """Whether this peer's pseudo-gradient goes into its group's round (else: weight 0 and zeros): only if its
     anchor is the group's (as :func:`diloco_round` judges after it): a peer that will not apply a round must not move
@@ -108,4 +119,4 @@ def diloco_contributes(group: Mapping[Hashable, Any], me: Hashable) -> bool:
         return True
 
 
-__all__ = ["DiLoCoDecision", "DiLoCoRoundEvidence", "diloco_contributes", "diloco_round"]
+__all__ = ["DiLoCoDecision", "DiLoCoRoundEvidence", "diloco_contributes", "diloco_round", "quorum_count"]

@@ -220,6 +220,13 @@ DILOCO_ROUNDS = [
     (diloco(num_peers=1, weight=0.0), (False, "nothing to apply", 1, False), False, False),
     (diloco(WHOLE), (True, "averaged", 3, False), False, False),
     (diloco({"me": MINE, "p1": MINE}, num_peers=4), (False, "no quorum", 2, False), False, False),
+    # the quorum is judged on the largest count a member told the group, the same on every member
+    (diloco({"me": {**MINE, "peers": 3}, "p1": {**MINE, "peers": 4}}, num_peers=3), (False, "no quorum", 2, False),
+     False, False),
+    (diloco({"me": {**MINE, "peers": 3}, "p1": {**MINE, "peers": 3}}, num_peers=4), (True, "averaged", 2, False),
+     False, False),
+    (diloco({"me": {**MINE, "peers": "9"}, "p1": {**MINE, "peers": 0}}, num_peers=4), (False, "no quorum", 2, False),
+     False, False),  # (malformed counts ignored: its own)
     (diloco({"me": MINE, "p1": THEIRS, "p2": THEIRS}), (False, "anchor differs", 3, True), False, False),
     (diloco({"me": THEIRS, "p1": THEIRS, "p2": THEIRS}), (True, "averaged", 3, False), False, False),  # as sent
     (diloco({"p1": THEIRS, "p2": THEIRS, "p3": MINE}), (False, "anchor differs", 3, True), False, False),
