@@ -37,7 +37,9 @@ from typing import Any
 
 __all__ = ["IMPORT_LOCKS", "MAX_LAUNCHERS", "PER_PROCESS", "PRELOAD", "Forked", "Launcher", "launcher_for", "spawn"]
 
-PRELOAD = ("numpy", "torch", "hivemind")
+# torch._dynamo: torch.optim.Optimizer imports it at the first optimizer a process builds (1.5-4 s of CPU, more
+# than torch itself), and every peer builds one
+PRELOAD = ("numpy", "torch", "torch._dynamo", "hivemind")
 # (module, class, attribute) of the multiprocessing locks the preloaded modules make at import: semaphores a fork
 # shares with every sibling, so each child gets its own (:func:`_fresh_import_locks`)
 IMPORT_LOCKS = (("hivemind.utils.mpfuture", "SharedBytes", "_lock"),
