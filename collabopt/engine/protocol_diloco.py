@@ -100,13 +100,14 @@ def diloco_round(e: DiLoCoRoundEvidence) -> DiLoCoDecision:
 
 
 def quorum_count(group: Mapping[Hashable, Any] | None, own: int) -> int:
-    """The swarm's size a round's quorum is judged against: the largest count a member of the group told it
-    (``"peers"`` in its round metadata); ``own`` (this peer's count) where none did. Every member sees the same group,
-    so all judge the quorum alike: a member that counted more peers than the others (a record not yet expired) no
-    longer refuses a round they apply, which would apply its pseudo-gradient twice."""
-    counts = [m["peers"] for m in (group or {}).values()
-              if isinstance(m, Mapping) and type(m.get("peers")) is int and m["peers"] >= 1]
-    return max(counts, default=own)
+    """The swarm's size a round's quorum is judged against: the upper median of the counts the group's members told
+    it (``"peers"`` in their round metadata); ``own`` (this peer's count) where none did. Every member sees the same
+    group, so all judge the quorum alike: a member that counted more peers than the others (a record not yet
+    expired) no longer refuses a round they apply, which would apply its pseudo-gradient twice. The median, not the
+    largest: one member's claim (a hostile 10**9) cannot block the rounds of a group of three or more."""
+    counts = sorted(m["peers"] for m in (group or {}).values()
+                    if isinstance(m, Mapping) and type(m.get("peers")) is int and m["peers"] >= 1)
+    return counts[len(counts) // 2] if counts else own
 
 
 def diloco_contributes(group: Mapping[Hashable, Any], me: Hashable) -> bool:
