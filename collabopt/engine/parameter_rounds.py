@@ -12,7 +12,10 @@ Rules, and why:
   only a whole average this peer's own values are in. Otherwise it keeps its own tensors.
 * A round is sized by the gradient round before it (:attr:`ParameterRounds.group_size_hint`): its peers reach the
   boundary together, so the group assembles as soon as they are in instead of idling a whole ``matchmaking_time``.
-  See docs/decisions.md, "Group size hint".
+  For the same reason a hinted round whose group has not assembled within twice ``matchmaking_time`` is given up:
+  a peer it expected is not coming (it downloads, or its lineage check sent it apart), and waiting the whole
+  ``timeout`` would only keep this peer's state from the peers that download it. See docs/decisions.md, "Group size
+  hint".
 * An auxiliary peer helps reduce and takes no average (weight 0): its parameters come from downloads.
 * The averaged tensors' lock is held from the group's assembly to the install, as hivemind holds it, not during
   matchmaking (the state served meanwhile is not the round's yet). A round whose all-reduce outlives the step's wait
@@ -50,8 +53,8 @@ class ParameterRound:
     """One scheduled parameter round, as the loop holds it: ``done()``, ``cancel()``, ``cancelled()``,
     ``exception()`` (None where its average was installed), ``triggered`` and ``began_allreduce``."""
 
-    def __init__(self, scheduled: ScheduledRound, epoch: int):
-        self.scheduled, self.epoch = scheduled, epoch
+    def __init__(self, scheduled: ScheduledRound, epoch: int, hinted: bool = False):
+        self.scheduled, self.epoch, self.hinted = scheduled, epoch, hinted  # hinted: sized by a gradient round
         self.decision: protocol.ParameterDecision | None = None
         self.in_background = False  # its all-reduce outlived the step's wait (install_late installs it)
         self._cancelled = False
@@ -100,7 +103,7 @@ class ParameterRounds:
                  client_mode: bool = False, auxiliary: bool = False):
         if min_group_size is None:
             min_group_size = MIN_CLIPPED_GROUP if aggregation == "centered_clip" else 2
-        self.timeout, self.auxiliary = timeout, auxiliary
+        self.timeout, self.auxiliary, self.matchmaking_time = timeout, auxiliary, matchmaking_time
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
         self._assembly = threading.Condition()  # (notified in the service's thread: a group assembled, a round ended)
         self.service = AveragingService(
@@ -126,11 +129,13 @@ class ParameterRounds:
         """Begin matchmaking now for a round of tensors shaped like ``template``, whose parameters will be of
         ``epoch`` (gathered: only members at their group's epoch contribute)."""
         gather = {"epoch": int(epoch)}
+        hint = self.group_size_hint
+        hinted = hint is not None and hint[0] == epoch - 1  # (the boundary's epoch)
         scheduled = self.service.schedule(template, timeout=timeout or self.timeout, gather=gather,
                                           contributes=functools.partial(protocol.sync_contributes, gather),
-                                          target_group_size=self.group_size(epoch - 1))  # (the boundary's epoch)
+                                          target_group_size=self.group_size(epoch - 1))
         scheduled.on_done(self._assembled)
-        return ParameterRound(scheduled, epoch)
+        return ParameterRound(scheduled, epoch, hinted)
 
     def finish(self, control: ParameterRound, tensors: Sequence[torch.Tensor], lock: Any, timeout: float,
                may_write: Callable[[], bool], late: Callable[[], None]) -> dict:
@@ -142,8 +147,9 @@ class ParameterRounds:
         all-reduce outlives the wait calls ``late()`` as it ends, in the service's thread (it must not block):
         :meth:`install_late` installs it then."""
         scheduled, deadline = control.scheduled, time.monotonic() + timeout
+        assembly = min(timeout, 2 * self.matchmaking_time) if control.hinted else timeout  # (see the module's text)
         with self._assembly:  # (matchmaking: the tensors are not the round's yet, so the lock stays free)
-            self._assembly.wait_for(lambda: scheduled.group is not None or scheduled.done(), timeout)
+            self._assembly.wait_for(lambda: scheduled.group is not None or scheduled.done(), assembly)
         if scheduled.group is not None or scheduled.done():
             with lock:
                 if not scheduled.done():
@@ -155,7 +161,7 @@ class ParameterRounds:
                 if result is not None:
                     return self._install(control, result, tensors, may_write)
         if not control.began_allreduce:
-            control.decision = protocol.ParameterDecision(False, f"no group within {timeout:.1f} s")
+            control.decision = protocol.ParameterDecision(False, f"no group within {assembly:.1f} s")
             scheduled.cancel()
             raise RoundFailed(control.decision.detail)
         control.in_background = True

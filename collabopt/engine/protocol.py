@@ -213,10 +213,16 @@ def averages_parameters(outcome: RoundOutcome | None, peers_expected: int | None
 
 def parameter_round_peers(gathered: Mapping[Hashable, Any], epoch: int) -> int:
     """How many members of a gradient round's group (``gathered``) come to the parameter round after it, for a member
-    at ``epoch``: those at that epoch, or of no known epoch. A member at another epoch is behind or apart
-    (:func:`sync_round`) and skips it."""
-    return sum(1 for m in gathered.values()
-               if not isinstance(m, Mapping) or type(m.get("epoch")) is not int or m["epoch"] == epoch)
+    at ``epoch``: those at that epoch whose lineage verdict (the same on every member) does not send them to a
+    download, and those of no known epoch. The others are behind or apart (:func:`sync_round`) and skip it. (A member
+    with a re-synchronization pending is not judged again and does come: one the count may miss.)"""
+    def comes(peer: Hashable, metadata: Any) -> bool:
+        if not isinstance(metadata, Mapping) or type(metadata.get("epoch")) is not int:
+            return True
+        verdict = lineage.judge(gathered, peer) if metadata["epoch"] == epoch else None
+        return metadata["epoch"] == epoch and (verdict is None or verdict.reason == "holds")
+
+    return sum(1 for peer, metadata in gathered.items() if comes(peer, metadata))
 
 
 def group_epoch(gathered: Mapping[Hashable, Any]) -> int | None:

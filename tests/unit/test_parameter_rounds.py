@@ -350,3 +350,30 @@ def test_a_round_whose_service_closed_under_it_ends_the_step(monkeypatch):
     stepping.start()
     assert finished.wait(10), "the step waits forever for a round whose service closed"
     state.shutdown()
+
+
+@pytest.mark.parametrize(("hint", "waited"), [((0, 2), "2.0"), ((7, 2), "30.0"), (None, "30.0")])
+def test_a_hinted_round_whose_group_does_not_assemble_is_given_up_after_twice_matchmaking_time(rounds, hint,
+                                                                                                waited):
+    """A round sized by its boundary's gradient round (a hint of that epoch) expects peers that reach the boundary
+    together: one that is not in within twice ``matchmaking_time`` is not coming (it downloads, or went apart), and
+    the whole ``timeout`` would keep this peer's state from the peers that download it. Other rounds wait it all."""
+    rounds.service.assemble, rounds.group_size_hint = False, hint
+    control = rounds.schedule([torch.zeros(2)], epoch=1)
+    waits = []
+
+    class Assembly:  # (records the wait for the group instead of waiting)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def wait_for(self, predicate, timeout):
+            waits.append(timeout)
+            return predicate()
+
+    rounds._assembly = Assembly()
+    with pytest.raises(parameter_rounds.RoundFailed, match=f"no group within {waited} s"):
+        rounds.finish(control, [torch.zeros(2)], threading.Lock(), 30.0, lambda: True, late=lambda: None)
+    assert waits == [float(waited)] and rounds.service.rounds[0].triggered  # (left: cancelled)

@@ -177,13 +177,17 @@ def test_only_the_members_at_their_groups_epoch_contribute_gradients(gathered, e
     ({"me": {"epoch": 14}, "b": {"epoch": 12}}, 14, 1, False),  # a joiner just downloaded: alone at its epoch
     ({"me": {"epoch": 5}, "b": None, "c": {}}, 5, 3, True),  # (no epoch known: counted)
     ({"me": {"epoch": 4}, "b": {"epoch": 5}, "c": {"epoch": 5}}, 4, 1, False),  # (me: behind, refused anyway)
+    # the lineage check (the same verdict on every member): b's last round was partial, it downloads
+    ({"me": meta(5, A), "b": meta(5, B, apart=True)}, 5, 1, False),
+    ({"me": meta(5, A), "b": meta(5, A), "c": meta(5, B, apart=True)}, 5, 2, True),
 ])
 def test_a_parameter_round_expects_the_members_at_this_peers_epoch_and_none_runs_alone(gathered, epoch, peers,
                                                                                        averages):
     """A peer alone at its epoch in its gradient round (the others download) runs no parameter round: it would wait
     ``averaging_timeout`` for a group that never comes."""
     assert protocol.parameter_round_peers(gathered, epoch) == peers
-    outcome = protocol.sync_round(SyncRoundEvidence(epoch, len(gathered), group=gathered, me="me")).outcome
+    outcome = protocol.sync_round(SyncRoundEvidence(epoch, len(gathered), group=gathered, me="me",
+                                                    checks_lineage=True)).outcome
     assert protocol.averages_parameters(outcome, peers) is averages
     assert protocol.averages_parameters(outcome, None) is (outcome.reason == "averaged")  # (no hint: as before)
 
