@@ -48,7 +48,7 @@ IMPORT_LOCKS = (("hivemind.utils.mpfuture", "SharedBytes", "_lock"),
                 ("hivemind.utils.asyncio", "_AsyncContextWrapper", "EXECUTOR_LOCK"))
 # variables no preloaded module reads at import: they may differ between a launcher's children
 PER_PROCESS = frozenset({"PYTHONPATH", "INITIAL_PEERS", "PYTEST_CURRENT_TEST", "COLLABOPT_BENCHMARK_FORK"})
-MAX_LAUNCHERS = 6  # each holds ~300 MB: a variable that differs in every child must not start one per child
+MAX_LAUNCHERS = 6  # each holds ~360 MB: a variable that differs in every child must not start one per child
 _MESSAGE = 1 << 20
 _launchers: dict[tuple[object, ...], Launcher] = {}
 _launchers_lock = threading.Lock()  # threads that start children at once (the GPU check's parts) share one
