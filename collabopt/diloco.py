@@ -56,6 +56,7 @@ from collabopt.diloco_options import (  # re-exported: their import path before 
     check_config,
     check_outer_optimizer,
 )
+from collabopt.diloco_schedule import REPORT_SHARE, report_period, should_download, step_decision  # (re-exported)
 from collabopt.engine import protocol
 from collabopt.guard import NonFiniteGuard, all_finite
 from collabopt.interface import RoundOutcome
@@ -94,6 +95,8 @@ class RoundSwarm(Protocol):
     def outer_step(self, increment_epoch: bool = True) -> None: ...  # outer step on the anchors (grads: the
     # buffers), then parameters = anchors
     def reanchor(self, source: Sequence[torch.Tensor] | None = None) -> None: ...  # anchors = source / parameters
+    def settle_delivered(self, applied: bool) -> None: ...  # optional: a round this peer's pseudo-gradient may have
+    # reached is decided (applied by the others, or not): the rounds' state that waited for it follows (error feedback)
 
 
 class DiLoCo:
@@ -146,7 +149,7 @@ class DiLoCo:
         this peer's progress reached the swarm in a round it could not apply)."""
         swarm.reanchor()
         self.pending_samples = 0
-        self.delivered = None
+        self._forget_delivered(swarm, applied=False)
 
     def round_metadata(self, swarm: RoundSwarm) -> dict[str, Any]:
         """What this peer tells its group when matchmaking: its epoch and its anchor's fingerprint."""
@@ -224,7 +227,8 @@ class DiLoCo:
 
     def _contribute(self, swarm: RoundSwarm) -> float:
         """Write this peer's pseudo-gradient into the swarm's buffers; return its weight (0: refused, non-finite)."""
-        self.delivered = None  # (a round since a partial one: what it sends is what counts from now on)
+        # (a round since a partial one, not told: taken as not applied, what it sends is what counts from now on)
+        self._forget_delivered(swarm, applied=False)
         with swarm.buffers() as buffers:
             finite = write_pseudo_gradients(swarm.anchors, swarm.parameters, buffers)
             if not finite:
@@ -260,8 +264,9 @@ class DiLoCo:
         """A partial round: this peer's pseudo-gradient (taken from ``base``, weighing ``weight``) may have
         reached its group, which may have applied the round. It contributes nothing more until it knows: it downloads
         the swarm's state before its next round, and :meth:`restore_after_download` keeps only the progress made
-        since ``base`` if the swarm's anchor moved (the round was applied), all of it otherwise. Contributing its
-        pseudo-gradient again (in a retried round) would count it twice."""
+        since ``base`` if the swarm's anchor moved (the round was applied), all of it otherwise (compressed rounds
+        hold their error feedback's update until then). Contributing its pseudo-gradient again (in a retried round)
+        would count it twice."""
         self.delivered, self._undecided = (base, weight, epoch), 0
         self.needs_sync = True  # (the protocol decided so too)
         logger.warning("collabopt: part of this DiLoCo round's average did not arrive; its pseudo-gradient may have "
@@ -280,20 +285,22 @@ class DiLoCo:
         """After a state download (``downloaded``: it succeeded; ``anchor_moved``: the swarm's anchor is not the
         one this peer held): parameters = anchor + the progress :meth:`progress_to_keep` returned, ``since`` if a
         round this peer's pseudo-gradient may have reached was applied meanwhile. Returns whether it downloads again
-        before its next round.
+        before its next round. Once it knows, the rounds' state that waited for it follows (``swarm.settle_delivered``:
+        with ``pseudo_gradient_compression``, the error feedback keeps that round's remainder only if it was applied).
 
         Only a state of a later epoch than that round's tells: a peer still at the round's epoch may be about to
         apply it (its outer step comes after its all-reduce). After a download that does not tell (or fails) this
         peer keeps all its progress, still remembers the round and downloads again before its next round, up to
         :data:`UNDECIDED_DOWNLOADS` times; then the round is taken as not applied (no peer served a later epoch)."""
         tells = self.delivered is not None and downloaded and int(swarm.local_epoch) > self.delivered[2]
-        if since is not None and tells and anchor_moved:
+        applied = since is not None and tells and anchor_moved
+        if applied:
             self.restore_progress(swarm, since)
             self.pending_samples = max(0, self.pending_samples - int(self.delivered[1]))
         else:
             self.restore_progress(swarm, progress)
         if tells:
-            self.delivered, self._undecided = None, 0
+            self._forget_delivered(swarm, applied)
         elif self.delivered is not None:
             self._undecided += 1
             if self._undecided < UNDECIDED_DOWNLOADS:
@@ -304,8 +311,16 @@ class DiLoCo:
             logger.info("collabopt: %d downloads did not tell whether the others applied the round of epoch %d this "
                         "peer lost results of: taken as not applied, its progress kept whole", self._undecided,
                         self.delivered[2])
-            self.delivered, self._undecided = None, 0
+            self._forget_delivered(swarm, applied=False)
         return False
+
+    def _forget_delivered(self, swarm: RoundSwarm, applied: bool) -> None:
+        """The partial round (:meth:`_may_have_delivered`) is decided, or taken as not applied (``applied``: by
+        the others); the swarm's rounds settle what waited for it (``settle_delivered``, where the swarm has it)."""
+        self.delivered, self._undecided = None, 0
+        settle = getattr(swarm, "settle_delivered", None)
+        if settle is not None:
+            settle(applied)
 
     def _finish(self, outcome: RoundOutcome) -> RoundOutcome:
         if not outcome.applied:
@@ -329,55 +344,14 @@ class DiLoCo:
                 del self.inner.state[param]
         self.samples_discarded += self.pending_samples
         self.pending_samples = 0
-        self.delivered = None
+        self._forget_delivered(swarm, applied=False)
         self.swarm_writes += 1
         if self.guard is not None:
             self.guard.note_refusal("refused_steps", "inner steps made the parameters non-finite: the peer restarted "
                                     "from the last round's parameters, contributing nothing of them")
 
 
-def step_decision(diloco: DiLoCo, local_epoch: int, global_epoch: int) -> protocol.StepDecision:
-    """Whether a peer downloads the swarm's state before its next step, and why
-    (:func:`collabopt.engine.protocol.diloco_step`): its anchor disagreed with its group's, or the swarm is past its
-    epoch, unless (``overlap_rounds``) the others started the round it trained toward."""
-    return protocol.diloco_step(protocol.DiLoCoStepEvidence(
-        protocol.SwarmView(local_epoch, global_epoch), needs_sync=diloco.needs_sync, overlap=diloco.overlap,
-        trained=diloco.pending_samples > 0))
-
-
-def should_download(diloco: DiLoCo, local_epoch: int, global_epoch: int) -> bool:
-    """Whether a peer downloads the swarm's state before its next step: its anchor disagreed with its group's, or
-    the swarm is past its epoch (hivemind tolerates one epoch; an anchor one round old is stale). With
-    ``overlap_rounds`` the others' epoch moves when they *start* a round: a peer one epoch behind that trained
-    toward that round starts it too (and joins their group) instead; if it missed the round, its own one fails and
-    it downloads then. The rule: :func:`collabopt.engine.protocol.diloco_step`.
-
-        >>> diloco = DiLoCo(torch.optim.SGD([torch.zeros(1)], lr=1.0), overlap=True)
-        >>> diloco.pending_samples = 64
-        >>> should_download(diloco, 3, 4)
-        False
-    """
-    return step_decision(diloco, local_epoch, global_epoch).download
-
-
 UNDECIDED_DOWNLOADS = 3  # downloads of a partial round's own epoch before it counts as not applied
-REPORT_SHARE = 0.1  # a DiLoCo peer stores its progress record at most once per this share of a round
-
-
-def report_period(last_round_seconds: float | None, min_period: float, max_period: float) -> float:
-    """How long a DiLoCo peer waits between two stores of its progress record (a change of epoch goes out at once).
-
-    Each store is a signed DHT record sent to several replicas (~20-30 kB on the wire); at hivemind's pace (every
-    step, or every ``min_period`` with collabopt's throttle) that costs more per sample than the round's all-reduce
-    once rounds are hundreds of steps long. Others extrapolate a record with its samples per second, so a long
-    round needs few: one per ``REPORT_SHARE`` of the last round, within ``[min_period, max_period]``.
-
-        >>> report_period(None, 0.5, 10.0), report_period(3.0, 0.5, 10.0), report_period(40.0, 0.5, 10.0)
-        (0.5, 0.5, 4.0)
-    """
-    if last_round_seconds is None:
-        return min_period
-    return min(max_period, max(min_period, REPORT_SHARE * last_round_seconds))
 
 
 @torch.no_grad()
@@ -395,6 +369,7 @@ def write_pseudo_gradients(anchors: Sequence[torch.Tensor], parameters: Sequence
     return all_finite(out)
 
 
-__all__ = ["DiLoCo", "INCOMPATIBLE", "INCOMPATIBLE_HIVEMIND", "OUTER_EXAMPLE", "PendingRound",
-           "RoundOutcome", "RoundSwarm", "agrees_with_group", "check_config", "check_outer_optimizer", "fingerprint",
-           "same_fingerprint", "should_download", "step_decision", "write_pseudo_gradients"]
+__all__ = ["DiLoCo", "INCOMPATIBLE", "INCOMPATIBLE_HIVEMIND", "OUTER_EXAMPLE", "PendingRound", "REPORT_SHARE",
+           "RoundOutcome", "RoundSwarm", "UNDECIDED_DOWNLOADS", "agrees_with_group", "check_config",
+           "check_outer_optimizer", "fingerprint", "progress_from", "report_period", "same_fingerprint",
+           "should_download", "step_decision", "write_pseudo_gradients"]

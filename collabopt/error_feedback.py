@@ -11,17 +11,30 @@ With ``decay = 1`` the sum of everything sent plus the buffer equals the sum of 
 lost for good. Below 1 the buffer also plays the part of DiLoCo's outer momentum (SparseLoCo and templar use 0.95
 with a plain SGD outer step, no momentum).
 
-Rule: a round's update of the buffer takes effect only once the round is applied (:meth:`ErrorFeedback.commit`);
-:meth:`ErrorFeedback.discard` (or the next :meth:`~ErrorFeedback.compress`) drops it. Why: a peer whose round is not
-applied keeps its pseudo-gradient (its parameters stay apart from the anchor), and the next round's pseudo-gradient
-holds it again; a buffer that had already given up the part it sent would send that part twice.
+Rules, and why:
 
-The buffer is the peer's own: a checkpoint holds it (:meth:`~ErrorFeedback.state_dict`), a state download does not
-(a joiner starts with zeros).
+* A round's update of the buffer takes effect only once the round is applied (:meth:`ErrorFeedback.commit`);
+  :meth:`ErrorFeedback.discard` drops it. Why: a peer whose round is not applied keeps its pseudo-gradient (its
+  parameters stay apart from the anchor), and the next round's pseudo-gradient holds it again; a buffer that had
+  already given up the part it sent would send that part twice.
+* A peer that does not apply a round its payload may have reached (the others may apply it) does not know yet which
+  holds: :meth:`ErrorFeedback.hold` keeps the update staged until it learns, from a state download of a later epoch
+  (:meth:`collabopt.diloco.DiLoCo.restore_after_download`). Applied by the others: :meth:`~ErrorFeedback.commit`
+  (what the payload sent is in the swarm's anchor, the buffer keeps the rest, as the peer keeps only its progress
+  made since). Not applied: :meth:`~ErrorFeedback.discard` (the peer's parameters still hold the pseudo-gradient,
+  which its next round sends again). Dropping the update at once would lose for good what the compression left out
+  where the others applied the round, and count twice what the old buffer had sent.
+* :meth:`~ErrorFeedback.compress` builds on the committed buffer: an update still staged or held is dropped, its
+  round taken as not applied (as the peer does when it sends again: its pseudo-gradient since its anchor, whole).
+
+The buffer is the peer's own: a checkpoint holds the committed buffer (:meth:`~ErrorFeedback.state_dict`; a staged
+or held update is not saved: a checkpoint holds the buffer of the rounds known to be applied), a state download does
+not (a joiner starts with zeros).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,6 +42,8 @@ from typing import Any
 import torch
 
 from collabopt.sparse_codec import SparseCodec
+
+logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 
@@ -44,14 +59,16 @@ class ErrorFeedback:
         self.decay = float(decay)
         self.buffers = [torch.zeros(shape, dtype=torch.float32) for shape in self.shapes]
         self._staged: list[torch.Tensor] | None = None
+        self._held = False  # the staged update waits for news of a round others may have applied (hold())
 
     @property
     def numel(self) -> int:
         return sum(math.prod(shape) for shape in self.shapes)
 
     def compress(self, pseudo_gradient: Sequence[torch.Tensor]) -> bytes:
-        """This round's payload for ``pseudo_gradient`` (tensors of :attr:`shapes`, any device and float dtype);
-        the buffer's update is staged until :meth:`commit`. A staged update not yet committed is dropped."""
+        """This round's payload for ``pseudo_gradient`` (tensors of :attr:`shapes`, any device and float dtype),
+        built on the committed buffer; the buffer's update is staged until :meth:`commit`. An update still staged or
+        held is dropped: its round is taken as not applied (see the module docstring)."""
         if len(pseudo_gradient) != len(self.shapes):
             raise ValueError(f"{len(pseudo_gradient)} tensors for a buffer of {len(self.shapes)}")
         staged = []
@@ -62,7 +79,10 @@ class ErrorFeedback:
         payload = self.codec.encode(staged)
         for buffer, sent in zip(staged, self.codec.decode(payload, self.shapes), strict=True):
             buffer.sub_(sent)
-        self._staged = staged
+        if self._held:
+            logger.info("collabopt: a new round's payload before the download that tells whether the others applied "
+                        "the last one: that round is taken as not applied (its error-feedback update dropped)")
+        self._staged, self._held = staged, False
         return payload
 
     @property
@@ -70,25 +90,40 @@ class ErrorFeedback:
         """Whether a payload's update of the buffer waits for :meth:`commit` or :meth:`discard`."""
         return self._staged is not None
 
+    @property
+    def held(self) -> bool:
+        """Whether the staged update waits for news of a round this peer did not apply but others may have
+        (:meth:`hold`)."""
+        return self._held
+
+    def hold(self) -> None:
+        """The round that sent the last payload is not applied here, but the payload may have reached members that
+        apply it: the update stays staged until this peer learns which (:meth:`commit`: they applied it;
+        :meth:`discard`: they did not)."""
+        if self._staged is None:
+            raise RuntimeError("no payload to hold: call compress() first (once per round)")
+        self._held = True
+
     def commit(self) -> None:
         """The round that sent the last payload was applied: the buffer keeps what it did not send."""
         if self._staged is None:
             raise RuntimeError("no payload to commit: call compress() first (once per round)")
-        self.buffers, self._staged = self._staged, None
+        self.buffers, self._staged, self._held = self._staged, None, False
 
     def discard(self) -> None:
         """The round was not applied: the buffer stays as it was before :meth:`compress`."""
-        self._staged = None
+        self._staged, self._held = None, False
 
     def reset(self) -> None:
         """Zeros (a fresh start, e.g. the parameters were replaced by a downloaded state)."""
         self.buffers = [torch.zeros(shape, dtype=torch.float32) for shape in self.shapes]
-        self._staged = None
+        self._staged, self._held = None, False
 
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """The committed buffer and the settings it was built with (a staged update is not saved)."""
+        """The committed buffer and the settings it was built with. A staged or held update is not saved: its round
+        is not known to be applied, and a checkpoint's parameters hold that round's pseudo-gradient still."""
         return {"version": STATE_VERSION, "decay": self.decay, "shapes": [list(shape) for shape in self.shapes],
                 "codec": {"density": self.codec.density, "chunk_size": self.codec.chunk_size,
                           "bits": self.codec.bits},
@@ -118,6 +153,7 @@ class ErrorFeedback:
                                  f"torch.float32 {shape}")
             if not bool(torch.isfinite(buffer).all()):
                 raise ValueError(f"the saved error-feedback buffer of {label} holds NaN/inf")
-        self.buffers, self._staged = [buffer.detach().to("cpu").clone() for buffer in saved], None
+        self.buffers = [buffer.detach().to("cpu").clone() for buffer in saved]
+        self._staged, self._held = None, False
 
 __all__ = ["STATE_VERSION", "ErrorFeedback"]

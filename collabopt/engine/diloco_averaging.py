@@ -17,7 +17,9 @@ Rules, and why:
   member compresses ``error feedback + pseudo-gradient``, all-gathers the payloads on an
   :class:`~collabopt.engine.gather_exchange.ExchangeService` and aggregates the agreed set itself
   (:func:`collabopt.sparse_aggregation.aggregate`: the same bits on every member that applies it). The buffer keeps
-  what the payload left out only once the round is applied (:meth:`SparsePseudoGradientRounds.settle`).
+  what the payload left out only once the round is applied (:meth:`SparsePseudoGradientRounds.settle`), by the
+  others where this member could not apply it after its payload went out
+  (:meth:`SparsePseudoGradientRounds.settle_delivered`).
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ class _Buffers:
     def settle(self, applied: bool) -> None:
         """The round this peer last contributed to was decided (``applied``: the outer step follows). Nothing to do
         for dense rounds; :class:`SparsePseudoGradientRounds` settles its error feedback."""
+
+    def settle_delivered(self, applied: bool) -> None:
+        """A round this peer did not apply, though its pseudo-gradient may have reached the others, was decided
+        (``applied``: by the others). Nothing to do for dense rounds; see
+        :meth:`SparsePseudoGradientRounds.settle_delivered`."""
 
 
 class PseudoGradientRounds(_Buffers):
@@ -167,7 +174,9 @@ class SparsePseudoGradientRounds(_Buffers):
 
     * :meth:`run`: the payload is ``compress(error_decay * e + pseudo-gradient)``; the update of ``e`` waits for
       :meth:`settle` (kept where the round is applied, dropped otherwise: an unapplied round's pseudo-gradient stays in
-      the parameters and is sent again, see :mod:`collabopt.error_feedback`). A peer of weight 0 sends nothing.
+      the parameters and is sent again, see :mod:`collabopt.error_feedback`). Where this member may not apply the set
+      after its payload went out, the others may have applied it: the update is held until
+      :meth:`settle_delivered` (the DiLoCo peer's next state download tells). A peer of weight 0 sends nothing.
     * :meth:`report`: every member that applies the round aggregates the same set of payloads, those of members whose
       anchor is not the group's at weight 0 (:func:`collabopt.engine.protocol.diloco_contributes`, on the group's
       gathered metadata, which every member holds alike), a payload that does not decode left out by all.
@@ -185,6 +194,7 @@ class SparsePseudoGradientRounds(_Buffers):
         self.codec, self.aggregation = sparse.codec, aggregation
         self.error_feedback = sparse.error_feedback(self.shapes)
         self.bytes_sent = self.bytes_received = 0  # the bodies of the exchange's messages, over all rounds
+        self._went_out = False  # the last exchange: not applied here after this member's payload went out
         payload_bytes = self.codec.payload_bytes(sum(math.prod(shape) for shape in self.shapes))
         if payload_bytes > MAX_PAYLOAD_LIMIT:
             raise ConfigurationError(
@@ -217,12 +227,36 @@ class SparsePseudoGradientRounds(_Buffers):
 
     def settle(self, applied: bool) -> None:
         """The round decided (:func:`collabopt.engine.protocol.diloco_round`): the error feedback keeps what this
-        round's payload left out where it was ``applied``, and stays as before it otherwise."""
-        if self.error_feedback.staged:
-            if applied:
-                self.error_feedback.commit()
-            else:
-                self.error_feedback.discard()
+        round's payload left out where it was ``applied``, and stays as before it otherwise; where the payload went
+        out but this member may not apply the set (:meth:`report`), the others may have applied it: the update is
+        held for :meth:`settle_delivered` (the round's decision says so too: ``may_have_delivered``). An update
+        already held is left to :meth:`settle_delivered`."""
+        feedback = self.error_feedback
+        if not feedback.staged or feedback.held:
+            return
+        if applied:
+            feedback.commit()
+        elif self._went_out:
+            feedback.hold()
+            logger.info("collabopt: this DiLoCo exchange's payload went out: its error-feedback update is kept until "
+                        "a state download tells whether the others applied the round")
+        else:
+            feedback.discard()
+
+    def settle_delivered(self, applied: bool) -> None:
+        """The round whose error-feedback update :meth:`settle` held was decided (``applied``: the others applied
+        it, so its payload is in the swarm's anchor: the buffer keeps the rest; otherwise the buffer stays as before
+        it and this peer's next round sends the pseudo-gradient again). Called by the DiLoCo peer
+        (:meth:`collabopt.diloco.DiLoCo.restore_after_download`, or when it takes the round as not applied)."""
+        feedback = self.error_feedback
+        if not feedback.held:
+            return
+        if applied:
+            feedback.commit()
+        else:
+            feedback.discard()
+        logger.info("collabopt: the others %s the round this peer's payload went out in: its error-feedback update is "
+                    "%s", "applied" if applied else "did not apply", "kept" if applied else "dropped")
 
     def report(self, result: ExchangeResult) -> protocol.DiLoCoRoundEvidence:
         """What the exchange left, as the evidence :func:`collabopt.engine.protocol.diloco_round` takes; the aggregate
@@ -232,8 +266,10 @@ class SparsePseudoGradientRounds(_Buffers):
         self.bytes_sent += result.sent_bytes
         self.bytes_received += result.received_bytes
         group = dict(result.gathered) if result.group and result.gathered else None
+        self._went_out = False
         if result.applied_set is None:
             if result.group and result.sent_bytes > 0:
+                self._went_out = True  # (settle holds the error feedback's update)
                 logger.warning("collabopt: this DiLoCo exchange is not applied here (%s); its payload went out",
                                result.error)
                 return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, received=0.0, included=1.0)

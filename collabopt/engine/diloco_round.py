@@ -274,6 +274,15 @@ class DiLoCoLoop(PeerLoop):
         if settle is not None:
             settle(applied)
 
+    def settle_delivered(self, applied: bool) -> None:
+        """RoundSwarm: the round this peer did not apply after its pseudo-gradient may have reached the others was
+        decided (``applied``: by them; :meth:`collabopt.diloco.DiLoCo.restore_after_download`): with
+        ``pseudo_gradient_compression`` the error feedback keeps that round's remainder only if it was applied
+        (:meth:`collabopt.engine.diloco_averaging.SparsePseudoGradientRounds.settle_delivered`)."""
+        settle = getattr(self.grad_averager, "settle_delivered", None)
+        if settle is not None:
+            settle(applied)
+
     def _resume_sharing(self) -> None:
         """Serve this peer's state again once its epoch and anchor agree (sharing paused while a round was in
         flight: :meth:`_start_overlapped_round`)."""

@@ -65,6 +65,22 @@ def test_a_checkpoint_holds_the_committed_buffer_and_restores_it_exactly():
     copt.close()
 
 
+def test_a_held_update_is_not_saved_and_loading_drops_it():
+    """A round whose payload went out while this peer did not apply it: its update waits for a download's news
+    (ErrorFeedback.hold); the checkpoint holds the committed buffer, and loading it leaves nothing held."""
+    copt, feedback = core()
+    send_a_round(feedback, 1)
+    committed = copies(feedback.buffers)
+    send_a_round(feedback, 2, commit=False)
+    feedback.hold()
+    state = copt.state_dict()
+    assert all(torch.equal(s, c) for s, c in zip(state["error_feedback"]["buffers"], committed, strict=True))
+    copt.load_state_dict(state)
+    assert not feedback.held and not feedback.staged
+    assert all(torch.equal(b, c) for b, c in zip(feedback.buffers, committed, strict=True))
+    copt.close()
+
+
 def test_a_checkpoint_without_a_buffer_restores_zeros_and_says_so(caplog):
     copt, feedback = core()
     send_a_round(feedback, 1)
