@@ -152,8 +152,10 @@ class DiLoCo:
         self._forget_delivered(swarm, applied=False)
 
     def round_metadata(self, swarm: RoundSwarm) -> dict[str, Any]:
-        """What this peer tells its group when matchmaking: its epoch and its anchor's fingerprint."""
-        return anchor_metadata(swarm.local_epoch, swarm.anchors)
+        """What this peer tells its group when matchmaking: its epoch, its anchor's fingerprint and how many peers it
+        counts (every member judges the quorum on the members' counts: :func:`collabopt.engine.protocol.quorum_count`).
+        """
+        return {**anchor_metadata(swarm.local_epoch, swarm.anchors), "peers": max(1, int(swarm.num_peers))}
 
     # ------------------------------------------------------------------ the round
 
