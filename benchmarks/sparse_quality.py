@@ -1,125 +1,260 @@
-"""Quality probe of the compressed pseudo-gradients (collabopt/sparse_codec.py, error_feedback.py,
-sparse_aggregation.py), in one process, no network: DiLoCo on a toy regression with exact averaging against the
-same rounds with SparseLoCo's compression, held-out loss at equal steps.
+"""Quality of the compressed pseudo-gradients (``pseudo_gradient_compression=SparseLoCo(...)``) against fp16 DiLoCo,
+on B6's corpus and model, in one process, no network: the held-out loss at equal samples.
 
-A teacher MLP labels Gaussian inputs (unit variance, plus noise of 0.1); 4 workers train a student MLP (about 75k
-parameters, 19 chunks of 4,096) with AdamW for ``--inner-steps`` steps a round on their own batches; a round
-averages the pseudo-gradients (``anchor - parameters``) and steps the outer optimizer from the anchor. Variants:
+B6's quality bed (:mod:`benchmarks.diloco`): a character-level MLP over 16 characters (about 130k parameters) on
+this repository's Markdown text (its size and SHA-256 are in the results), 4 workers, AdamW lr 3e-3, batch 64. Here
+the 4 workers run in one process, each on its own random windows of the training text, and a round is computed as
+collabopt computes it, without the transport:
 
-* ``exact``: the fp32 mean, outer SGD lr 0.7, Nesterov momentum 0.9 (collabopt's DiLoCo default);
-* ``sparseloco``: each worker's error-feedback buffer compressed (density, bits, decay as given), the decoded mean
-  (``aggregate``), outer SGD lr 1.0 without momentum (``SparseLoCo.outer_optimizer()``);
-* ``sparse+nesterov``: the same compression with the ``exact`` variant's outer step;
-* ``exact+sgd``: the fp32 mean with ``sparseloco``'s outer step (what the outer step alone changes).
+* ``fp16``: each pseudo-gradient (``anchor - parameters``) rounded to fp16, their mean rounded to fp16 (what the
+  all-reduce of fp16 parts delivers, up to the rounding of its partial sums), then collabopt's DiLoCo outer step (SGD
+  lr 0.7, Nesterov momentum 0.9, as B6);
+* a compressed variant ``d<density>-b<bits>-e<decay>-<outer>``: what a peer's
+  :class:`~collabopt.engine.diloco_averaging.SparsePseudoGradientRounds` does in a round every member applies: each
+  worker's payload from its error-feedback buffer (``ErrorFeedback.compress``, then ``commit``), the members'
+  aggregate (:func:`~collabopt.sparse_aggregation.aggregate`, weights the samples), then the outer step ``sgd<lr>``
+  (SGD without momentum, ``SparseLoCo.outer_optimizer(lr)``) or ``nest<lr>`` (SGD, Nesterov momentum 0.9);
+* ``fp16-sgd<lr>``: the fp16 mean with an outer step without momentum (what the outer step alone changes).
 
-    .venv/bin/python benchmarks/sparse_quality.py --rounds 40 --inner-steps 30
+Every variant of a seed starts from the same initial model and trains on the same batches, so each ratio (the
+variant's held-out loss over fp16's after the same samples) is paired; the table gives its median and range over
+seeds, after all the samples and after half of them.
 
-Measured (2 CPU cores, defaults: 40 rounds of 30 inner steps, density 0.02, bits 2, decay 0.95): ``sparseloco``
-ends at 1.07x the exact variant's held-out loss (0.0257 against 0.0240) sending 0.0374 bytes a parameter a worker a
-round against fp16's 2 (53x fewer); ``sparse+nesterov`` at 2.04x. Density 0.05: 1.02x; bits 4: 1.07x (the density,
-not the bit width, sets the gap here). 80 rounds: 1.52x (0.0223 against 0.0147), of which the outer step alone
-(``exact+sgd``: 0.0195, 1.32x) is most; decay 1.0 or 0.9 and density 0.05 end within 0.0206-0.0226.
+    .venv/bin/python -m benchmarks.sparse_quality --inner-steps 20 100 --samples-steps 2000 --seeds 0 1 2 \\
+        --variants fp16 d0.02-b2-e0.95-sgd1.0
+
+Writes ``benchmarks/results/sparse_quality.{json,md}`` (``--out`` to change; ``--merge`` keeps the runs already
+there; ``--combine a.json b.json`` only merges the runs of those files, e.g. of two processes run side by side).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import hashlib
+import json
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from benchmarks.common import ROOT, machine_info, write_json
+from benchmarks.diloco import char_model, corpus, encode, windows
 from collabopt.diloco_options import SparseLoCo
 from collabopt.sparse_aggregation import aggregate
 
 WORKERS = 4
+BATCH = 64
+INNER_LR = 3e-3
+FP16_OUTER = dict(lr=0.7, momentum=0.9, nesterov=True)  # collabopt's DiLoCo outer step (B6's)
+BOUND = 1.02
+VARIANT = re.compile(r"^d(?P<density>[0-9.]+)-b(?P<bits>\d+)-e(?P<decay>[0-9.]+)-(?P<outer>sgd|nest)(?P<lr>[0-9.]+)$")
 
 
-def mlp(generator_seed: int) -> torch.nn.Module:
-    torch.manual_seed(generator_seed)
-    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
-                               torch.nn.GELU(), torch.nn.Linear(256, 1))
+def parse_variant(name: str) -> dict[str, Any]:
+    """The settings a variant's name gives (see the module docstring)."""
+    if name == "fp16":
+        return dict(compression=None, outer=FP16_OUTER)
+    if re.fullmatch(r"fp16-sgd[0-9.]+", name):
+        return dict(compression=None, outer=dict(lr=float(name[len("fp16-sgd"):])))
+    match = VARIANT.match(name)
+    if not match:
+        raise SystemExit(f"--variants: {name!r} is not fp16, fp16-sgd<lr> or d<density>-b<bits>-e<decay>-sgd|nest<lr>"
+                         " (e.g. d0.02-b2-e0.95-sgd1.0)")
+    lr = float(match["lr"])
+    outer = dict(lr=lr) if match["outer"] == "sgd" else dict(lr=lr, momentum=0.9, nesterov=True)
+    return dict(compression=SparseLoCo(density=float(match["density"]), bits=int(match["bits"]),
+                                       error_decay=float(match["decay"])), outer=outer)
 
 
-def run(variant: str, args: argparse.Namespace) -> list[float]:
-    teacher = mlp(1234)
-    for parameter in teacher.parameters():
-        parameter.requires_grad_(False)
-    generator = torch.Generator().manual_seed(7)
-    test_x = torch.randn(4096, 32, generator=generator)
-    scale = float(teacher(test_x).std())  # (labels of unit variance)
-    test_y = teacher(test_x) / scale
+def fp16_mean(deltas: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The mean of the workers' pseudo-gradients as fp16 transport gives it: each sent in fp16, the mean in fp16."""
+    return [(sum(d.half().float() for d in parts) / len(parts)).half().float() for parts in zip(*deltas, strict=True)]
 
-    student = mlp(0)
-    anchor = [parameter.detach().clone() for parameter in student.parameters()]
-    shapes = [tuple(parameter.shape) for parameter in anchor]
-    workers = [mlp(0) for _ in range(WORKERS)]
-    inner = [torch.optim.AdamW(worker.parameters(), lr=args.inner_lr) for worker in workers]
-    option = SparseLoCo(density=args.density, bits=args.bits, error_decay=args.decay)
-    feedback = [option.error_feedback(shapes) for _ in range(WORKERS)]
-    outer_params = [torch.nn.Parameter(tensor.clone()) for tensor in anchor]
-    if variant in ("sparseloco", "exact+sgd"):
-        outer = SparseLoCo.outer_optimizer()(outer_params)
-    else:
-        outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)(outer_params)
-    data = [torch.Generator().manual_seed(100 + rank) for rank in range(WORKERS)]
-    losses, sent_bytes = [], 0
-    for _ in range(args.rounds):
-        contributions, deltas = {}, []
+
+def run(name: str, inner_steps: int, rounds: int, seed: int, data: dict[str, Any]) -> dict[str, Any]:
+    """One variant, one seed: ``rounds`` rounds of ``inner_steps`` steps per worker. The held-out loss after every
+    round and the bytes a worker sent a round, per parameter."""
+    settings = parse_variant(name)
+    option: SparseLoCo | None = settings["compression"]
+    started = time.monotonic()
+    model = char_model(data["vocab"])
+    torch.manual_seed(seed)  # (the initial model of every variant of this seed)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    anchor = [p.detach().clone() for p in model.parameters()]
+    shapes = [tuple(t.shape) for t in anchor]
+    numel = sum(t.numel() for t in anchor)
+    workers = [char_model(data["vocab"]) for _ in range(WORKERS)]  # (set to the anchor at every round)
+    inner = [torch.optim.AdamW(w.parameters(), lr=INNER_LR) for w in workers]  # (each keeps its state, as a peer)
+    feedback = [option.error_feedback(shapes) for _ in range(WORKERS)] if option else []
+    outer_params = [torch.nn.Parameter(t.clone()) for t in anchor]
+    outer = torch.optim.SGD(outer_params, **settings["outer"])
+    generators = [torch.Generator().manual_seed(1000 * seed + rank) for rank in range(WORKERS)]  # (the batches)
+    losses, sent = [], 0
+    for _ in range(rounds):
+        deltas, contributions = [], {}
         for rank, (worker, optimizer) in enumerate(zip(workers, inner, strict=True)):
             with torch.no_grad():
-                for parameter, value in zip(worker.parameters(), anchor, strict=True):
-                    parameter.copy_(value)
-            for _ in range(args.inner_steps):
-                x = torch.randn(args.batch, 32, generator=data[rank])
-                y = teacher(x) / scale + 0.1 * torch.randn(args.batch, 1, generator=data[rank])
-                loss = torch.nn.functional.mse_loss(worker(x), y)
+                for p, value in zip(worker.parameters(), anchor, strict=True):
+                    p.copy_(value)
+            for _ in range(inner_steps):
+                x, y = windows(data["train"], BATCH, generators[rank])
                 optimizer.zero_grad()
-                loss.backward()
+                F.cross_entropy(worker(x), y).backward()
                 optimizer.step()
-            delta = [value - parameter.detach() for value, parameter in zip(anchor, worker.parameters(), strict=True)]
-            deltas.append(delta)
-            if not variant.startswith("exact"):
+            delta = [a - p.detach() for a, p in zip(anchor, worker.parameters(), strict=True)]
+            if option:
                 payload = feedback[rank].compress(delta)
-                feedback[rank].commit()
-                sent_bytes += len(payload)
-                contributions[f"worker-{rank}"] = (1.0, payload)
-        if variant.startswith("exact"):
-            averaged = [sum(parts) / WORKERS for parts in zip(*deltas, strict=True)]
-            sent_bytes += WORKERS * 2 * sum(t.numel() for t in averaged)  # (as fp16)
-        else:
+                feedback[rank].commit()  # (the round is applied: SparsePseudoGradientRounds.settle(applied=True))
+                sent += len(payload)
+                contributions[f"worker-{rank}"] = (float(inner_steps * BATCH), payload)
+            deltas.append(delta)
+        if option:
             averaged = aggregate(contributions, shapes, option.codec)
-        with torch.no_grad():
-            for parameter, value, grad in zip(outer_params, anchor, averaged, strict=True):
-                parameter.copy_(value)
-                parameter.grad = grad.clone()
+        else:
+            averaged = fp16_mean(deltas)
+            sent += WORKERS * 2 * numel
+        with torch.no_grad():  # (the outer step from the anchor, its gradient the aggregate, as DiLoCo's round)
+            for p, value, grad in zip(outer_params, anchor, averaged, strict=True):
+                p.copy_(value)
+                p.grad = grad.clone()
         outer.step()
-        anchor = [parameter.detach().clone() for parameter in outer_params]
+        anchor = [p.detach().clone() for p in outer_params]
         with torch.no_grad():
-            for parameter, value in zip(student.parameters(), anchor, strict=True):
-                parameter.copy_(value)
-            losses.append(float(torch.nn.functional.mse_loss(student(test_x), test_y)))
-    numel = sum(t.numel() for t in anchor)
-    print(f"{variant:16s} held-out MSE after round 1/{args.rounds // 4}/{args.rounds // 2}/{args.rounds}: "
-          f"{losses[0]:.4f} / {losses[args.rounds // 4 - 1]:.4f} / {losses[args.rounds // 2 - 1]:.4f} / "
-          f"{losses[-1]:.4f}   bytes a parameter a worker a round: {sent_bytes / WORKERS / args.rounds / numel:.4f}")
-    return losses
+            for p, value in zip(model.parameters(), anchor, strict=True):
+                p.copy_(value)
+            losses.append(float(F.cross_entropy(model(data["eval_x"]), data["eval_y"])))
+    return dict(variant=name, inner_steps=inner_steps, rounds=rounds, seed=seed, final_loss=losses[-1],
+                losses=[round(v, 5) for v in losses], bytes_per_param_round=sent / WORKERS / rounds / numel,
+                numel=numel, seconds=round(time.monotonic() - started, 1))
 
 
-def main() -> None:
+def load_data() -> dict[str, Any]:
+    text = corpus()
+    train, held_out, vocab = encode(text)
+    eval_x, eval_y = windows(held_out, 4096, torch.Generator().manual_seed(123))  # (B6's held-out windows)
+    return dict(train=train, eval_x=eval_x, eval_y=eval_y, vocab=vocab, corpus_chars=len(text),
+                corpus_sha256=hashlib.sha256(text.encode()).hexdigest())
+
+
+def _spread(values: list[float]) -> dict[str, float | None]:
+    values = sorted(values)
+    if not values:
+        return dict(median=None, min=None, max=None)
+    return dict(median=round(statistics.median(values), 4), min=round(values[0], 4), max=round(values[-1], 4))
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per inner-step count, round count and variant: the ratio of its held-out loss to fp16's of the same seed
+    after all rounds (median, range) and after half of them (median); meets the bound where the median and every
+    seed's final ratio are at most :data:`BOUND`."""
+    base = {(r["inner_steps"], r["rounds"], r["seed"]): r for r in runs if r["variant"] == "fp16"}
+    rows = []
+    for key in sorted({(r["inner_steps"], r["rounds"], r["variant"]) for r in runs}):
+        mine = sorted((r for r in runs if (r["inner_steps"], r["rounds"], r["variant"]) == key),
+                      key=lambda r: r["seed"])
+        paired = [(r, base[key[:2] + (r["seed"],)]) for r in mine if key[:2] + (r["seed"],) in base]
+        ratios = {r["seed"]: r["final_loss"] / b["final_loss"] for r, b in paired}
+        half = key[1] // 2 - 1
+        halves = [r["losses"][half] / b["losses"][half] for r, b in paired if half >= 0]
+        final = _spread(list(ratios.values()))
+        rows.append(dict(inner_steps=key[0], rounds=key[1], variant=key[2], seeds=sorted(ratios),
+                         losses={r["seed"]: round(r["final_loss"], 4) for r in mine},
+                         ratios={s: round(v, 4) for s, v in ratios.items()},
+                         ratio_median=final["median"], ratio_min=final["min"], ratio_max=final["max"],
+                         half_ratio_median=_spread(halves)["median"],
+                         bytes_per_param_round=round(mine[0]["bytes_per_param_round"], 4),
+                         meets_bound=bool(ratios) and final["median"] <= BOUND and final["max"] <= BOUND))
+    return rows
+
+
+def report(result: dict[str, Any]) -> str:
+    """The Markdown table of :func:`summarize`'s rows, with the machine, the code and the command."""
+    m = result["machine"]
+    dirty = result.get("dirty") or []
+    code = f"`{m.get('git_commit', '?')}`" + (f" plus uncommitted changes to {', '.join(dirty)}" if dirty else "")
+    lines = ["# Compressed pseudo-gradients against fp16 DiLoCo (B6's corpus and model, one process)", "",
+             f"Host `{m.get('host', '?')}` ({m.get('cpu', '?')}, {m.get('cpus', '?')} CPUs, load "
+             f"{m.get('load_avg_1m_at_start', '?')} at start), {m.get('date_utc', '?')}, torch {m.get('torch', '?')}; "
+             f"code {code}; corpus {result['corpus_chars']} characters (sha256 {result['corpus_sha256'][:12]}...).",
+             "", f"Command: `{result['command']}`", "",
+             f"{WORKERS} workers, AdamW lr {INNER_LR}, batch {BATCH}; rows of the same inner steps x rounds saw the "
+             "same samples. fp16: the mean of fp16 pseudo-gradients, outer SGD lr 0.7 Nesterov 0.9 (collabopt's "
+             "DiLoCo default). Variants: d<density>-b<bits>-e<error decay>-sgd<lr> (outer SGD without momentum, "
+             "`SparseLoCo.outer_optimizer(lr)`) or -nest<lr> (Nesterov 0.9); fp16-sgd<lr>: fp16 with that outer step. "
+             "Ratio: held-out loss (cross-entropy, nats) over fp16's of the same seed, after all rounds (median and "
+             f"range over seeds) and after half of them (median); bound {BOUND}x (the median and every seed).", "",
+             "| inner steps | rounds | variant | bytes/param/round | final loss per seed | ratio median | range "
+             "| ratio at half (median) | <= bound |",
+             "|---:|---:|---|---:|---|---:|---|---:|:-:|"]
+    for row in result["summary"]:
+        losses = ", ".join(f"{v:.4f}" for _, v in sorted(row["losses"].items()))
+        bound = "-" if row["variant"] == "fp16" else ("yes" if row["meets_bound"] else "no")
+        lines.append(f"| {row['inner_steps']} | {row['rounds']} | {row['variant']} | {row['bytes_per_param_round']} "
+                     f"| {losses} | {row['ratio_median']} | {row['ratio_min']}..{row['ratio_max']} | "
+                     f"{row['half_ratio_median']} | {bound} |")
+    return "\n".join(lines) + "\n"
+
+
+def dirty_code() -> list[str]:
+    """Uncommitted changes to the code under measure (the working tree is shared by several writers)."""
+    out = subprocess.run(["git", "status", "--porcelain", "--", "collabopt", "benchmarks/sparse_quality.py",
+                          "benchmarks/diloco.py"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
+    return [line[3:] for line in out.splitlines()]
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--inner-steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--inner-lr", type=float, default=1e-3)
-    parser.add_argument("--density", type=float, default=0.02)
-    parser.add_argument("--bits", type=int, default=2)
-    parser.add_argument("--decay", type=float, default=0.95)
-    args = parser.parse_args()
+    parser.add_argument("--inner-steps", type=int, nargs="+", default=[20, 100])
+    parser.add_argument("--samples-steps", type=int, default=2000,
+                        help="inner steps per worker in all (rounds = this / inner steps)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--variants", nargs="+", default=["fp16", "d0.02-b2-e0.95-sgd1.0"])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sparse_quality")
+    parser.add_argument("--merge", action="store_true", help="keep the runs already in --out's JSON")
+    parser.add_argument("--combine", type=Path, nargs="+", help="run nothing: merge the runs of these JSON files")
+    args = parser.parse_args(argv)
+    command = "python -m benchmarks.sparse_quality " + " ".join(shlex.quote(a) for a in
+                                                                (sys.argv[1:] if argv is None else argv))
+    for name in args.variants:
+        parse_variant(name)
     torch.set_num_threads(1)
-    parser_variants = ("exact", "sparseloco", "sparse+nesterov", "exact+sgd")
-    results = {variant: run(variant, args) for variant in parser_variants}
-    for variant in parser_variants[1:]:
-        print(f"{variant}: final held-out loss {results[variant][-1] / results['exact'][-1]:.3f}x exact DiLoCo's")
+    data = load_data()
+    machine, dirty = machine_info(), dirty_code()
+    runs: list[dict[str, Any]] = []
+    if args.merge and args.out.with_suffix(".json").exists():
+        runs = json.loads(args.out.with_suffix(".json").read_text())["runs"]
+    if args.combine:
+        loaded = [json.loads(path.read_text()) for path in args.combine]
+        runs += [r for result in loaded for r in result["runs"]]
+        machine, dirty = loaded[0]["machine"], sorted({d for result in loaded for d in result.get("dirty", [])})
+        command = " + ".join(result["command"] for result in loaded)
+    for inner_steps in [] if args.combine else args.inner_steps:
+        rounds = args.samples_steps // inner_steps
+        for seed in args.seeds:
+            for name in args.variants:
+                key = (name, inner_steps, rounds, seed)
+                runs = [r for r in runs if (r["variant"], r["inner_steps"], r["rounds"], r["seed"]) != key]
+                runs.append(run(name, inner_steps, rounds, seed, data))
+                print(f"H={inner_steps} seed {seed} {name:24s} loss {runs[-1]['final_loss']:.4f} "
+                      f"({runs[-1]['seconds']:.0f} s)", flush=True)
+    result = dict(machine=machine, dirty=dirty, command=command, workers=WORKERS, batch=BATCH, inner_lr=INNER_LR,
+                  bound=BOUND, corpus_chars=data["corpus_chars"], corpus_sha256=data["corpus_sha256"], runs=runs,
+                  summary=summarize(runs))
+    write_json(args.out.with_suffix(".json"), result)
+    args.out.with_suffix(".md").write_text(report(result))
+    for row in result["summary"]:
+        print(f"H={row['inner_steps']:4d} {row['variant']:24s} ratio {row['ratio_median']} "
+              f"({row['ratio_min']}..{row['ratio_max']}) at half {row['half_ratio_median']} "
+              f"bytes/param/round {row['bytes_per_param_round']}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""The figures of benchmarks/sparse_quality.py (compressed pseudo-gradients against fp16 DiLoCo), from canned runs
+and one tiny run on a synthetic text: seconds, no swarm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import sparse_quality
+from collabopt.diloco_options import SparseLoCo
+
+
+def test_variant_names_give_the_compression_and_the_outer_step():
+    assert sparse_quality.parse_variant("fp16") == dict(compression=None, outer=sparse_quality.FP16_OUTER)
+    assert sparse_quality.parse_variant("fp16-sgd1.5") == dict(compression=None, outer=dict(lr=1.5))
+    sgd = sparse_quality.parse_variant("d0.02-b2-e0.95-sgd1.0")
+    assert sgd == dict(compression=SparseLoCo(density=0.02, bits=2, error_decay=0.95), outer=dict(lr=1.0))
+    nesterov = sparse_quality.parse_variant("d0.05-b4-e1.0-nest0.7")
+    assert nesterov["compression"] == SparseLoCo(density=0.05, bits=4, error_decay=1.0)
+    assert nesterov["outer"] == dict(lr=0.7, momentum=0.9, nesterov=True)
+    for bad in ("fp32", "fp16-sgd", "d0.02-b2-sgd1.0"):
+        with pytest.raises(SystemExit):
+            sparse_quality.parse_variant(bad)
+
+
+def test_the_fp16_mean_rounds_each_contribution_and_the_mean():
+    small = 1e-4  # (below fp16's resolution at 1.0: each 1.0 + small rounds to 1.0)
+    deltas = [[torch.tensor([1.0 + small, 2.0])], [torch.tensor([1.0 + small, 4.0])]]
+    assert sparse_quality.fp16_mean(deltas)[0].tolist() == [1.0, 3.0]
+
+
+def canned(variant, seed, losses, inner_steps=20):
+    return dict(variant=variant, inner_steps=inner_steps, rounds=len(losses), seed=seed, final_loss=losses[-1],
+                losses=losses, bytes_per_param_round=2.0 if variant == "fp16" else 0.037)
+
+
+def test_ratios_are_paired_by_seed_and_the_bound_needs_every_seed():
+    runs = [canned("fp16", 0, [3.0, 2.0, 1.5, 1.0]), canned("fp16", 1, [3.0, 2.0, 1.5, 2.0]),
+            canned("fp16", 2, [3.0, 2.0, 1.5, 1.0]),
+            canned("sparse", 0, [3.0, 2.2, 1.5, 1.01]), canned("sparse", 1, [3.0, 1.8, 1.5, 2.06]),
+            canned("sparse", 2, [3.0, 2.0, 1.5, 0.99]),
+            canned("sparse", 0, [2.0, 1.0], inner_steps=100)]  # (no fp16 run of that setting: no ratio)
+    rows = {(r["inner_steps"], r["variant"]): r for r in sparse_quality.summarize(runs)}
+    sparse = rows[(20, "sparse")]
+    assert sparse["ratios"] == {0: 1.01, 1: 1.03, 2: 0.99}
+    assert (sparse["ratio_median"], sparse["ratio_min"], sparse["ratio_max"]) == (1.01, 0.99, 1.03)
+    assert sparse["half_ratio_median"] == 1.0  # after round 2: 1.1, 0.9, 1.0
+    assert not sparse["meets_bound"]  # (seed 1 is over 1.02 though the median is not)
+    assert rows[(20, "fp16")]["ratio_median"] == 1.0 and rows[(20, "fp16")]["meets_bound"]
+    assert rows[(100, "sparse")]["ratio_median"] is None and not rows[(100, "sparse")]["meets_bound"]
+
+
+def test_report_names_host_commit_command_and_every_row():
+    runs = [canned("fp16", 0, [2.0, 1.0]), canned("d0.02-b2-e0.95-sgd1.0", 0, [2.0, 1.05])]
+    machine = dict(host="h", cpu="cpu", cpus=2, date_utc="2026-01-01 00:00 UTC", load_avg_1m_at_start=2.5,
+                   torch="2", git_commit="abc1234")
+    result = dict(machine=machine, dirty=["collabopt/x.py"], command="python -m benchmarks.sparse_quality --seeds 0",
+                  corpus_chars=1000, corpus_sha256="0" * 64, summary=sparse_quality.summarize(runs))
+    text = sparse_quality.report(result)
+    assert "`h`" in text and "load 2.5" in text and "`abc1234` plus uncommitted changes to collabopt/x.py" in text
+    assert "`python -m benchmarks.sparse_quality --seeds 0`" in text
+    assert "| 20 | 2 | d0.02-b2-e0.95-sgd1.0 | 0.037 | 1.0500 | 1.05 | 1.05..1.05 | 1.0 | no |" in text
+    assert "| 20 | 2 | fp16 | 2.0 | 1.0000 | 1.0 | 1.0..1.0 | 1.0 | - |" in text
+
+
+def test_a_tiny_run_pairs_the_initial_model_and_the_batches():
+    ids = torch.randint(0, 8, (2000,), generator=torch.Generator().manual_seed(0))
+    eval_x, eval_y = sparse_quality.windows(ids, 64, torch.Generator().manual_seed(1))
+    data = dict(train=ids, eval_x=eval_x, eval_y=eval_y, vocab=8)
+    fp16 = sparse_quality.run("fp16", inner_steps=2, rounds=2, seed=0, data=data)
+    again = sparse_quality.run("fp16", inner_steps=2, rounds=2, seed=0, data=data)
+    other_seed = sparse_quality.run("fp16", inner_steps=2, rounds=2, seed=1, data=data)
+    sparse = sparse_quality.run("d0.02-b2-e0.95-sgd1.0", inner_steps=2, rounds=2, seed=0, data=data)
+    assert again["losses"] == fp16["losses"] and other_seed["losses"] != fp16["losses"]
+    assert len(sparse["losses"]) == 2 and sparse["losses"] != fp16["losses"]
+    assert fp16["bytes_per_param_round"] == 2.0
+    assert sparse["bytes_per_param_round"] < 0.2  # (a short last chunk: more than 0.037)
