@@ -271,9 +271,9 @@ class DiLoCo:
         would count it twice."""
         self.delivered, self._undecided = (base, weight, epoch), 0
         self.needs_sync = True  # (the protocol decided so too)
-        logger.warning("collabopt: part of this DiLoCo round's average did not arrive; its pseudo-gradient may have "
-                       "reached the others: this peer downloads the swarm's state before its next round (if the "
-                       "others applied the round, it keeps only its progress made since)")
+        logger.warning("collabopt: this DiLoCo round is not applied here, but its pseudo-gradient may have reached "
+                       "the others: this peer downloads the swarm's state before its next round (if the others "
+                       "applied the round, it keeps only its progress made since)")
 
     @torch.no_grad()
     def progress_to_keep(self, swarm: RoundSwarm) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:

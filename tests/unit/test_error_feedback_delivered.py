@@ -6,6 +6,8 @@ round before the truth builds on the committed buffer; a checkpoint holds the co
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -64,10 +66,17 @@ class CompressedSwarm:
         return self.grad_averager.get_tensors()
 
     def average(self, weight):
+        self.hand_over(weight)
+        return self.partial_result(self.local_epoch)
+
+    def hand_over(self, weight):
         control = self.grad_averager.schedule(timeout=1.0, gather=None)
         self.grad_averager.run(control, weight)
         self.payloads.append(control.sent[0])
-        gathered = {peer: anchor_metadata(self.local_epoch, self.anchors) for peer in "abc"}
+
+    def partial_result(self, epoch):
+        """The exchange of the round of ``epoch`` ended after this peer's offers went out, the set not applied here."""
+        gathered = {peer: anchor_metadata(epoch, self.anchors) for peer in "abc"}
         return self.grad_averager.report(ExchangeResult(None, (), tuple(gathered), gathered,
                                                         "only 1 of 3 members confirmed this set", 100, 100))
 
@@ -117,8 +126,8 @@ def partial_round(swarm, diloco, seed=1):
     return old, update
 
 
-def new_diloco():
-    return DiLoCo(torch.optim.SGD([torch.zeros(1)], lr=1.0))
+def new_diloco(overlap=False):
+    return DiLoCo(torch.optim.SGD([torch.zeros(1)], lr=1.0), overlap=overlap)
 
 
 def same(a, b):
@@ -189,3 +198,57 @@ def test_a_round_settled_otherwise_is_not_held(swarm):
     assert not feedback.staged and same(feedback.buffers, committed)
     rounds.settle_delivered(True)  # nothing held: nothing changes
     assert same(feedback.buffers, committed)
+
+
+def test_the_warning_does_not_say_part_of_an_average_arrived(swarm, caplog):
+    """A compressed round's member that may not apply the set received no average at all: the warning of a round
+    that may have reached the others says what it knows in either mode."""
+    with caplog.at_level(logging.WARNING, logger="collabopt.diloco"):
+        partial_round(swarm, new_diloco())
+    warnings = [r.getMessage() for r in caplog.records if r.name == "collabopt.diloco"]
+    assert any("its pseudo-gradient may have reached the others" in w for w in warnings)
+    assert not any("average did not arrive" in w for w in warnings)
+
+
+def overlapped_round(swarm, diloco, seed=1):
+    """overlap_rounds: this peer's round of epoch 4 starts (its payload goes out, the epoch moves on to 5); returns
+    (old buffer, the round's update of it, the training step's delta)."""
+    feedback = swarm.grad_averager.error_feedback
+    old = [b.clone() for b in feedback.buffers]
+    delta = swarm.train(seed)
+    diloco.pending_samples = 24
+    swarm.hand_over(diloco.start_round(swarm))
+    swarm.local_epoch += 1  # (as DiLoCoLoop._start_overlapped_round does)
+    sent = SPARSE.codec.decode(swarm.payloads[-1], SHAPES)
+    return old, [0.9 * e + d - s for e, d, s in zip(old, delta, sent, strict=True)], delta
+
+
+def test_a_restart_while_a_round_is_in_flight_leaves_its_update_to_the_round(swarm):
+    """overlap_rounds: the parameters turn non-finite while the round runs; the peer restarts from the round's base,
+    which settles no held update (none is): the round's own update stays staged for the round's decision."""
+    diloco, feedback = new_diloco(overlap=True), swarm.grad_averager.error_feedback
+    _, update, _ = overlapped_round(swarm, diloco)
+    swarm.parameters[0][0, 0] = float("nan")
+    diloco.restart_from_last_round(swarm)
+    assert feedback.staged and not feedback.held
+    swarm.grad_averager.settle(True)  # the round lands, applied
+    torch.testing.assert_close(feedback.buffers, update, rtol=0, atol=1e-6)
+
+
+def test_an_overlapped_round_not_applied_here_is_held_until_a_download_tells(swarm):
+    """overlap_rounds: the round lands not applied after its payload went out; the download of a state whose anchor
+    moved (the others applied it) commits the update and keeps only the progress made since the round started."""
+    diloco, feedback = new_diloco(overlap=True), swarm.grad_averager.error_feedback
+    old, update, _ = overlapped_round(swarm, diloco)
+    later = swarm.train(2)  # inner steps while the round runs
+    outcome = diloco.land_round(swarm, swarm.partial_result(4))
+    swarm._settle(outcome.applied)  # (as DiLoCoLoop.land does)
+    assert not outcome.applied and diloco.delivered is not None and diloco.needs_sync
+    assert feedback.held and same(feedback.buffers, old)
+    progress, since = diloco.progress_to_keep(swarm)
+    swarm.download(5, anchor_moved=True)
+    assert not diloco.restore_after_download(swarm, progress, since, downloaded=True, anchor_moved=True)
+    assert not feedback.held and diloco.delivered is None
+    torch.testing.assert_close(feedback.buffers, update, rtol=0, atol=1e-6)
+    torch.testing.assert_close([p - a for p, a in zip(swarm.parameters, swarm.anchors, strict=True)],
+                               [-d for d in later], rtol=0, atol=1e-6)
