@@ -257,8 +257,8 @@ def churn() -> list[str]:
 
 
 BLOCKS: dict[str, Callable[[], list[str]]] = {
-    "readme": readme, "b1": b1, "defaults": defaults, "b2": b2, "b3": b3, "b4": b4, "b5": b5, "b6": b6, "b7": b7, "gpu": gpu,
-    "small": small_runs, "churn": churn,
+    "readme": readme, "b1": b1, "defaults": defaults, "b2": b2, "b3": b3, "b4": b4, "b5": b5, "b6": b6, "b7": b7,
+    "gpu": gpu, "small": small_runs, "churn": churn,
 }
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from collabopt import lineage
-from collabopt.engine import protocol
+from collabopt.engine import protocol, protocol_download
 
 logger = logging.getLogger(__name__)
 
@@ -147,19 +147,27 @@ def serve_below_the_others(optimizer: Any) -> None:
         optimizer.state_averager.state_sharing_priority = optimizer.local_epoch - 0.5
 
 
-def resync_outcome(optimizer: Any, resync: Resync, before: list[float]) -> None:
-    """After a download for ``resync``: done if the parameters changed (they came from another lineage), else try
-    again at a later step (the canonical peers had not served the boundary's state yet), until ``resync.until``."""
+def resync_outcome(optimizer: Any, resync: Resync | None, apart: bool, before: list[float]) -> None:
+    """After a download: what it ends of a pending re-sync (``resync``) and of this peer's being ``apart``, decided by
+    :func:`collabopt.engine.protocol_download.resync_after_download` from whether the parameters moved away from
+    their fingerprint ``before`` it; a re-sync is done, given up, or tried again at a later step (the group's peers
+    had not served the boundary's state yet)."""
     logger = logging.getLogger(__name__)
-    if not lineage.same_fingerprint(before, lineage.fingerprint(optimizer.state_averager.main_parameters)):
+    moved = bool(before) and not lineage.same_fingerprint(
+        before, lineage.fingerprint(optimizer.state_averager.main_parameters))
+    left = resync.until - time.monotonic() if resync is not None else 0.0
+    decision = protocol_download.resync_after_download(protocol_download.ResyncEvidence(
+        resyncing=resync is not None, apart=apart, moved=moved, time_left=left))
+    optimizer.sync_state.apart = decision.apart
+    if decision.resync == "done":
         logger.log(optimizer.status_loglevel, "collabopt: re-synchronized with its gradient round's parameters "
                    "(epoch %d)", optimizer.local_epoch)
         optimizer.sync_state.resync = None
-        optimizer.sync_state.apart = False
-    elif time.monotonic() >= resync.until:
+    elif decision.resync == "give up":
         logger.warning("collabopt: no peer of the other lineage served its state within %.0f s; this peer goes on "
                        "with its own parameters (the next gradient round checks again)", optimizer.averaging_timeout)
         optimizer.sync_state.resync = None
-    else:
+    elif decision.resync == "retry":
+        assert resync is not None
         resync.next_try = time.monotonic() + RESYNC_RETRY
         serve_below_the_others(optimizer)

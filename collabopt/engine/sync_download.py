@@ -11,6 +11,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.utils import get_dht_time
 
 from collabopt import lineage
+from collabopt.engine import protocol_download
 from collabopt.engine.lineage_check import resync_outcome
 from collabopt.engine.progress import forget_stale_progress
 from collabopt.errors import ModelMismatchError
@@ -37,34 +38,32 @@ def download_state(optimizer: Any, **kwargs: Any) -> None:
     finally:
         if resync is not None:
             optimizer.state_downloads.prefer_sources([])
-    if resync is not None:
-        resync_outcome(optimizer, resync, before)
-    elif apart and not lineage.same_fingerprint(before, lineage.fingerprint(optimizer.state_averager.main_parameters)):
-        optimizer.sync_state.apart = False  # (after a partial round) it holds a served state now
+    resync_outcome(optimizer, resync, apart, before)
 
 
 def _download_until_current(optimizer: Any, **kwargs: Any) -> None:
+    """Download until this peer holds the swarm's epoch or its deadline passed; what then
+    (:func:`~collabopt.engine.protocol_download.after_download` decides)."""
     deadline = time.monotonic() + optimizer.averaging_timeout
     while True:
         _download_state_once(optimizer, **kwargs)
-        swarm_epoch = optimizer.tracker.global_epoch
-        if optimizer.local_epoch >= swarm_epoch or time.monotonic() >= deadline:
+        seen = protocol_download.DownloadEvidence(optimizer.local_epoch, optimizer.tracker.global_epoch,
+                                                  deadline - time.monotonic())
+        decision = protocol_download.after_download(seen)
+        if decision.action != "again":
             break
         if optimizer.state_downloads.handed_on:
-            logger.log(optimizer.status_loglevel, "collabopt: the state downloaded is epoch %d's, the swarm's is %d: "
-                       "downloading again", optimizer.local_epoch, swarm_epoch)
+            logger.log(optimizer.status_loglevel, "collabopt: the state downloaded is %s: downloading again",
+                       decision.reason)
         else:  # (each peer asked was ending an epoch, or had nothing to send: see ConsistentStateAverager.served_state)
             logger.log(optimizer.status_loglevel, "collabopt: no peer sent its state now: downloading again in 1 s")
         with optimizer.tracker.pause_updates():  # fetch the swarm's progress now, then look again
             optimizer.tracker.global_progress.next_fetch_time = get_dht_time()
         optimizer.tracker.global_state_updated.set()
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-    if optimizer.local_epoch == optimizer.tracker.global_epoch - 1:  # hivemind's rule, as a last resort
-        logger.warning(
-            "collabopt: no peer served the swarm's epoch %d within %.0f s; continuing from epoch %d's state as epoch "
-            "%d", optimizer.tracker.global_epoch, optimizer.averaging_timeout, optimizer.local_epoch,
-            optimizer.tracker.global_epoch)
-        optimizer.state_averager.local_epoch = optimizer.tracker.global_epoch
+    if decision.action == "relabel":  # hivemind's rule, as a last resort
+        logger.warning("collabopt: %s (within %.0f s)", decision.reason, optimizer.averaging_timeout)
+        optimizer.state_averager.local_epoch = seen.swarm_epoch
         after_download(optimizer)
     forget_stale_progress(optimizer.tracker, optimizer.local_epoch)
 

@@ -148,7 +148,7 @@ def test_a_partial_round_leaves_the_peer_apart_until_a_round_or_a_download_says_
     assert lineage_check.lineage_metadata(optimizer)["apart"] is True
     optimizer.sync_state.resync = lineage_check.Resync(peers=["p1"], epoch=3, until=float("inf"))
     optimizer.state_averager.main_parameters = [torch.full((4,), 2.0)]  # the download brought the others' state
-    lineage_check.resync_outcome(optimizer, optimizer.sync_state.resync, A)
+    lineage_check.resync_outcome(optimizer, optimizer.sync_state.resync, True, A)
     assert optimizer.sync_state.apart is False and not lineage_check.out_of_sync(optimizer)
 
 
@@ -225,11 +225,12 @@ def test_a_resync_ends_when_the_parameters_changed_and_retries_while_they_did_no
     before = fingerprint(optimizer.state_averager.main_parameters)
     resync = lineage_check.Resync(peers=["p1"], epoch=3, until=float("inf"))
     optimizer.sync_state.resync = resync
-    lineage_check.resync_outcome(optimizer, resync, before)  # the canonical peers had not served the new epoch yet
+    # the canonical peers had not served the new epoch yet
+    lineage_check.resync_outcome(optimizer, resync, False, before)
     assert optimizer.sync_state.resync is resync and resync.next_try > 0
     assert optimizer.state_averager.state_sharing_priority == 2.5
     optimizer.state_averager.main_parameters = [torch.full((4,), 2.0)]
-    lineage_check.resync_outcome(optimizer, resync, before)
+    lineage_check.resync_outcome(optimizer, resync, False, before)
     assert optimizer.sync_state.resync is None
 
 
@@ -237,5 +238,5 @@ def test_a_resync_gives_up_at_its_deadline(caplog):
     optimizer = stand_in()
     resync = lineage_check.Resync(peers=["p1"], epoch=3, until=0.0)
     optimizer.sync_state.resync = resync
-    lineage_check.resync_outcome(optimizer, resync, fingerprint(optimizer.state_averager.main_parameters))
+    lineage_check.resync_outcome(optimizer, resync, False, fingerprint(optimizer.state_averager.main_parameters))
     assert optimizer.sync_state.resync is None and "goes on with its own parameters" in caplog.text
