@@ -10,6 +10,8 @@ happened and what to do next. The rest of the engine gathers the evidence and ex
   :func:`sync_round` (the gradient round's group, the lineage check, the share of the average that arrived), and
   within the round :func:`sync_contributes` (a member's epoch) and :func:`sync_gradients` (whether the average is used);
 - a synchronous parameter round: :func:`parameter_round` (whether its average replaces this peer's parameters);
+- a synchronous download (the one re-sync path): whether the peer is current, downloads again or goes on, and what it
+  ends of a pending re-sync (:mod:`collabopt.engine.protocol_download`);
 - a DiLoCo round: :func:`diloco_round` (quorum, one anchor, a finite average, a partial all-reduce; in
   :mod:`collabopt.engine.protocol_diloco`);
 - the core's non-finite guard amends either outcome: :func:`guard_amended`.
