@@ -19,7 +19,10 @@ bytes its exchanges sent and received), ``checkpoint_epoch`` (at that epoch, onc
 ``resume_from`` (a ``.ckpt`` to start from: parameters loaded before the optimizer is built, its state right after;
 ``<out>.pt`` then holds ``loaded_error_feedback``: the buffer after loading), ``kill_in_exchange`` (in its
 that-many-th exchange this peer sends its offer to one member only, then SIGKILLs itself: see
-:func:`kill_mid_exchange`).
+:func:`kill_mid_exchange`), ``held_out`` (the last that-many samples of the data are never trained on; the result
+then holds ``held_out_losses``: the loss on them after every epoch change, by epoch), ``attack`` (a hostile member,
+benchmarks/sparse_hostile.py: ``scale``, ``noise`` and ``claim`` alter what it sends in every round, see
+:func:`attack_rounds`; ``wrong_labels``: it trains on every label shifted by one).
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ def main(config_path: str) -> None:
         from hivemind.compression import NoCompression
 
         options["grad_compression"] = NoCompression()
+    held_out = cfg.get("held_out", 0)
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     sizes = batch_size_sequence(cfg.get("batch_sizes", [16]), rng)
     result = {"rounds": [], "samples_fed": 0}
@@ -102,6 +106,8 @@ def main(config_path: str) -> None:
                                       model=model, **options)
     with copt:
         record_partial_rounds(copt, model, params["partial"])
+        if cfg.get("attack"):
+            attack_rounds(copt, cfg["attack"])
         if checkpoint is not None:
             copt.load_state_dict(checkpoint["copt"])
             params["loaded_error_feedback"] = error_feedback_buffers(copt)
@@ -119,8 +125,11 @@ def main(config_path: str) -> None:
             if cfg.get("stop_after") is not None and copt.diloco.rounds_applied >= cfg["stop_after"]:
                 break
             n = next(sizes)
-            idx = torch.randint(0, len(x_all), (n,))
-            F.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
+            idx = torch.randint(0, len(x_all) - held_out, (n,))
+            y = y_all[idx]
+            if cfg.get("attack", {}).get("wrong_labels"):  # a hostile member's data: every label shifted by one
+                y = (y + 1) % 4
+            F.cross_entropy(model(x_all[idx]), y).backward()
             result["samples_fed"] += n
             fed_since_anchor += n
             before = (copt.local_epoch, copt.diloco.rounds_applied, copt.diloco.resyncs)
@@ -151,6 +160,9 @@ def main(config_path: str) -> None:
                     fed_since_anchor=fed_since_anchor, reason=getattr(last, "reason", "started")))
                 if applied:
                     fed_since_anchor = 0
+                if held_out:
+                    result.setdefault("held_out_losses", {})[epoch] = full_loss(model, x_all[-held_out:],
+                                                                                y_all[-held_out:])
                 write_json(out + ".progress", {"epoch": epoch})
                 if applied and cfg.get("checkpoint_epoch") is not None and epoch >= cfg["checkpoint_epoch"]:
                     torch.save(dict(copt=copt.state_dict(), model=snapshot(model),
@@ -171,6 +183,30 @@ def main(config_path: str) -> None:
 def error_feedback_buffers(copt: CollaborativeOptimizer) -> list[torch.Tensor]:
     """A copy of this peer's committed error-feedback buffer (``pseudo_gradient_compression``)."""
     return [b.clone() for b in copt.loop.grad_averager.error_feedback.buffers]
+
+
+def attack_rounds(copt: CollaborativeOptimizer, spec: dict) -> None:
+    """A hostile member: in every round it contributes to, what it sends is its pseudo-gradient (the round's buffers,
+    which the compression reads) times ``spec["scale"]``, plus Gaussian noise of ``spec["noise"]`` times the
+    pseudo-gradient's norm, at a weight of ``spec["claim"]`` times the samples it trained on. Its parameters stay its
+    own, and so do the samples it reports for the swarm's progress (a claim there brings the rounds sooner for
+    everyone; the claim here is what the aggregate weighs)."""
+    diloco = copt.diloco
+    contribute = diloco._contribute
+
+    def hostile(swarm):
+        weight = contribute(swarm)
+        if weight == 0:  # (nothing to send: refused, or nothing trained)
+            return weight
+        with swarm.buffers() as buffers:
+            norm = float(torch.linalg.vector_norm(torch.cat([b.reshape(-1) for b in buffers])))
+            size = sum(b.numel() for b in buffers)
+            for b in buffers:
+                noise = torch.randn_like(b) * (spec.get("noise", 0.0) * norm / size ** 0.5)
+                b.mul_(spec.get("scale", 1.0)).add_(noise)
+        return weight * spec.get("claim", 1)
+
+    diloco._contribute = hostile
 
 
 def kill_mid_exchange(round_index: int) -> None:
