@@ -2,7 +2,9 @@
 on B6's corpus and model, in one process, no network: the held-out loss at equal samples.
 
 B6's quality bed (:mod:`benchmarks.diloco`): a character-level MLP over 16 characters (about 130k parameters) on
-this repository's Markdown text (its size and SHA-256 are in the results), 4 workers, AdamW lr 3e-3, batch 64. Here
+this repository's Markdown text, 4 workers, AdamW lr 3e-3, batch 64. The text is that of a commit (``--corpus-commit``,
+HEAD by default; its SHA-256 and size are in the results), not the working tree's: others edit the tree meanwhile,
+and a changed text changes every loss (a 0.6% longer text moved fp16's loss after 2,000 steps by up to 4%). Here
 the 4 workers run in one process, each on its own random windows of the training text, and a round is computed as
 collabopt computes it, without the transport:
 
@@ -16,9 +18,9 @@ collabopt computes it, without the transport:
   (SGD without momentum, ``SparseLoCo.outer_optimizer(lr)``) or ``nest<lr>`` (SGD, Nesterov momentum 0.9);
 * ``fp16-sgd<lr>``: the fp16 mean with an outer step without momentum (what the outer step alone changes).
 
-Every variant of a seed starts from the same initial model and trains on the same batches, so each ratio (the
-variant's held-out loss over fp16's after the same samples) is paired; the table gives its median and range over
-seeds, after all the samples and after half of them.
+Every variant of a seed starts from the same initial model and trains on the same batches of the same text, so each
+ratio (the variant's held-out loss over fp16's after the same samples) is paired; the table gives its median and
+range over seeds, after all the samples and after half of them.
 
     .venv/bin/python -m benchmarks.sparse_quality --inner-steps 20 100 --samples-steps 2000 --seeds 0 1 2 \\
         --variants fp16 d0.02-b2-e0.95-sgd1.0
@@ -45,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import ROOT, machine_info, write_json
-from benchmarks.diloco import char_model, corpus, encode, windows
+from benchmarks.diloco import char_model, encode, windows
 from collabopt.diloco_options import SparseLoCo
 from collabopt.sparse_aggregation import aggregate
 
@@ -134,15 +136,28 @@ def run(name: str, inner_steps: int, rounds: int, seed: int, data: dict[str, Any
             losses.append(float(F.cross_entropy(model(data["eval_x"]), data["eval_y"])))
     return dict(variant=name, inner_steps=inner_steps, rounds=rounds, seed=seed, final_loss=losses[-1],
                 losses=[round(v, 5) for v in losses], bytes_per_param_round=sent / WORKERS / rounds / numel,
-                numel=numel, seconds=round(time.monotonic() - started, 1))
+                numel=numel, corpus=data["corpus"]["sha256"][:12], seconds=round(time.monotonic() - started, 1))
 
 
-def load_data() -> dict[str, Any]:
-    text = corpus()
+def git(*args: str) -> bytes:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, check=True, timeout=60).stdout
+
+
+def corpus_at(commit: str) -> str:
+    """B6's corpus (:func:`benchmarks.diloco.corpus`: the Markdown files sorted by path, concatenated) as of
+    ``commit``."""
+    names = git("ls-tree", "-r", "-z", "--name-only", commit).decode().split("\0")
+    names = sorted(name for name in names if name.endswith(".md"))
+    return "".join(git("show", f"{commit}:{name}").decode(errors="replace") for name in names)
+
+
+def load_data(commit: str) -> dict[str, Any]:
+    """The training ids, B6's held-out windows and the vocabulary of the corpus of ``commit``."""
+    text = corpus_at(commit)
     train, held_out, vocab = encode(text)
     eval_x, eval_y = windows(held_out, 4096, torch.Generator().manual_seed(123))  # (B6's held-out windows)
-    return dict(train=train, eval_x=eval_x, eval_y=eval_y, vocab=vocab, corpus_chars=len(text),
-                corpus_sha256=hashlib.sha256(text.encode()).hexdigest())
+    return dict(train=train, eval_x=eval_x, eval_y=eval_y, vocab=vocab, corpus=dict(
+        commit=commit, chars=len(text), sha256=hashlib.sha256(text.encode()).hexdigest()))
 
 
 def _spread(values: list[float]) -> dict[str, float | None]:
@@ -153,20 +168,22 @@ def _spread(values: list[float]) -> dict[str, float | None]:
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per inner-step count, round count and variant: the ratio of its held-out loss to fp16's of the same seed
-    after all rounds (median, range) and after half of them (median); meets the bound where the median and every
-    seed's final ratio are at most :data:`BOUND`."""
-    base = {(r["inner_steps"], r["rounds"], r["seed"]): r for r in runs if r["variant"] == "fp16"}
+    """Per corpus, inner-step count, round count and variant: the ratio of its held-out loss to fp16's of the same
+    seed after all rounds (median, range) and after half of them (median); meets the bound where the median and
+    every seed's final ratio are at most :data:`BOUND`."""
+    def setting(r: dict[str, Any]) -> tuple[str, int, int]:
+        return r["corpus"], r["inner_steps"], r["rounds"]
+
+    base = {(*setting(r), r["seed"]): r for r in runs if r["variant"] == "fp16"}
     rows = []
-    for key in sorted({(r["inner_steps"], r["rounds"], r["variant"]) for r in runs}):
-        mine = sorted((r for r in runs if (r["inner_steps"], r["rounds"], r["variant"]) == key),
-                      key=lambda r: r["seed"])
-        paired = [(r, base[key[:2] + (r["seed"],)]) for r in mine if key[:2] + (r["seed"],) in base]
+    for key in sorted({(*setting(r), r["variant"]) for r in runs}, key=lambda k: (k[1], k[2], k[0], k[3])):
+        mine = sorted((r for r in runs if (*setting(r), r["variant"]) == key), key=lambda r: r["seed"])
+        paired = [(r, base[(*key[:3], r["seed"])]) for r in mine if (*key[:3], r["seed"]) in base]
         ratios = {r["seed"]: r["final_loss"] / b["final_loss"] for r, b in paired}
-        half = key[1] // 2 - 1
+        half = key[2] // 2 - 1
         halves = [r["losses"][half] / b["losses"][half] for r, b in paired if half >= 0]
         final = _spread(list(ratios.values()))
-        rows.append(dict(inner_steps=key[0], rounds=key[1], variant=key[2], seeds=sorted(ratios),
+        rows.append(dict(corpus=key[0], inner_steps=key[1], rounds=key[2], variant=key[3], seeds=sorted(ratios),
                          losses={r["seed"]: round(r["final_loss"], 4) for r in mine},
                          ratios={s: round(v, 4) for s, v in ratios.items()},
                          ratio_median=final["median"], ratio_min=final["min"], ratio_max=final["max"],
@@ -177,30 +194,32 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def report(result: dict[str, Any]) -> str:
-    """The Markdown table of :func:`summarize`'s rows, with the machine, the code and the command."""
-    m = result["machine"]
-    dirty = result.get("dirty") or []
-    code = f"`{m.get('git_commit', '?')}`" + (f" plus uncommitted changes to {', '.join(dirty)}" if dirty else "")
+    """The Markdown table of :func:`summarize`'s rows, after the machine, code, command and corpus of each batch of
+    runs."""
     lines = ["# Compressed pseudo-gradients against fp16 DiLoCo (B6's corpus and model, one process)", "",
-             f"Host `{m.get('host', '?')}` ({m.get('cpu', '?')}, {m.get('cpus', '?')} CPUs, load "
-             f"{m.get('load_avg_1m_at_start', '?')} at start), {m.get('date_utc', '?')}, torch {m.get('torch', '?')}; "
-             f"code {code}; corpus {result['corpus_chars']} characters (sha256 {result['corpus_sha256'][:12]}...).",
-             "", f"Command: `{result['command']}`", "",
-             f"{WORKERS} workers, AdamW lr {INNER_LR}, batch {BATCH}; rows of the same inner steps x rounds saw the "
-             "same samples. fp16: the mean of fp16 pseudo-gradients, outer SGD lr 0.7 Nesterov 0.9 (collabopt's "
-             "DiLoCo default). Variants: d<density>-b<bits>-e<error decay>-sgd<lr> (outer SGD without momentum, "
-             "`SparseLoCo.outer_optimizer(lr)`) or -nest<lr> (Nesterov 0.9); fp16-sgd<lr>: fp16 with that outer step. "
-             "Ratio: held-out loss (cross-entropy, nats) over fp16's of the same seed, after all rounds (median and "
-             f"range over seeds) and after half of them (median); bound {BOUND}x (the median and every seed).", "",
-             "| inner steps | rounds | variant | bytes/param/round | final loss per seed | ratio median | range "
-             "| ratio at half (median) | <= bound |",
-             "|---:|---:|---|---:|---|---:|---|---:|:-:|"]
+             f"{WORKERS} workers, AdamW lr {INNER_LR}, batch {BATCH}; rows of the same corpus, inner steps and rounds "
+             "saw the same samples. fp16: the mean of fp16 pseudo-gradients, outer SGD lr 0.7 Nesterov 0.9 "
+             "(collabopt's DiLoCo default). Variants: d<density>-b<bits>-e<error decay>-sgd<lr> (outer SGD without "
+             "momentum, `SparseLoCo.outer_optimizer(lr)`) or -nest<lr> (Nesterov 0.9); fp16-sgd<lr>: fp16 with that "
+             "outer step. Ratio: held-out loss (cross-entropy, nats) over fp16's of the same seed, after all rounds "
+             f"(median and range over seeds) and after half of them (median); bound {BOUND}x (the median and every "
+             "seed).", "", "Batches of runs:", ""]
+    for batch in result["batches"]:
+        m, corpus, dirty = batch["machine"], batch["corpus"], batch.get("dirty") or []
+        code = f"`{m.get('git_commit', '?')}`" + (f" plus uncommitted changes to {', '.join(dirty)}" if dirty else "")
+        lines.append(f"* `{batch['command']}`: host `{m.get('host', '?')}` ({m.get('cpu', '?')}, "
+                     f"{m.get('cpus', '?')} CPUs, load {m.get('load_avg_1m_at_start', '?')} at start), "
+                     f"{m.get('date_utc', '?')}, torch {m.get('torch', '?')}, code {code}; corpus "
+                     f"`{corpus['sha256'][:12]}`: the Markdown of commit `{corpus['commit']}`, {corpus['chars']} "
+                     "characters.")
+    lines += ["", "| corpus | inner steps | rounds | variant | bytes/param/round | final loss per seed | ratio median "
+              "| range | ratio at half (median) | <= bound |", "|---|---:|---:|---|---:|---|---:|---|---:|:-:|"]
     for row in result["summary"]:
         losses = ", ".join(f"{v:.4f}" for _, v in sorted(row["losses"].items()))
         bound = "-" if row["variant"] == "fp16" else ("yes" if row["meets_bound"] else "no")
-        lines.append(f"| {row['inner_steps']} | {row['rounds']} | {row['variant']} | {row['bytes_per_param_round']} "
-                     f"| {losses} | {row['ratio_median']} | {row['ratio_min']}..{row['ratio_max']} | "
-                     f"{row['half_ratio_median']} | {bound} |")
+        lines.append(f"| {row['corpus']} | {row['inner_steps']} | {row['rounds']} | {row['variant']} | "
+                     f"{row['bytes_per_param_round']} | {losses} | {row['ratio_median']} | "
+                     f"{row['ratio_min']}..{row['ratio_max']} | {row['half_ratio_median']} | {bound} |")
     return "\n".join(lines) + "\n"
 
 
@@ -218,42 +237,44 @@ def main(argv: list[str] | None = None) -> None:
                         help="inner steps per worker in all (rounds = this / inner steps)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--variants", nargs="+", default=["fp16", "d0.02-b2-e0.95-sgd1.0"])
+    parser.add_argument("--corpus-commit", default="HEAD", help="the commit whose Markdown is the text")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sparse_quality")
     parser.add_argument("--merge", action="store_true", help="keep the runs already in --out's JSON")
     parser.add_argument("--combine", type=Path, nargs="+", help="run nothing: merge the runs of these JSON files")
     args = parser.parse_args(argv)
-    command = "python -m benchmarks.sparse_quality " + " ".join(shlex.quote(a) for a in
-                                                                (sys.argv[1:] if argv is None else argv))
     for name in args.variants:
         parse_variant(name)
-    torch.set_num_threads(1)
-    data = load_data()
-    machine, dirty = machine_info(), dirty_code()
+    batches: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
-    if args.merge and args.out.with_suffix(".json").exists():
-        runs = json.loads(args.out.with_suffix(".json").read_text())["runs"]
-    if args.combine:
-        loaded = [json.loads(path.read_text()) for path in args.combine]
-        runs += [r for result in loaded for r in result["runs"]]
-        machine, dirty = loaded[0]["machine"], sorted({d for result in loaded for d in result.get("dirty", [])})
-        command = " + ".join(result["command"] for result in loaded)
-    for inner_steps in [] if args.combine else args.inner_steps:
-        rounds = args.samples_steps // inner_steps
-        for seed in args.seeds:
-            for name in args.variants:
-                key = (name, inner_steps, rounds, seed)
-                runs = [r for r in runs if (r["variant"], r["inner_steps"], r["rounds"], r["seed"]) != key]
-                runs.append(run(name, inner_steps, rounds, seed, data))
-                print(f"H={inner_steps} seed {seed} {name:24s} loss {runs[-1]['final_loss']:.4f} "
-                      f"({runs[-1]['seconds']:.0f} s)", flush=True)
-    result = dict(machine=machine, dirty=dirty, command=command, workers=WORKERS, batch=BATCH, inner_lr=INNER_LR,
-                  bound=BOUND, corpus_chars=data["corpus_chars"], corpus_sha256=data["corpus_sha256"], runs=runs,
+    for path in ([args.out.with_suffix(".json")] if args.merge and args.out.with_suffix(".json").exists() else []) + (
+            args.combine or []):
+        loaded = json.loads(path.read_text())
+        batches += loaded["batches"]
+        runs += loaded["runs"]
+    if not args.combine:
+        torch.set_num_threads(1)
+        commit = git("rev-parse", "--short", args.corpus_commit).decode().strip()
+        data = load_data(commit)
+        command = "python -m benchmarks.sparse_quality " + " ".join(
+            shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+        batches.append(dict(machine=machine_info(), dirty=dirty_code(), command=command, corpus=data["corpus"]))
+        for inner_steps in args.inner_steps:
+            rounds = args.samples_steps // inner_steps
+            for seed in args.seeds:
+                for name in args.variants:
+                    key = (data["corpus"]["sha256"][:12], name, inner_steps, rounds, seed)
+                    runs = [r for r in runs if (r["corpus"], r["variant"], r["inner_steps"], r["rounds"], r["seed"])
+                            != key]  # (a run of the same key is replaced)
+                    runs.append(run(name, inner_steps, rounds, seed, data))
+                    print(f"H={inner_steps} seed {seed} {name:24s} loss {runs[-1]['final_loss']:.4f} "
+                          f"({runs[-1]['seconds']:.0f} s)", flush=True)
+    result = dict(workers=WORKERS, batch=BATCH, inner_lr=INNER_LR, bound=BOUND, batches=batches, runs=runs,
                   summary=summarize(runs))
     write_json(args.out.with_suffix(".json"), result)
     args.out.with_suffix(".md").write_text(report(result))
     for row in result["summary"]:
-        print(f"H={row['inner_steps']:4d} {row['variant']:24s} ratio {row['ratio_median']} "
-              f"({row['ratio_min']}..{row['ratio_max']}) at half {row['half_ratio_median']} "
+        print(f"{row['corpus']} H={row['inner_steps']:4d} x {row['rounds']:3d} {row['variant']:24s} ratio "
+              f"{row['ratio_median']} ({row['ratio_min']}..{row['ratio_max']}) at half {row['half_ratio_median']} "
               f"bytes/param/round {row['bytes_per_param_round']}")
 
 

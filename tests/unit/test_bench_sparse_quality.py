@@ -29,18 +29,22 @@ def test_the_fp16_mean_rounds_each_contribution_and_the_mean():
     assert sparse_quality.fp16_mean(deltas)[0].tolist() == [1.0, 3.0]
 
 
-def canned(variant, seed, losses, inner_steps=20):
+def canned(variant, seed, losses, inner_steps=20, corpus="aaa"):
     return dict(variant=variant, inner_steps=inner_steps, rounds=len(losses), seed=seed, final_loss=losses[-1],
-                losses=losses, bytes_per_param_round=2.0 if variant == "fp16" else 0.037)
+                losses=losses, bytes_per_param_round=2.0 if variant == "fp16" else 0.037, corpus=corpus)
 
 
-def test_ratios_are_paired_by_seed_and_the_bound_needs_every_seed():
+def test_ratios_are_paired_by_corpus_and_seed_and_the_bound_needs_every_seed():
     runs = [canned("fp16", 0, [3.0, 2.0, 1.5, 1.0]), canned("fp16", 1, [3.0, 2.0, 1.5, 2.0]),
             canned("fp16", 2, [3.0, 2.0, 1.5, 1.0]),
             canned("sparse", 0, [3.0, 2.2, 1.5, 1.01]), canned("sparse", 1, [3.0, 1.8, 1.5, 2.06]),
             canned("sparse", 2, [3.0, 2.0, 1.5, 0.99]),
-            canned("sparse", 0, [2.0, 1.0], inner_steps=100)]  # (no fp16 run of that setting: no ratio)
-    rows = {(r["inner_steps"], r["variant"]): r for r in sparse_quality.summarize(runs)}
+            canned("sparse", 0, [2.0, 1.0], inner_steps=100),  # (no fp16 run of that setting: no ratio)
+            canned("fp16", 0, [3.0, 2.0, 1.5, 2.0], corpus="bbb"),
+            canned("sparse", 0, [3.0, 2.0, 1.5, 1.0], corpus="bbb")]
+    rows = {(r["corpus"], r["inner_steps"], r["variant"]): r for r in sparse_quality.summarize(runs)}
+    assert rows[("bbb", 20, "sparse")]["ratios"] == {0: 0.5}  # (paired with fp16 of its own corpus only)
+    rows = {(r["inner_steps"], r["variant"]): r for r in rows.values() if r["corpus"] == "aaa"}
     sparse = rows[(20, "sparse")]
     assert sparse["ratios"] == {0: 1.01, 1: 1.03, 2: 0.99}
     assert (sparse["ratio_median"], sparse["ratio_min"], sparse["ratio_max"]) == (1.01, 0.99, 1.03)
@@ -50,23 +54,24 @@ def test_ratios_are_paired_by_seed_and_the_bound_needs_every_seed():
     assert rows[(100, "sparse")]["ratio_median"] is None and not rows[(100, "sparse")]["meets_bound"]
 
 
-def test_report_names_host_commit_command_and_every_row():
+def test_report_names_each_batchs_host_commit_command_corpus_and_every_row():
     runs = [canned("fp16", 0, [2.0, 1.0]), canned("d0.02-b2-e0.95-sgd1.0", 0, [2.0, 1.05])]
     machine = dict(host="h", cpu="cpu", cpus=2, date_utc="2026-01-01 00:00 UTC", load_avg_1m_at_start=2.5,
                    torch="2", git_commit="abc1234")
-    result = dict(machine=machine, dirty=["collabopt/x.py"], command="python -m benchmarks.sparse_quality --seeds 0",
-                  corpus_chars=1000, corpus_sha256="0" * 64, summary=sparse_quality.summarize(runs))
-    text = sparse_quality.report(result)
+    batch = dict(machine=machine, dirty=["collabopt/x.py"], command="python -m benchmarks.sparse_quality --seeds 0",
+                 corpus=dict(commit="def5678", chars=1000, sha256="aaa" + "0" * 61))
+    text = sparse_quality.report(dict(batches=[batch], summary=sparse_quality.summarize(runs)))
     assert "`h`" in text and "load 2.5" in text and "`abc1234` plus uncommitted changes to collabopt/x.py" in text
     assert "`python -m benchmarks.sparse_quality --seeds 0`" in text
-    assert "| 20 | 2 | d0.02-b2-e0.95-sgd1.0 | 0.037 | 1.0500 | 1.05 | 1.05..1.05 | 1.0 | no |" in text
-    assert "| 20 | 2 | fp16 | 2.0 | 1.0000 | 1.0 | 1.0..1.0 | 1.0 | - |" in text
+    assert "corpus `aaa000000000`: the Markdown of commit `def5678`, 1000 characters" in text
+    assert "| aaa | 20 | 2 | d0.02-b2-e0.95-sgd1.0 | 0.037 | 1.0500 | 1.05 | 1.05..1.05 | 1.0 | no |" in text
+    assert "| aaa | 20 | 2 | fp16 | 2.0 | 1.0000 | 1.0 | 1.0..1.0 | 1.0 | - |" in text
 
 
 def test_a_tiny_run_pairs_the_initial_model_and_the_batches():
     ids = torch.randint(0, 8, (2000,), generator=torch.Generator().manual_seed(0))
     eval_x, eval_y = sparse_quality.windows(ids, 64, torch.Generator().manual_seed(1))
-    data = dict(train=ids, eval_x=eval_x, eval_y=eval_y, vocab=8)
+    data = dict(train=ids, eval_x=eval_x, eval_y=eval_y, vocab=8, corpus=dict(sha256="c" * 64))
     fp16 = sparse_quality.run("fp16", inner_steps=2, rounds=2, seed=0, data=data)
     again = sparse_quality.run("fp16", inner_steps=2, rounds=2, seed=0, data=data)
     other_seed = sparse_quality.run("fp16", inner_steps=2, rounds=2, seed=1, data=data)
