@@ -336,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 short swarms: checks the harness (writes nothing)")
     parser.add_argument("--out", type=Path, default=RESULTS / "sparse_hostile")
     args = parser.parse_args(argv)
-    command = "python -m benchmarks.sparse_hostile " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    command = " ".join(["python -m benchmarks.sparse_hostile",
+                        *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     cfg = QUICK if args.quick else FULL
     machine, dirty = machine_info(), dirty_code()
     replicas = [replica(cfg, seed, aggregation, attack) for seed in cfg["replica_seeds"]
