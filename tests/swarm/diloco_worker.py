@@ -61,6 +61,9 @@ def main(config_path: str) -> None:
     # why a member's all-reduce failed (hivemind says it at debug level only): in the log when a test fails
     logging.getLogger("collabopt.engine").setLevel(logging.DEBUG)
     logging.getLogger("hivemind.p2p.p2p_daemon").setLevel(logging.DEBUG)
+    # and whose group it joined or gave up on (a follower that gave up on a leader whose group still counted it
+    # leaves that group's round incomplete, while its own log shows no round): a few lines a round
+    logging.getLogger("hivemind.averaging.matchmaking").setLevel(logging.DEBUG)
     out = cfg["out"]
     seed = cfg.get("seed", 0)
     rng = random.Random(seed)
