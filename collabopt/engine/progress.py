@@ -104,6 +104,7 @@ class SwarmProgressTracker(threading.Thread):
     cap_claims = False  # aggregation="centered_clip": records counted as collabopt.robust.cap_progress_claims says
     record_times: tuple[float, ...] = ()  # the DHT time of each training peer's record in the last fetch
     _next_report = -float("inf")  # time.monotonic() before which a step's report waits
+    _counted_epoch = -float("inf")  # the swarm's epoch (this peer's view) when a step last counted samples here
     _gated = False  # set while report_local_progress runs for a report that may wait
     _flush: threading.Timer | None = None  # pending: sends a held-back count when its period ends
     _flush_lock = threading.RLock()
@@ -219,6 +220,8 @@ class SwarmProgressTracker(threading.Thread):
         """The new samples count in the swarm's view at once (where this peer is at the swarm's epoch) and in this
         peer's throughput; a count that dropped restarts the throughput's timer."""
         extra_samples = samples_accumulated - self.local_progress.samples_accumulated
+        if samples_accumulated > 0:
+            self._counted_epoch = self.global_progress.epoch  # (see stores_record)
         if update_global_samples and local_epoch == self.local_progress.epoch == self.global_progress.epoch:
             self.global_progress.samples_accumulated += extra_samples  # (may drop: a count reset)
         if extra_samples > 0:
@@ -277,19 +280,16 @@ class SwarmProgressTracker(threading.Thread):
 
     async def _progress_reporter(self) -> None:
         """Store this peer's record when a report lets it (:meth:`_may_report`), and at least every half
-        ``metadata_expiration``. A peer that counted no sample for two epochs stores none: it is not training (an
-        auxiliary peer, or one that downloads the swarm's state)."""
+        ``metadata_expiration``, while :meth:`stores_record` says so."""
         loop = asyncio.get_event_loop()
-        last_report_time, last_report_epoch, store = -float("inf"), -float("inf"), None
+        last_report_time, store = -float("inf"), None
         try:
             while not self.shutdown_triggered.is_set():
                 wait = max(0.0, last_report_time - get_dht_time() + self.metadata_expiration / 2)
                 await loop.run_in_executor(None, self.should_report_progress.wait, wait)
                 self.should_report_progress.clear()
                 local_progress, last_report_time = self.local_progress, get_dht_time()
-                if local_progress.samples_accumulated > 0:
-                    last_report_epoch = self.global_epoch
-                if last_report_epoch >= self.global_epoch - 1:
+                if self.stores_record():
                     store = asyncio.ensure_future(asyncio.wait_for(self.dht.store(
                         key=self.training_progress_key, subkey=self.local_public_key, value=local_progress.dict(),
                         expiration_time=last_report_time + self.metadata_expiration, return_future=True),
@@ -298,6 +298,14 @@ class SwarmProgressTracker(threading.Thread):
             logger.log(self.status_loglevel, f"No longer reporting progress for {self.prefix}")
             if store is not None:
                 store.cancel()
+
+    def stores_record(self) -> bool:
+        """Whether this peer's record is stored: not when no step counted samples here for two epochs (an auxiliary
+        peer, or one that downloads the swarm's state). Judged on every step's count, not on the record the reporter
+        wakes to as hivemind judges it: where epochs are shorter than a report period, only the changes of epoch, with
+        no samples yet, wake it, so a training peer stored no record after two epochs, the others did not count it and
+        each stepped alone (docs/decisions.md, "Throttled progress reports")."""
+        return self._counted_epoch >= self.global_epoch - 1
 
     async def _progress_fetcher(self) -> None:
         """Fetch the swarm's records whenever the view's ``next_fetch_time`` comes (or at once when an update is
