@@ -14,6 +14,8 @@ Passing ``outer_optimizer=`` to :class:`~collabopt.CollaborativeOptimizer` (or t
   same parameters: they held the same anchor and outer state, and the averaged pseudo-gradient reaches every peer as
   the same values (collabopt's averaging service, :mod:`collabopt.engine.diloco_averaging`);
 * the anchor and the outer optimizer's state (e.g. momentum) are the swarm's state: a late joiner downloads them;
+  a peer serves them between its rounds, never during one (its wait for its group included): that anchor is
+  about to move, and a joiner too late for the round's group would bring it to the next round's;
 * pseudo-gradients travel as fp16 (or ``grad_compression=``), or top-k at 2 bits (``pseudo_gradient_compression=``);
 * with ``overlap_rounds=True`` the round's all-reduce runs in the background while inner steps go on: the epoch
   moves on when the round starts, and its result is applied when it arrives (at the next ``step()`` after it, at

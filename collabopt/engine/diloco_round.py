@@ -175,7 +175,10 @@ class DiLoCoLoop(PeerLoop):
                 self._share_state()
                 self.grad_averager.reset_accumulated_grads_()
             return
-        with self.tracker.pause_updates():
+        # closed for downloads until the round lands (as the synchronous mode's boundary): a state served while the
+        # round waits for its group or takes its outer step is this epoch's anchor, which the round is about to
+        # replace; its downloader, too late for that group, would meet the next round's with an old anchor
+        with self.tracker.pause_updates(), self.state_averager.closed_for_downloads():
             outcome = self.diloco.run_round(self)
             self._settle(outcome.applied)
             if outcome.applied:

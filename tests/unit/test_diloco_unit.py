@@ -796,3 +796,38 @@ def test_an_overlapped_round_lands_before_the_peer_serves_its_state_again():
                       status_loglevel=10)
     loop.land(wait=True)
     assert sharing_while_landing == [False] and state_averager.allow_state_sharing is True
+
+
+@pytest.mark.parametrize("applied", [True, False])
+def test_a_round_serves_no_state_until_it_lands(applied):
+    """(a late joiner's flake under load) From the round's start, its wait for its group included, to its outer step,
+    the peer serves no state, as the synchronous mode's boundary: a state served then is this epoch's anchor, about to
+    be replaced, and its downloader, too late for this round's group, met the next round's with an old anchor
+    (weight 0, download again). Downloads open again once the round is decided."""
+    import threading
+    from types import SimpleNamespace
+
+    from collabopt.engine.diloco_round import DiLoCoLoop
+    from collabopt.engine.state import ConsistentStateAverager
+
+    state_averager = ConsistentStateAverager.__new__(ConsistentStateAverager)  # (only its download gate)
+    vars(state_averager).update(_open_for_downloads=threading.Event(), _closing_lock=threading.Lock(), _closings=0,
+                                _epoch=4)
+    state_averager._open_for_downloads.set()
+    open_during_round = []
+
+    def run_round(swarm):
+        open_during_round.append(state_averager._open_for_downloads.is_set())
+        return RoundOutcome(applied, "averaged" if applied else "averaging failed")
+
+    tracker = SimpleNamespace(global_epoch=4, global_progress=SimpleNamespace(num_peers=3, samples_accumulated=0),
+                              pause_updates=contextlib.nullcontext, update_epoch=lambda new_epoch: None,
+                              report_local_progress=lambda *args, **kwargs: None,
+                              global_state_updated=threading.Event())
+    diloco = SimpleNamespace(needs_sync=False, overlap=False, pending_samples=8, run_round=run_round)
+    loop = DiLoCoLoop.__new__(DiLoCoLoop)
+    vars(loop).update(_in_flight=None, state_averager=state_averager, tracker=tracker, diloco=diloco,
+                      grad_averager=SimpleNamespace(reset_accumulated_grads_=lambda: None),
+                      _share_state=lambda: None, status_loglevel=10)
+    loop.end_epoch()
+    assert open_during_round == [False] and state_averager._open_for_downloads.is_set()
