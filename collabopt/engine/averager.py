@@ -228,8 +228,11 @@ class AveragingService(ServiceThread):
             except Exception as e:
                 return AveragingResult(None, (), {}, None, f"matchmaking failed: {e!r}")
         if group is None:
+            logger.debug("collabopt: no group assembled within %.1f s", scheduled.timeout)
             return AveragingResult(None, (), {}, None, f"no group assembled within {scheduled.timeout:.1f} s")
         members = tuple(group.peer_ids)
+        logger.debug("collabopt: group %s assembled after %.1f s: %s", group.group_id.hex()[:8],
+                     time.monotonic() - start, [str(member)[-6:] for member in members])
         scheduled.group = members
         self._hints.add(members)  # (the peers met: SearchDHT asks them directly, never this peer itself)
         if self.on_group is not None:
@@ -268,6 +271,8 @@ class AveragingService(ServiceThread):
         except Exception as e:
             logger.warning("collabopt: the round of group %s failed: %r", members, e)
             return AveragingResult(None, members, gathered, None, f"round failed: {e!r}")
+        logger.debug("collabopt: group %s's round ended after %.1f s: received %.3f, errors %s",
+                     group.group_id.hex()[:8], time.monotonic() - start, evidence.received, evidence.errors)
         return AveragingResult(outputs, members, gathered, evidence)
 
     def _refusal(self, members: tuple[PeerID, ...], entries: list[Any]) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import json
+import logging
 import os
 import random
 import signal
@@ -212,6 +213,9 @@ def rank0_decides(flag: bool) -> bool:
 
 def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
+    if os.environ.get("COLLABOPT_TEST_DEBUG"):  # (set for a diagnosis: the rounds' matchmaking and groups, in the log)
+        for name in ("collabopt.engine", "hivemind.averaging.matchmaking"):
+            logging.getLogger(name).setLevel(logging.DEBUG)
     out = cfg["out"]
     seed = cfg.get("seed", 0)
     rng = random.Random(seed)
