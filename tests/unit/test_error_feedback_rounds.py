@@ -174,7 +174,8 @@ def test_the_loop_settles_every_round_it_decided(applied, monkeypatch):
                               report_local_progress=lambda *a, **k: None,
                               global_progress=SimpleNamespace(samples_accumulated=0, eta_next_epoch=0.0))
     settled = Settled()
-    loop = loop_with(settled, _in_flight=None, tracker=tracker, state_averager=SimpleNamespace(local_epoch=3),
+    state_averager = SimpleNamespace(local_epoch=3, closed_for_downloads=contextlib.nullcontext)
+    loop = loop_with(settled, _in_flight=None, tracker=tracker, state_averager=state_averager,
                      diloco=SimpleNamespace(overlap=False, run_round=lambda swarm: outcome, needs_sync=False))
     loop.step_decision = lambda: SimpleNamespace(download=False)
     loop.end_epoch()
