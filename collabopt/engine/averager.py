@@ -7,8 +7,10 @@ Rules, and why:
   its own, :func:`~collabopt.engine.p2p.own_replica`), ``ServicerBase`` handlers
   (:class:`~collabopt.engine.allreduce.AllReduceService`),
   hivemind's ``Matchmaking`` to assemble a group (finding the others through
-  :class:`~collabopt.engine.group_search.SearchDHT`), and collabopt's own runner and part reducers
-  (:mod:`collabopt.engine.allreduce`). What a round does is thus readable here and there, not in overrides.
+  :class:`~collabopt.engine.group_search.SearchDHT`; a follower waits for its leader's verdict up to
+  ``sender_timeout``: :class:`~collabopt.engine.group_search.RoundMatchmaking`), and collabopt's own runner and
+  part reducers (:mod:`collabopt.engine.allreduce`). What a round does is thus readable here and there, not in
+  overrides.
 * It runs in a thread of the calling process (no averager process, no shared-memory buffers): the tensors it is handed
   are copied into the round, and the result comes back as new tensors.
 * A round's outcome is a value (:class:`AveragingResult`): the group, what each member gathered, the averaged tensors
@@ -41,7 +43,13 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from collabopt.engine.allreduce import AllReduceRound, AllReduceService, RoundEvidence
 from collabopt.engine.clipping import MIN_CLIPPED_GROUP
-from collabopt.engine.group_search import DeclarationService, PeerHints, SearchDHT, declared_expiration
+from collabopt.engine.group_search import (
+    DeclarationService,
+    PeerHints,
+    RoundMatchmaking,
+    SearchDHT,
+    declared_expiration,
+)
 from collabopt.engine.p2p import own_replica
 from collabopt.engine.part_reducer import AGGREGATES
 from collabopt.engine.round_schema import round_schema
@@ -183,11 +191,11 @@ class AveragingService(ServiceThread):
             search_dht = SearchDHT(self.dht, self.p2p, schema_hash=schema_hash, prefix=self.prefix, hints=self._hints,
                                    entry=lambda: self._my_entry(None),  # (collabopt.engine.group_search)
                                    matchmaking_time=self.matchmaking_time)
-            self._matchmakings[schema_hash] = Matchmaking(
+            self._matchmakings[schema_hash] = RoundMatchmaking(
                 self.p2p, schema_hash, search_dht, servicer_type=AllReduceService, prefix=self.prefix,
                 target_group_size=self.target_group_size, min_group_size=self.min_group_size,
                 min_matchmaking_time=self.matchmaking_time, request_timeout=self.request_timeout,
-                client_mode=self.client_mode)
+                client_mode=self.client_mode, patience=self.sender_timeout)
         return self._matchmakings[schema_hash]
 
     def _declaration(self, request: averaging_pb2.JoinRequest, context: P2PContext) -> float | None:

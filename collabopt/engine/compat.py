@@ -31,6 +31,8 @@ HIVEMIND_REQUEST_TIMEOUT = 3.0  # hivemind's default averager request_timeout (s
 # hivemind's sources still hash to these: a release that changes one names it here, and collabopt's override is
 # reviewed against the new source before the digest is updated (docs/development.md, "Upgrading hivemind").
 SEAMS: dict[str, str] = {
+    "hivemind.averaging.matchmaking.Matchmaking.__init__": "40dea3076c71",
+    "hivemind.averaging.matchmaking.Matchmaking._request_join_group": "df823040a94d",
     "hivemind.dht.validation.RecordValidatorBase.merge_with": "c98abae78e86",
     "hivemind.dht.validation.RecordValidatorBase.priority": "5daab08584a8",
     "hivemind.dht.validation.RecordValidatorBase.validate": "c9c52593d961",
@@ -40,9 +42,12 @@ SEAMS: dict[str, str] = {
     "hivemind.utils.auth.AuthorizerBase.validate_request": "e22167cf5320",
     "hivemind.utils.auth.AuthorizerBase.validate_response": "2b380d477608",
 }
-# the seams that collabopt reads rather than overrides: the hivemind method, the module global it reads (none:
-# collabopt's averaging services replace no module global of hivemind's)
-SEAM_READS: dict[str, str] = {}
+# the seams that collabopt relies on rather than overrides: the hivemind method, and what of collabopt's it reads
+SEAM_READS: dict[str, str] = {
+    # its two reads of request_timeout, the leader's first answer and (following it) its verdict:
+    # collabopt.engine.group_search.RoundMatchmaking
+    "hivemind.averaging.matchmaking.Matchmaking._request_join_group": "request_timeout",
+}
 
 __all__ = ["HIVEMIND_REQUEST_TIMEOUT", "SEAMS", "SEAM_READS", "SUPPORTED_HIVEMIND", "Multiaddr",
            "changed_seams", "check_compression", "dht_time", "hivemind_supported", "is_dht", "is_hivemind_object",

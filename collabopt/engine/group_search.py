@@ -23,6 +23,15 @@ Rules, and why:
   own: asks from fresh ids never push out the peers met in groups or found in the DHT. What a search remembers of
   the peers it asked is pruned to the hints.
 * With a swarm key, a request carries the asker's member token and others are not answered (as join requests).
+* A follower waits for its leader's verdict (the group assembled, or disbanded) ``patience`` seconds past the end
+  of its own search (:class:`RoundMatchmaking`), not only the join request's timeout as hivemind does. The leader
+  gives its verdict at the end of its search, and counts every follower it accepted that is still there; with the
+  short request timeout of a short ``matchmaking_time`` (half of it: it breaks two peers' requests to each other,
+  which concerns only the first answer), a verdict half a second late (a busy machine: the leader or a p2p daemon
+  on the way paused) made the follower give up on a leader whose group counted it. That group then waited
+  ``sender_timeout`` for the parts of a member that never came, and averaged without them, while the follower's
+  search went on and joined the next epoch's group: it had missed a round and downloaded the swarm's state. Its
+  patience is the pause after which a round leaves a member out anyway.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils import ValueWithExpiration, get_dht_time
@@ -218,3 +228,24 @@ class SearchDHT:
                 or not math.isfinite(answer.expiration):
             return None
         return min(float(answer.expiration), get_dht_time() + self.matchmaking_time + CLOCK_ALLOWANCE)
+
+
+class RoundMatchmaking(Matchmaking):
+    """hivemind's ``Matchmaking``, whose followers wait for their leader's verdict up to ``patience`` seconds past
+    the end of their search (at least ``request_timeout``; see the module's rules). hivemind's
+    ``_request_join_group`` reads ``request_timeout`` for the leader's first answer, then, following it
+    (``current_leader`` set), for its verdict: only the latter is ``patience``."""
+
+    def __init__(self, *args: Any, patience: float, **kwargs: Any):
+        self.patience = patience
+        super().__init__(*args, **kwargs)
+
+    @property
+    def request_timeout(self) -> float:
+        if getattr(self, "current_leader", None) is not None:
+            return max(self.patience, self._request_timeout)
+        return self._request_timeout
+
+    @request_timeout.setter
+    def request_timeout(self, value: float) -> None:
+        self._request_timeout = value

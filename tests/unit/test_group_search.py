@@ -10,12 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 from hivemind.averaging.key_manager import GroupKeyManager
-from hivemind.p2p import PeerID
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.p2p import PeerID, ServicerBase
+from hivemind.proto import averaging_pb2
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from collabopt.engine import group_search
 from collabopt.engine.averager import AveragingService
-from collabopt.engine.group_search import PeerHints, SearchDHT, declared_expiration
+from collabopt.engine.group_search import PeerHints, RoundMatchmaking, SearchDHT, declared_expiration
 
 ALICE, BOB, CAROL = (PeerID.from_base58(text) for text in (
     "QmXfzzKcYg6ARUVzmWz1CjJzUHMMF7i7CuBfi1W8gwjEP4", "QmNLei78zWmzUdbeRB3CiUfAizWUrbeeZh5K1rhAQKCh51",
@@ -214,3 +216,56 @@ def test_a_caller_joins_the_hints_only_for_tensors_this_peer_averages():
     request.schema_hash = b"schema"
     assert AveragingService._declaration(service, request, SimpleNamespace(remote_id=BOB)) is None  # (not looking)
     assert service._hints.peers() == [BOB]
+
+
+class LateLeader(ServicerBase):
+    """A leader that accepts at once (or never answers: ``accepts`` False) and gives its verdict, a group with the
+    follower in it, ``late`` seconds after the end of the follower's search."""
+
+    accepts, late = True, 0.0
+
+    @classmethod
+    def get_stub(cls, p2p, peer, *, namespace=None):
+        return SimpleNamespace(rpc_join_group=functools.partial(cls.answers, peer))
+
+    @classmethod
+    async def answers(cls, leader, request):
+        async def messages():
+            if not cls.accepts:
+                await asyncio.sleep(3600)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
+            await asyncio.sleep(max(0.0, request.expiration - get_dht_time()) + cls.late)
+            yield averaging_pb2.MessageFromLeader(
+                code=averaging_pb2.BEGIN_ALLREDUCE, group_id=b"group", gathered=[b"", b""],
+                ordered_peer_ids=[leader.to_bytes(), BOB.to_bytes()])
+        return messages()
+
+
+def follow(matchmaking_class, accepts=True, late=0.3, **kwargs):
+    """What a follower (BOB) of a :class:`LateLeader` (ALICE) gets from its join request: the group, or None."""
+    LateLeader.accepts, LateLeader.late = accepts, late
+
+    async def go():
+        node = SimpleNamespace(peer_id=BOB)
+        matchmaking = matchmaking_class(
+            node, b"schema", node, servicer_type=LateLeader, prefix="run", target_group_size=None, min_group_size=2,
+            min_matchmaking_time=0.2, request_timeout=0.1, client_mode=False, **kwargs)
+        step = SimpleNamespace(scheduled_time=get_dht_time() + 0.2, data_for_gather=b"")
+        async with matchmaking.looking_for_group(step):
+            return await matchmaking._request_join_group(ALICE)
+
+    return run(go())
+
+
+def test_a_follower_waits_for_its_leaders_verdict_longer_than_the_request_timeout():
+    """A follower paused past its end of search plus the request timeout when its leader's verdict came (a busy
+    machine) gave up on a leader whose group counted it (hivemind's); collabopt's follower waits ``patience``."""
+    assert follow(Matchmaking) is None  # (hivemind's: the leader counts it, it is not there)
+    group = follow(RoundMatchmaking, patience=5.0)
+    assert group is not None and set(group.peer_ids) == {ALICE, BOB}
+    assert follow(RoundMatchmaking, late=0.0, patience=0.0) is not None  # (at least the request timeout)
+
+
+def test_a_follower_still_waits_only_the_request_timeout_for_the_leaders_first_answer():
+    """The first answer keeps hivemind's short timeout: it breaks two peers' requests to each other."""
+    assert follow(RoundMatchmaking, accepts=False, patience=3600.0) is None
