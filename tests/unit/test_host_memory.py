@@ -12,15 +12,15 @@ import pytest
 
 from collabopt.host_memory import allocator_chosen_by_user
 
-# A step's pattern: allocate the gradients (written, as backward does), free them together, three times over;
-# reports the page faults of the last two rounds, after keep_freed_memory or not
+# A step's pattern: allocate the gradients (written, as backward does), free them together, seven times over;
+# reports the page faults of the last six rounds, after keep_freed_memory or not
 PROBE = textwrap.dedent("""
     import json, resource, sys, torch
     from collabopt.host_memory import keep_freed_memory
     sizes = [4 * 2**20 // 4] * 6 + [2**20 // 4] * 8  # 32 MiB of float32 "gradients"
     kept = keep_freed_memory(32 * 2**20) if sys.argv[1] == "keep" else None
     faults = []
-    for _ in range(3):
+    for _ in range(7):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         grads = [torch.ones(n) for n in sizes]
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -48,7 +48,9 @@ def test_freed_gradients_are_reused_without_page_faults():
     assert max(plain["faults"]) > pages // 2, plain
     kept = run_probe("keep")
     assert kept["kept"] is True
-    assert max(kept["faults"]) < pages // 20, kept
+    # kept: glibc's free lists settle within the first rounds, the heap growing once by 1-2 MiB (256 or 512 faults in
+    # round 2 or 3, measured 45 of 45 probes and in a fresh-clone run), then no round faults: the 32 MiB are reused
+    assert sum(kept["faults"]) < pages // 8 and max(kept["faults"][-3:]) < pages // 100, kept
 
 
 @needs_glibc
