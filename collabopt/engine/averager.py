@@ -8,9 +8,9 @@ Rules, and why:
   (:class:`~collabopt.engine.allreduce.AllReduceService`),
   hivemind's ``Matchmaking`` to assemble a group (finding the others through
   :class:`~collabopt.engine.group_search.SearchDHT`; a follower waits for its leader's verdict up to
-  ``sender_timeout``: :class:`~collabopt.engine.group_search.RoundMatchmaking`), and collabopt's own runner and
-  part reducers (:mod:`collabopt.engine.allreduce`). What a round does is thus readable here and there, not in
-  overrides.
+  ``sender_timeout``: :class:`~collabopt.engine.group_search.RoundMatchmaking`, its one override), and collabopt's
+  own runner and part reducers (:mod:`collabopt.engine.allreduce`). What a round does is thus readable here and
+  there, not in overrides.
 * It runs in a thread of the calling process (no averager process, no shared-memory buffers): the tensors it is handed
   are copied into the round, and the result comes back as new tensors.
 * A round's outcome is a value (:class:`AveragingResult`): the group, what each member gathered, the averaged tensors
@@ -49,6 +49,7 @@ from collabopt.engine.group_search import (
     RoundMatchmaking,
     SearchDHT,
     declared_expiration,
+    verdict_patience,
 )
 from collabopt.engine.p2p import own_replica
 from collabopt.engine.part_reducer import AGGREGATES
@@ -195,7 +196,8 @@ class AveragingService(ServiceThread):
                 self.p2p, schema_hash, search_dht, servicer_type=AllReduceService, prefix=self.prefix,
                 target_group_size=self.target_group_size, min_group_size=self.min_group_size,
                 min_matchmaking_time=self.matchmaking_time, request_timeout=self.request_timeout,
-                client_mode=self.client_mode, patience=self.sender_timeout)
+                client_mode=self.client_mode,
+                patience=verdict_patience(self.sender_timeout, self.matchmaking_time, self.request_timeout))
         return self._matchmakings[schema_hash]
 
     def _declaration(self, request: averaging_pb2.JoinRequest, context: P2PContext) -> float | None:

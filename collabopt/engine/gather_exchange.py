@@ -35,6 +35,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from collabopt.engine.averager import _MemberGate, _Search, _token_refusal
 from collabopt.engine.gather_round import MAX_PAYLOAD_LIMIT, ExchangeRound, ExchangeServicer, _is_weight
+from collabopt.engine.group_search import RoundMatchmaking, verdict_patience
 from collabopt.engine.p2p import own_replica
 from collabopt.engine.service_thread import ScheduledWork, ServiceThread
 from collabopt.membership import MemberToken, swarm_key_of
@@ -115,10 +116,11 @@ class ExchangeService(ServiceThread):
         self._busy = asyncio.Lock()
         self.p2p = await own_replica(self.dht)
         await self.servicer.add_p2p_handlers(self.p2p, namespace=self.prefix)
-        self._matchmaking = Matchmaking(
+        self._matchmaking = RoundMatchmaking(  # (a follower waits for its leader's verdict: group_search)
             self.p2p, self.schema, self.dht, servicer_type=ExchangeServicer, prefix=self.prefix,
             target_group_size=self.target_group_size, min_group_size=self.min_group_size,
-            min_matchmaking_time=self.matchmaking_time, request_timeout=self.request_timeout, client_mode=False)
+            min_matchmaking_time=self.matchmaking_time, request_timeout=self.request_timeout, client_mode=False,
+            patience=verdict_patience(self.phase_timeout, self.matchmaking_time, self.request_timeout))
 
     async def _stop(self) -> None:
         with contextlib.suppress(Exception):

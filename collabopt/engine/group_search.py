@@ -31,7 +31,8 @@ Rules, and why:
   on the way paused) made the follower give up on a leader whose group counted it. That group then waited
   ``sender_timeout`` for the parts of a member that never came, and averaged without them, while the follower's
   search went on and joined the next epoch's group: it had missed a round and downloaded the swarm's state. Its
-  patience is the pause after which a round leaves a member out anyway.
+  patience is the pause after which a round leaves a member out anyway, at most a search and a request long
+  (:func:`verdict_patience`). Both the averaging service's rounds and the all-gather exchange match this way.
 """
 
 from __future__ import annotations
@@ -230,10 +231,18 @@ class SearchDHT:
         return min(float(answer.expiration), get_dht_time() + self.matchmaking_time + CLOCK_ALLOWANCE)
 
 
+def verdict_patience(member_wait: float, matchmaking_time: float, request_timeout: float) -> float:
+    """How long past its search a follower waits for its leader's verdict (:class:`RoundMatchmaking`): the round's
+    wait for a member's parts (``member_wait``: after that the group leaves a member out anyway), but at most a search
+    and a request longer, whatever the model's size (a verdict that late is a leader gone, not paused; meanwhile the
+    follower neither leads nor joins another group)."""
+    return min(member_wait, matchmaking_time + request_timeout)
+
+
 class RoundMatchmaking(Matchmaking):
     """hivemind's ``Matchmaking``, whose followers wait for their leader's verdict up to ``patience`` seconds past
-    the end of their search (at least ``request_timeout``; see the module's rules). hivemind's
-    ``_request_join_group`` reads ``request_timeout`` for the leader's first answer, then, following it
+    the end of their search (at least ``request_timeout``; see the module's rules and :func:`verdict_patience`).
+    hivemind's ``_request_join_group`` reads ``request_timeout`` for the leader's first answer, then, following it
     (``current_leader`` set), for its verdict: only the latter is ``patience``."""
 
     def __init__(self, *args: Any, patience: float, **kwargs: Any):

@@ -269,3 +269,29 @@ def test_a_follower_waits_for_its_leaders_verdict_longer_than_the_request_timeou
 def test_a_follower_still_waits_only_the_request_timeout_for_the_leaders_first_answer():
     """The first answer keeps hivemind's short timeout: it breaks two peers' requests to each other."""
     assert follow(RoundMatchmaking, accepts=False, patience=3600.0) is None
+
+
+def test_a_followers_patience_is_the_rounds_wait_for_a_member_but_at_most_a_search_and_a_request():
+    assert group_search.verdict_patience(2.0, 2.0, 1.0) == 2.0  # (the round leaves a member out after 2 s anyway)
+    assert group_search.verdict_patience(28.8, 5.0, 3.0) == 8.0  # (a large model's wait: a leader that late is gone)
+
+
+def test_hiveminds_matchmaking_reads_request_timeout_only_where_round_matchmaking_expects():
+    """RoundMatchmaking's property changes the verdict's wait only while no other method of hivemind's matchmaking
+    reads request_timeout (with current_leader set): a release that adds a read fails here, to be reviewed."""
+    import inspect
+
+    readers = sorted(name for name, member in vars(Matchmaking).items() if inspect.isfunction(member)
+                     and "request_timeout" in inspect.getsource(member))
+    assert readers == ["__init__", "_request_join_group"]
+
+
+def test_both_services_match_with_round_matchmaking():
+    """The averaging service's rounds and the all-gather exchange (compressed DiLoCo) both wait for a late verdict."""
+    import inspect
+
+    from collabopt.engine import averager, gather_exchange
+
+    for source in (inspect.getsource(averager.AveragingService._matchmaker),
+                   inspect.getsource(gather_exchange.ExchangeService._start)):
+        assert "RoundMatchmaking(" in source and "verdict_patience(" in source
