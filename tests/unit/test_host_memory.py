@@ -48,9 +48,10 @@ def test_freed_gradients_are_reused_without_page_faults():
     assert max(plain["faults"]) > pages // 2, plain
     kept = run_probe("keep")
     assert kept["kept"] is True
-    # kept: glibc's free lists settle within the first rounds, the heap growing once by 1-2 MiB (256 or 512 faults in
-    # round 2 or 3, measured 45 of 45 probes and in a fresh-clone run), then no round faults: the 32 MiB are reused
-    assert sum(kept["faults"]) < pages // 8 and max(kept["faults"][-3:]) < pages // 100, kept
+    # kept: the 32 MiB are reused; glibc's best fit places a block at the heap's top now and then, so a round may
+    # touch 1-2 MiB of new pages (256 or 512 faults: measured in round 2 or 3 of 45 of 45 probes, and in fresh-clone
+    # runs [512, 0] and [0, 256, 0, 0, 0, 256]); where freed memory goes back to the kernel a round faults ~8,000
+    assert max(kept["faults"]) < pages // 8 and sum(kept["faults"]) < pages // 4, kept
 
 
 @needs_glibc
