@@ -43,7 +43,7 @@ from hivemind.utils.asyncio import achain, aiter_with_timeout, anext, as_aiter
 from hivemind.utils.serializer import MSGPackSerializer
 
 from collabopt.engine.part_reducer import Aggregate, MeanPart, PartReducer, ReducerClosed, SenderDropped
-from collabopt.engine.streams import serve_until_the_sender_closes
+from collabopt.engine.streams import VERDICT_LINGER, serve_until_the_caller_closes, serve_until_the_sender_closes
 
 # How long a member's parts for a group it has not registered yet wait for the registration (a follower may send
 # its first parts before the member learned of the group), then are answered BAD_GROUP_ID.
@@ -376,7 +376,8 @@ class AllReduceService(ServicerBase):
         if matchmaking is None:  # (no round of these tensors here now)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             return
-        async for message in matchmaking.rpc_join_group(request, context):
+        async for message in serve_until_the_caller_closes(matchmaking.rpc_join_group(request, context),
+                                                            VERDICT_LINGER):
             yield message
 
     async def rpc_aggregate_part(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],

@@ -41,6 +41,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from collabopt.engine import gather_protocol as protocol
+from collabopt.engine.streams import VERDICT_LINGER, serve_until_the_caller_closes
 
 logger = logging.getLogger(__name__)
 
@@ -321,7 +322,8 @@ class ExchangeServicer(ServicerBase):
         if matchmaking is None:  # (no exchange of this schema here now)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             return
-        async for message in matchmaking.rpc_join_group(request, context):
+        async for message in serve_until_the_caller_closes(matchmaking.rpc_join_group(request, context),
+                                                            VERDICT_LINGER):
             yield message
 
     async def _handle(self, kind: str, request: averaging_pb2.DownloadData, context: P2PContext,

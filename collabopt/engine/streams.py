@@ -12,6 +12,10 @@ with no fault".
   leaves empty).
 * :func:`serve_until_the_sender_closes`: a reducer whose sender said so keeps its end open until the sender closes
   it (hivemind's senders and older collabopt's are answered as hivemind does).
+* :func:`serve_until_the_caller_closes`: a leader's answers to a join request, whose caller reads a known number of
+  messages and then closes: the leader's end stays open after its verdict until the caller closed. A verdict written
+  just before the leader's end closed was lost in that race: the follower read the end of the stream instead of the
+  group it was in, and the group's round waited for a member that never came.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+
+# How long a leader's end of a join request's stream stays open after its verdict, for the follower to close first
+# (it closes as soon as it read the verdict; a follower gone meanwhile holds only this coroutine)
+VERDICT_LINGER = 10.0
 
 
 async def open_in_time(opening: Awaitable[Any], timeout: float, what: str) -> Any:
@@ -114,6 +122,15 @@ async def _results_until_complete(stream: Any, sent: _CountedRequests) -> AsyncI
                 return
     finally:
         await stream.aclose()  # (closes this end of the stream: the unix socket to the daemon)
+
+
+async def serve_until_the_caller_closes(messages: AsyncIterator[Any], linger: float) -> AsyncIterator[Any]:
+    """A handler's ``messages`` to a caller that closes its end once it read the last one it expects (hivemind's
+    follower reads its leader's answer and verdict, then closes); after them, keep this end open until the caller
+    closed it (hivemind cancels the handler then), at most ``linger`` seconds."""
+    async for message in messages:
+        yield message
+    await asyncio.sleep(linger)
 
 
 async def serve_until_the_sender_closes(serve: Callable[[AsyncIterator[Any]], AsyncIterator[Any]],

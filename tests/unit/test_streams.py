@@ -213,3 +213,87 @@ def test_collabopts_all_reduce_handler_is_a_streaming_handler():
         return found.stream_input, found.stream_output
 
     assert handler(AllReduceService) == handler(GradientAverager) == (True, True)
+
+
+def test_a_leader_keeps_its_join_stream_open_until_the_follower_closed():
+    """A leader's verdict is the last message of its join stream; its end stays open until the follower read it and
+    closed (linger, else the daemon's close race can lose the verdict), and no longer."""
+    async def serve():
+        answers = streams.serve_until_the_caller_closes(verdicts(), linger=3600)
+        got = [await answers.__anext__(), await answers.__anext__()]
+        lingering = asyncio.ensure_future(answers.__anext__())
+        await asyncio.sleep(0.05)
+        assert not lingering.done()
+        lingering.cancel()  # the follower closed its end: hivemind cancels the handler
+        with pytest.raises(asyncio.CancelledError):
+            await lingering
+        return got
+
+    assert [m.code for m in asyncio.run(asyncio.wait_for(serve(), 5))] == [averaging_pb2.ACCEPTED,
+                                                                          averaging_pb2.BEGIN_ALLREDUCE]
+    quick = asyncio.run(_list(streams.serve_until_the_caller_closes(verdicts(), linger=0.01)))
+    assert len(quick) == 2  # a follower that never closes: the leader's end closes after linger
+
+
+async def verdicts():
+    yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
+    yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BEGIN_ALLREDUCE, group_id=b"group")
+
+
+async def _list(iterable):
+    return [message async for message in iterable]
+
+
+@pytest.mark.parametrize("service", ["allreduce", "gather"])
+def test_both_services_end_a_join_stream_when_the_follower_closes_it_over_real_daemons(service):
+    """Over two p2p daemons: the follower reads the leader's answer and verdict, and the leader's handler is still
+    open until the follower closes its end; then it ends at once (hivemind cancels it)."""
+    from hivemind.p2p import P2P
+
+    from collabopt.engine.allreduce import AllReduceService
+    from collabopt.engine.gather_round import ExchangeServicer
+
+    class Matchmaking:
+        async def rpc_join_group(self, request, context):
+            async for message in verdicts():
+                yield message
+
+    servicer = (AllReduceService if service == "allreduce" else ExchangeServicer)(lambda schema_hash: Matchmaking())
+    handler, ended = servicer.rpc_join_group, []
+
+    async def observed(request, context):  # (the handler that hivemind registers, watched)
+        try:
+            async for message in handler(request, context):
+                yield message
+            ended.append("returned")
+        except asyncio.CancelledError:
+            ended.append("cancelled")
+            raise
+
+    servicer.rpc_join_group = observed
+
+    async def run():
+        leader = await P2P.create()
+        follower = await P2P.create(initial_peers=await leader.get_visible_maddrs())
+        try:
+            await servicer.add_p2p_handlers(leader, namespace="t")
+            stub = type(servicer).get_stub(follower, leader.peer_id, namespace="t")
+            stream = await stub.rpc_join_group(averaging_pb2.JoinRequest(schema_hash=b"schema"))
+            codes = [(await stream.__anext__()).code, (await stream.__anext__()).code]
+            await asyncio.sleep(0.3)
+            still_open = list(ended)
+            await stream.aclose()
+            for _ in range(100):
+                if ended:
+                    break
+                await asyncio.sleep(0.02)
+            return codes, still_open, list(ended)
+        finally:
+            await follower.shutdown()
+            await leader.shutdown()
+
+    codes, still_open, after_close = asyncio.run(asyncio.wait_for(run(), 30))
+    assert codes == [averaging_pb2.ACCEPTED, averaging_pb2.BEGIN_ALLREDUCE]
+    assert still_open == []  # the leader's end did not close after its verdict
+    assert after_close == ["cancelled"]  # it closed as the follower closed
+
