@@ -24,6 +24,10 @@ Rules, and why:
   made since). Not applied: :meth:`~ErrorFeedback.discard` (the peer's parameters still hold the pseudo-gradient,
   which its next round sends again). Dropping the update at once would lose for good what the compression left out
   where the others applied the round, and count twice what the old buffer had sent.
+* A round applied without this peer's payload (the robust aggregate left it out:
+  :func:`collabopt.sparse_aggregation.trim_disagreeing`) moves the peer to the new anchor like the others, so its
+  progress of that round leaves its parameters: :meth:`~ErrorFeedback.commit_unsent` keeps all of it in the buffer,
+  the part the payload sent included, and the next rounds send it.
 * :meth:`~ErrorFeedback.compress` builds on the committed buffer: an update still staged or held is dropped, its
   round taken as not applied (as the peer does when it sends again: its pseudo-gradient since its anchor, whole).
 
@@ -59,6 +63,7 @@ class ErrorFeedback:
         self.decay = float(decay)
         self.buffers = [torch.zeros(shape, dtype=torch.float32) for shape in self.shapes]
         self._staged: list[torch.Tensor] | None = None
+        self._payload = b""  # the staged update's payload (commit_unsent adds back what it sent)
         self._held = False  # the staged update waits for news of a round others may have applied (hold())
 
     @property
@@ -82,7 +87,7 @@ class ErrorFeedback:
         if self._held:
             logger.info("collabopt: a new round's payload before the download that tells whether the others applied "
                         "the last one: that round is taken as not applied (its error-feedback update dropped)")
-        self._staged, self._held = staged, False
+        self._staged, self._held, self._payload = staged, False, payload
         return payload
 
     @property
@@ -109,6 +114,15 @@ class ErrorFeedback:
         if self._staged is None:
             raise RuntimeError("no payload to commit: call compress() first (once per round)")
         self.buffers, self._staged, self._held = self._staged, None, False
+
+    def commit_unsent(self) -> None:
+        """The round that sent the last payload was applied without it (left out by the robust aggregate): the
+        buffer keeps all of this round's update, what the payload sent included."""
+        if self._staged is None:
+            raise RuntimeError("no payload to commit: call compress() first (once per round)")
+        for buffer, sent in zip(self._staged, self.codec.decode(self._payload, self.shapes), strict=True):
+            buffer.add_(sent)
+        self.commit()
 
     def discard(self) -> None:
         """The round was not applied: the buffer stays as it was before :meth:`compress`."""

@@ -5,11 +5,18 @@ them itself, so no member has to trust another's reduction. :func:`aggregate` ta
 ``{peer id: (weight, payload)}`` and returns the aggregate, either
 
 * ``"mean"``: the weighted mean (weights: the samples each member trained on since the last round), or
-* ``"centered_clip"``: CenteredClip (:func:`collabopt.robust.centered_clip`'s algorithm: start at the coordinate-wise
-  median, radius from the majority's distance) over whole decoded contributions, the weights capped at
-  :data:`~collabopt.engine.clipping.WEIGHT_CAP` times their median as in collabopt's gradient rounds. A member then
-  moves the aggregate by at most its weight share times the radius, whatever it sends (its pseudo-gradient times
-  -20, noise at 100x the norm, a sample count 1,000x too high).
+* ``"centered_clip"``: first the members whose contribution points away from the others' are left out
+  (:func:`trim_disagreeing`: at most a minority of them), then CenteredClip (:func:`collabopt.robust.centered_clip`'s
+  algorithm: start at the coordinate-wise median, radius from the majority's distance) over the whole decoded
+  contributions of the rest, the weights capped at :data:`~collabopt.engine.clipping.WEIGHT_CAP` times their median
+  as in collabopt's gradient rounds.
+
+Why the trim: members' sparse payloads keep different coordinates (each its own top-k), so each honest payload lies
+about as far from the honest mean as a hostile one does, and CenteredClip's radius, set by the honest spread, lets a
+hostile member pull the aggregate by its weight share times about the honest mean's norm in every round (measured:
+the honest loss 1.16x a clean run's against x -20, 1.36x against a 1,000x claim on wrong labels). What tells them
+apart is direction: an honest member's contribution agrees with the sum of the others' (cosine 0.14 or more in the
+benchmark's clean runs), one times -20 points against it, noise and poisoned labels about across it.
 
 Rule: the result depends only on the set of contributions, bit for bit, on every machine: contributions are taken in
 the order of their peer ids (bytes), element-wise arithmetic is done in float64 one contribution at a time (no fused
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -32,12 +40,31 @@ from collabopt.robust import ITERATIONS, RADIUS_FACTOR, TOLERANCE, cap_weights
 from collabopt.sparse_codec import PayloadError, SparseCodec
 
 AGGREGATIONS = ("mean", "centered_clip")
+# A contribution whose cosine with the sum of the others' (each scaled to at most the median norm) is below this is
+# left out by centered_clip (:func:`trim_disagreeing`)
+AGREEMENT_FLOOR = 0.05
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """A round's aggregate (``tensors``) and the contributions the robust aggregate ``left_out`` (peer ids, in the
+    contributions' order), with each one's ``agreement`` (its cosine with the others' sum when it was left out)."""
+
+    tensors: list[torch.Tensor]
+    left_out: tuple[Hashable, ...] = ()
+    agreement: tuple[float, ...] = ()
 
 
 def aggregate(contributions: Mapping[Hashable, tuple[float, bytes]], shapes: Sequence[Sequence[int]],
               codec: SparseCodec, aggregation: str = "mean") -> list[torch.Tensor]:
+    """The aggregate (float32 tensors of ``shapes``) of ``contributions``: see :func:`aggregate_set`."""
+    return aggregate_set(contributions, shapes, codec, aggregation).tensors
+
+
+def aggregate_set(contributions: Mapping[Hashable, tuple[float, bytes]], shapes: Sequence[Sequence[int]],
+                  codec: SparseCodec, aggregation: str = "mean") -> Aggregate:
     """The aggregate (float32 tensors of ``shapes``) of ``contributions``: ``{peer id: (weight, payload)}``, a peer
-    id being bytes, str or an object with ``to_bytes()`` (hivemind's ``PeerID``).
+    id being bytes, str or an object with ``to_bytes()`` (hivemind's ``PeerID``), and the contributions it left out.
 
     A contribution of weight 0 takes no part. Raises :class:`~collabopt.sparse_codec.PayloadError` (its ``peer``:
     the sender) for a payload that does not decode, ValueError for a negative or non-finite weight, two ids of the
@@ -49,7 +76,7 @@ def aggregate(contributions: Mapping[Hashable, tuple[float, bytes]], shapes: Seq
     keys = [_order_key(peer) for peer in ordered]
     if len(set(keys)) != len(keys):
         raise ValueError("two contributions have peer ids of the same bytes")
-    members, weights = [], []
+    members, weights, peers = [], [], []
     for peer in ordered:
         weight, payload = contributions[peer]
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0.0 <= weight < math.inf:
@@ -63,14 +90,56 @@ def aggregate(contributions: Mapping[Hashable, tuple[float, bytes]], shapes: Seq
             refused.peer = peer
             raise refused from None
         weights.append(float(weight))
+        peers.append(peer)
     if not members:
         raise ValueError("no contribution of positive weight to aggregate")
+    left_out: dict[int, float] = {}
     if aggregation == "mean":
         flat = _weighted_sum(members, _normalized(weights))
     else:
-        flat = _centered_clip(members, _normalized(cap_weights(weights, WEIGHT_CAP)))
+        left_out = trim_disagreeing(members)
+        kept = [i for i in range(len(members)) if i not in left_out]
+        capped = cap_weights(weights, WEIGHT_CAP)
+        flat = _centered_clip([members[i] for i in kept], _normalized([capped[i] for i in kept]))
     result = flat.to(torch.float32)
-    return [part.view(tuple(shape)) for part, shape in zip(result.split(numels), shapes, strict=True)]
+    tensors = [part.view(tuple(shape)) for part, shape in zip(result.split(numels), shapes, strict=True)]
+    return Aggregate(tensors, tuple(peers[i] for i in left_out), tuple(left_out.values()))
+
+
+def trim_disagreeing(members: Sequence[torch.Tensor]) -> dict[int, float]:
+    """The members to leave out (index -> its agreement), at most ``(len(members) - 1) // 2`` of them: while the
+    least agreeing member's agreement is below :data:`AGREEMENT_FLOOR`, it goes, and the others' are computed again
+    without it. A member's agreement is the cosine of its contribution with the sum of the other members' still in,
+    each contribution scaled down to at most the members' (lower) median norm first, so that no single one (times
+    -20, or noise at 100x) outweighs the rest in that sum. Ties go to the later member. A contribution of all zeros
+    agrees with nothing (0).
+
+    Computed alike on every machine (the module's rule): the scaling is one multiplication per element, every sum
+    over a vector is :func:`exact_sum`, and the rest is arithmetic on those Python floats."""
+    count = len(members)
+    norms = [_norm(member.to(torch.float64)) for member in members]
+    median = sorted(norms)[(count - 1) // 2]
+    scaled = [member.to(torch.float64) * (median / norm) if norm > median else member.to(torch.float64)
+              for member, norm in zip(members, norms, strict=True)]
+    squares = [exact_sum(x * x) for x in scaled]
+    kept, left_out = list(range(count)), {}
+    while len(left_out) < (count - 1) // 2:
+        total = torch.zeros_like(scaled[0])
+        for i in kept:
+            total += scaled[i]
+        total_square = exact_sum(total * total)
+        agreement = {}
+        for i in kept:
+            dot = exact_sum(scaled[i] * total)
+            others_square = max(0.0, total_square - 2 * dot + squares[i])  # |total - x_i|^2
+            denominator = math.sqrt(squares[i] * others_square)
+            agreement[i] = (dot - squares[i]) / denominator if denominator > 0 else 0.0
+        worst = min(kept, key=lambda i: (agreement[i], -i))
+        if agreement[worst] >= AGREEMENT_FLOOR:
+            break
+        kept.remove(worst)
+        left_out[worst] = agreement[worst]
+    return left_out
 
 
 def _order_key(peer: Hashable) -> bytes:
@@ -159,4 +228,5 @@ def exact_sum(values: torch.Tensor) -> float:
     return math.ldexp(float(int(scaled.round().to(torch.int64).sum())), -shift)
 
 
-__all__ = ["AGGREGATIONS", "aggregate", "exact_sum"]
+__all__ = ["AGGREGATIONS", "AGREEMENT_FLOOR", "Aggregate", "aggregate", "aggregate_set", "exact_sum",
+           "trim_disagreeing"]

@@ -43,7 +43,7 @@ from collabopt.engine.clipping import MIN_CLIPPED_GROUP
 from collabopt.engine.gather_exchange import ExchangeResult, ExchangeService, ScheduledExchange
 from collabopt.engine.gather_round import MAX_PAYLOAD_LIMIT
 from collabopt.errors import ConfigurationError
-from collabopt.sparse_aggregation import aggregate
+from collabopt.sparse_aggregation import AGREEMENT_FLOOR, aggregate_set
 from collabopt.sparse_codec import PayloadError
 
 logger = logging.getLogger(__name__)
@@ -195,6 +195,7 @@ class SparsePseudoGradientRounds(_Buffers):
         self.error_feedback = sparse.error_feedback(self.shapes)
         self.bytes_sent = self.bytes_received = 0  # the bodies of the exchange's messages, over all rounds
         self._went_out = False  # the last exchange: not applied here after this member's payload went out
+        self._left_out = False  # the last exchange: applied without this member's payload (the robust aggregate)
         payload_bytes = self.codec.payload_bytes(sum(math.prod(shape) for shape in self.shapes))
         if payload_bytes > MAX_PAYLOAD_LIMIT:
             raise ConfigurationError(
@@ -227,14 +228,17 @@ class SparsePseudoGradientRounds(_Buffers):
 
     def settle(self, applied: bool) -> None:
         """The round decided (:func:`collabopt.engine.protocol.diloco_round`): the error feedback keeps what this
-        round's payload left out where it was ``applied``, and stays as before it otherwise; where the payload went
+        round's payload left out where it was ``applied`` (all of the round's update where the robust aggregate left
+        this member's payload out), and stays as before it otherwise; where the payload went
         out but this member may not apply the set (:meth:`report`), the others may have applied it: the update is
         held for :meth:`settle_delivered` (the round's decision says so too: ``may_have_delivered``). An update
         already held is left to :meth:`settle_delivered`."""
         feedback = self.error_feedback
         if not feedback.staged or feedback.held:
             return
-        if applied:
+        if applied and self._left_out:
+            feedback.commit_unsent()
+        elif applied:
             feedback.commit()
         elif self._went_out:
             feedback.hold()
@@ -266,7 +270,7 @@ class SparsePseudoGradientRounds(_Buffers):
         self.bytes_sent += result.sent_bytes
         self.bytes_received += result.received_bytes
         group = dict(result.gathered) if result.group and result.gathered else None
-        self._went_out = False
+        self._went_out = self._left_out = False
         if result.applied_set is None:
             if result.group and result.sent_bytes > 0:
                 self._went_out = True  # (settle holds the error feedback's update)
@@ -279,7 +283,7 @@ class SparsePseudoGradientRounds(_Buffers):
                          for c in result.applied_set}
         while True:
             try:
-                average = aggregate(contributions, self.shapes, self.codec, self.aggregation)
+                average = aggregate_set(contributions, self.shapes, self.codec, self.aggregation)
                 break
             except PayloadError as e:  # (every member decodes the same payloads: all leave the same one out)
                 peer = getattr(e, "peer", None)
@@ -289,8 +293,13 @@ class SparsePseudoGradientRounds(_Buffers):
                 contributions[peer] = (0.0, b"")
             except ValueError as e:  # (no contribution of positive weight)
                 return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, error=f"nothing to aggregate: {e}")
+        for peer, agreement in zip(average.left_out, average.agreement, strict=True):
+            logger.warning("collabopt: the robust aggregate of this DiLoCo exchange left out %s%s: its pseudo-gradient "
+                           "points away from the others' (agreement %.3f, below %s)", peer,
+                           " (this peer)" if peer == self.service.p2p.peer_id else "", agreement, AGREEMENT_FLOOR)
+        self._left_out = self.service.p2p.peer_id in average.left_out
         with torch.no_grad(), self.get_tensors() as buffers:
-            for buffer, value in zip(buffers, average, strict=True):
+            for buffer, value in zip(buffers, average.tensors, strict=True):
                 buffer.copy_(value)
         return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group)
 

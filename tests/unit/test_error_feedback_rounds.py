@@ -28,6 +28,7 @@ SHAPES = [(16, 20), (50,)]
 class FakeService:
     def __init__(self, dht, **options):
         self.options = options
+        self.p2p = SimpleNamespace(peer_id="a")
 
     def schedule(self, timeout, gather):
         return FakeControl()
@@ -134,6 +135,30 @@ def test_the_aggregate_of_the_agreed_set_reaches_the_buffers(rounds):
         assert same(buffers, expected)
     assert decision.outcome.applied and decision.outcome.reason == "averaged"
     assert not decide(rounds, exchange_result(members), me="d").outcome.applied  # (anchor differs: d applies none)
+
+
+def test_a_member_the_robust_aggregate_left_out_applies_the_round_and_keeps_its_whole_update(monkeypatch):
+    """With centered_clip a member whose pseudo-gradient points away from the others' is left out by every member
+    alike; it applies the others' aggregate like them, and its buffer keeps all of its round (nothing of it was
+    sent into the anchor)."""
+    monkeypatch.setattr(diloco_averaging, "ExchangeService", FakeService)
+    rounds = SparsePseudoGradientRounds(dht=None, prefix="run_grad_averager", sparse=SPARSE,
+                                        aggregation="centered_clip",
+                                        parameters=[torch.zeros(shape) for shape in SHAPES])
+    codec, common = SPARSE.codec, pseudo_gradient(0)
+    honest = {name: [c + 0.5 * d for c, d in zip(common, pseudo_gradient(seed), strict=True)]
+              for seed, name in enumerate("bcd", start=1)}
+    mine = [-c for c in common]
+    payload, _ = contribute(rounds, mine)
+    members = [("a", 10.0, payload, 0)] + [(name, 10.0, codec.encode(delta), 0) for name, delta in honest.items()]
+    decision = decide(rounds, exchange_result(members))
+    assert decision.outcome.applied
+    expected = aggregate({name: (10.0, codec.encode(delta)) for name, delta in honest.items()}, SHAPES, codec,
+                         "centered_clip")
+    with rounds.get_tensors() as buffers:
+        assert same(buffers, expected)
+    rounds.settle(True)
+    assert all(torch.allclose(b, m, atol=1e-6) for b, m in zip(rounds.error_feedback.buffers, mine, strict=True))
 
 
 def test_a_member_that_may_not_apply_after_its_offers_went_out_downloads_first(rounds):

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from collabopt.sparse_aggregation import aggregate, exact_sum
+from collabopt.sparse_aggregation import AGREEMENT_FLOOR, aggregate, aggregate_set, exact_sum, trim_disagreeing
 from collabopt.sparse_codec import PayloadError, SparseCodec
 
 CODEC = SparseCodec(density=0.05, chunk_size=1024, bits=2)
@@ -109,6 +109,55 @@ def test_centered_clip_bounds_one_hostile_member_of_four_where_the_mean_follows_
     print(f"{attack}: mean off by {mean_error:.2f}, centered_clip by {clipped_error:.3f} of the honest mean's norm")
     assert mean_error > 1.5, mean_error  # the mean follows the hostile member
     assert clipped_error < 0.5, clipped_error  # CenteredClip keeps near the honest members' mean
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_centered_clip_leaves_out_a_contribution_that_points_away_from_the_others(attack):
+    """Honest sparse payloads keep different coordinates (each its own top-k); what sets a hostile one apart is its
+    direction. Left out, it moves the aggregate not at all: the aggregate is that of the honest members alone."""
+    _, members = pseudo_gradients(4, seed=3, noise=1.5)  # (payloads that agree less than these members do)
+    honest = {f"honest-{i}": (1.0, payload(member)) for i, member in enumerate(members[:3])}
+    weight, hostile = ATTACKS[attack](members[3], float(members[3].norm()), torch.Generator().manual_seed(9))
+    result = aggregate_set(dict(honest, hostile=(weight, payload(hostile))), SHAPES, CODEC, "centered_clip")
+    assert result.left_out == ("hostile",) and result.agreement[0] < AGREEMENT_FLOOR
+    assert torch.equal(flat(result.tensors), flat(aggregate(honest, SHAPES, CODEC, "centered_clip")))
+    clean = aggregate_set(dict(honest, other=(1.0, payload(members[3]))), SHAPES, CODEC, "centered_clip")
+    assert clean.left_out == ()  # an honest member agrees with the others
+    assert aggregate_set(dict(honest, hostile=(weight, payload(hostile))), SHAPES, CODEC).left_out == ()  # (mean)
+
+
+@pytest.mark.parametrize("count, hostile, left_out", [
+    (4, 0, []),
+    (4, 1, [3]),
+    (4, 2, [3]),  # at most a minority: (4 - 1) // 2 = 1
+    (5, 2, [3, 4]),
+    (3, 1, [2]),
+])
+def test_the_trim_leaves_out_the_least_agreeing_members_but_never_a_majority(count, hostile, left_out):
+    _, members = pseudo_gradients(count, seed=5, noise=1.0)
+    for index in range(count - hostile, count):
+        members[index] = -3.0 * members[index]
+    trimmed = trim_disagreeing([CODEC.decode_flat(payload(member), NUMEL) for member in members])
+    assert sorted(trimmed) == left_out
+
+
+def test_a_member_left_out_keeps_its_whole_update_in_its_error_feedback():
+    """Applied without its payload, the peer moves to the new anchor like the others: nothing of its round is sent,
+    so its buffer keeps all of it (decay * buffer + pseudo-gradient), where a member whose payload was applied keeps
+    only what the payload left out."""
+    from collabopt.error_feedback import ErrorFeedback
+
+    generator = torch.Generator().manual_seed(2)
+    before, delta = torch.randn(NUMEL, generator=generator), torch.randn(NUMEL, generator=generator)
+    kept, applied = ErrorFeedback(CODEC, [(NUMEL,)], decay=0.9), ErrorFeedback(CODEC, [(NUMEL,)], decay=0.9)
+    for feedback in (kept, applied):
+        feedback.buffers = [before.clone()]
+        sent = CODEC.decode_flat(feedback.compress([delta]), NUMEL)
+    kept.commit_unsent()
+    applied.commit()
+    assert torch.allclose(kept.buffers[0], 0.9 * before + delta, atol=1e-6)
+    assert torch.allclose(applied.buffers[0], 0.9 * before + delta - sent, atol=1e-6)
+    assert not kept.staged
 
 
 def test_weights_and_payloads_are_checked_and_a_bad_payload_names_its_sender():
