@@ -6,17 +6,20 @@ them itself, so no member has to trust another's reduction. :func:`aggregate` ta
 
 * ``"mean"``: the weighted mean (weights: the samples each member trained on since the last round), or
 * ``"centered_clip"``: first the members whose contribution points away from the others' are left out
-  (:func:`trim_disagreeing`: at most a minority of them), then CenteredClip (:func:`collabopt.robust.centered_clip`'s
-  algorithm: start at the coordinate-wise median, radius from the majority's distance) over the whole decoded
-  contributions of the rest, the weights capped at :data:`~collabopt.engine.clipping.WEIGHT_CAP` times their median
-  as in collabopt's gradient rounds.
+  (:func:`trim_disagreeing`: at most a minority, and only where every member left then agrees), then CenteredClip
+  (:func:`collabopt.robust.centered_clip`'s algorithm: start at the coordinate-wise median, radius from the
+  majority's distance) over the whole decoded contributions of the rest, the weights capped at
+  :data:`~collabopt.engine.clipping.WEIGHT_CAP` times their median as in collabopt's gradient rounds; the result is
+  at most as long as the members' median contribution.
 
 Why the trim: members' sparse payloads keep different coordinates (each its own top-k), so each honest payload lies
 about as far from the honest mean as a hostile one does, and CenteredClip's radius, set by the honest spread, lets a
 hostile member pull the aggregate by its weight share times about the honest mean's norm in every round (measured:
 the honest loss 1.16x a clean run's against x -20, 1.36x against a 1,000x claim on wrong labels). What tells them
 apart is direction: an honest member's contribution agrees with the sum of the others' (cosine 0.14 or more in the
-benchmark's clean runs), one times -20 points against it, noise and poisoned labels about across it.
+benchmark's clean runs), one times -20 points against it, noise and poisoned labels about across it. A coordinated
+hostile minority can still steer the trim (aligned payloads outvote honest ones that agree little among themselves):
+the trim then leaves no one out or the wrong ones, and the median-norm bound caps what that buys it.
 
 Rule: the result depends only on the set of contributions, bit for bit, on every machine: contributions are taken in
 the order of their peer ids (bytes), element-wise arithmetic is done in float64 one contribution at a time (no fused
@@ -47,8 +50,8 @@ AGREEMENT_FLOOR = 0.05
 
 @dataclass(frozen=True)
 class Aggregate:
-    """A round's aggregate (``tensors``) and the contributions the robust aggregate ``left_out`` (peer ids, in the
-    contributions' order), with each one's ``agreement`` (its cosine with the others' sum when it was left out)."""
+    """A round's aggregate (``tensors``) and the contributions the robust aggregate ``left_out`` (peer ids, the least
+    agreeing first), with each one's ``agreement`` (its cosine with the others' sum when it was left out)."""
 
     tensors: list[torch.Tensor]
     left_out: tuple[Hashable, ...] = ()
@@ -101,45 +104,65 @@ def aggregate_set(contributions: Mapping[Hashable, tuple[float, bytes]], shapes:
         kept = [i for i in range(len(members)) if i not in left_out]
         capped = cap_weights(weights, WEIGHT_CAP)
         flat = _centered_clip([members[i] for i in kept], _normalized([capped[i] for i in kept]))
+        flat = _at_most_median_norm(flat, members)
     result = flat.to(torch.float32)
     tensors = [part.view(tuple(shape)) for part, shape in zip(result.split(numels), shapes, strict=True)]
     return Aggregate(tensors, tuple(peers[i] for i in left_out), tuple(left_out.values()))
 
 
 def trim_disagreeing(members: Sequence[torch.Tensor]) -> dict[int, float]:
-    """The members to leave out (index -> its agreement), at most ``(len(members) - 1) // 2`` of them: while the
-    least agreeing member's agreement is below :data:`AGREEMENT_FLOOR`, it goes, and the others' are computed again
-    without it. A member's agreement is the cosine of its contribution with the sum of the other members' still in,
-    each contribution scaled down to at most the members' (lower) median norm first, so that no single one (times
-    -20, or noise at 100x) outweighs the rest in that sum. Ties go to the later member. A contribution of all zeros
-    agrees with nothing (0).
+    """The members to leave out (index -> its agreement when it went): the least agreeing member goes, and the
+    others' agreement is computed again without it, until every member left agrees (at least
+    :data:`AGREEMENT_FLOOR`); if that takes more than ``(len(members) - 1) // 2`` removals, nobody is left out.
+
+    A member's agreement is the cosine of its contribution with the sum of the other members' still in, each
+    contribution scaled down to at most the members' (lower) median norm first, so that no single one (times -20, or
+    noise at 100x) outweighs the rest in that sum. Ties go to the later member; a contribution of all zeros agrees
+    with nothing (0). Why "until every member left agrees": a trim that leaves disagreement behind took out the wrong
+    members (aligned hostile members make honest ones look like the odd ones; honest members of little agreement
+    among themselves all fall below the floor); then CenteredClip over everyone decides, as without the trim.
 
     Computed alike on every machine (the module's rule): the scaling is one multiplication per element, every sum
-    over a vector is :func:`exact_sum`, and the rest is arithmetic on those Python floats."""
+    over a vector is :func:`exact_sum`, and the rest is arithmetic on those Python floats. Memory: two float64
+    vectors of the members' size (the scaled copies are made one at a time)."""
     count = len(members)
     norms = [_norm(member.to(torch.float64)) for member in members]
     median = sorted(norms)[(count - 1) // 2]
-    scaled = [member.to(torch.float64) * (median / norm) if norm > median else member.to(torch.float64)
-              for member, norm in zip(members, norms, strict=True)]
-    squares = [exact_sum(x * x) for x in scaled]
+    factors = [median / norm if norm > median else 1.0 for norm in norms]
+
+    def scaled(i: int) -> torch.Tensor:
+        return members[i].to(torch.float64) * factors[i] if factors[i] != 1.0 else members[i].to(torch.float64)
+
+    squares = [exact_sum(scaled(i) * scaled(i)) for i in range(count)]
     kept, left_out = list(range(count)), {}
-    while len(left_out) < (count - 1) // 2:
-        total = torch.zeros_like(scaled[0])
+    while True:
+        total = torch.zeros(members[0].numel(), dtype=torch.float64)
         for i in kept:
-            total += scaled[i]
+            total += scaled(i)
         total_square = exact_sum(total * total)
         agreement = {}
         for i in kept:
-            dot = exact_sum(scaled[i] * total)
+            dot = exact_sum(scaled(i) * total)
             others_square = max(0.0, total_square - 2 * dot + squares[i])  # |total - x_i|^2
             denominator = math.sqrt(squares[i] * others_square)
             agreement[i] = (dot - squares[i]) / denominator if denominator > 0 else 0.0
         worst = min(kept, key=lambda i: (agreement[i], -i))
         if agreement[worst] >= AGREEMENT_FLOOR:
-            break
+            return left_out
+        if len(left_out) == (count - 1) // 2:
+            return {}
         kept.remove(worst)
         left_out[worst] = agreement[worst]
-    return left_out
+
+
+def _at_most_median_norm(estimate: torch.Tensor, members: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``estimate`` scaled down to at most the members' (lower) median norm, which a minority cannot raise: whatever
+    a coordinated minority makes of the trim and of CenteredClip (identical payloads give a radius of 0), the
+    aggregate is no longer than an honest contribution. An honest round's is shorter already (its members' payloads
+    keep different values: their mean is shorter than each)."""
+    norm = _norm(estimate)
+    median = sorted(_norm(member.to(torch.float64)) for member in members)[(len(members) - 1) // 2]
+    return estimate * (median / norm) if norm > median else estimate
 
 
 def _order_key(peer: Hashable) -> bytes:

@@ -251,7 +251,9 @@ class SparsePseudoGradientRounds(_Buffers):
         """The round whose error-feedback update :meth:`settle` held was decided (``applied``: the others applied
         it, so its payload is in the swarm's anchor: the buffer keeps the rest; otherwise the buffer stays as before
         it and this peer's next round sends the pseudo-gradient again). Called by the DiLoCo peer
-        (:meth:`collabopt.diloco.DiLoCo.restore_after_download`, or when it takes the round as not applied)."""
+        (:meth:`collabopt.diloco.DiLoCo.restore_after_download`, or when it takes the round as not applied). Not known
+        here: whether the others' robust aggregate left this payload out (then the buffer would keep all of the round,
+        as :meth:`~collabopt.error_feedback.ErrorFeedback.commit_unsent` does); it keeps the remainder only."""
         feedback = self.error_feedback
         if not feedback.held:
             return
@@ -301,7 +303,7 @@ class SparsePseudoGradientRounds(_Buffers):
         with torch.no_grad(), self.get_tensors() as buffers:
             for buffer, value in zip(buffers, average.tensors, strict=True):
                 buffer.copy_(value)
-        return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group)
+        return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, included=0.0 if self._left_out else 1.0)
 
     def shutdown(self) -> None:
         self.service.close()

@@ -24,7 +24,8 @@ class DiLoCoRoundEvidence:
         group: what each member gathered (``{peer: round metadata}``); None: no group (alone, or see ``error``).
         error: why no all-reduce ran (no group, a member refused, a timeout); empty: it ran.
         received: the share of the average whose result arrived here (see ``RoundEvidence`` in engine/allreduce.py).
-        included: the share of those results that hold this peer's values (above 0: its pseudo-gradient reached them).
+        included: the share of those results that hold this peer's values (above 0: its pseudo-gradient reached them;
+            0 in a whole round: the robust aggregate left it out, and it counted for no samples).
         average_finite: the averaged pseudo-gradient is finite.
         needs_sync: a download was owed before this round.
         overlapped: the round ran in the background (``overlap_rounds``): the epoch moved on when it started.
@@ -90,6 +91,9 @@ def diloco_round(e: DiLoCoRoundEvidence) -> DiLoCoDecision:
         elif not e.average_finite:
             nonfinite = True
             outcome = RoundOutcome(False, "non-finite average", size, weight, n)
+        elif e.included == 0:  # (applied without this peer's pseudo-gradient: the robust aggregate left it out)
+            outcome = RoundOutcome(True, "averaged", size, 0.0, n,
+                                   detail="the robust aggregate left this peer's pseudo-gradient out")
         else:
             outcome = RoundOutcome(True, "averaged", size, weight, n)
     if not outcome.applied and e.overlapped:  # its epoch no longer tells whether the others applied it

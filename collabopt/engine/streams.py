@@ -127,9 +127,13 @@ async def _results_until_complete(stream: Any, sent: _CountedRequests) -> AsyncI
 async def serve_until_the_caller_closes(messages: AsyncIterator[Any], linger: float) -> AsyncIterator[Any]:
     """A handler's ``messages`` to a caller that closes its end once it read the last one it expects (hivemind's
     follower reads its leader's answer and verdict, then closes); after them, keep this end open until the caller
-    closed it (hivemind cancels the handler then), at most ``linger`` seconds."""
+    closed it (hivemind cancels the handler then), at most ``linger`` seconds. A handler cancelled meanwhile ends at
+    once (hivemind's ``rpc_join_group`` swallows a cancel and returns: the linger would hold a closing service)."""
     async for message in messages:
         yield message
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
     await asyncio.sleep(linger)
 
 

@@ -152,7 +152,7 @@ def test_a_member_the_robust_aggregate_left_out_applies_the_round_and_keeps_its_
     payload, _ = contribute(rounds, mine)
     members = [("a", 10.0, payload, 0)] + [(name, 10.0, codec.encode(delta), 0) for name, delta in honest.items()]
     decision = decide(rounds, exchange_result(members))
-    assert decision.outcome.applied
+    assert decision.outcome.applied and decision.outcome.weight == 0.0 and "left" in decision.outcome.detail
     expected = aggregate({name: (10.0, codec.encode(delta)) for name, delta in honest.items()}, SHAPES, codec,
                          "centered_clip")
     with rounds.get_tensors() as buffers:

@@ -129,7 +129,7 @@ def test_centered_clip_leaves_out_a_contribution_that_points_away_from_the_other
 @pytest.mark.parametrize("count, hostile, left_out", [
     (4, 0, []),
     (4, 1, [3]),
-    (4, 2, [3]),  # at most a minority: (4 - 1) // 2 = 1
+    (4, 2, []),  # taking out one of 2 leaves disagreement behind: nobody (at most a minority, and only to agreement)
     (5, 2, [3, 4]),
     (3, 1, [2]),
 ])
@@ -139,6 +139,33 @@ def test_the_trim_leaves_out_the_least_agreeing_members_but_never_a_majority(cou
         members[index] = -3.0 * members[index]
     trimmed = trim_disagreeing([CODEC.decode_flat(payload(member), NUMEL) for member in members])
     assert sorted(trimmed) == left_out
+
+
+@pytest.mark.parametrize("honest, hostile, bound", [(3, 2, 1.2), (4, 3, 1.7)])
+def test_a_coordinated_minority_gets_no_honest_member_left_out_and_its_pull_stays_bounded(honest, hostile, bound):
+    """Identical hostile payloads outvote honest ones that agree little among themselves in the others' sum: the
+    trim must then leave no one out (not the honest members), and CenteredClip over everyone bounds the pull (1.06-1.10x
+    and 1.54-1.58x the honest mean's norm here, as without the trim); the result is never longer than the median."""
+    for seed in range(3):
+        _, members = pseudo_gradients(honest + 1, seed=seed, noise=1.5)
+        given = {f"honest-{i}": (1.0, payload(member)) for i, member in enumerate(members[:honest])}
+        honest_mean = flat(aggregate(given, SHAPES, CODEC, "mean"))
+        given.update({f"hostile-{j}": (1.0, payload(-100 * members[honest])) for j in range(hostile)})
+        result = aggregate_set(given, SHAPES, CODEC, "centered_clip")
+        assert result.left_out == ()
+        assert float((flat(result.tensors) - honest_mean).norm() / honest_mean.norm()) < bound
+        norms = sorted(float(CODEC.decode_flat(data, NUMEL).norm()) for _, data in given.values())
+        assert float(flat(result.tensors).norm()) <= norms[(len(norms) - 1) // 2] * (1 + 1e-6)
+
+
+def test_the_aggregate_is_never_longer_than_the_median_contribution():
+    """Outside the guarantee (a hostile majority: two identical payloads of three give CenteredClip a radius of 0),
+    the aggregate is still no longer than the median contribution."""
+    _, members = pseudo_gradients(2, seed=4)
+    given = {"honest": (1.0, payload(members[0])), "hostile-0": (1.0, payload(-100 * members[1])),
+             "hostile-1": (1.0, payload(-100 * members[1]))}
+    norms = sorted(float(CODEC.decode_flat(data, NUMEL).norm()) for _, data in given.values())
+    assert float(flat(aggregate(given, SHAPES, CODEC, "centered_clip")).norm()) <= norms[1] * (1 + 1e-6)
 
 
 def test_a_member_left_out_keeps_its_whole_update_in_its_error_feedback():

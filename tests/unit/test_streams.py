@@ -235,6 +235,30 @@ def test_a_leader_keeps_its_join_stream_open_until_the_follower_closed():
     assert len(quick) == 2  # a follower that never closes: the leader's end closes after linger
 
 
+def test_a_leader_cancelled_before_its_verdict_does_not_linger():
+    """hivemind's leader handler returns quietly when cancelled (a closing service cancels it): the wrapper must not
+    then keep the task alive for the linger."""
+    async def swallowing():
+        yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
+        try:
+            await asyncio.sleep(3600)  # waiting for the group
+        except asyncio.CancelledError:
+            return  # as hivemind's rpc_join_group does
+
+    async def serve():
+        async def handler():
+            async for _ in streams.serve_until_the_caller_closes(swallowing(), linger=3600):
+                pass
+
+        task = asyncio.ensure_future(handler())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=2)
+        return task in done and task.cancelled()
+
+    assert asyncio.run(serve())
+
+
 async def verdicts():
     yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
     yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BEGIN_ALLREDUCE, group_id=b"group")
