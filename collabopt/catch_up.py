@@ -34,6 +34,7 @@ class CatchUp:
         self._check_open()
         if self._peer.num_peers > 0 and self._peer.global_epoch > self._peer.local_epoch:
             logger.info("collabopt: swarm is at epoch %d, downloading its state", self._peer.global_epoch)
+            self._peer.announce()  # a peer finishing meanwhile serves its final state until this one has it
             self._peer.load_state_from_peers()
         self._advance_schedule()
 

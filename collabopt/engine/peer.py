@@ -17,6 +17,7 @@ from hivemind.optim.grad_averager import GradientAverager
 
 from collabopt.engine.compat import dht_time
 from collabopt.engine.diloco_round import DiLoCoLoop
+from collabopt.engine.final_state import serve_final_state
 from collabopt.engine.gradient_rounds import GradientRounds
 from collabopt.engine.lineage_check import out_of_sync
 from collabopt.engine.peer_addresses import start_address_book, stop_address_book
@@ -220,6 +221,15 @@ class HivemindPeer:
     def out_of_sync(self) -> bool:
         """Whether this peer knows its parameters differ from its swarm's (see :func:`lineage_check.out_of_sync`)."""
         return out_of_sync(self.loop)
+
+    def serve_final_state(self, bound: float | None = None) -> str:
+        """After the last step: serve this peer's state while live peers are behind its epoch, at most ``bound``
+        seconds (default ``averaging_timeout + matchmaking_time``); returns why it ended
+        (:mod:`collabopt.engine.final_state`)."""
+        loop = self.loop
+        if bound is None:
+            bound = loop.averaging_timeout + loop.matchmaking_time
+        return serve_final_state(loop, bound)
 
     def shutdown(self) -> None:
         stop_address_book(self.dht, self.run_id)

@@ -381,8 +381,8 @@ class SwarmProgressTracker(threading.Thread):
     # ---- leaving
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Stop publishing and fetching (waiting at most ``timeout`` seconds for the thread), and store a goodbye
-        (``None``) in place of this peer's record, without waiting for it."""
+        """Stop publishing and fetching (waiting at most ``timeout`` s for the thread), and store a goodbye (``None``)
+        for this peer's record, waiting as long again: one not yet sent when the DHT shut down left it counted."""
         with self._flush_lock:
             if self._flush is not None:
                 self._flush.cancel()
@@ -390,8 +390,10 @@ class SwarmProgressTracker(threading.Thread):
         self.should_report_progress.set()
         self.global_state_updated.set()
         self.shutdown_complete.wait(timeout)
-        self.dht.store(self.training_progress_key, subkey=self.local_public_key, value=None,
-                       expiration_time=get_dht_time() + self.metadata_expiration, return_future=True)
+        with contextlib.suppress(Exception):  # (not in time, or no DHT: the record expires)
+            self.dht.store(self.training_progress_key, value=None, subkey=self.local_public_key,
+                           expiration_time=get_dht_time() + self.metadata_expiration, return_future=True
+                           ).result(timeout)
 
     def __del__(self) -> None:
         if getattr(self, "_started", None) is not None and self.is_alive():

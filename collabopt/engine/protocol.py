@@ -6,7 +6,7 @@ happened and what to do next. The rest of the engine gathers the evidence and ex
 
 - a local step: :func:`sync_step` / :func:`diloco_step` (download the swarm's state first, and why), then
   :func:`step_accepted` (whether the step's samples count);
-- a synchronous boundary: :func:`sync_boundary` (a peer two or more epochs behind downloads instead), then
+- a synchronous boundary: :func:`sync_boundary` (a peer behind the swarm downloads instead), then
   :func:`sync_round` (the gradient round's group, the lineage check, the share of the average that arrived), and
   within the round :func:`sync_contributes` (a member's epoch) and :func:`sync_gradients` (whether the average is used);
 - a synchronous parameter round: :func:`parameter_round` (whether its average replaces this peer's parameters);
@@ -156,10 +156,13 @@ def step_accepted(decision: StepDecision, behind_after: bool) -> bool:
 # ---------------------------------------------------------------------------------------- the synchronous round
 
 
-def sync_boundary(view: SwarmView) -> RoundOutcome | None:
-    """A boundary two or more epochs behind the swarm runs no round: its gradients and parameters are stale, it
-    downloads (None: the round runs). See docs/decisions.md, "A peer two or more epochs behind downloads"."""
-    if view.local_epoch < view.swarm_epoch - 1:
+def sync_boundary(view: SwarmView, joins_round_ahead: bool = False) -> RoundOutcome | None:
+    """A boundary behind the swarm runs no round: the peers ahead ended this epoch's round without this peer, so its
+    gradients reach nobody and stepping with them alone would split it from the swarm; it downloads (None: the round
+    runs). ``joins_round_ahead`` (``delay_grad_averaging``: the others announce the next epoch as they start the
+    round): one epoch behind still joins their round. See docs/decisions.md, "A peer behind at its boundary
+    downloads"."""
+    if view.local_epoch < view.swarm_epoch - (1 if joins_round_ahead else 0):
         return RoundOutcome(False, "behind", num_peers=view.num_peers, resync=True, epoch=view.local_epoch)
     return None
 

@@ -96,11 +96,12 @@ class SyncLoop(PeerLoop):
     # ---- the boundary
 
     def end_epoch(self) -> None:
-        """The boundary, decided once: a peer two or more epochs behind downloads; otherwise the gradient round, the
+        """The boundary, decided once: a peer behind the swarm downloads; otherwise the gradient round, the
         optimizer step and the parameter round, whose outcome is :attr:`last_round`."""
         epoch = self.boundary_epoch = self.local_epoch
         num_peers = self.tracker.global_progress.num_peers
-        behind = protocol.sync_boundary(protocol.SwarmView(epoch, self.tracker.global_epoch, num_peers))
+        behind = protocol.sync_boundary(protocol.SwarmView(epoch, self.tracker.global_epoch, num_peers),
+                                        joins_round_ahead=self.delay_grad_averaging or self.auxiliary)
         if behind is not None:
             logger.log(self.status_loglevel, "collabopt: the swarm is at epoch %d, this peer at %d: downloading its "
                        "state", self.tracker.global_epoch, epoch)

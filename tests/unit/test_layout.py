@@ -19,7 +19,7 @@ ENGINE_LAYERS = [
      "member_checks", "download_votes", "download_challenge", "progress_records", "allreduce", "averager",
      "round_schema", "state_service", "downloads", "gather_round", "gather_exchange",
      "model_records", "gradient_rounds", "powersgd_rounds", "parameter_rounds", "training_state",
-     "training_components"},
+     "training_components", "final_state"},
     {"loop"},
     {"lineage_check", "sync_download", "sync_round"},
     {"diloco_averaging", "diloco_round"},

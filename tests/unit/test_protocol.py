@@ -97,13 +97,17 @@ def test_a_steps_samples_count_unless_a_download_dropped_them(decision, behind_a
 # ---------------------------------------------------------------------------------------- the synchronous round
 
 
-@pytest.mark.parametrize(("view", "expected"), [
-    (SwarmView(3, 5, 4), RoundOutcome(False, "behind", num_peers=4, resync=True, epoch=3)),
-    (SwarmView(4, 5, 4), None),  # one behind: the others just ended the epoch it ends now
-    (SwarmView(5, 5, 4), None),
+@pytest.mark.parametrize(("view", "joins_round_ahead", "expected"), [
+    (SwarmView(3, 5, 4), False, RoundOutcome(False, "behind", num_peers=4, resync=True, epoch=3)),
+    # one behind: the others ended this epoch's round without it (a peer that finished waits for it to download)
+    (SwarmView(4, 5, 4), False, RoundOutcome(False, "behind", num_peers=4, resync=True, epoch=4)),
+    (SwarmView(5, 5, 4), False, None),
+    (SwarmView(3, 5, 4), True, RoundOutcome(False, "behind", num_peers=4, resync=True, epoch=3)),
+    (SwarmView(4, 5, 4), True, None),  # delay_grad_averaging: the others announce the epoch of the round under way
+    (SwarmView(5, 5, 4), True, None),
 ])
-def test_a_boundary_two_epochs_behind_runs_no_round(view, expected):
-    assert protocol.sync_boundary(view) == expected
+def test_a_boundary_behind_the_swarm_runs_no_round(view, joins_round_ahead, expected):
+    assert protocol.sync_boundary(view, joins_round_ahead) == expected
 
 
 def lineage_round(group: dict | None, **evidence) -> SyncRoundEvidence:

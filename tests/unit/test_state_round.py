@@ -113,10 +113,15 @@ def sync_loop(num_peers: int = 3, local_epoch: int = 8, swarm_epoch: int = 8, gr
     return loop
 
 
-@pytest.mark.parametrize(("local_epoch", "downloads"), [(3, True), (4, False), (5, False)])
-def test_a_boundary_begun_two_epochs_behind_the_swarm_downloads_instead(local_epoch, downloads):
-    """step() checked the sync on an older view than the one that made it ready (a peer back from a cut link)."""
+@pytest.mark.parametrize(("local_epoch", "delay_grad_averaging", "downloads"), [
+    (3, False, True), (4, False, True), (5, False, False),
+    (3, True, True), (4, True, False), (5, True, False),  # delay_grad_averaging: one behind joins the round under way
+])
+def test_a_boundary_begun_behind_the_swarm_downloads_instead(local_epoch, delay_grad_averaging, downloads):
+    """step() checked the sync on an older view than the one that made it ready (a peer back from a cut link, or one
+    whose peers ended the epoch's round without it and finished the run)."""
     loop = sync_loop(local_epoch=local_epoch, swarm_epoch=5, group={})
+    loop.delay_grad_averaging = delay_grad_averaging
     loop.end_epoch()
     assert loop.downloads == ([True] if downloads else [])
     assert bool(loop.state_steps) != downloads
