@@ -204,6 +204,8 @@ class StateService(ServiceThread):
             return
         if infos is None:
             infos = [CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(tensors)]
+        if isinstance(metadata, dict):  # (how many tensors follow: a stream that ends early is told from a refusal)
+            metadata = dict(metadata, tensor_count=len(tensors))
         serialized: bytes | None = MSGPackSerializer.dumps(metadata)
         compression = self.averager.state_compression
         for tensor, info in zip(tensors, infos, strict=True):
@@ -259,6 +261,9 @@ class StateService(ServiceThread):
         if not metadata:
             return None
         loaded = await asyncio.get_running_loop().run_in_executor(None, _decode, metadata, groups)
+        count = loaded[0].get("tensor_count") if isinstance(loaded[0], dict) else None
+        if type(count) is int and len(loaded[1]) < count:  # (the daemon's close race: the peer is not at fault)
+            raise ConnectionError(f"the stream ended after {len(loaded[1])} of the {count} tensors {peer} sent")
         problem = state_problem(*loaded)
         if problem is not None:
             logger.warning(f"collabopt: the state {peer} sent is not one ({problem}): trying the next peer")

@@ -42,3 +42,37 @@ def test_an_interrupt_ends_a_wait_on_the_service_and_cancels_it(interrupt):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         service._stop_loop()
+
+
+@pytest.mark.parametrize("sent, error", [(3, None), (2, ConnectionError)])
+def test_a_download_whose_stream_ends_early_fails_as_the_stream_not_as_the_peers_state(monkeypatch, sent, error):
+    """A server says how many tensors follow; a stream that ends before the last one (hivemind's daemon can drop
+    what its other end closed over) is a failed download, tried again elsewhere, not a state to refuse."""
+    import torch
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.serializer import MSGPackSerializer
+    from hivemind.utils.streaming import split_for_streaming
+
+    from collabopt.engine import state_service
+
+    tensors = [torch.arange(4.0), torch.ones(2, 3), torch.zeros(5)]
+    metadata = MSGPackSerializer.dumps(dict(epoch=3, group_bits="", optimizer_metadata=[], tensor_count=3))
+
+    class Stub:
+        async def rpc_download_state(self, request):
+            async def messages():
+                for tensor in tensors[:sent]:
+                    for part in split_for_streaming(serialize_torch_tensor(tensor)):
+                        yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata)
+            return messages()
+
+    monkeypatch.setattr(state_service.StateServicer, "get_stub", classmethod(lambda cls, *a, **k: Stub()))
+    service = object.__new__(StateService)
+    service.p2p, service.prefix, service.chunk_timeout = None, "run", 5.0
+    if error is None:
+        loaded_metadata, loaded = asyncio.run(service._fetch("peer", 10**6))
+        assert loaded_metadata["epoch"] == 3 and all(torch.equal(a, b) for a, b in zip(loaded, tensors, strict=True))
+    else:
+        with pytest.raises(error, match="ended after 2 of the 3 tensors"):
+            asyncio.run(service._fetch("peer", 10**6))
