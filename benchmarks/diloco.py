@@ -17,6 +17,8 @@ Writes ``benchmarks/results/diloco.{json,md,png}``.
   simulated compute and, in DiLoCo mode, the inner optimizer step, over wall time) and bytes sent per sample (what
   all peers sent on their namespaces' interfaces but loopback over their measured windows, over the samples of
   those windows: a swarm's figure; a median of per-peer ratios swung with how many steps each peer took per epoch).
+  Modes: synchronous, DiLoCo with fp16 pseudo-gradients ("diloco") and compressed DiLoCo ("sparse": SparseLoCo's
+  defaults and its outer step), each DiLoCo mode also with ``overlap_rounds`` ("+ overlap").
 """
 
 from __future__ import annotations
@@ -48,20 +50,24 @@ QUALITY = dict(peers=4, batch=64, step_sleep=0.02, matchmaking_time=1.0, averagi
 # less the overheads: 600 steps per round measured 90-102x (2026-11-26 11:05 UTC), too near the goal of 100x for a
 # single run to settle; 2000 gives ~300x
 DILOCO_WAN = dict(steps_per_epoch=2000, warmup_epochs=1, measure_epochs=2, outer=OUTER)
+# compressed DiLoCo: SparseLoCo's defaults (pseudo_gradient_compression=SparseLoCo()) and its own outer step
+SPARSE_WAN = dict(DILOCO_WAN, outer="sparseloco", sparse={})
+OVERLAP = dict(options=dict(overlap_rounds=True))
 WAN = dict(width=1024, in_dim=256, batch=32, params=5_000_000, compute_seconds=0.05, matchmaking_time=3.0,
            averaging_timeout=120.0, max_seconds=600, peers=4, rates=(20, 100),
            modes={"synchronous": dict(steps_per_epoch=10, warmup_epochs=1, measure_epochs=5),
                   "diloco": DILOCO_WAN,
-                  "diloco + overlap": dict(DILOCO_WAN, options=dict(overlap_rounds=True))})
+                  "diloco + overlap": dict(DILOCO_WAN, **OVERLAP),
+                  "sparse": SPARSE_WAN,
+                  "sparse + overlap": dict(SPARSE_WAN, **OVERLAP)})
 QUICK = dict(quality=dict(QUALITY, modes={"synchronous": dict(lr=1e-2, steps_per_epoch=4, epochs=8),
                                           "diloco": dict(lr=3e-3, steps_per_epoch=16, epochs=2, outer=OUTER),
                                           "diloco + overlap": dict(lr=3e-3, steps_per_epoch=16, epochs=2,
                                                                    outer=OUTER, overlap=True)}),
              wan=dict(WAN, params=500_000, width=256, rates=(100,),
                       modes={"synchronous": dict(steps_per_epoch=10, warmup_epochs=1, measure_epochs=2),
-                             "diloco": dict(DILOCO_WAN, steps_per_epoch=100, measure_epochs=1),
-                             "diloco + overlap": dict(DILOCO_WAN, steps_per_epoch=100, measure_epochs=1,
-                                                      options=dict(overlap_rounds=True))}))
+                             **{mode: dict(m, steps_per_epoch=100, measure_epochs=1)
+                                for mode, m in WAN["modes"].items() if mode != "synchronous"}}))
 
 
 # ---------------------------------------------------------------------------------------------- quality
@@ -273,6 +279,7 @@ def run_wan(cfg: dict[str, Any], workdir: Path, log: Any = print) -> dict[str, A
                                     matchmaking_time=cfg["matchmaking_time"],
                                     averaging_timeout=cfg["averaging_timeout"], average_state_every=1000,
                                     options=settings.get("options", {}), outer=settings.get("outer"),
+                                    sparse=settings.get("sparse"),
                                     count_bytes=True, write_grads=True, warmup_epochs=settings["warmup_epochs"],
                                     measure_epochs=settings["measure_epochs"], max_seconds=cfg["max_seconds"])
                         records = run_peers(workdir, f"b6_{rate}_{mode.replace(' ', '')}",
@@ -281,6 +288,7 @@ def run_wan(cfg: dict[str, Any], workdir: Path, log: Any = print) -> dict[str, A
                     finally:
                         bootstrap.kill_tree()
                 row.update(wan_figures(records, settings["warmup_epochs"], cfg["batch"]))
+                row["payload_bytes"] = payload_bytes(settings, records[0]["grad_bytes"] // 4)
             except Exception as e:  # a failed case is reported, the others still run
                 row["error"] = f"{type(e).__name__}: {e}"[:2000]
             row["wall_seconds"] = time.time() - started
@@ -291,14 +299,53 @@ def run_wan(cfg: dict[str, Any], workdir: Path, log: Any = print) -> dict[str, A
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Bytes per sample of every synchronous row / that of each DiLoCo row at the same rate."""
+    """Bytes per sample at the same rate of the synchronous row over each DiLoCo row's (``fewer_bytes_than_
+    synchronous``), and of fp16 DiLoCo's over each compressed row's (``fewer_bytes_than_fp16``: "sparse" against
+    "diloco", "sparse + overlap" against "diloco + overlap")."""
     for rate in sorted({r["mbit"] for r in rows}):
         by_mode = {r["mode"]: r for r in rows if r["mbit"] == rate and "bytes_per_sample" in r}
-        for diloco_mode in (m for m in by_mode if m.startswith("diloco")):
-            for mode, r in by_mode.items():
-                if mode.startswith("synchronous"):
-                    by_mode[diloco_mode][f"fewer_bytes_than_{mode.replace(' ', '_').replace('+', 'and')}"] = (
-                        r["bytes_per_sample"] / by_mode[diloco_mode]["bytes_per_sample"])
+        for mode, row in by_mode.items():
+            for key, other in (("fewer_bytes_than_synchronous", "synchronous"),
+                               ("fewer_bytes_than_fp16", mode.replace("sparse", "diloco"))):
+                row.pop(key, None)
+                if other in by_mode and other != mode:
+                    row[key] = by_mode[other]["bytes_per_sample"] / row["bytes_per_sample"]
+
+
+def payload_bytes(settings: dict[str, Any], params: int) -> int | None:
+    """Bytes of one peer's contribution to a DiLoCo round (None in the synchronous mode): fp16 pseudo-gradients, or
+    SparseLoCo's payload (which every member sends to every other)."""
+    from collabopt.diloco_options import SparseLoCo
+
+    if not settings.get("outer"):
+        return None
+    if settings.get("sparse") is None:
+        return 2 * params
+    return SparseLoCo(**settings["sparse"]).codec.payload_bytes(params)
+
+
+def sparse_goals(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per compressed (sparse) row with its figures against the goal: >= 20x fewer bytes sent per sample
+    than fp16 DiLoCo at the same rate, and, with overlap, compute utilization >= 0.98 (the mean and the lowest
+    peer)."""
+    lines = []
+    for r in rows:
+        if not r["mode"].startswith("sparse") or "fewer_bytes_than_fp16" not in r:
+            continue
+        checks = [f"{r['fewer_bytes_than_fp16']:.1f}x fewer bytes per sample than fp16 DiLoCo (goal >= 20x: "
+                  f"{'met' if r['fewer_bytes_than_fp16'] >= 20 else 'not met'})"]
+        if "fewer_bytes_than_synchronous" in r:
+            checks.append(f"{r['fewer_bytes_than_synchronous']:,.0f}x fewer than sync")
+        if "overlap" in r["mode"]:
+            met = min(r["utilization"], r["utilization_min"]) >= 0.98
+            checks.append(f"utilization {r['utilization']:.3f} mean, {r['utilization_min']:.3f} lowest peer "
+                          f"(goal >= 0.98: {'met' if met else 'not met'})")
+        if r.get("payload_bytes"):  # what a peer sent per round, against the payload it sends to the others
+            payload = (r["peers"] - 1) * r["payload_bytes"]
+            checks.append(f"sent per peer and round {r['bytes_per_peer_round'] / 1e3:,.0f} kB, of which the payload "
+                          f"to the {r['peers'] - 1} others {payload / 1e3:,.0f} kB")
+        lines.append(f"- {r['mbit']} Mbit/s {r['mode']}: " + "; ".join(checks))
+    return lines
 
 
 def wan_figures(records: list[dict[str, Any]], warmup_epochs: int, batch: int) -> dict[str, Any]:
@@ -318,6 +365,7 @@ def wan_figures(records: list[dict[str, Any]], warmup_epochs: int, batch: int) -
         rounds.append(sum(1 for t, _ in record["epochs"] if start < t <= end))
     return dict(utilization=sum(utilizations) / len(utilizations), utilization_min=min(utilizations),
                 bytes_per_sample=sum(sent) / sum(samples), rounds_in_window=min(rounds),
+                bytes_per_peer_round=sum(sent) / max(1, sum(rounds)),
                 step_overhead_ms=1e3 * median(overheads), longest_step_s=max(longest),
                 window_seconds=median([r["window"][1] - r["window"][0] for r in records]))
 
@@ -356,23 +404,30 @@ def write_report(result: dict[str, Any]) -> None:
         else:
             lines += ["| Mbit/s | mode | steps per round/epoch (each peer / swarm) | compute utilization (mean, min) "
                       "| step() overhead ms (median) | longest step s | bytes sent per sample "
-                      "| fewer bytes per sample than sync |",
-                      "|---|---|---|---|---|---|---|---|"]
+                      "| fewer bytes per sample than sync | than fp16 DiLoCo |",
+                      "|---|---|---|---|---|---|---|---|---|"]
             for r in wan["rows"]:
                 if "error" in r:
                     lines.append(f"| {r['mbit']} | {r['mode']} | {steps_cell(r)} | error: "
-                                 f"{r['error'][:200]} | | | | |")
+                                 f"{r['error'][:200]} | | | | | |")
                     continue
-                ratio = f"{r['fewer_bytes_than_synchronous']:.0f}x" if "fewer_bytes_than_synchronous" in r else ""
+                ratios = [f"{r[key]:,.{digits}f}x" if key in r else ""
+                          for key, digits in (("fewer_bytes_than_synchronous", 0), ("fewer_bytes_than_fp16", 1))]
                 lines.append(f"| {r['mbit']} | {r['mode']} | {steps_cell(r)} | {r['utilization']:.3f}, "
                              f"{r['utilization_min']:.3f} | {r['step_overhead_ms']:.1f} | {r['longest_step_s']:.1f} "
-                             f"| {r['bytes_per_sample']:.0f} | {ratio} |")
+                             f"| {r['bytes_per_sample']:.1f} | {' | '.join(ratios)} |")
             lines += ["", "Goal: DiLoCo compute utilization >= 0.98 and >= 100x fewer bytes sent per sample. "
                       "Compute: the simulated compute (sleep) plus the inner optimizer's step() call (torch's "
                       "wrapper included, which a plain loop pays too); utilization: compute "
                       "over the wall time of a whole number of epochs / rounds after the first; bytes per sample: "
                       "what the 4 peers sent over the samples they trained on in those windows. Gradients travel in "
                       "fp32 in the synchronous mode (its default), pseudo-gradients in fp16 (DiLoCo's default)."]
+            goals = sparse_goals(wan["rows"])
+            if goals:
+                lines += ["", "Compressed DiLoCo (\"sparse\": `SparseLoCo()`'s defaults and its outer step), goal: "
+                          ">= 20x fewer bytes sent per sample than fp16 DiLoCo (\"diloco\", or \"diloco + overlap\" "
+                          "for \"sparse + overlap\") and utilization >= 0.98 with overlap, lowest peer too:", "",
+                          *goals]
     (RESULTS / "diloco.md").write_text("\n".join(lines) + "\n")
     if quality:
         plot(quality, RESULTS / "diloco.png")

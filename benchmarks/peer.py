@@ -44,6 +44,22 @@ def compression_options(name: str | None, rank: int = 32) -> dict[str, Any]:
     raise ValueError(f"unknown compression {name!r}; use fp16, 8bit or powersgd (hivemind {hivemind.__version__})")
 
 
+def diloco_options(cfg: dict[str, Any]) -> dict[str, Any]:
+    """CollaborativeOptimizer arguments of DiLoCo mode (B6) from a peer's config: ``outer`` is the outer SGD's
+    arguments, or ``"sparseloco"`` for SparseLoCo's own outer step; ``sparse`` (a dict of SparseLoCo's arguments,
+    ``{}`` for its defaults) sends compressed pseudo-gradients. Empty without ``outer``: the synchronous mode."""
+    from collabopt.diloco_options import SparseLoCo
+
+    if not cfg.get("outer"):
+        return {}
+    outer = cfg["outer"]
+    options = dict(outer_optimizer=SparseLoCo.outer_optimizer() if outer == "sparseloco"
+                   else partial(torch.optim.SGD, **outer))
+    if cfg.get("sparse") is not None:
+        options["pseudo_gradient_compression"] = SparseLoCo(**cfg["sparse"])
+    return options
+
+
 def instrument_averaging(grad_averager: Any, events: list[dict[str, Any]]) -> None:
     """Record trigger and completion wall times of every gradient all-reduce this peer runs (hivemind's averagers'
     ``step``; DiLoCo's pseudo-gradient rounds have none: nothing is recorded for them)."""
@@ -177,7 +193,6 @@ def main(config_path: str) -> None:
 
         inner = torch.optim.SGD(model.parameters(), lr=1e-3)
         if cfg.get("outer"):  # DiLoCo mode (B6)
-            options["outer_optimizer"] = partial(torch.optim.SGD, **cfg["outer"])
             # the whole inner.step() call, as a plain loop calls it: torch's wrapper of every optimizer's step
             # (profiler record, hooks: 0.1-0.2 ms here after a sleep) is local training work too (step hooks, used
             # until 2026-11-26, left it out and so counted it as collabopt's overhead)
@@ -191,7 +206,7 @@ def main(config_path: str) -> None:
                     inner_seconds[0] += time.perf_counter() - start
 
             inner.step = timed_step
-            common.update(outer_optimizer=options["outer_optimizer"])
+            common.update(diloco_options(cfg))
         opt = CollaborativeOptimizer(
             inner, model=model if real else None, batch_size=batch,
             initial_peers=cfg["initial_peers"], host_maddrs=[f"/ip4/{host}/tcp/0"], print_join_message=False,

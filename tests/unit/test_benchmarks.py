@@ -132,3 +132,62 @@ def test_b6_bytes_per_sample_is_the_swarms():
     # all bytes over all samples: 80 (the median of the per-peer ratios 160 and 53.3 was 106.7)
     assert figures["bytes_per_sample"] == pytest.approx(6400 / 80)
     assert figures["utilization"] == pytest.approx(0.9) and figures["rounds_in_window"] == 1
+    assert figures["bytes_per_peer_round"] == pytest.approx(3200)
+
+
+def test_b6_peer_builds_diloco_and_sparseloco_from_its_config():
+    import torch
+
+    from benchmarks.peer import diloco_options
+    from collabopt.diloco_options import SparseLoCo
+
+    assert diloco_options({}) == {} and diloco_options(dict(sparse={})) == {}  # no outer: the synchronous mode
+    fp16 = diloco_options(dict(outer=dict(lr=0.7, momentum=0.9, nesterov=True)))
+    assert set(fp16) == {"outer_optimizer"}
+    assert fp16["outer_optimizer"].func is torch.optim.SGD and fp16["outer_optimizer"].keywords["nesterov"]
+    sparse = diloco_options(dict(outer="sparseloco", sparse={}))
+    assert sparse["pseudo_gradient_compression"] == SparseLoCo()
+    assert sparse["outer_optimizer"].keywords == SparseLoCo.outer_optimizer().keywords == dict(lr=1.0)
+    assert diloco_options(dict(outer="sparseloco", sparse=dict(density=0.05)))[
+        "pseudo_gradient_compression"].density == 0.05
+
+
+def test_b6_sparse_rows_are_compared_with_fp16_diloco_at_the_same_rate():
+    from benchmarks import diloco
+
+    assert {"sparse", "sparse + overlap"} <= set(diloco.QUICK["wan"]["modes"])
+    assert diloco.WAN["modes"]["sparse + overlap"]["steps_per_epoch"] == diloco.WAN["modes"]["diloco"][
+        "steps_per_epoch"]
+
+    def row(mbit: int, mode: str, bytes_per_sample: float, utilization: float = 0.99) -> dict:
+        return dict(mbit=mbit, mode=mode, bytes_per_sample=bytes_per_sample, utilization=utilization,
+                    utilization_min=utilization - 0.01, peers=4)
+
+    rows = [row(20, "synchronous", 60000.0), row(20, "diloco", 250.0), row(20, "diloco + overlap", 200.0),
+            row(20, "sparse", 10.0), row(20, "sparse + overlap", 12.5, utilization=0.985),
+            row(100, "sparse", 5.0), dict(mbit=100, mode="diloco", error="boom")]
+    diloco.add_ratios(rows)
+    by = {(r["mbit"], r["mode"]): r for r in rows}
+    assert by[20, "diloco"]["fewer_bytes_than_synchronous"] == pytest.approx(240)
+    assert "fewer_bytes_than_fp16" not in by[20, "diloco"]
+    assert "fewer_bytes_than_synchronous" not in by[20, "synchronous"]
+    assert by[20, "sparse"]["fewer_bytes_than_fp16"] == pytest.approx(25)  # against "diloco"
+    assert by[20, "sparse + overlap"]["fewer_bytes_than_fp16"] == pytest.approx(16)  # against "diloco + overlap"
+    assert by[20, "sparse"]["fewer_bytes_than_synchronous"] == pytest.approx(6000)
+    assert set(by[100, "sparse"]) == {"mbit", "mode", "bytes_per_sample", "utilization", "utilization_min", "peers"}
+    by[20, "sparse"].update(payload_bytes=100_000, bytes_per_peer_round=500_000.0)
+    goals = diloco.sparse_goals(rows)
+    assert len(goals) == 2
+    assert goals[0].startswith("- 20 Mbit/s sparse: 25.0x") and "(goal >= 20x: met)" in goals[0]
+    assert "utilization" not in goals[0]
+    assert goals[0].endswith("sent per peer and round 500 kB, of which the payload to the 3 others 300 kB")
+    assert "(goal >= 20x: not met)" in goals[1] and "0.985 mean, 0.975 lowest peer (goal >= 0.98: not met)" in goals[1]
+
+
+def test_b6_payload_bytes_per_peer_and_round():
+    from benchmarks import diloco
+    from collabopt.diloco_options import SparseLoCo
+
+    assert diloco.payload_bytes(diloco.WAN["modes"]["synchronous"], 1000) is None
+    assert diloco.payload_bytes(diloco.DILOCO_WAN, 1000) == 2000
+    assert diloco.payload_bytes(diloco.SPARSE_WAN, 10**6) == SparseLoCo().codec.payload_bytes(10**6)
