@@ -227,6 +227,8 @@ class HivemindPeer:
         seconds (default ``averaging_timeout + matchmaking_time``); returns why it ended
         (:mod:`collabopt.engine.final_state`)."""
         loop = self.loop
+        if loop.client_mode:  # (a client serves no state: nobody could download it)
+            return "a client-mode peer serves no state"
         if bound is None:
             bound = loop.averaging_timeout + loop.matchmaking_time
         return serve_final_state(loop, bound)

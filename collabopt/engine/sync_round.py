@@ -100,8 +100,13 @@ class SyncLoop(PeerLoop):
         optimizer step and the parameter round, whose outcome is :attr:`last_round`."""
         epoch = self.boundary_epoch = self.local_epoch
         num_peers = self.tracker.global_progress.num_peers
+        # one epoch behind is behind only where this boundary has a gradient round the others ran without it: with
+        # delay_grad_averaging and auxiliary peers they announce the epoch as they start it; with use_local_updates
+        # (no gradient round) a boundary with nothing to wait for ends at once, and the peer that ended first is
+        # ahead by design
+        joins_round_ahead = self.delay_grad_averaging or self.auxiliary or self.grad_averager is None
         behind = protocol.sync_boundary(protocol.SwarmView(epoch, self.tracker.global_epoch, num_peers),
-                                        joins_round_ahead=self.delay_grad_averaging or self.auxiliary)
+                                        joins_round_ahead=joins_round_ahead)
         if behind is not None:
             logger.log(self.status_loglevel, "collabopt: the swarm is at epoch %d, this peer at %d: downloading its "
                        "state", self.tracker.global_epoch, epoch)

@@ -110,3 +110,13 @@ def test_a_joiner_announces_itself_before_its_first_download():
     joiner = SimpleNamespace(_peer=peer, _check_open=lambda: None, _advance_schedule=lambda: None)
     CatchUp.catch_up(joiner)
     assert calls == ["announce", "download"]
+
+
+def test_a_client_mode_peer_serves_no_state_and_leaves_at_once():
+    """Nobody can download from a client: it does not wait for the peers behind."""
+    from collabopt.engine.peer import HivemindPeer
+
+    peer = object.__new__(HivemindPeer)
+    peer.loop = SimpleNamespace(client_mode=True, tracker=None, local_epoch=12, averaging_timeout=30.0,
+                                matchmaking_time=5.0)
+    assert peer.serve_final_state() == "a client-mode peer serves no state"

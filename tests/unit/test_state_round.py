@@ -116,11 +116,14 @@ def sync_loop(num_peers: int = 3, local_epoch: int = 8, swarm_epoch: int = 8, gr
 @pytest.mark.parametrize(("local_epoch", "delay_grad_averaging", "downloads"), [
     (3, False, True), (4, False, True), (5, False, False),
     (3, True, True), (4, True, False), (5, True, False),  # delay_grad_averaging: one behind joins the round under way
+    (3, "local updates", True), (4, "local updates", False),  # no gradient round: the first to end is ahead by design
 ])
 def test_a_boundary_begun_behind_the_swarm_downloads_instead(local_epoch, delay_grad_averaging, downloads):
     """step() checked the sync on an older view than the one that made it ready (a peer back from a cut link, or one
     whose peers ended the epoch's round without it and finished the run)."""
     loop = sync_loop(local_epoch=local_epoch, swarm_epoch=5, group={})
+    if delay_grad_averaging == "local updates":  # use_local_updates: no gradient averager
+        loop.grad_averager, delay_grad_averaging = None, False
     loop.delay_grad_averaging = delay_grad_averaging
     loop.end_epoch()
     assert loop.downloads == ([True] if downloads else [])
