@@ -6,8 +6,7 @@ The attacks, one per test (tests/swarm/peer_worker.py, ``attack``): its gradient
 noise at 100x its gradient's norm; a claim of 1,000x its real samples, its gradients computed on wrong labels (a claim
 of honest gradients only gives them more weight: the claim is what lets a poisoned gradient, which a mean of 4
 absorbs, take the round). Each test runs the attack under both aggregations at once (two swarms); the clean run is
-shared. The DiLoCo swarm of the last test runs beside the clean run (both mostly wait for their rounds; one after
-the other they took 11 s each).
+shared.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import finish, finish_line, read_params, read_result, start_bootstrap, start_peer, unique_run_id
+from helpers import finish, finish_line, read_result, start_bootstrap, start_peer, unique_run_id
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -68,27 +67,6 @@ def honest_loss(tmp_path: Path, procs: dict) -> float:
     return statistics.mean(loss if math.isfinite(loss) else math.inf for loss in losses)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def diloco_clip_swarm(tmp_path_factory):
-    """The swarm of test_diloco_rounds_with_centered_clip_land_equal_on_every_peer, started with the module (before
-    the clean run): 3 DiLoCo peers with ``aggregation="centered_clip"``; its processes, their folder and names."""
-    from test_diloco import peers, start
-
-    tmp_path = tmp_path_factory.mktemp("diloco_clip")
-    names = {"a": [16], "b": [16], "c": [16]}
-    configs = peers(unique_run_id("diloco_clip"), names, epochs=3, aggregation="centered_clip")
-    for name in configs:
-        configs[name]["finish_with"] = finish_line(tmp_path, *(other for other in names if other != name))
-    bootstrap, initial_peers = start_bootstrap(tmp_path)
-    procs = {}
-    try:
-        procs.update({name: start(tmp_path, name, config, initial_peers) for name, config in configs.items()})
-        yield tmp_path, procs
-    finally:
-        for proc in [*procs.values(), bootstrap]:
-            proc.kill_tree()
-
-
 @pytest.fixture(scope="module")
 def clean_loss(tmp_path_factory) -> float:
     tmp_path = tmp_path_factory.mktemp("clean")
@@ -111,18 +89,23 @@ def test_centered_clip_withstands_a_hostile_peer_that_hurts_the_mean(tmp_path, c
     assert clipped_loss <= 1.1 * clean_loss, f"centered_clip: {clipped_loss} against {clean_loss} clean"
 
 
-def test_diloco_rounds_with_centered_clip_land_equal_on_every_peer(diloco_clip_swarm):
+def test_diloco_rounds_with_centered_clip_land_equal_on_every_peer(tmp_path):
     """DiLoCo's pseudo-gradient rounds through the clipping reducer: every member receives the same values (the
     reducer's result, sent once), so the peers are equal after every round, and the rounds train."""
-    from test_diloco import EQUAL, diff, rounds_by_epoch
+    from test_diloco import EQUAL, diff, peers, rounds_by_epoch, run_swarm
 
-    tmp_path, procs = diloco_clip_swarm
-    finish(procs, timeout=150)
-    results = {name: read_result(tmp_path, name) for name in procs}
-    params = {name: read_params(tmp_path, name) for name in procs}
+    names = {"a": [16], "b": [16], "c": [16]}
+    configs = peers(unique_run_id("diloco_clip"), names, epochs=3, aggregation="centered_clip")
+    for name in configs:
+        configs[name]["finish_with"] = finish_line(tmp_path, *(other for other in names if other != name))
+    bootstrap, initial_peers = start_bootstrap(tmp_path)
+    try:
+        results, params = run_swarm(tmp_path, initial_peers, configs)
+    finally:
+        bootstrap.kill_tree()
     for epoch in range(1, 4):
-        whole = [name for name in procs if rounds_by_epoch(results[name]).get(epoch, {}).get("applied")]
-        assert len(whole) >= 2, (epoch, {name: results[name]["rounds"] for name in procs})
+        whole = [name for name in names if rounds_by_epoch(results[name]).get(epoch, {}).get("applied")]
+        assert len(whole) >= 2, (epoch, {name: results[name]["rounds"] for name in names})
         for x, y in itertools.pairwise(whole):
             assert diff(params[x]["after"][epoch], params[y]["after"][epoch]) <= EQUAL, (epoch, x, y)
-    assert all(results[name]["final_loss"] < results[name]["start_loss"] for name in procs)
+    assert all(results[name]["final_loss"] < results[name]["start_loss"] for name in names)
