@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, child_env, machine_info, make_mlp, median, num_params, write_json
-from benchmarks.swarmrun import start_bootstrap
+from benchmarks.swarmrun import let_exit, start_bootstrap, wait_for_files
 from collabopt.testing.processes import Process
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -203,17 +203,11 @@ def run_session(cfg: dict[str, Any], workdir: Path, initial_peers: str, session:
                 ready.append(Path(peer["ready_file"]))
                 snaps.append(tag)
         deadline = time.monotonic() + cfg["max_seconds"] + 60
-        while time.monotonic() < deadline and not all(r.exists() or p.poll() is not None
-                                                      for p, r in zip(procs, ready, strict=True)):
-            time.sleep(0.1)
+        wait_for_files(procs, ready, deadline, poll=0.1)
         go.touch()  # both swarms start training together
-        while time.monotonic() < deadline and not all(o.exists() or p.poll() is not None
-                                                      for p, o in zip(procs, outs, strict=True)):
-            time.sleep(0.5)
+        wait_for_files(procs, outs, deadline)
         stop.touch()  # every window has ended: all peers stop together
-        grace = time.monotonic() + 20
-        while time.monotonic() < grace and any(p.poll() is None for p in procs):
-            time.sleep(0.5)
+        let_exit(procs, 20)
     finally:
         for p in procs:
             p.kill_tree()

@@ -44,19 +44,12 @@ def run_peers(workdir: Path, name: str, configs: list[dict[str, Any]], timeout: 
                                  fork=fork(ns)))
             outs.append(out)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not all(r.exists() or p.poll() is not None
-                                                      for p, r in zip(procs, ready, strict=True)):
-            time.sleep(0.1)
+        wait_for_files(procs, ready, deadline, poll=0.1)
         go.touch()  # every peer has joined: start training together
         # a peer writes its record when its window ends, then lingers and leaves; don't wait for its shutdown (the
         # records hold everything measured: its CPU time and status lines were read at its window's end)
-        while time.monotonic() < deadline:
-            if all(out.exists() or p.poll() is not None for p, out in zip(procs, outs, strict=True)):
-                break
-            time.sleep(0.5)
-        grace = time.monotonic() + linger
-        while time.monotonic() < grace and any(p.poll() is None for p in procs):
-            time.sleep(0.5)
+        wait_for_files(procs, outs, deadline)
+        let_exit(procs, linger)
     finally:
         for p in procs:
             p.kill_tree()
@@ -68,6 +61,20 @@ def run_peers(workdir: Path, name: str, configs: list[dict[str, Any]], timeout: 
         if records[-1].get("error"):
             raise RuntimeError(f"peer {name}_{i}: {records[-1]['error']}; log ends with:\n{procs[i].tail()}")
     return records
+
+
+def wait_for_files(procs: list[Process], files: list[Path], deadline: float, poll: float = 0.5) -> None:
+    """Wait until each process wrote its file or ended, or until ``deadline`` (time.monotonic())."""
+    while time.monotonic() < deadline and not all(f.exists() or p.poll() is not None
+                                                  for p, f in zip(procs, files, strict=True)):
+        time.sleep(poll)
+
+
+def let_exit(procs: list[Process], seconds: float) -> None:
+    """Give the processes up to ``seconds`` to exit by themselves (the caller kills what is left)."""
+    grace = time.monotonic() + seconds
+    while time.monotonic() < grace and any(p.poll() is None for p in procs):
+        time.sleep(0.5)
 
 
 def measured_window(record: dict[str, Any], warmup_epochs: int) -> tuple[float, float]:
