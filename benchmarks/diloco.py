@@ -413,7 +413,8 @@ def write_report(result: dict[str, Any]) -> None:
                     continue
                 ratios = [f"{r[key]:,.{digits}f}x" if key in r else ""
                           for key, digits in (("fewer_bytes_than_synchronous", 0), ("fewer_bytes_than_fp16", 1))]
-                lines.append(f"| {r['mbit']} | {r['mode']} | {steps_cell(r)} | {r['utilization']:.3f}, "
+                lines.append(f"| {r['mbit']}{'†' if r.get('machine') else ''} | {r['mode']} | {steps_cell(r)} "
+                             f"| {r['utilization']:.3f}, "
                              f"{r['utilization_min']:.3f} | {r['step_overhead_ms']:.1f} | {r['longest_step_s']:.1f} "
                              f"| {r['bytes_per_sample']:.1f} | {' | '.join(ratios)} |")
             lines += ["", "Goal: DiLoCo compute utilization >= 0.98 and >= 100x fewer bytes sent per sample. "
@@ -428,6 +429,10 @@ def write_report(result: dict[str, Any]) -> None:
                           ">= 20x fewer bytes sent per sample than fp16 DiLoCo (\"diloco\", or \"diloco + overlap\" "
                           "for \"sparse + overlap\") and utilization >= 0.98 with overlap, lowest peer too:", "",
                           *goals]
+            earlier = {str(r["machine"]) for r in wan["rows"] if r.get("machine")}
+            if earlier:
+                lines += ["", "Rows marked † are kept from an earlier run: " + "; ".join(sorted(earlier))
+                          + ". Their ratios compare rows of two runs."]
     (RESULTS / "diloco.md").write_text("\n".join(lines) + "\n")
     if quality:
         plot(quality, RESULTS / "diloco.png")
@@ -488,7 +493,8 @@ def main(argv: list[str] | None = None) -> None:
             result[part] = runner(cfg, workdir)
             if part == "wan":
                 fresh = {(r["mbit"], r["mode"]) for r in result[part]["rows"]}
-                kept = [r for r in previous.get("wan", {}).get("rows", []) if (r["mbit"], r["mode"]) not in fresh
+                kept = [dict(r, machine=r.get("machine", previous.get("machine")))  # (measured in an earlier run)
+                        for r in previous.get("wan", {}).get("rows", []) if (r["mbit"], r["mode"]) not in fresh
                         and (args.rates or args.modes) and not args.quick]
                 result[part]["rows"] = sorted(kept + result[part]["rows"],
                                               key=lambda r: (r["mbit"], list(WAN["modes"]).index(r["mode"])))

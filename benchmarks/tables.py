@@ -84,7 +84,8 @@ def readme() -> list[str]:
     plain, default, reuse = b4["plain torch"], b4["none"], b4["reuse"]
     wan = [wan_row(mode, mbit) for mode in ("diloco + overlap",) for mbit in (20, 100)]
     fewer = [row["fewer_bytes_than_synchronous"] for row in load("diloco")["wan"]["rows"]
-             if row["mode"] != "synchronous"]
+             if row["mode"].startswith("diloco")]
+    sparse = [row["fewer_bytes_than_fp16"] for row in load("diloco")["wan"]["rows"] if "fewer_bytes_than_fp16" in row]
     at4, at16 = scale_row("scale", 4), scale_row("scale", 16)
     rows = [
         ["B1 swarm samples/s against raw hivemind, same settings", x(r["b1"]["ratio"]), "≥ 0.99×"],
@@ -100,6 +101,8 @@ def readme() -> list[str]:
          " / ".join(f"{row['utilization']:.3f}" for row in wan), "≥ 0.98"],
         ["B6 DiLoCo bytes sent per sample, fewer than the synchronous mode",
          f"{min(fewer):.0f}–{max(fewer):.0f}×", "≥ 100×"],
+        *([["B6 compressed DiLoCo (`SparseLoCo()`) bytes sent per sample, fewer than fp16 DiLoCo",
+            f"{min(sparse):.1f}–{max(sparse):.1f}×", "≥ 20×"]] if sparse else []),
         ["B7 DHT bytes sent per peer per epoch, 16 peers against 4",
          x(at16["dht_sent_per_epoch"] / at4["dht_sent_per_epoch"]), "≤ 2×"],
         ["GPU local step against plain torch, fp16 / bf16 (110M parameters)",
@@ -184,9 +187,12 @@ def _s(value: float | None) -> str:
 
 def b6() -> list[str]:
     q = load("diloco")["quality"]
+    earlier_runs = {f"{row['machine']['cpus']} CPUs ({row['machine']['cpu']})" for row in load("diloco")["wan"]["rows"]
+                    if row.get("machine")}
     quality = [[mode, f"{v['samples']:.0f}", f"{v['loss']:.3f}", f"{v['sync_loss']:.3f}", f"{v['ratio']:.3f}",
                 q["modes"][mode]["rounds_failed"]] for mode, v in q["vs_sync"].items()]
-    wan = [[row["mbit"], row["mode"], f"{row['utilization']:.3f}", f"{row['step_overhead_ms']:.1f}",
+    wan = [[f"{row['mbit']}{'†' if row.get('machine') else ''}", row["mode"], f"{row['utilization']:.3f}",
+            f"{row['step_overhead_ms']:.1f}",
             f"{row['bytes_per_sample']:.0f}",
             "" if row.get("fewer_bytes_than_synchronous") is None else f"{row['fewer_bytes_than_synchronous']:.0f}×"]
            for row in load("diloco")["wan"]["rows"]]
@@ -195,7 +201,9 @@ def b6() -> list[str]:
         ["mode", "samples", "loss", "synchronous mode's loss", "ratio", "rounds not applied"], quality) + [
         "", "WAN bed: 4 peers in network namespaces, about 5M parameters, simulated compute.", ""] + table(
         ["Mbit/s", "mode", "compute utilization", "`step()` overhead ms", "bytes sent per sample",
-         "fewer bytes than synchronous"], wan) + ["", machine(load("diloco")["machine"])]
+         "fewer bytes than synchronous"], wan) + ["", machine(load("diloco")["machine"])] + (
+        ["Rows marked † were measured in an earlier run, on " + "; ".join(sorted(earlier_runs)) + "."]
+        if earlier_runs else [])
 
 
 def b7() -> list[str]:
