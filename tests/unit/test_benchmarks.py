@@ -121,14 +121,14 @@ def test_b1_rounds_are_epochs():
 
 
 def test_b6_bytes_per_sample_is_the_swarms():
-    from benchmarks import diloco
+    from benchmarks import diloco_wan
 
     def peer(steps: int, sent: int) -> dict:
         # steps of 1 s (0.9 s of compute, 0.1 s in step()), one round at the window's end
         return dict(window=[0.0, float(steps)], net_bytes=[1000, 1000 + sent], epochs=[(float(steps), 1)],
                     steps=[(float(i), 0.9, 0.1, 0, 0.0) for i in range(steps)])
 
-    figures = diloco.wan_figures([peer(10, 3200), peer(30, 3200)], warmup_epochs=1, batch=2)
+    figures = diloco_wan.wan_figures([peer(10, 3200), peer(30, 3200)], warmup_epochs=1, batch=2)
     # all bytes over all samples: 80 (the median of the per-peer ratios 160 and 53.3 was 106.7)
     assert figures["bytes_per_sample"] == pytest.approx(6400 / 80)
     assert figures["utilization"] == pytest.approx(0.9) and figures["rounds_in_window"] == 1
@@ -153,10 +153,10 @@ def test_b6_peer_builds_diloco_and_sparseloco_from_its_config():
 
 
 def test_b6_sparse_rows_are_compared_with_fp16_diloco_at_the_same_rate():
-    from benchmarks import diloco
+    from benchmarks import diloco, diloco_wan
 
     assert {"sparse", "sparse + overlap"} <= set(diloco.QUICK["wan"]["modes"])
-    assert diloco.WAN["modes"]["sparse + overlap"]["steps_per_epoch"] == diloco.WAN["modes"]["diloco"][
+    assert diloco_wan.WAN["modes"]["sparse + overlap"]["steps_per_epoch"] == diloco_wan.WAN["modes"]["diloco"][
         "steps_per_epoch"]
 
     def row(mbit: int, mode: str, bytes_per_sample: float, utilization: float = 0.99) -> dict:
@@ -166,7 +166,7 @@ def test_b6_sparse_rows_are_compared_with_fp16_diloco_at_the_same_rate():
     rows = [row(20, "synchronous", 60000.0), row(20, "diloco", 250.0), row(20, "diloco + overlap", 200.0),
             row(20, "sparse", 10.0), row(20, "sparse + overlap", 12.5, utilization=0.985),
             row(100, "sparse", 5.0), dict(mbit=100, mode="diloco", error="boom")]
-    diloco.add_ratios(rows)
+    diloco_wan.add_ratios(rows)
     by = {(r["mbit"], r["mode"]): r for r in rows}
     assert by[20, "diloco"]["fewer_bytes_than_synchronous"] == pytest.approx(240)
     assert "fewer_bytes_than_fp16" not in by[20, "diloco"]
@@ -176,7 +176,7 @@ def test_b6_sparse_rows_are_compared_with_fp16_diloco_at_the_same_rate():
     assert by[20, "sparse"]["fewer_bytes_than_synchronous"] == pytest.approx(6000)
     assert set(by[100, "sparse"]) == {"mbit", "mode", "bytes_per_sample", "utilization", "utilization_min", "peers"}
     by[20, "sparse"].update(payload_bytes=100_000, bytes_per_peer_round=500_000.0)
-    goals = diloco.sparse_goals(rows)
+    goals = diloco_wan.sparse_goals(rows)
     assert len(goals) == 2
     assert goals[0].startswith("- 20 Mbit/s sparse: 25.0x") and "(goal >= 20x: met)" in goals[0]
     assert "utilization" not in goals[0]
@@ -185,9 +185,9 @@ def test_b6_sparse_rows_are_compared_with_fp16_diloco_at_the_same_rate():
 
 
 def test_b6_payload_bytes_per_peer_and_round():
-    from benchmarks import diloco
+    from benchmarks import diloco_wan
     from collabopt.diloco_options import SparseLoCo
 
-    assert diloco.payload_bytes(diloco.WAN["modes"]["synchronous"], 1000) is None
-    assert diloco.payload_bytes(diloco.DILOCO_WAN, 1000) == 2000
-    assert diloco.payload_bytes(diloco.SPARSE_WAN, 10**6) == SparseLoCo().codec.payload_bytes(10**6)
+    assert diloco_wan.payload_bytes(diloco_wan.WAN["modes"]["synchronous"], 1000) is None
+    assert diloco_wan.payload_bytes(diloco_wan.DILOCO_WAN, 1000) == 2000
+    assert diloco_wan.payload_bytes(diloco_wan.SPARSE_WAN, 10**6) == SparseLoCo().codec.payload_bytes(10**6)
