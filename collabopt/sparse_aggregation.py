@@ -100,17 +100,18 @@ def aggregate_set(contributions: Mapping[Hashable, tuple[float, bytes]], shapes:
     if aggregation == "mean":
         flat = _weighted_sum(members, _normalized(weights))
     else:
-        left_out = trim_disagreeing(members)
+        norms = [_norm(member.to(torch.float64)) for member in members]
+        left_out = trim_disagreeing(members, norms)
         kept = [i for i in range(len(members)) if i not in left_out]
         capped = cap_weights(weights, WEIGHT_CAP)
         flat = _centered_clip([members[i] for i in kept], _normalized([capped[i] for i in kept]))
-        flat = _at_most_median_norm(flat, members)
+        flat = _at_most(flat, _lower_median(norms))
     result = flat.to(torch.float32)
     tensors = [part.view(tuple(shape)) for part, shape in zip(result.split(numels), shapes, strict=True)]
     return Aggregate(tensors, tuple(peers[i] for i in left_out), tuple(left_out.values()))
 
 
-def trim_disagreeing(members: Sequence[torch.Tensor]) -> dict[int, float]:
+def trim_disagreeing(members: Sequence[torch.Tensor], norms: Sequence[float] | None = None) -> dict[int, float]:
     """The members to leave out (index -> its agreement when it went): the least agreeing member goes, and the
     others' agreement is computed again without it, until every member left agrees (at least
     :data:`AGREEMENT_FLOOR`); if that takes more than ``(len(members) - 1) // 2`` removals, nobody is left out.
@@ -124,16 +125,17 @@ def trim_disagreeing(members: Sequence[torch.Tensor]) -> dict[int, float]:
 
     Computed alike on every machine (the module's rule): the scaling is one multiplication per element, every sum
     over a vector is :func:`exact_sum`, and the rest is arithmetic on those Python floats. Memory: two float64
-    vectors of the members' size (the scaled copies are made one at a time)."""
+    vectors of the members' size (the scaled copies are made one at a time). ``norms``: the members' norms
+    (:func:`_norm`), where the caller has them."""
     count = len(members)
-    norms = [_norm(member.to(torch.float64)) for member in members]
-    median = sorted(norms)[(count - 1) // 2]
+    norms = [_norm(member.to(torch.float64)) for member in members] if norms is None else norms
+    median = _lower_median(norms)
     factors = [median / norm if norm > median else 1.0 for norm in norms]
 
     def scaled(i: int) -> torch.Tensor:
         return members[i].to(torch.float64) * factors[i] if factors[i] != 1.0 else members[i].to(torch.float64)
 
-    squares = [exact_sum(scaled(i) * scaled(i)) for i in range(count)]
+    squares = [exact_sum(x * x) for x in map(scaled, range(count))]
     kept, left_out = list(range(count)), {}
     while True:
         total = torch.zeros(members[0].numel(), dtype=torch.float64)
@@ -155,13 +157,16 @@ def trim_disagreeing(members: Sequence[torch.Tensor]) -> dict[int, float]:
         left_out[worst] = agreement[worst]
 
 
-def _at_most_median_norm(estimate: torch.Tensor, members: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``estimate`` scaled down to at most the members' (lower) median norm, which a minority cannot raise: whatever
-    a coordinated minority makes of the trim and of CenteredClip (identical payloads give a radius of 0), the
-    aggregate is no longer than an honest contribution. An honest round's is shorter already (its members' payloads
-    keep different values: their mean is shorter than each)."""
+def _lower_median(norms: Sequence[float]) -> float:
+    return sorted(norms)[(len(norms) - 1) // 2]
+
+
+def _at_most(estimate: torch.Tensor, median: float) -> torch.Tensor:
+    """``estimate`` scaled down to at most the members' (lower) ``median`` norm, which a minority cannot raise:
+    whatever a coordinated minority makes of the trim and of CenteredClip (identical payloads give a radius of 0),
+    the aggregate is no longer than an honest contribution. An honest round's is shorter already (its members'
+    payloads keep different values: their mean is shorter than each)."""
     norm = _norm(estimate)
-    median = sorted(_norm(member.to(torch.float64)) for member in members)[(len(members) - 1) // 2]
     return estimate * (median / norm) if norm > median else estimate
 
 
