@@ -4,7 +4,10 @@ A peer that left as soon as it reached its last epoch stranded a peer one epoch 
 download the final state (it dialed the departed peer, or stepped alone to the last epoch on parameters of its own).
 So a finished peer stays in the swarm, serving its state through the ordinary download path, while a live peer (a
 progress record stored within the last ``live_within`` seconds) is at an earlier epoch; it leaves as soon as none
-is, or after ``bound`` seconds. SIGTERM and Ctrl+C end the wait at once (they raise in the main thread).
+is, or after ``bound`` seconds. While a download of its state from it is open, it stays too, past the bound by at
+most ``download_bound`` (the download's own timeout, ``load_state_timeout``): a large model's download outlasts
+``averaging_timeout + matchmaking_time``, and leaving in its middle strands the downloader as leaving before it did.
+SIGTERM and Ctrl+C end the wait at once (they raise in the main thread).
 
     >>> grace_decision(behind=0, elapsed=0.0, bound=35.0)
     'no live peer is behind epoch'
@@ -29,8 +32,14 @@ def peers_behind(records: Iterable[tuple[int, float]], final_epoch: int, now: fl
     return sum(1 for epoch, stamp in records if epoch < final_epoch and stamp >= now - live_within)
 
 
-def grace_decision(behind: int, elapsed: float, bound: float) -> str | None:
-    """Why the wait ends now (None: it goes on): no live peer is behind, or the ``bound`` has passed."""
+def grace_decision(behind: int, elapsed: float, bound: float, downloads: int = 0,
+                   download_bound: float = 0.0) -> str | None:
+    """Why the wait ends now (None: it goes on): no live peer is behind and no download from this peer is open, or
+    the ``bound`` has passed (``bound + download_bound`` while ``downloads`` are open)."""
+    if downloads:
+        if elapsed < bound + download_bound:
+            return None
+        return f"{downloads} download(s) still open after {bound + download_bound:.0f} s (the bound) at epoch"
     if behind == 0:
         return "no live peer is behind epoch"
     if elapsed >= bound:
@@ -55,22 +64,34 @@ def other_records(tracker: Any) -> list[tuple[int, float]]:
     return pairs
 
 
-def serve_final_state(loop: Any, bound: float, live_within: float | None = None) -> str:
-    """Wait (serving this peer's state) until no live peer is behind this peer's epoch, at most ``bound`` seconds;
-    returns and logs why it ended. ``live_within`` defaults to ``bound``: a peer in a gradient round or a download
-    stores no record for up to a ``matchmaking_time`` or an ``averaging_timeout``."""
+def open_downloads(loop: Any) -> int:
+    """How many downloads of this peer's state are open now (0 where the loop has no state service)."""
+    return getattr(getattr(loop, "state_service", None), "open_downloads", 0)
+
+
+def serve_final_state(loop: Any, bound: float, live_within: float | None = None,
+                      download_bound: float | None = None) -> str:
+    """Wait (serving this peer's state) until no live peer is behind this peer's epoch and no download from it is
+    open, at most ``bound`` seconds (``bound + download_bound`` while a download is open; ``download_bound``
+    defaults to the loop's ``load_state_timeout``); returns and logs why it ended. ``live_within`` defaults to
+    ``bound``: a peer in a gradient round or a download stores no record for up to a ``matchmaking_time`` or an
+    ``averaging_timeout``."""
     tracker, epoch = loop.tracker, loop.local_epoch
     live_within = bound if live_within is None else live_within
+    if download_bound is None:
+        download_bound = getattr(loop, "load_state_timeout", 0.0)
     period = max(tracker.min_refresh_period, 0.1)
     start, waited = time.monotonic(), False
     while True:
         behind = peers_behind(other_records(tracker), epoch, get_dht_time(), live_within)
-        reason = grace_decision(behind, time.monotonic() - start, bound)
+        downloads = open_downloads(loop)
+        reason = grace_decision(behind, time.monotonic() - start, bound, downloads, download_bound)
         if reason is not None:
             break
         if not waited:
-            logger.info("collabopt: training finished at epoch %d; %d live peer(s) behind: this peer serves its "
-                        "state for them (at most %.0f s)", epoch, behind, bound)
+            logger.info("collabopt: training finished at epoch %d; %d live peer(s) behind, %d download(s) open: "
+                        "this peer serves its state for them (at most %.0f s, longer while a download is open)",
+                        epoch, behind, downloads, bound)
             waited = True
         time.sleep(period)
     if waited:

@@ -224,8 +224,8 @@ class HivemindPeer:
 
     def serve_final_state(self, bound: float | None = None) -> str:
         """After the last step: serve this peer's state while live peers are behind its epoch, at most ``bound``
-        seconds (default ``averaging_timeout + matchmaking_time``); returns why it ended
-        (:mod:`collabopt.engine.final_state`)."""
+        seconds (default ``averaging_timeout + matchmaking_time``), longer while a download from it is open; returns
+        why it ended (:mod:`collabopt.engine.final_state`)."""
         loop = self.loop
         if loop.client_mode:  # (a client serves no state: nobody could download it)
             return "a client-mode peer serves no state"

@@ -120,6 +120,7 @@ class StateService(ServiceThread):
         self.chunk_timeout = float(averager.chunk_timeout)
         self.declines: Callable[[], bool] = lambda: False
         self.serves = not averager.client_mode  # (a client-mode peer cannot be reached: it registers no handler)
+        self.open_downloads = 0  # streams of this peer's state open now (only the service's loop changes it)
         self.p2p: Any = None
         self.servicer = StateServicer(self._serve)
         self.challenges = ChallengeAnswers(averager.challenge_state, lambda: averager.allow_state_sharing,
@@ -186,6 +187,16 @@ class StateService(ServiceThread):
         return None if key is None else await download_refusal(self.dht, self.prefix, key, caller)
 
     async def _serve(self, caller: PeerID) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """The messages of one download, counted in :attr:`open_downloads` while its stream is open (a finished peer
+        serving its final state stays while one is, :mod:`~collabopt.engine.final_state`)."""
+        self.open_downloads += 1
+        try:
+            async for message in self._messages(caller):
+                yield message
+        finally:
+            self.open_downloads -= 1
+
+    async def _messages(self, caller: PeerID) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
         """The messages of one download: nothing (the downloader tries its next peer) where this peer shares no
         state, refuses the caller, declines now, or its boundary outlasts the wait
         (:meth:`~collabopt.engine.state.ConsistentStateAverager.served_state`)."""

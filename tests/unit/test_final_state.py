@@ -33,6 +33,18 @@ def test_the_wait_ends_when_no_live_peer_is_behind_or_at_the_bound(behind, elaps
     assert grace_decision(behind, elapsed, bound=35.0) == ends
 
 
+@pytest.mark.parametrize(("behind", "downloads", "elapsed", "ends"), [
+    (0, 1, 0.0, None),  # nobody behind, but a download from this peer is open: it stays
+    (1, 1, 35.0, None),  # past the bound while a download is open
+    (0, 1, 634.9, None),
+    (0, 2, 635.0, "2 download(s) still open after 635 s (the bound) at epoch"),  # bound + download_bound
+    (1, 0, 35.0, "1 peer(s) still behind after 35 s (the bound) at epoch"),  # the download ended: the bound holds
+    (0, 0, 100.0, "no live peer is behind epoch"),
+])
+def test_an_open_download_holds_the_wait_past_its_bound_up_to_the_download_timeout(behind, downloads, elapsed, ends):
+    assert grace_decision(behind, elapsed, bound=35.0, downloads=downloads, download_bound=600.0) == ends
+
+
 class FakeTracker:
     """A tracker whose DHT holds one other peer's record, which reaches the final epoch at the third look."""
 
@@ -65,6 +77,26 @@ def test_a_finished_peer_with_nobody_behind_leaves_at_once_and_quietly(caplog):
     caplog.set_level("INFO", logger=final_state.__name__)
     assert serve_final_state(SimpleNamespace(tracker=tracker, local_epoch=12), bound=60.0).startswith("no live peer")
     assert tracker.looks == 1 and caplog.text == ""
+
+
+def test_a_finished_peer_stays_until_the_download_of_its_state_ends(caplog):
+    """The peer behind is no longer counted (its record is older than live_within while it downloads a large
+    model), but its download from this peer is still open: leaving now would cut it off."""
+    tracker = FakeTracker([12])
+    service = SimpleNamespace(open_downloads=1)
+    looks = tracker.get
+
+    def get(key, latest):
+        if tracker.looks == 2:
+            service.open_downloads = 0
+        return looks(key, latest)
+
+    tracker.dht.get = get
+    loop = SimpleNamespace(tracker=tracker, local_epoch=12, state_service=service, load_state_timeout=600.0)
+    caplog.set_level("INFO", logger=final_state.__name__)
+    assert serve_final_state(loop, bound=0.0) == "no live peer is behind epoch 12"
+    assert tracker.looks == 3
+    assert "1 download(s) open" in caplog.text
 
 
 def test_the_wait_ends_at_its_bound():

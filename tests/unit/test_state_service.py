@@ -76,3 +76,27 @@ def test_a_download_whose_stream_ends_early_fails_as_the_stream_not_as_the_peers
     else:
         with pytest.raises(error, match="ended after 2 of the 3 tensors"):
             asyncio.run(service._fetch("peer", 10**6))
+
+
+def test_a_download_stream_is_counted_while_it_is_open_also_where_the_downloader_leaves_early():
+    """A finished peer serving its final state stays while a download of its state is open
+    (collabopt.engine.final_state)."""
+    service = StateService.__new__(StateService)
+    service.open_downloads = 0
+    seen = []
+
+    async def messages(caller):
+        for part in ("a", "b"):
+            seen.append(service.open_downloads)
+            yield part
+
+    service._messages = messages
+
+    async def download(parts):
+        stream = service._serve("caller")
+        received = [message async for message in stream] if parts is None else [await stream.__anext__()]
+        await stream.aclose()  # (the downloader closed its stream)
+        return received
+
+    assert asyncio.run(download(None)) == ["a", "b"] and seen == [1, 1] and service.open_downloads == 0
+    assert asyncio.run(download(1)) == ["a"] and service.open_downloads == 0
