@@ -356,9 +356,8 @@ class CollaborativeOptimizer(PeerViews, NonFiniteHandling, Checkpointing, CatchU
 
     def serve_final_state(self, timeout: float | None = None) -> str:
         """After the last step, before :meth:`close`: :meth:`flush`, then serve this peer's state while a live peer
-        is behind its epoch (it downloads the final state instead of ending alone), at most ``timeout`` s (default
-        ``averaging_timeout + matchmaking_time``; a download still open, up to ``load_state_timeout`` more).
-        Returns why it ended; SIGTERM and Ctrl+C end it at once."""
+        is behind its epoch, at most ``timeout`` s (default ``averaging_timeout + matchmaking_time``; an open download,
+        up to ``load_state_timeout`` more). Returns why it ended; SIGTERM and Ctrl+C end it at once."""
         self.flush()
         return self._peer.serve_final_state(timeout)
 
