@@ -36,13 +36,21 @@ class ThrottledProgressTracker(SwarmProgressTracker):
         return diloco_module.report_period(self._last_round, self.min_refresh_period, self.max_refresh_period)
 
     def _parse_swarm_progress_data(self, metadata: Any) -> Any:
-        """It fetches the swarm's progress at least every ``max_fetch_period``, as the synchronous mode's tracker does
-        (``max_refresh_period`` keeps its default here: it also caps the report period). The ETA-based period while
-        the throughput estimates warm up left peers counting only their own samples. See docs/decisions.md, "DiLoCo:
-        no round alone on an old view"."""
+        """It fetches the swarm's progress at least every :meth:`fetch_period` (``max_refresh_period`` keeps its
+        default here: it also caps the report period). See docs/decisions.md, "DiLoCo: no round alone on an old
+        view"."""
         progress = super()._parse_swarm_progress_data(metadata)
-        progress.next_fetch_time = min(progress.next_fetch_time, get_dht_time() + self.max_fetch_period)
+        progress.next_fetch_time = min(progress.next_fetch_time, get_dht_time() + self.fetch_period())
         return progress
+
+    def fetch_period(self) -> float:
+        """The longest wait between two fetches: ``max_fetch_period`` until this peer saw a whole round (the ETA-based
+        period while the throughput estimates warm up left peers counting only their own samples), then its
+        :meth:`report_period`, since the others' records change no faster than that (each peer's own period, from
+        rounds of about the same length). Each fetch gets every peer's signed record from several nodes: at every
+        half ``matchmaking_time`` that was about a quarter of a compressed round's bytes (B6). Near the round's end
+        the ETA-based period is the shorter one."""
+        return max(self.max_fetch_period, self.report_period())
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int,
                               update_global_samples: bool = True) -> None:

@@ -11,10 +11,13 @@ Rules, and why:
 * So each peer that others can reach stores ``{peer_id, maddrs}`` under ``<run_id>_addresses`` (a key per run: runs
   that share a DHT never dial each other's peers), subkey its progress records' signed key (hivemind's
   ``[owner:...]``: nobody else can write or replace it), again every :data:`PUBLISH_EVERY` seconds, on the key's
-  replicas (:mod:`collabopt.engine.replicas`). Each peer reads the key soon after it starts and then every
-  :data:`LOOK_EVERY` seconds (spaced out as the swarm grows, :func:`look_period`) and connects to at most
-  :data:`DIALS_PER_LOOK` peers it is not connected to. A peer whose link was cut is thus reached again within
-  seconds of its return.
+  replicas (:mod:`collabopt.engine.replicas`). Each peer reads the key soon after it starts and connects to at most
+  :data:`DIALS_PER_LOOK` peers it is not connected to. Then, every :data:`LOOK_EVERY` seconds (spaced out as the
+  swarm grows, :func:`look_period`), it checks its connections to the peers the book named (a local question to its
+  p2p daemon, nothing on the wire) and reads the book again at once if one is missing, else every
+  :data:`QUIET_READ` seconds (new peers dial in themselves: their first looks find this one). A peer whose link was
+  cut is thus reached again within seconds of its return, and a swarm whose peers are all connected reads the book
+  rarely: every node asked answers with every peer's signed record.
 * A record counts only where the same key's progress record names the same peer id (:func:`peers_to_dial`), and
   only for addresses of that peer id, which libp2p checks when it connects: a false record costs a failed dial,
   never a connection to someone else, and an outsider makes no peer dial more than a few addresses per look.
@@ -48,10 +51,11 @@ from collabopt.engine.replicas import READ_REPLICAS, _store_on_replicas
 
 logger = logging.getLogger(__name__)
 
-PUBLISH_EVERY, RECORD_SECONDS = 10.0, 45.0
+PUBLISH_EVERY, RECORD_SECONDS = 25.0, 80.0
 LONGEST_RECORD = 2 * RECORD_SECONDS  # the latest expiration a record may have, from now (clocks differ a little)
 FIRST_LOOKS = (0.5, 1.0, 2.0, 3.0)  # seconds after the start: peers that start together find each other at once
 LOOK_EVERY, LONGEST_LOOK, PEERS_PER_LOOK = 5.0, 60.0, 16  # see look_period
+QUIET_READ = 30.0  # seconds between two reads of the book while every peer it named is connected
 DIALS_PER_LOOK = 4
 CONNECT_TIMEOUT = 5.0
 MAX_MADDRS, MAX_MADDR_CHARS = 8, 256
@@ -111,11 +115,19 @@ class AddressRecordValidator(RecordValidatorBase):
 
 def peers_to_dial(found: Any, progress: Any, own: PeerID, connected: set[PeerID],
                   limit: int = DIALS_PER_LOOK) -> dict[PeerID, list[str]]:
-    """At most ``limit`` peers (chosen at random) to connect to, with their addresses, from ``found`` (the value read
-    under the run's address key) and ``progress`` (under its progress key): a record counts where the progress
-    record of its owner names the same peer id, and not for this peer (``own``) or one ``connected`` already; only
-    addresses of that peer id count, at most :data:`MAX_MADDRS`. Where several owners name one peer id, one record
-    is chosen at random each time: a false one shadows the peer's own at most for a look."""
+    """At most ``limit`` peers (chosen at random) to connect to, with their addresses, of the
+    :func:`published_peers` not ``connected`` already. Where several owners name one peer id, one record is chosen
+    at random each time: a false one shadows the peer's own at most for a look."""
+    candidates = {peer: maddrs for peer, maddrs in published_peers(found, progress, own).items()
+                  if peer not in connected}
+    chosen = random.sample(sorted(candidates, key=PeerID.to_bytes), min(limit, len(candidates)))
+    return {peer: random.choice(candidates[peer]) for peer in chosen}  # (one record of a peer named by several)
+
+
+def published_peers(found: Any, progress: Any, own: PeerID) -> dict[PeerID, list[list[str]]]:
+    """The peers of ``found`` (the value read under the run's address key) and ``progress`` (under its progress
+    key), but this one (``own``), each with the address lists its records give: a record counts where the progress
+    record of its owner names the same peer id; only addresses of that peer id count, at most :data:`MAX_MADDRS`."""
     training = {owner: getattr(entry, "value", None) for owner, entry in _entries(progress).items()}
     candidates: dict[PeerID, list[list[str]]] = {}
     for owner, entry in _entries(found).items():
@@ -130,15 +142,14 @@ def peers_to_dial(found: Any, progress: Any, own: PeerID, connected: set[PeerID]
             peer = PeerID(peer_bytes)
         except Exception:
             continue
-        if peer == own or peer in connected:
+        if peer == own:
             continue
         suffix = f"/p2p/{peer.to_base58()}"  # (addresses of the record's peer only)
         kept = [m for m in maddrs[:MAX_MADDRS] if isinstance(m, str) and len(m) <= MAX_MADDR_CHARS
                 and m.endswith(suffix)]
         if kept:
             candidates.setdefault(peer, []).append(kept)
-    chosen = random.sample(sorted(candidates, key=PeerID.to_bytes), min(limit, len(candidates)))
-    return {peer: random.choice(candidates[peer]) for peer in chosen}  # (one record of a peer named by several)
+    return candidates
 
 
 def _entries(found: Any) -> dict[Any, Any]:
@@ -190,14 +201,19 @@ async def keep_peers_connected(run_id: str, owner: bytes, publish: bool, connect
     try:
         with contextlib.suppress(asyncio.CancelledError):
             loop = asyncio.get_running_loop()
-            next_publish = next_look = loop.time()
-            looks = 0
+            next_publish = next_look = next_read = loop.time()
+            looks, peers, named = 0, 0, set()
             while True:
                 if publish and loop.time() >= next_publish:
                     next_publish = loop.time() + PUBLISH_EVERY
                     await _publish(node, key, owner)
                 if loop.time() >= next_look:
-                    peers = await _connect_to_published(node, key, progress_key, connect)
+                    if looks < len(FIRST_LOOKS) or loop.time() >= next_read or await _any_missing(node, named):
+                        read = await _connect_to_published(node, key, progress_key, connect)
+                        if read is not None:
+                            peers, named, all_connected = read
+                        # (a failed read, or a peer to dial: the next look reads again)
+                        next_read = loop.time() + QUIET_READ if read is not None and all_connected else -float("inf")
                     next_look = loop.time() + (FIRST_LOOKS[looks] if looks < len(FIRST_LOOKS) else look_period(peers))
                     looks += 1
                 await asyncio.sleep(max(0.0, min(next_look, next_publish if publish else next_look) - loop.time()))
@@ -217,15 +233,27 @@ async def _publish(node: Any, key: str, owner: bytes) -> None:
         logger.debug("collabopt: could not publish this peer's addresses: %r", e)
 
 
-async def _connect_to_published(node: Any, key: str, progress_key: str, connect: Connect) -> int:
-    """Connect to a few of the published peers this one misses; return how many training peers the run has."""
+async def _any_missing(node: Any, named: set[PeerID]) -> bool:
+    """Whether a peer of ``named`` is not connected to this one (or the p2p daemon did not say)."""
+    try:
+        connected = {info.peer_id for info in await node.p2p.list_peers()}
+    except Exception:
+        return True
+    return not named <= connected
+
+
+async def _connect_to_published(node: Any, key: str, progress_key: str,
+                                connect: Connect) -> tuple[int, set[PeerID], bool] | None:
+    """Connect to a few of the published peers this one misses; return how many training peers the run has, the
+    peers the book names, and whether all of them were connected already (None: the book could not be read)."""
     try:
         found, progress = await asyncio.gather(node.get(key, latest=True, beam_size=READ_REPLICAS),
                                                node.get(progress_key, latest=True, beam_size=READ_REPLICAS))
         connected = {info.peer_id for info in await node.p2p.list_peers()}
     except Exception as e:
         logger.debug("collabopt: could not read the run's addresses: %r", e)
-        return 0
+        return None
+    named = set(published_peers(found, progress, node.peer_id))
     missing = peers_to_dial(found, progress, node.peer_id, connected)
 
     async def reach(peer: PeerID, maddrs: list[str]) -> None:
@@ -236,4 +264,4 @@ async def _connect_to_published(node: Any, key: str, progress_key: str, connect:
             logger.debug("collabopt: could not connect to %s at %s: %r", peer, maddrs, e)
 
     await asyncio.gather(*(reach(peer, maddrs) for peer, maddrs in missing.items()))
-    return len(_entries(progress))
+    return len(_entries(progress)), named, not missing

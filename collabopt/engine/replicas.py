@@ -19,7 +19,8 @@ from typing import Any
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 
-REPLICAS_TTL = 30.0  # seconds a key's replicas are reused before a crawl looks for them again
+REPLICAS_TTL = 300.0  # seconds a key's replicas are reused before a crawl looks for them again
+GROWN_TTL = 30.0  # ... once the routing table has grown since they were found (a new node may be nearer the key)
 READ_REPLICAS = 3  # a read merges the dictionaries of the key's nearest nodes up to this many (hivemind: 20)
 
 # in the DHT's process: key id -> (time.monotonic() when found, nodes in the routing table then, {node id: peer id}
@@ -51,12 +52,17 @@ class ReplicaRecords:
 
 
 async def _nearest_nodes(node: Any, key_id: DHTID) -> dict[Any, Any]:
-    """The key's ``num_replicas`` nearest nodes, as found at most :data:`REPLICAS_TTL` ago; looked for again sooner
-    while they are fewer and the routing table has grown (a peer that started alone stores on the others at once)."""
+    """The key's ``num_replicas`` nearest nodes, as found at most :data:`REPLICAS_TTL` ago (a crawl asks several
+    nodes, each answering with its neighbours: in a swarm whose nodes stay the same it finds the same ones), or
+    :data:`GROWN_TTL` ago once the routing table has grown; looked for again at once while they are fewer than
+    ``num_replicas`` and the table has grown (a peer that started alone stores on the others at once). A replica
+    that does not answer is looked for again at the next store (:func:`_store_on_replicas`)."""
     known = len(node.protocol.routing_table.uid_to_peer_id)
     found = _replicas.get(key_id)
-    if (found is None or time.monotonic() - found[0] > REPLICAS_TTL
-            or (len(found[2]) < node.num_replicas and known > found[1])):
+    age = time.monotonic() - found[0] if found is not None else float("inf")
+    grown = found is not None and known > found[1]
+    if (age > REPLICAS_TTL or (grown and age > GROWN_TTL)
+            or (grown and len(found[2]) < node.num_replicas)):
         nearest = await node.find_nearest_nodes([key_id], k_nearest=node.num_replicas,
                                                 exclude_self=node.protocol.client_mode)  # nobody reads a client
         found = _replicas[key_id] = (time.monotonic(), known, dict(nearest[key_id]))

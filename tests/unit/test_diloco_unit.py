@@ -702,10 +702,10 @@ def test_samples_skipped_counts_the_inner_steps_a_restart_undid():
     assert copt.samples_skipped == 3
 
 
-def test_a_diloco_peers_view_of_the_swarm_is_never_older_than_half_a_matchmaking_time(monkeypatch):
+def test_a_diloco_peers_view_of_the_swarm_is_never_older_than_its_fetch_period(monkeypatch):
     """(docs/decisions.md, "DiLoCo: no round alone on an old view of the swarm") The tracker fetches at least every
-    max_fetch_period, whatever hivemind's ETA-based period says; a peer about to take a round alone fetches anew
-    and waits for that view."""
+    max_fetch_period (after a whole round: its report period, if longer), whatever hivemind's ETA-based period
+    says; a peer about to take a round alone fetches anew and waits for that view."""
     import threading
     from types import SimpleNamespace
 
@@ -717,8 +717,13 @@ def test_a_diloco_peers_view_of_the_swarm_is_never_older_than_half_a_matchmaking
     monkeypatch.setattr(SwarmProgressTracker, "_parse_swarm_progress_data",
                         lambda self, metadata: SimpleNamespace(next_fetch_time=get_dht_time() + 10.0))
     tracker = object.__new__(ThrottledProgressTracker)
-    tracker.max_fetch_period = 1.0
+    tracker.max_fetch_period, tracker.min_refresh_period, tracker.max_refresh_period = 1.0, 0.5, 10.0
     assert tracker._parse_swarm_progress_data({}).next_fetch_time <= get_dht_time() + 1.0
+    tracker._last_round = 40.0  # after a whole round: the others' records change once per report period (4 s)
+    assert tracker.fetch_period() == tracker.report_period() == 4.0
+    assert get_dht_time() + 3.9 < tracker._parse_swarm_progress_data({}).next_fetch_time <= get_dht_time() + 4.0
+    tracker._last_round = 3.0  # short rounds: never longer than max_fetch_period
+    assert tracker.fetch_period() == 1.0
 
     class Fetcher:  # the tracker's fetcher: a new view once asked (global_state_updated)
         def __init__(self):

@@ -199,9 +199,9 @@ class Node:
         return {addresses_key(RUN): self.published, f"{RUN}_progress": self.training}.get(key)
 
 
-def run_book(monkeypatch, node, publish, seconds=0.1):
+def run_book(monkeypatch, node, publish, seconds=0.1, look_every=60.0, during=None):
     monkeypatch.setattr(peer_addresses, "FIRST_LOOKS", ())  # (one look in the test's 0.1 s)
-    monkeypatch.setattr(peer_addresses, "LOOK_EVERY", 60.0)
+    monkeypatch.setattr(peer_addresses, "LOOK_EVERY", look_every)
     stored, dialed = [], []
 
     async def store(key, subkey, value, expiration, _dht, _node):
@@ -215,6 +215,8 @@ def run_book(monkeypatch, node, publish, seconds=0.1):
     async def go():
         task = asyncio.ensure_future(keep_peers_connected(RUN, owner("alice"), publish, connect, None, node))
         await asyncio.sleep(seconds)
+        if during is not None:
+            await during()
         running = dict(peer_addresses._BOOKS)
         await peer_addresses._stop(RUN, None, node)
         await asyncio.wait({task})
@@ -236,6 +238,25 @@ def test_a_peer_publishes_its_addresses_and_connects_to_the_run_peers_it_misses(
     assert set(node.read) == {addresses_key(RUN), f"{RUN}_progress"}
     record = dict(peer_id=ALICE.to_bytes(), maddrs=[at(ALICE, "/ip4/192.0.2.10/tcp/1")])
     assert stored == ([(addresses_key(RUN), owner("alice"), record)] if publish else [])  # (a client: nothing)
+
+
+def test_the_book_is_read_again_at_once_when_a_peer_it_named_is_no_longer_connected(monkeypatch):
+    """While every peer the book named is connected, a look asks only the p2p daemon (nothing on the wire); a cut
+    connection makes the next look read the book and dial the peer at its published addresses."""
+    published = book({owner("bob"): dict(peer_id=BOB.to_bytes(), maddrs=[at(BOB, "/ip4/192.0.2.11/tcp/2")]),
+                      owner("carol"): dict(peer_id=CAROL.to_bytes(), maddrs=[at(CAROL, "/ip4/192.0.2.12/tcp/3")])})
+    node = Node(published, progress(bob=BOB, carol=CAROL), connected=[BOB, CAROL])
+    reads_while_connected = []
+
+    async def cut_carol():  # ~10 looks went by with everyone connected
+        reads_while_connected.append(len(node.read))
+        node.connected = [BOB]
+        await asyncio.sleep(0.1)
+
+    _, dialed = run_book(monkeypatch, node, False, seconds=0.2, look_every=0.02, during=cut_carol)
+    assert reads_while_connected == [2]  # the first look's two reads (addresses, progress), then none
+    assert dialed and all(call == (CAROL, [at(CAROL, "/ip4/192.0.2.12/tcp/3")]) for call in dialed)
+    assert len(node.read) > 2
 
 
 def test_a_second_book_for_the_run_replaces_the_first():
