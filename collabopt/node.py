@@ -24,10 +24,11 @@ API for adapters (plain loop / torchrun, Accelerate, Lightning ``devices>1``)::
     copt.local_epoch, copt.num_peers, copt.metrics(), copt.get_lr()   # same values on every rank
     state = copt.state_dict()        # collective-free; rank 0's holds the optimizer statistics: save that one
     copt.load_state_dict(state)      # collective-free; every rank loads the same saved state (load the model first)
+    copt.serve_final_state()         # on every rank, after the last step: rank 0 serves peers still behind
     copt.close()                     # on every rank; rank 0 leaves the swarm, then the ranks leave together
 
-``step``, ``flush``, ``wait_for_peers``, ``load_state_from_peers`` and construction are collective: every rank must
-call them the same number of times.
+``step``, ``flush``, ``serve_final_state``, ``wait_for_peers``, ``load_state_from_peers`` and construction are
+collective: every rank must call them the same number of times.
 ``state_dict``, ``load_state_dict`` and the properties are local; ``close`` ends with a barrier (2-minute limit).
 ``NodeOptimizer`` supports
 ``torch.amp.GradScaler`` (``scaler.step(copt)``) like ``CollaborativeOptimizer``. ``is_node_job()`` tells whether
@@ -329,6 +330,12 @@ class NodeOptimizer(NodeView):
     def flush(self) -> None:
         """Collective: apply delayed background updates now, then bring every rank up to date."""
         self._on_rank0(lambda copt: copt.flush())
+
+    def serve_final_state(self, timeout: float | None = None) -> str:
+        """Collective, after the last step, before :meth:`close`: rank 0 flushes and serves the node's final state
+        (:meth:`CollaborativeOptimizer.serve_final_state`) while the other ranks wait in the wait group (limit
+        ``node_timeout``, so no default-group timeout ends them); every rank returns rank 0's reason."""
+        return self._on_rank0(lambda copt: copt.serve_final_state(timeout))
 
     def load_state_from_peers(self) -> None:
         """Collective: rank 0 downloads the swarm's state; every rank receives it."""

@@ -28,7 +28,8 @@ What changes under the hood:
 * ``accelerator.log(values)`` adds the swarm's metrics (``swarm/num_peers``, ``swarm/local_epoch``, ...), the names
   every adapter logs.
 * the loss passed to ``accelerator.backward(loss)`` is reported to the swarm's monitor (``collabopt monitor``).
-* ``accelerator.end_training()`` (or process exit) leaves the swarm.
+* ``accelerator.end_training()`` serves this peer's final state while a live peer is behind its epoch (not while
+  an exception propagates), then leaves the swarm; process exit without it only leaves.
 
 Refused with a :class:`~collabopt.ConfigurationError`: DeepSpeed, FSDP, Megatron-LM and XLA (they shard or own
 the optimizer step), several optimizers in one accelerator.
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -205,9 +207,21 @@ class CollaborativeAccelerator(Accelerator):
             copt.report_loss(loss)
 
     def end_training(self) -> None:
-        """Leave the swarm (every rank), then finish trackers and the process group as Accelerate does."""
-        if self.collaborative_optimizer is not None:
-            self.collaborative_optimizer.close()
+        """Serve the final state while a live peer is behind this one's epoch, leave the swarm (every rank), then
+        finish trackers and the process group as Accelerate does.
+
+        Accelerate has no hook for "training ended normally"; ``end_training()``, which a script calls on every rank
+        after its loop, is the closest. It serves (``serve_final_state``: flushes, then waits for the peers behind;
+        in a node every rank calls it, rank 0 serves) only where no exception is being handled: called from a
+        ``finally`` or ``except`` while an error, Ctrl+C or SIGTERM (``collabopt.Terminated``) propagates, it only
+        leaves. Process exit without it only leaves too."""
+        copt = self.collaborative_optimizer
+        if copt is not None:
+            try:
+                if not copt.closed and sys.exc_info()[1] is None:
+                    copt.serve_final_state()
+            finally:
+                copt.close()
         super().end_training()
 
 

@@ -249,10 +249,8 @@ class CollaborativeTrainer(Trainer):
             return
         self._plain = None
         try:
-            if flush and not copt.closed and hasattr(copt, "serve_final_state"):
+            if flush and not copt.closed:  # (a node: every rank calls it, rank 0 serves)
                 copt.serve_final_state()  # flushes; a peer one epoch behind downloads the final state meanwhile
-            elif flush and not copt.closed:  # (a node: its ranks leave as they are)
-                copt.flush()
         finally:
             copt.close()
             self._swap(self.optimizer, *plain)

@@ -95,7 +95,7 @@ def main(config_path: str) -> None:
                     result["param_changes_without_epoch_change"] = result.get("param_changes_without_epoch_change",
                                                                               0) + 1
             time.sleep(cfg.get("step_sleep", 0.05))
-        copt.flush()
+        result["final_state"] = copt.serve_final_state()  # collective: flushes, rank 0 serves peers still behind
         result.pop("_last", None)
         result.update(final_epoch=copt.local_epoch, samples_reported=copt.samples_reported, steps=steps,
                       get_lr=copt.get_lr()[0], scheduler_lr=scheduler.get_last_lr()[0] if scheduler else None)

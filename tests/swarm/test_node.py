@@ -53,6 +53,8 @@ def test_torchrun_node_is_one_peer_and_survives_slow_rank0(tmp_path, bootstrap):
     assert r0["steps_out_of_sync"] == r1["steps_out_of_sync"] == 0
     for r in (r0, r1):
         assert r["get_lr"] == r["scheduler_lr"]
+    # the end of the run: serve_final_state is collective (rank 0 serves), every rank returns rank 0's reason
+    assert r0["final_state"] == r1["final_state"] == f"no live peer is behind epoch {r0['final_epoch']}", r0
 
 
 @pytest.mark.swarm

@@ -146,6 +146,10 @@ class FakePeer:
     def announce(self, timeout: float = 10.0) -> None:
         self.calls.append("announce")
 
+    def serve_final_state(self, bound: float | None = None) -> str:
+        self.calls.append(f"serve_final_state({bound})")
+        return f"no live peer is behind epoch {self.local_epoch}"
+
     def shutdown(self) -> None:
         self.calls.append("shutdown")
 

@@ -75,6 +75,10 @@ def run(rank: int, world_size: int, workdir: str) -> None:
     record["nan_step"] = [nan_result.samples, nan_result.skipped, node.samples_reported - reported,
                           node.nonfinite_steps]
     record["out_of_sync"] = node.out_of_sync
+    # the end of a run: rank 0 flushes and serves the final state while rank 1 waits in the wait group
+    record["final_state"] = node.serve_final_state(timeout=3.0)
+    if node.collaborative_optimizer is not None:
+        record["final_calls"] = node.collaborative_optimizer._peer.calls[-2:]
     node.close()
 
     def failing_core(*args, **kwargs):

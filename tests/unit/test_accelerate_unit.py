@@ -86,6 +86,26 @@ def test_log_adds_the_swarm_metrics_under_the_names_every_adapter_logs(monkeypat
     assert logged[-1] == {**swarm_metrics(fake), "loss": 0.5} and "swarm/samples_per_second" in logged[-1]
 
 
+@pytest.mark.parametrize("raised", [None, KeyboardInterrupt, ValueError])
+def test_end_training_serves_the_final_state_unless_an_exception_propagates(monkeypatch, raised):
+    """end_training() after the loop serves the final state for peers still behind, then leaves; called from a
+    finally while an error or Ctrl+C propagates, it only leaves."""
+    monkeypatch.setattr(Accelerator, "end_training", lambda self: None)
+    accelerator = CollaborativeAccelerator(cpu=True, **SWARM)
+    calls = []
+    accelerator.collaborative_optimizer = SimpleNamespace(
+        closed=False, serve_final_state=lambda: calls.append("serve_final_state"), close=lambda: calls.append("close"))
+    if raised is None:
+        accelerator.end_training()
+    else:
+        with pytest.raises(raised):
+            try:
+                raise raised()
+            finally:
+                accelerator.end_training()
+    assert calls == (["serve_final_state", "close"] if raised is None else ["close"])
+
+
 def test_node_needs_torch_distributed():
     assert not is_node_job()
     model = torch.nn.Linear(2, 2)

@@ -28,3 +28,6 @@ def test_node_step_protocol(tmp_path):
     assert r0["nan_step"] == r1["nan_step"] == [0, 12, -4, 1]
     assert r0["out_of_sync"] is r1["out_of_sync"] is True  # rank 0's core's, sent to rank 1 with the step
     assert r0["init_error"] == r1["init_error"] == "ConfigurationError: initial_peers"
+    # serve_final_state is collective: rank 0's core flushes, then serves; every rank returns its reason
+    assert r0["final_calls"] == ["finish_background_work", "serve_final_state(3.0)"]
+    assert r0["final_state"] == r1["final_state"] == "no live peer is behind epoch 1"
