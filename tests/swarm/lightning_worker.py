@@ -4,7 +4,8 @@ Usage: ``python tests/lightning_worker.py config.json``. Trains a tiny classifie
 CollaborativeStrategy(...))`` until the peer reaches ``global_epochs``; writes ``<out>.rank<r>.json`` (metrics),
 ``<out>.rank<r>.pt`` (final parameters) and ``<out>.progress`` (its epoch, as it trains). With ``save_ckpt`` it saves
 a checkpoint when it reaches its last epoch (and the collaborative state at that moment); with ``resume_ckpt`` it
-resumes from one and records the state it resumed with. With ``outer`` (SGD arguments) it trains in DiLoCo mode;
+resumes from one and records the state it resumed with. With ``start_after`` it joins late (see
+``peer_worker.wait_to_start``). With ``outer`` (SGD arguments) it trains in DiLoCo mode;
 ``save_epoch_params`` writes ``<out>.rank<r>.epochs.pt``: the parameters right after each epoch change.
 """
 
@@ -21,7 +22,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from collabopt.integrations.lightning import CollaborativeStrategy
-from peer_worker import at_finish_line, progress_of
+from peer_worker import at_finish_line, progress_of, wait_to_start
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -184,6 +185,7 @@ class Recorder(pl.Callback):
 
 def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
+    wait_to_start(cfg, time.monotonic() + cfg.get("max_seconds", 90))  # a late joiner (start_after)
     out = cfg["out"]
     pl.seed_everything(cfg.get("seed", 0), workers=False, verbose=False)
     options = dict(cfg.get("options", {}))

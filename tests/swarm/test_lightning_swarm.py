@@ -88,11 +88,10 @@ def test_trainers_and_a_two_device_node_in_sync_and_a_late_joiner_catches_up(tmp
         "b": start_trainer(tmp_path, "b", dict(base, **together, seed=2, fp16_scaler_on_cpu=1024), bootstrap),
         "node": start_trainer(tmp_path, "node", dict(base, **together, seed=4, devices=2), bootstrap),
     }
+    # C's process starts once A trains (its imports meanwhile: 5-7 s of Lightning's) and joins at A's epoch 2
     assert wait_for_file(tmp_path / "a.progress", 60), procs["a"].log()[-3000:]
-    deadline = time.monotonic() + 60
-    while json.loads((tmp_path / "a.progress").read_text())["epoch"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    procs["c"] = start_trainer(tmp_path, "c", dict(base, seed=3, precision="bf16-mixed"), bootstrap)
+    late = dict(progress_file=str(tmp_path / "a.progress"), epoch=2)
+    procs["c"] = start_trainer(tmp_path, "c", dict(base, seed=3, precision="bf16-mixed", start_after=late), bootstrap)
     finish(procs, 150)
 
     results = {name: result(tmp_path, name) for name in procs}
