@@ -28,7 +28,7 @@ def run_swarm(tmp_path, initial_peers, configs: dict[str, dict], timeout: float 
 def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
     """Three peers of varying batch sizes (random, cycled, accumulated) count every sample, train, and are equal at
     every epoch; their gradient rounds compressed to fp16 (grad_compression: see
-    test_compressed_gradient_rounds_leave_the_peers_equal, whose fp16 case this swarm is)."""
+    test_in_overlap_mode_a_peer_that_first_sees_the_swarm_an_epoch_ahead_joins_its_round, whose rounds are 8-bit)."""
     run_id = unique_run_id("three")
     # matchmaking_time 1 s, not the harness's 2 s: the swarm fills an epoch in under a second, and every epoch waited
     # out the rest of the 2 s for its gradient round's group (what is checked does not depend on it).
@@ -64,24 +64,6 @@ def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
     assert max_param_diff(params["a"], start) > 1e-3
 
 
-@pytest.mark.parametrize("compression", ["8bit"])
-def test_compressed_gradient_rounds_leave_the_peers_equal(tmp_path, bootstrap, compression):
-    """grad_compression: each part's result is serialized once by its reducer and every member (the reducer too)
-    reads those bytes back, so lossy compression leaves the members with the same parameters. fp16 is checked by
-    test_three_peers_varying_batches_converge_in_sync, whose rounds it compresses: the same claims on the same
-    code path, in a swarm that runs anyway."""
-    base = dict(run_id=unique_run_id(f"compressed_{compression}"), target_batch_size=384, epochs=4, model_seed=0,
-                lr=0.5, step_sleep=0.05, finish_with=finish_line(tmp_path, "a", "b"), wait_peers=2,
-                save_epoch_params=True, grad_compression=compression,
-                options=dict(matchmaking_time=1.0, next_chunk_timeout=5.0))
-    results = run_swarm(tmp_path, bootstrap, {"a": dict(base, seed=1), "b": dict(base, seed=2)})
-    for name, result in results.items():
-        assert result["final_epoch"] >= 4, (name, result["final_epoch"])
-        assert sum(r["reason"] == "averaged" for r in result["rounds"]) >= 3, (name, result["rounds"])
-    apart = diffs_at_common_epochs(tmp_path, ["a", "b"])
-    assert len(apart) >= 4 and max(apart.values()) <= SWARM_ROUNDING, apart
-
-
 OVERLAP = dict(offload_optimizer=True, delay_optimizer_step=True, delay_grad_averaging=True, delay_state_averaging=True)
 
 
@@ -91,10 +73,18 @@ def test_in_overlap_mode_a_peer_that_first_sees_the_swarm_an_epoch_ahead_joins_i
     epoch 1, while B trained toward epoch 0 (too slowly to end it alone). B must end epoch 0 and join A's round
     under way, not download: A serves epoch 1's state only once that round ends, and the round waited for B
     ("could not find a group" after ``averaging_timeout``, while B downloaded epoch 0's state again every
-    second)."""
+    second).
+
+    Its gradient rounds are compressed to 8 bits (grad_compression): each part's result is serialized once by its
+    reducer and every member (the reducer too) reads those bytes back, so lossy compression leaves the members with
+    the same parameters (the equality at every common epoch below). fp16 is checked by
+    test_three_peers_varying_batches_converge_in_sync. (8 bits had a 2-peer swarm of its own: the same claims on the
+    same code path, in a swarm that runs anyway)"""
     # alone, A ends an epoch in 1.2 s, B in 9.6 s
-    base = dict(run_id=unique_run_id("overlap_view"), target_batch_size=768, epochs=3, model_seed=0, lr=0.3,
-                step_sleep=0.05, finish_with=finish_line(tmp_path, "a", "b"), max_seconds=60, save_epoch_params=True)
+    # 4 epochs: at least 3 gradient rounds averaged to 8 bits (with 3 epochs: 2, in 2 runs of 2)
+    base = dict(run_id=unique_run_id("overlap_view"), target_batch_size=768, epochs=4, model_seed=0, lr=0.3,
+                step_sleep=0.05, finish_with=finish_line(tmp_path, "a", "b"), max_seconds=60, save_epoch_params=True,
+                grad_compression="8bit")
     # next_chunk_timeout: by default matchmaking_time for a model this small: a member paused 1 s on a busy
     # machine would be left out of a round's part, which the test below counts as a failure
     # averaging_timeout: at the finish line A may end one epoch more than B, whose round then finds nobody
@@ -114,8 +104,9 @@ def test_in_overlap_mode_a_peer_that_first_sees_the_swarm_an_epoch_ahead_joins_i
     first = {name: next(r for r in result["rounds"] if r["epoch"] == 0) for name, result in results.items()}
     assert all(r["group_size"] == 2 and r["reason"] == "averaged" for r in first.values()), first
     for name, result in results.items():
-        assert result["final_epoch"] >= 3, (name, result["final_epoch"])
+        assert result["final_epoch"] >= 4, (name, result["final_epoch"])
+        assert sum(r["reason"] == "averaged" for r in result["rounds"]) >= 3, (name, result["rounds"])
     # with every update delayed, the parameters at each epoch both reached are equal (each peer took the same
     # background updates: see test_swarm_schedules)
     apart = diffs_at_common_epochs(tmp_path, ["a", "b"])
-    assert len(apart) >= 2 and max(apart.values()) <= SWARM_ROUNDING, apart
+    assert len(apart) >= 3 and max(apart.values()) <= SWARM_ROUNDING, apart
