@@ -56,6 +56,29 @@ class SigtermHandler:
             self.installed = False
 
 
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within the block, SIGTERM runs the handler that was set, then raises :class:`Terminated`. Reason: a framework
+    whose handler only sets a flag (Lightning's) checks it between batches; a wait after the last batch (a finished
+    peer serving its final state) would not end on SIGTERM. Where SIGTERM is ignored, or off the main thread,
+    nothing changes."""
+    previous = signal.getsignal(signal.SIGTERM) if in_main_thread() else signal.SIG_IGN
+    if previous == signal.SIG_IGN:
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if callable(previous):
+            previous(signum, frame)
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 # An interrupt (SIGINT's KeyboardInterrupt, SIGTERM's Terminated) raised while Python runs a finalizer is printed
 # ("Exception ignored in: <generator ...>") and dropped: the signal is lost and training goes on. hivemind's
 # accumulate_grads_ finalizes a generator at every step; a fresh-clone suite lost a SIGINT there (the peer was still

@@ -48,6 +48,7 @@ from collabopt.integrations._lightning_options import strategy_options
 from collabopt.batch_size import infer_batch_size
 from collabopt.errors import ConfigurationError
 from collabopt.interface import is_collaborative_state, swarm_metrics
+from collabopt.lifecycle import sigterm_raises
 from collabopt.node import collaborative_optimizer
 from collabopt.scheduling import CollaborativeScheduler, is_scheduler
 from collabopt.swarm import print_join_message
@@ -259,8 +260,18 @@ class CollaborativeStrategy(DDPStrategy):
         module.optimizer_zero_grad = _no_zero_grad  # type: ignore[method-assign]
 
     def on_train_end(self) -> None:
-        if self._copt is not None and not self._copt.closed:
-            self._copt.flush()  # apply results of background steps before the final weights are read
+        """Training ended normally (an exception, Ctrl+C or SIGTERM in training raise past this hook): flush and serve
+        the final state while a live peer is behind (``serve_final_state``; a node's ranks all call it, rank 0
+        serves). After a SIGTERM with the last batch it only flushes; one during the wait ends it
+        (:func:`~collabopt.lifecycle.sigterm_raises`: Lightning's handler only sets a flag)."""
+        copt = self._copt
+        if copt is not None and not copt.closed:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            if getattr(trainer, "received_sigterm", False):
+                copt.flush()
+            else:
+                with sigterm_raises():
+                    copt.serve_final_state()
         super().on_train_end()
 
     def teardown(self) -> None:

@@ -32,3 +32,20 @@ def test_nothing_is_raised_without_a_lost_interrupt():
     lifecycle.keep_lost_interrupts()
     lifecycle.keep_lost_interrupts()  # installed once
     lifecycle.raise_lost_interrupt()
+
+
+def test_sigterm_raises_within_the_block_after_the_handler_that_was_set():
+    """Lightning's SIGTERM handler only sets a flag: a finished peer's final wait still ends at once."""
+    import os
+    import signal
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with pytest.raises(lifecycle.Terminated), lifecycle.sigterm_raises():
+            os.kill(os.getpid(), signal.SIGTERM)  # (a signal to this process is handled before kill returns)
+        assert seen == [signal.SIGTERM]
+        os.kill(os.getpid(), signal.SIGTERM)  # the flag-only handler is back
+        assert seen == [signal.SIGTERM, signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -163,3 +163,20 @@ def test_swarm_metrics_go_to_the_loggers_and_a_few_to_the_progress_bar():
     logged = {name for values, _ in calls for name in values}
     assert bar == set(PROGRESS_BAR) == {"swarm/num_peers", "swarm/local_epoch", "swarm/samples_per_second"}
     assert logged == set(swarm_metrics(copt))
+
+
+@pytest.mark.parametrize(("sigterm", "calls"), [(False, ["serve_final_state"]), (True, ["flush"])])
+def test_a_normal_end_of_training_serves_the_final_state(sigterm, calls):
+    """on_train_end (Lightning calls it only where training ended normally) serves the final state for peers still
+    behind (serve_final_state flushes first); after a SIGTERM that came with the last batch it only flushes."""
+    from types import SimpleNamespace
+
+    from collabopt.integrations.lightning import CollaborativeStrategy
+
+    seen = []
+    strategy = CollaborativeStrategy(target_batch_size=64)
+    strategy._copt = SimpleNamespace(closed=False, flush=lambda: seen.append("flush"),
+                                     serve_final_state=lambda: seen.append("serve_final_state"))
+    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(received_sigterm=sigterm))
+    strategy.on_train_end()
+    assert seen == calls
