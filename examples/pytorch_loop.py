@@ -99,6 +99,7 @@ def main() -> None:
                           f"held-out accuracy {accuracy:.1%}{caught_up}", flush=True)
                 if copt.local_epoch >= args.epochs:
                     break
+        copt.serve_final_state()  # stays while a peer is behind this epoch: it downloads the final state from here
         if args.checkpoint is not None:
             torch.save({"model": model.state_dict(), "optimizer": copt.state_dict()}, args.checkpoint)
 
