@@ -201,19 +201,8 @@ class AveragingService(ServiceThread):
         return self._matchmakings[schema_hash]
 
     def _declaration(self, request: averaging_pb2.JoinRequest, context: P2PContext) -> float | None:
-        """This peer's declaration for a member that asks (:class:`~collabopt.engine.group_search.SearchDHT`)."""
-        if self._key is not None:
-            try:
-                entry = MSGPackSerializer.loads(request.gather)
-            except Exception:
-                entry = None
-            if _token_refusal(entry, self._key, self.prefix, context.remote_id.to_bytes()) is not None:
-                return None
-        matchmaking = self._matchmakings.get(request.schema_hash)
-        if matchmaking is None:
-            return None  # (tensors this peer never averaged: the caller is no hint)
-        self._hints.add_caller(context.remote_id)
-        return declared_expiration(matchmaking, request.group_key)
+        return declaration_for(request, context, self._matchmakings.get(request.schema_hash), self._hints,
+                               self._key, self.prefix)
 
     def _stub_for(self, peer: PeerID) -> Any:
         stub = AllReduceService.get_stub(self.p2p, peer, namespace=self.prefix)
@@ -361,6 +350,24 @@ class _MemberGate:
                 return
         async for message in self.matchmaking.rpc_join_group(request, context):
             yield message
+
+
+def declaration_for(request: averaging_pb2.JoinRequest, context: P2PContext, matchmaking: Matchmaking | None,
+                    hints: PeerHints, key: SwarmKey | None, prefix: str) -> float | None:
+    """A service's declaration for a member that asks (:class:`~collabopt.engine.group_search.SearchDHT`), given its
+    ``matchmaking`` for the request's tensors (None: tensors it never matched, and the caller is no hint); with a
+    swarm ``key``, only for a caller whose member token proves it a member."""
+    if key is not None:
+        try:
+            entry = MSGPackSerializer.loads(request.gather)
+        except Exception:
+            entry = None
+        if _token_refusal(entry, key, prefix, context.remote_id.to_bytes()) is not None:
+            return None
+    if matchmaking is None:
+        return None
+    hints.add_caller(context.remote_id)
+    return declared_expiration(matchmaking, request.group_key)
 
 
 def _token_refusal(entry: Any, key: SwarmKey, scope: str, peer_id: bytes) -> str | None:

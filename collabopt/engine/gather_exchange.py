@@ -5,7 +5,9 @@ Rules, and why:
 
 * Groups form as the averaging service's do (:mod:`collabopt.engine.averager`): hivemind's ``Matchmaking`` behind
   the swarm key's member gate, under a key that hashes this exchange's settings, so that peers of other settings
-  never join. Each member announces in its gathered data a fresh
+  never join, finding the others through :class:`~collabopt.engine.group_search.SearchDHT` (bounded, paced DHT
+  reads, and the peers met before asked directly: hivemind's matchmaking reads the DHT back to back while it finds
+  nobody, and every node asked answers with every declaration). Each member announces in its gathered data a fresh
   Ed25519 key, with which it signs its contribution (:mod:`collabopt.engine.gather_protocol` says why not the
   swarm key).
 * The round (:mod:`collabopt.engine.gather_round`) ends with a set every applying member shares: the contributions
@@ -33,9 +35,9 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
-from collabopt.engine.averager import _MemberGate, _Search, _token_refusal
+from collabopt.engine.averager import _MemberGate, _Search, _token_refusal, declaration_for
 from collabopt.engine.gather_round import MAX_PAYLOAD_LIMIT, ExchangeRound, ExchangeServicer, _is_weight
-from collabopt.engine.group_search import RoundMatchmaking, verdict_patience
+from collabopt.engine.group_search import DeclarationService, PeerHints, RoundMatchmaking, SearchDHT, verdict_patience
 from collabopt.engine.p2p import own_replica
 from collabopt.engine.service_thread import ScheduledWork, ServiceThread
 from collabopt.membership import MemberToken, swarm_key_of
@@ -104,6 +106,8 @@ class ExchangeService(ServiceThread):
         self.phase_timeout, self.max_payload_bytes = phase_timeout, max_payload_bytes
         self.schema = DHTID.generate(source=["collabopt-gather-exchange", 1, max_payload_bytes]).to_bytes()
         self.servicer = ExchangeServicer(self._matchmaking_for, max_payload_bytes)
+        self.declarations = DeclarationService(self._declaration)
+        self._hints = PeerHints()
         self.p2p: Any = None
         self._matchmaking: Matchmaking | None = None
         self._busy: asyncio.Lock | None = None
@@ -116,8 +120,11 @@ class ExchangeService(ServiceThread):
         self._busy = asyncio.Lock()
         self.p2p = await own_replica(self.dht)
         await self.servicer.add_p2p_handlers(self.p2p, namespace=self.prefix)
+        await self.declarations.add_p2p_handlers(self.p2p, namespace=self.prefix)
+        search_dht = SearchDHT(self.dht, self.p2p, schema_hash=self.schema, prefix=self.prefix, hints=self._hints,
+                               entry=lambda: self._my_entry(None), matchmaking_time=self.matchmaking_time)
         self._matchmaking = RoundMatchmaking(  # (a follower waits for its leader's verdict: group_search)
-            self.p2p, self.schema, self.dht, servicer_type=ExchangeServicer, prefix=self.prefix,
+            self.p2p, self.schema, search_dht, servicer_type=ExchangeServicer, prefix=self.prefix,
             target_group_size=self.target_group_size, min_group_size=self.min_group_size,
             min_matchmaking_time=self.matchmaking_time, request_timeout=self.request_timeout, client_mode=False,
             patience=verdict_patience(self.phase_timeout, self.matchmaking_time, self.request_timeout))
@@ -125,11 +132,16 @@ class ExchangeService(ServiceThread):
     async def _stop(self) -> None:
         with contextlib.suppress(Exception):
             await self.servicer.remove_p2p_handlers(self.p2p, namespace=self.prefix)
+            await self.declarations.remove_p2p_handlers(self.p2p, namespace=self.prefix)
         await self._leave(self.p2p)
 
     def _matchmaking_for(self, schema: bytes) -> Any:
         return None if schema != self.schema or self._matchmaking is None else \
             _MemberGate(self._matchmaking, self._key, self.prefix)
+
+    def _declaration(self, request: Any, context: Any) -> float | None:
+        matchmaking = self._matchmaking if request.schema_hash == self.schema else None
+        return declaration_for(request, context, matchmaking, self._hints, self._key, self.prefix)
 
     # ---------------------------------------------------------------- rounds
     def exchange(self, payload: bytes, weight: float = 1.0, timeout: float = 30.0,
@@ -204,6 +216,7 @@ class ExchangeService(ServiceThread):
         if group is None:
             return ExchangeResult(None, (), (), {}, f"no group assembled within {scheduled.timeout:.1f} s")
         members = scheduled.group = tuple(group.peer_ids)
+        self._hints.add(member for member in members if member != self.p2p.peer_id)
         known = self._group_of(group)
         if isinstance(known, str):
             return ExchangeResult(None, (), members, {}, known)

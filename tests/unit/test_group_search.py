@@ -17,6 +17,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from collabopt.engine import group_search
 from collabopt.engine.averager import AveragingService
+from collabopt.engine.gather_exchange import ExchangeService
 from collabopt.engine.group_search import PeerHints, RoundMatchmaking, SearchDHT, declared_expiration
 
 ALICE, BOB, CAROL = (PeerID.from_base58(text) for text in (
@@ -207,14 +208,18 @@ async def silent_or_answer(silent, peer, key):
     return get_dht_time() + 30
 
 
-def test_a_caller_joins_the_hints_only_for_tensors_this_peer_averages():
+@pytest.mark.parametrize("service_type", [AveragingService, ExchangeService])
+def test_a_caller_joins_the_hints_only_for_tensors_this_peer_averages(service_type):
+    """Both services answer the peers that ask for their declaration (the exchange's search is paced as the averaging
+    service's), and only for their own tensors or settings."""
     not_looking = SimpleNamespace(client_mode=True)
-    service = SimpleNamespace(_key=None, _hints=PeerHints(), _matchmakings={b"schema": not_looking})
+    service = SimpleNamespace(_key=None, _hints=PeerHints(), _matchmakings={b"schema": not_looking},
+                              schema=b"schema", _matchmaking=not_looking, prefix="run")
     request = SimpleNamespace(schema_hash=b"other", group_key=KEY, gather=b"")
-    assert AveragingService._declaration(service, request, SimpleNamespace(remote_id=BOB)) is None
+    assert service_type._declaration(service, request, SimpleNamespace(remote_id=BOB)) is None
     assert service._hints.peers() == []
     request.schema_hash = b"schema"
-    assert AveragingService._declaration(service, request, SimpleNamespace(remote_id=BOB)) is None  # (not looking)
+    assert service_type._declaration(service, request, SimpleNamespace(remote_id=BOB)) is None  # (not looking)
     assert service._hints.peers() == [BOB]
 
 
