@@ -84,16 +84,17 @@ def test_a_download_during_a_boundary_gets_an_epoch_and_the_parameters_of_that_e
         time.sleep(0.2)
         assert averager.served_state()[0]["epoch"] == averager.local_epoch == 3
 
-        # 4. a download during the boundary's parameter averaging (here: alone, it looks for a group for 6 s, then
-        # fails) waits for it for half the chunk timeout (3 s: 1.5 s), then is declined with an empty state, before
-        # the downloader's own timeout: served earlier, it got the next epoch's label with parameters the averaging
-        # had not moved yet; waited for, its downloader timed out and hivemind logged an ERROR
+        # 4. a download during the boundary's parameter averaging (here: alone, it looks for a group for 4 s, then
+        # fails, 2.2 s after the download below is declined) waits for it for half the chunk timeout (3 s: 1.5 s),
+        # then is declined with an empty state, before the downloader's own timeout: served earlier, it got the next
+        # epoch's label with parameters the averaging had not moved yet; waited for, its downloader timed out and
+        # hivemind logged an ERROR
         assert averager.serve_wait() == pytest.approx(1.5)
         finished, served_at = [], []
 
         def boundary() -> None:
             averager.step(increment_epoch=True, optimizer_step=True, averaging_round=True,
-                          averaging_opts=dict(timeout=6.0))
+                          averaging_opts=dict(timeout=4.0))
             finished.append(time.monotonic())
 
         original = averager.served_state
