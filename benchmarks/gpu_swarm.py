@@ -1,9 +1,9 @@
 """One peer of the AMP swarms of ``gpu-check`` (issue 34), run as its own OS process: ``python -m benchmarks.gpu_swarm
 config.json``.
 
-The peer runs every case of :data:`CASES` one after the other, each a swarm of its own (``run_id`` per case) with
-the other peer processes, started from the ``INITIAL_PEERS`` of the environment. In each case it trains a small
-classifier under autocast through one adapter, injects one overflow (its loss times inf) at local step
+The peer runs the cases of its config (of :data:`CASES`) one after the other, each a swarm of its own (``run_id``
+per case) with the other peer processes, started from the ``INITIAL_PEERS`` of the environment. In each case it
+trains a small classifier under autocast through one adapter, injects one overflow (its loss times inf) at local step
 ``overflow_step``, and trains on until it and every other peer reached ``epochs`` (the others' progress files).
 It writes ``<out>.json`` (per case: losses, samples skipped, the loss scale around the overflow, whether its
 parameters were finite after every round) and ``<out>.<case>.pt`` (its parameters right after each epoch change:
@@ -296,7 +296,7 @@ def main(config_path: str) -> None:
     device = "cuda" if cfg.get("cuda") else "cpu"
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
-    out = Path(cfg["dir"]) / f"peer{cfg['index']}.json"
+    out = Path(cfg["dir"]) / f"{cfg.get('out', 'peer' + str(cfg['index']))}.json"
     for case in cfg["cases"]:
         started = time.monotonic()
         try:
