@@ -83,8 +83,12 @@ def serve_final_state(loop: Any, bound: float, live_within: float | None = None,
     period = max(tracker.min_refresh_period, 0.1)
     start, waited = time.monotonic(), False
     while True:
-        behind = peers_behind(other_records(tracker), epoch, get_dht_time(), live_within)
         downloads = open_downloads(loop)
+        # while a download from this peer is open, the peers behind do not change the decision: the DHT (every
+        # peer's progress record) is read then only for the first log line
+        behind = 0
+        if not (downloads and waited):
+            behind = peers_behind(other_records(tracker), epoch, get_dht_time(), live_within)
         reason = grace_decision(behind, time.monotonic() - start, bound, downloads, download_bound)
         if reason is not None:
             break
