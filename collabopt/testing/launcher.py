@@ -10,8 +10,10 @@ as a Python process ends (exit code, or death by a signal, reported as :class:`s
 What a fork cannot redo is what the imports read from the environment (OMP_NUM_THREADS, HIVEMIND_LOGLEVEL, PYTHON*
 flags, ...): a launcher serves only children whose environment equals its own, except :data:`PER_PROCESS`;
 :func:`launcher_for` starts one launcher per distinct environment. A child's PYTHONPATH applies to what it imports,
-not to the preloaded modules; the string hash seed is the launcher's, shared by its children. The launcher forks
-only while it has one thread (checked after the imports: a fork copies only the forking thread) and never runs a
+not to the preloaded modules; the string hash seed is the launcher's, shared by its children. A child may name
+modules to preload for it (``preload``: Lightning, whose import costs 2.3 s of CPU, for the Lightning workers): the
+launcher imports them before it forks that child, and keeps them for the children after it. The launcher forks
+only while it has one thread (checked after each import: a fork copies only the forking thread) and never runs a
 torch op.
 
 The client side (:class:`Launcher`, :class:`Forked`) is standard library only; the launcher process runs this file.
@@ -73,9 +75,10 @@ def _launcher(key: tuple[object, ...], env: dict[str, str]) -> Launcher:
     return _launchers[key]
 
 
-def spawn(args: Sequence[str], log_path: str | Path, env: dict[str, str], cwd: str | Path | None = None) -> Forked:
+def spawn(args: Sequence[str], log_path: str | Path, env: dict[str, str], cwd: str | Path | None = None,
+          preload: Sequence[str] = ()) -> Forked:
     """Fork ``args`` from the launcher for ``env`` (:func:`launcher_for`, :meth:`Launcher.spawn`)."""
-    return launcher_for(env).spawn(args, log_path, env, cwd)
+    return launcher_for(env).spawn(args, log_path, env, cwd, preload)
 
 
 @atexit.register
@@ -119,9 +122,10 @@ class Launcher:
                             f"{self._tail()}")
 
     def spawn(self, args: Sequence[str], log_path: str | Path, env: dict[str, str],
-              cwd: str | Path | None = None) -> Forked:
+              cwd: str | Path | None = None, preload: Sequence[str] = ()) -> Forked:
         """Fork ``args`` (``[sys.executable, script, ...]`` or ``[sys.executable, "-m", module, ...]``) with stdout
-        and stderr to ``log_path``. Raises ValueError for other arguments or an ``env`` that is not this launcher's,
+        and stderr to ``log_path``, once the launcher imported the modules ``preload`` (a module that fails to
+        import is left to the child). Raises ValueError for other arguments or an ``env`` that is not this launcher's,
         OSError where :class:`subprocess.Popen` would (a missing cwd)."""
         args = [str(arg) for arg in args]
         script = len(args) >= 2 and not args[1].startswith("-")
@@ -132,7 +136,7 @@ class Launcher:
         differ = sorted(k for k in set(env) | set(self.env) if k not in PER_PROCESS and env.get(k) != self.env.get(k))
         if differ:
             raise ValueError(f"environment variables {differ} differ from this launcher's: use launcher_for(env)")
-        request = {"args": args, "env": env, "cwd": str(Path(cwd or os.getcwd()).absolute())}
+        request = {"args": args, "env": env, "cwd": str(Path(cwd or os.getcwd()).absolute()), "preload": list(preload)}
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs, open(log_path, "wb") as log:
             try:
@@ -234,6 +238,8 @@ def _serve(ctrl: socket.socket) -> tuple[dict[str, Any], int] | None:
                 if not data:
                     return None
                 log_fd, status = fds[0], socket.socket(fileno=fds[1])
+                request = json.loads(data)
+                _preload(request["preload"], required=False)
                 ready_r, ready_w = os.pipe()
                 pid = os.fork()
                 if pid == 0:  # the child: keep only the log and the handshake
@@ -243,7 +249,6 @@ def _serve(ctrl: socket.socket) -> tuple[dict[str, Any], int] | None:
                         sock.close()
                     for fd in (wake_r, wake_w, ready_r):
                         os.close(fd)
-                    request = json.loads(data)
                     _setup(request, log_fd, ready_w)
                     return request, ready_w
                 os.close(log_fd)
@@ -344,19 +349,30 @@ def _fresh_import_locks() -> None:
             setattr(getattr(module, owner), attribute, multiprocessing.Lock())
 
 
-def _main() -> None:
-    """The launcher process: import, check it is single-threaded, say ready, serve; in a child, run it."""
+def _preload(names: Sequence[str], required: bool) -> None:
+    """In the launcher: import ``names`` (those not ``required`` only if they import), check it is still
+    single-threaded (else it exits: it cannot fork), freeze what they made."""
     import importlib
 
-    del sys.path[0]  # this file's folder: not on a child's path
-    for name in sys.argv[1:]:
-        importlib.import_module(name)
+    new = [name for name in names if name not in sys.modules]
+    for name in new:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001  # the child's own import fails as it would in a fresh process
+            if required:
+                raise
     threads = os.listdir("/proc/self/task")
     if len(threads) != 1:
-        sys.exit(f"importing {sys.argv[1:]} started {len(threads) - 1} threads (OMP_NUM_THREADS is "
+        sys.exit(f"importing {new} started {len(threads) - 1} threads (OMP_NUM_THREADS is "
                  f"{os.environ.get('OMP_NUM_THREADS')!r}; set it to 1): a fork would copy a process whose other "
                  "threads are gone")
     gc.freeze()  # children neither scan nor write (copy) the preloaded objects: see docs/decisions.md, "Exit"
+
+
+def _main() -> None:
+    """The launcher process: import, check it is single-threaded, say ready, serve; in a child, run it."""
+    del sys.path[0]  # this file's folder: not on a child's path
+    _preload(sys.argv[1:], required=True)
     ctrl = socket.socket(fileno=os.dup(0))  # the harness's end, handed over as stdin; the children's is /dev/null
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

@@ -45,18 +45,20 @@ def child_env(hivemind_loglevel: str = "WARNING", **extra: str) -> dict[str, str
 class Process:
     """A child process in its own session, its stdout and stderr in ``log_path``; ``netns`` runs it inside that
     network namespace (``ip netns exec``, needs root); ``fork`` forks it from the launcher (``args`` must then be
-    ``[sys.executable, script or "-m" module, ...]``, and ``netns`` None). Use as a context manager to kill it on
-    leaving."""
+    ``[sys.executable, script or "-m" module, ...]``, and ``netns`` None), once the launcher imported the modules
+    ``preload``. Use as a context manager to kill it on leaving."""
 
     def __init__(self, args: Sequence[str], log_path: str | Path, *, env: dict[str, str] | None = None,
-                 cwd: str | Path | None = None, netns: str | None = None, fork: bool = False):
+                 cwd: str | Path | None = None, netns: str | None = None, fork: bool = False,
+                 preload: Sequence[str] = ()):
         self.args = list(args)
         self.log_path = Path(log_path)
         self.popen: subprocess.Popen[bytes] | launcher.Forked
         if fork:
             if netns:
                 raise ValueError(f"a process in network namespace {netns!r} cannot be forked: pass fork=False")
-            self.popen = launcher.spawn(self.args, self.log_path, dict(os.environ) if env is None else env, cwd)
+            self.popen = launcher.spawn(self.args, self.log_path, dict(os.environ) if env is None else env, cwd,
+                                        preload)
         else:
             prefix = ["ip", "netns", "exec", netns] if netns else []
             # the child gets its own copy of the descriptor: ours is closed at once, nothing is left open here

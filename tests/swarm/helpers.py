@@ -58,10 +58,11 @@ class Process(processes.Process):
     """A harness process (``[sys.executable, script or "-m" module, ...]``) forked from the launcher in the repository
     root, inside network namespace ``netns`` if given, which remembers its descendants."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, netns: str | None = None):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, netns: str | None = None,
+                 preload: tuple[str, ...] = ()):
         if netns is not None:  # not `ip netns exec`: a fresh interpreter imports torch and hivemind again
             args = [args[0], str(IN_NETNS), netns, *args[1:]]
-        super().__init__(args, log_path, env=env or child_env(), cwd=ROOT, fork=True)
+        super().__init__(args, log_path, env=env or child_env(), cwd=ROOT, fork=True, preload=preload)
         self._descendants: set[int] = set()
 
     def remember_descendants(self) -> None:

@@ -24,6 +24,8 @@ from helpers import (
 
 WORKER = Path(__file__).resolve().parent / "lightning_worker.py"
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_train.py"
+# imported by the launcher once, not by each trainer's process (2.3 s of CPU each): collabopt.testing.launcher
+PRELOAD = ("lightning.pytorch",)
 
 
 def start_trainer(tmp_path: Path, name: str, config: dict, initial_peers: str) -> Process:
@@ -31,7 +33,7 @@ def start_trainer(tmp_path: Path, name: str, config: dict, initial_peers: str) -
     config_path = tmp_path / f"{name}.config.json"
     config_path.write_text(json.dumps(config))
     return Process([sys.executable, str(WORKER), str(config_path)], tmp_path / f"{name}.log",
-                   env=child_env(INITIAL_PEERS=initial_peers))
+                   env=child_env(INITIAL_PEERS=initial_peers), preload=PRELOAD)
 
 
 def result(tmp_path: Path, name: str, rank: int = 0) -> dict:
@@ -88,8 +90,8 @@ def test_trainers_and_a_two_device_node_in_sync_and_a_late_joiner_catches_up(tmp
         "b": start_trainer(tmp_path, "b", dict(base, **together, seed=2, fp16_scaler_on_cpu=1024), bootstrap),
         "node": start_trainer(tmp_path, "node", dict(base, **together, seed=4, devices=2), bootstrap),
     }
-    # C's process starts once A trains (its imports meanwhile: Lightning's, 2.3 s of CPU beyond the launcher's,
-    # more on a busy machine) and joins at A's epoch 2
+    # C's process starts once A trains (its imports meanwhile: what the launcher has not preloaded) and joins at A's
+    # epoch 2
     assert wait_for_file(tmp_path / "a.progress", 60), procs["a"].log()[-3000:]
     late = dict(progress_file=str(tmp_path / "a.progress"), epoch=2)
     procs["c"] = start_trainer(tmp_path, "c", dict(base, seed=3, precision="bf16-mixed", start_after=late), bootstrap)
@@ -207,7 +209,8 @@ def test_reuse_grad_buffers_disables_zero_grad_override_and_plateau_follows_glob
 def test_example_script_trains_and_prints_how_to_join(tmp_path):
     run_id = unique_run_id("lightning_example")
     proc = Process([sys.executable, str(EXAMPLE), "--run-id", run_id, "--target-batch-size", "256",
-                    "--global-epochs", "4", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], tmp_path / "example.log")
+                    "--global-epochs", "4", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], tmp_path / "example.log",
+                    preload=PRELOAD)
     try:
         code = proc.wait(90)
     finally:

@@ -279,3 +279,28 @@ def test_a_worker_that_exits_now_runs_its_atexit_handlers_and_flushes_its_output
     assert run([sys.executable, str(tmp_path / "script.py")], tmp_path / "out.log", False, environ) == 0
     assert (tmp_path / "out.log").read_text() == "buffered"
     assert (tmp_path / "atexit").exists()
+
+
+def test_modules_preloaded_for_a_child_stay_for_the_next_and_one_that_fails_is_left_to_the_child(tmp_path, light):
+    (tmp_path / "script.py").write_text("import sys; print('colorsys' in sys.modules); import no_such_module")
+    logs = []
+    for preload in (("colorsys", "no_such_module"), ()):
+        log = tmp_path / f"{len(logs)}.log"
+        proc = processes.Process([sys.executable, str(tmp_path / "script.py")], log, env=env(), fork=True,
+                                 preload=preload)
+        with proc:
+            assert proc.wait(60) == 1  # the child's own import fails, as in a fresh process
+        logs.append(log.read_text())
+    assert all(text.startswith("True\n") and "ModuleNotFoundError" in text for text in logs), logs
+
+
+def test_a_preload_that_starts_a_thread_ends_the_launcher_before_it_forks(tmp_path):
+    (tmp_path / "threader.py").write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(60,),"
+                                          " daemon=True).start()\n")
+    (tmp_path / "script.py").write_text("pass")
+    own = launcher.Launcher(env(PYTHONPATH=str(tmp_path)), preload=())
+    try:
+        with pytest.raises(RuntimeError, match=r"importing \['threader'\] started 1 threads"):
+            own.spawn([sys.executable, str(tmp_path / "script.py")], tmp_path / "out.log", env(), preload=["threader"])
+    finally:
+        own.close()
