@@ -27,6 +27,8 @@ pytestmark = pytest.mark.swarm
 
 WORKER = Path(__file__).resolve().parent / "transformers_worker.py"
 LR, WARMUP = 1e-2, 1
+# imported by the launcher once, not by each Trainer's process (1.1 s of CPU each): collabopt.testing.launcher
+PRELOAD = ("transformers.trainer", "transformers.models.gpt2.modeling_gpt2")
 
 
 def start(tmp_path: Path, name: str, cfg: dict, initial_peers: str | None, processes: int = 1) -> Process:
@@ -37,7 +39,8 @@ def start(tmp_path: Path, name: str, cfg: dict, initial_peers: str | None, proce
     env = child_env(HF_HUB_OFFLINE="1", **({"INITIAL_PEERS": initial_peers} if initial_peers else {}))
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
     args = [sys.executable, *(launcher if processes > 1 else []), str(WORKER), str(config_path)]
-    return Process(args, tmp_path / f"{name}.log", env=env)
+    # (torchrun's ranks are processes it starts afresh)
+    return Process(args, tmp_path / f"{name}.log", env=env, preload=PRELOAD if processes == 1 else ())
 
 
 def reference_lrs(epochs: int, count: int) -> list[float]:
@@ -183,7 +186,7 @@ def test_example_script_trains(tmp_path):
     progress bar counts global epochs, the held-out loss falls, and it exits cleanly."""
     example = Path(__file__).resolve().parents[2] / "examples" / "transformers_train.py"
     proc = Process([sys.executable, str(example), "--max-steps", "3", "--output-dir", str(tmp_path / "out")],
-                   tmp_path / "example.log", env=child_env(HF_HUB_OFFLINE="1"))
+                   tmp_path / "example.log", env=child_env(HF_HUB_OFFLINE="1"), preload=PRELOAD)
     finish({"example": proc}, timeout=120)
     log = (tmp_path / "example.log").read_text(errors="replace")
     assert log.count("other peers can join with") == 1 and "CollaborativeTrainer(..., initial_peers=" in log
