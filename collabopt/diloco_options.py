@@ -83,7 +83,7 @@ class SparseLoCo:
     each chunk of ``chunk_size`` values, each kept value at ``bits`` bits (sign and magnitude level, a scale per
     chunk), with an error-feedback buffer of decay ``error_decay`` (SparseLoCo, arXiv 2508.15706).
 
-    The defaults send about 0.037 bytes a parameter (:class:`~collabopt.sparse_codec.SparseCodec`), 54x fewer than
+    The defaults send about 0.025 bytes a parameter (:class:`~collabopt.sparse_codec.SparseCodec`), 80x fewer than
     fp16 pseudo-gradients. SparseLoCo's own outer step is :meth:`outer_optimizer` (plain SGD at lr 1.0, no momentum:
     the error-feedback buffer takes momentum's place). With it the defaults' held-out loss on B6's quality bed, over
     fp16 DiLoCo's at equal samples (5 seeds, median and range; ``benchmarks/results/sparse_quality.md``), was 0.98x

@@ -199,7 +199,7 @@ class SparsePseudoGradientRounds(_Buffers):
         payload_bytes = self.codec.payload_bytes(sum(math.prod(shape) for shape in self.shapes))
         if payload_bytes > MAX_PAYLOAD_LIMIT:
             raise ConfigurationError(
-                "pseudo_gradient_compression", f"its payload for this model is {payload_bytes} bytes, over the "
+                "pseudo_gradient_compression", f"its payload for this model is up to {payload_bytes} bytes, over the "
                 f"exchange's limit of {MAX_PAYLOAD_LIMIT} (one message of the daemon)",
                 "pass a lower SparseLoCo(density=...) or bits, or drop pseudo_gradient_compression")
         settings = repr((self.codec.density, self.codec.chunk_size, self.codec.bits, aggregation)).encode()

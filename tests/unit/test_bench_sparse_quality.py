@@ -79,4 +79,4 @@ def test_a_tiny_run_pairs_the_initial_model_and_the_batches():
     assert again["losses"] == fp16["losses"] and other_seed["losses"] != fp16["losses"]
     assert len(sparse["losses"]) == 2 and sparse["losses"] != fp16["losses"]
     assert fp16["bytes_per_param_round"] == 2.0
-    assert sparse["bytes_per_param_round"] < 0.2  # (a short last chunk: more than 0.037)
+    assert sparse["bytes_per_param_round"] < 0.2  # (a short last chunk: more than 0.025)
