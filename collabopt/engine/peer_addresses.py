@@ -14,10 +14,11 @@ Rules, and why:
   replicas (:mod:`collabopt.engine.replicas`). Each peer reads the key soon after it starts and connects to at most
   :data:`DIALS_PER_LOOK` peers it is not connected to. Then, every :data:`LOOK_EVERY` seconds (spaced out as the
   swarm grows, :func:`look_period`), it checks its connections to the peers the book named (a local question to its
-  p2p daemon, nothing on the wire) and reads the book again at once if one is missing, else every
-  :data:`QUIET_READ` seconds (new peers dial in themselves: their first looks find this one). A peer whose link was
-  cut is thus reached again within seconds of its return, and a swarm whose peers are all connected reads the book
-  rarely: every node asked answers with every peer's signed record.
+  p2p daemon, nothing on the wire) and reads the book again at once if one is missing; only while the last read
+  found other training peers' progress records, and every one of them in the book and connected, does it wait
+  :data:`QUIET_READ` seconds for the next read (new peers dial in themselves: their first looks find this one). A
+  peer whose link was cut is thus reached again within seconds of its return, and a swarm whose peers are all
+  connected reads the book rarely: every node asked answers with every peer's signed record.
 * A record counts only where the same key's progress record names the same peer id (:func:`peers_to_dial`), and
   only for addresses of that peer id, which libp2p checks when it connects: a false record costs a failed dial,
   never a connection to someone else, and an outsider makes no peer dial more than a few addresses per look.
@@ -51,7 +52,7 @@ from collabopt.engine.replicas import READ_REPLICAS, _store_on_replicas
 
 logger = logging.getLogger(__name__)
 
-PUBLISH_EVERY, RECORD_SECONDS = 25.0, 80.0
+PUBLISH_EVERY, RECORD_SECONDS = 20.0, 60.0  # (older peers refuse records of over 90 s: a margin for clocks)
 LONGEST_RECORD = 2 * RECORD_SECONDS  # the latest expiration a record may have, from now (clocks differ a little)
 FIRST_LOOKS = (0.5, 1.0, 2.0, 3.0)  # seconds after the start: peers that start together find each other at once
 LOOK_EVERY, LONGEST_LOOK, PEERS_PER_LOOK = 5.0, 60.0, 16  # see look_period
@@ -152,6 +153,18 @@ def published_peers(found: Any, progress: Any, own: PeerID) -> dict[PeerID, list
     return candidates
 
 
+def training_peers(progress: Any, own: PeerID) -> set[PeerID]:
+    """The peer ids of the progress records (``progress``, read under the run's progress key) of peers not in client
+    mode, but this one (``own``)."""
+    peers = set()
+    for entry in _entries(progress).values():
+        record = getattr(entry, "value", None)
+        if isinstance(record, dict) and not record.get("client_mode") and isinstance(record.get("peer_id"), bytes):
+            with contextlib.suppress(Exception):
+                peers.add(PeerID(record["peer_id"]))
+    return peers - {own}
+
+
 def _entries(found: Any) -> dict[Any, Any]:
     value = getattr(found, "value", None)
     return value if isinstance(value, dict) else {}
@@ -245,7 +258,8 @@ async def _any_missing(node: Any, named: set[PeerID]) -> bool:
 async def _connect_to_published(node: Any, key: str, progress_key: str,
                                 connect: Connect) -> tuple[int, set[PeerID], bool] | None:
     """Connect to a few of the published peers this one misses; return how many training peers the run has, the
-    peers the book names, and whether all of them were connected already (None: the book could not be read)."""
+    peers the book names, and whether every training peer of the progress records (client-mode peers publish no
+    address) is in the book and was connected already (None: the book could not be read)."""
     try:
         found, progress = await asyncio.gather(node.get(key, latest=True, beam_size=READ_REPLICAS),
                                                node.get(progress_key, latest=True, beam_size=READ_REPLICAS))
@@ -255,6 +269,8 @@ async def _connect_to_published(node: Any, key: str, progress_key: str,
         return None
     named = set(published_peers(found, progress, node.peer_id))
     missing = peers_to_dial(found, progress, node.peer_id, connected)
+    others = training_peers(progress, node.peer_id)  # (none yet: peers that start together look again soon)
+    everyone_in = bool(others) and others <= named & connected
 
     async def reach(peer: PeerID, maddrs: list[str]) -> None:
         try:
@@ -264,4 +280,4 @@ async def _connect_to_published(node: Any, key: str, progress_key: str,
             logger.debug("collabopt: could not connect to %s at %s: %r", peer, maddrs, e)
 
     await asyncio.gather(*(reach(peer, maddrs) for peer, maddrs in missing.items()))
-    return len(_entries(progress)), named, not missing
+    return len(_entries(progress)), named, everyone_in and not missing

@@ -259,6 +259,19 @@ def test_the_book_is_read_again_at_once_when_a_peer_it_named_is_no_longer_connec
     assert len(node.read) > 2
 
 
+@pytest.mark.parametrize("case", ["no other record yet", "a training peer without an address record"])
+def test_the_book_is_read_at_every_look_until_every_training_peer_is_in_it_and_connected(monkeypatch, case):
+    """Peers that start together may read the book before the others' records are there; a training peer may be in
+    the progress records before its address record: neither read lets the peer wait the quiet period."""
+    if case == "no other record yet":
+        node = Node(None, progress(alice=ALICE), connected=[])
+    else:
+        published = book({owner("bob"): dict(peer_id=BOB.to_bytes(), maddrs=[at(BOB, "/ip4/192.0.2.11/tcp/2")])})
+        node = Node(published, progress(bob=BOB, carol=CAROL), connected=[BOB])
+    run_book(monkeypatch, node, False, seconds=0.2, look_every=0.02)
+    assert len(node.read) >= 2 * 5  # (about 10 looks, each reading the addresses and the progress records)
+
+
 def test_a_second_book_for_the_run_replaces_the_first():
     async def go():
         async def never(*_):
