@@ -10,7 +10,7 @@ peer can overwrite another's) and schema-checked by every peer that stores them:
   :class:`MetricsReporter` thread: epoch and the swarm's epoch as this peer sees it, samples/s, samples contributed
   and skipped, the training loss the loop reported (``copt.report_loss(loss)``), client mode / relay, versions.
   A peer that leaves cleanly replaces it with ``None``; a killed peer's record stops changing and expires after
-  :data:`RECORD_TTL` seconds.
+  :data:`RECORD_TTL` seconds (three intervals in DiLoCo mode).
 
 Readers (``collabopt monitor``, :func:`read_swarm_progress`) check every record on its own (signature, size, schema):
 records that fail are left out and counted (``rejected``), so a process writing garbage under the run's keys cannot
@@ -37,12 +37,11 @@ __all__ = ["DILOCO_PUBLISH_INTERVAL", "PUBLISH_INTERVAL", "RECORD_TTL", "Metrics
 logger = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL = 2.0  # seconds between two metrics records of a peer
-# ... of a DiLoCo peer. Each store first looks the key up and gets every peer's record back from each node it asks:
-# measured with 4 peers on the WAN bed, records every 2 s cost each peer 14 kB/s sent, more than half of what a
-# DiLoCo peer sends between rounds (23 kB/s). Its rounds last minutes, and the status page's staleness follows
+# ... of a DiLoCo peer: its rounds last minutes, and each record is a store on the key's replicas (every 10 s, 0.5 of
+# a compressed DiLoCo peer's ~11 kB/s sent between rounds on the WAN bed, B6). The status page's staleness follows
 # the record's interval (stale after three)
-DILOCO_PUBLISH_INTERVAL = 10.0
-RECORD_TTL = 30.0  # seconds a metrics record lives on the DHT (a killed peer's disappears after this)
+DILOCO_PUBLISH_INTERVAL = 30.0
+RECORD_TTL = 30.0  # seconds a metrics record lives on the DHT, at least (a killed peer's disappears after this)
 _RELAY_CHECK_EVERY = 15  # publications between two looks at this peer's announced addresses
 
 
@@ -54,9 +53,10 @@ class MetricsReporter:
     ``peer`` (a :class:`~collabopt.engine.peer.HivemindPeer`) those of hivemind and the DHT.
     """
 
-    def __init__(self, copt: Any, peer: Any, interval: float = PUBLISH_INTERVAL, ttl: float = RECORD_TTL):
+    def __init__(self, copt: Any, peer: Any, interval: float = PUBLISH_INTERVAL, ttl: float | None = None):
         self.copt, self.peer = copt, peer
-        self.interval, self.ttl = interval, ttl
+        self.interval = interval
+        self.ttl = ttl if ttl is not None else max(RECORD_TTL, 3 * interval)  # (a record outlives two missed stores)
         self._lock = threading.Lock()
         self._loss_sum: Any = 0.0  # a tensor once a tensor loss was reported: summed on its device, read here
         self._loss_finite: Any = 0

@@ -27,13 +27,22 @@ class ThrottledProgressTracker(SwarmProgressTracker):
 
     _epoch_began: float | None = None  # when this peer's current epoch (round) began, DHT time
     _last_round: float | None = None  # how long its last whole round took, seconds
+    _created: float | None = None  # when the tracker was made, DHT time (Thread has its own _started)
 
     def __init__(self, *args: Any, max_fetch_period: float = float("inf"), **kwargs: Any):
         self.max_fetch_period = max_fetch_period  # (set before __init__ counts the records found)
+        self._created = get_dht_time()
         super().__init__(*args, **kwargs)
 
     def report_period(self) -> float:
-        return diloco_module.report_period(self._last_round, self.min_refresh_period, self.max_refresh_period)
+        """A tenth of the last whole round; before one, of the time this round has lasted so far (since this peer
+        began it, or started), which the round is at least as long as: storing every ``min_refresh_period`` until
+        the second boundary made a peer's first rounds cost three times its later ones (B6)."""
+        began = self._epoch_began if self._epoch_began is not None else self._created
+        length = self._last_round
+        if length is None and began is not None:
+            length = max(0.0, get_dht_time() - began)
+        return diloco_module.report_period(length, self.min_refresh_period, self.max_refresh_period)
 
     def _parse_swarm_progress_data(self, metadata: Any) -> Any:
         """It fetches the swarm's progress at least every :meth:`fetch_period` (``max_refresh_period`` keeps its
@@ -48,8 +57,10 @@ class ThrottledProgressTracker(SwarmProgressTracker):
         period while the throughput estimates warm up left peers counting only their own samples), then its
         :meth:`report_period`, since the others' records change no faster than that (each peer's own period, from
         rounds of about the same length). Each fetch gets every peer's signed record from several nodes: at every
-        half ``matchmaking_time`` that was about a quarter of a compressed round's bytes (B6). Near the round's end
+        half ``matchmaking_time`` that was about a third of a compressed round's bytes (B6). Near the round's end
         the ETA-based period is the shorter one."""
+        if self._last_round is None:
+            return self.max_fetch_period
         return max(self.max_fetch_period, self.report_period())
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int,

@@ -638,6 +638,11 @@ def test_the_progress_reporter_is_woken_at_most_once_per_report_period(kind):
     tracker._next_report = 0.0  # the period is over
     assert report(gated=True)
     if kind == "diloco":
+        from hivemind.utils import get_dht_time
+
+        tracker._epoch_began = get_dht_time() - 2000.0  # before a whole round: a tenth of the round so far
+        assert report(gated=False)
+        assert tracker._next_report - time.monotonic() == pytest.approx(200.0, abs=5.0)
         tracker._last_round = 4000.0  # long rounds: one store per tenth of the last round
         assert report(gated=False)
         assert tracker._next_report - time.monotonic() == pytest.approx(400.0, abs=5.0)
