@@ -159,6 +159,7 @@ class SwarmOptimizer(Protocol):
     def metrics(self) -> dict[str, float]: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def end_run(self, serve: bool) -> str | None: ...
     def close(self) -> None: ...
 
 
@@ -190,6 +191,14 @@ class SwarmOptimizerBase:
 
     def close(self) -> None:
         raise NotImplementedError
+
+    def end_run(self, serve: bool) -> str | None:
+        """The end of a run, for adapters: ``serve_final_state()`` if ``serve`` (training ended normally), then
+        :meth:`close` (also where serving raised). Returns why serving ended, or None where it did not serve."""
+        try:
+            return self.serve_final_state() if serve and not self._closed else None
+        finally:
+            self.close()
 
     @property
     def closed(self) -> bool:

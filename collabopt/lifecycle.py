@@ -6,7 +6,7 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -57,26 +57,31 @@ class SigtermHandler:
 
 
 @contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """Within the block, SIGTERM runs the handler that was set, then raises :class:`Terminated`. Reason: a framework
-    whose handler only sets a flag (Lightning's) checks it between batches; a wait after the last batch (a finished
-    peer serving its final state) would not end on SIGTERM. Where SIGTERM is ignored, or off the main thread,
-    nothing changes."""
+def sigterm_raises(instead: Callable[[], None] | None = None, raises: bool = True) -> Iterator[None]:
+    """Within the block, SIGTERM runs the handler that was set (or ``instead``, where given), then raises
+    :class:`Terminated` (unless ``raises=False``). Reason: a framework whose handler only sets a flag (Lightning's)
+    checks it between batches; a wait after the last batch (a finished peer serving its final state) would not end on
+    SIGTERM. ``instead`` is for a handler that must not run there (Lightning's broadcasts on the default group with
+    several processes, while the node's other ranks wait in another group). Where SIGTERM is ignored or has a
+    handler set from C (which cannot be chained or restored), or off the main thread, nothing changes."""
     previous = signal.getsignal(signal.SIGTERM) if in_main_thread() else signal.SIG_IGN
-    if previous == signal.SIG_IGN:
+    if previous in (signal.SIG_IGN, None):
         yield
         return
 
     def handler(signum: int, frame: Any) -> None:
-        if callable(previous):
+        if instead is not None:
+            instead()
+        elif callable(previous):
             previous(signum, frame)
-        raise Terminated()
+        if raises:
+            raise Terminated()
 
     signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, previous)
 
 
 # An interrupt (SIGINT's KeyboardInterrupt, SIGTERM's Terminated) raised while Python runs a finalizer is printed

@@ -337,6 +337,17 @@ class NodeOptimizer(NodeView):
         ``node_timeout``, so no default-group timeout ends them); every rank returns rank 0's reason."""
         return self._on_rank0(lambda copt: copt.serve_final_state(timeout))
 
+    def end_run(self, serve: bool) -> str | None:
+        """Collective: as :meth:`~collabopt.interface.SwarmOptimizerBase.end_run`, the ranks deciding together
+        (one all-reduce): the node serves only where ``serve`` holds on every rank. Reason: a rank that serves waits
+        in a collective that a rank ending on an exception (which only closes) never enters."""
+        try:
+            serve = not self._closed and node_protocol.every_rank(serve, self._wait_group)
+        except BaseException:
+            self.close()
+            raise
+        return super().end_run(serve)
+
     def load_state_from_peers(self) -> None:
         """Collective: rank 0 downloads the swarm's state; every rank receives it."""
         self._on_rank0(lambda copt: copt.load_state_from_peers())

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from collabopt.errors import ConfigurationError
+from collabopt.lifecycle import Terminated
 from collabopt.node_status import NodeStatus
 
 
@@ -76,11 +77,14 @@ def broadcast_object(value: Any, group: Any) -> Any:
 
 
 def raise_rank0_error(error: BaseException | None, rank: int, group: Any) -> NoReturn:
-    """Rank 0 sends what went wrong (its ``error``); every rank raises it (a ConfigurationError stays one)."""
+    """Rank 0 sends what went wrong (its ``error``); every rank raises it (a ConfigurationError stays one, and a
+    SIGTERM's Terminated too: the node ends as rank 0 does)."""
     message: Any = None
     if rank == 0:
         if isinstance(error, ConfigurationError):
             message = ("config", error.parameter, error.problem, error.fix)
+        elif isinstance(error, Terminated):
+            message = ("terminated",)
         else:
             message = ("error", f"{type(error).__name__}: {error}")
     message = broadcast_object(message, group)
@@ -88,6 +92,8 @@ def raise_rank0_error(error: BaseException | None, rank: int, group: Any) -> NoR
         raise error
     if message[0] == "config":
         raise ConfigurationError(*message[1:])
+    if message[0] == "terminated":
+        raise Terminated()
     raise RuntimeError(f"collabopt: rank 0 failed ({message[1]}); see rank 0's log")
 
 
@@ -96,6 +102,13 @@ def sum_over_ranks(values: list[float], group: Any) -> list[float]:
     totals = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(totals, group=group)
     return totals.tolist()
+
+
+def every_rank(flag: bool, group: Any) -> bool:
+    """Whether ``flag`` holds on every rank (one all-reduce, MIN): the ranks decide together."""
+    value = torch.tensor([int(bool(flag))], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return bool(value.item())
 
 
 def params_version(params: list[torch.Tensor]) -> int:

@@ -214,15 +214,14 @@ class CollaborativeAccelerator(Accelerator):
         after its loop, is the closest. It serves (``serve_final_state``: flushes, then waits for the peers behind;
         in a node every rank calls it, rank 0 serves) only where no exception is being handled: called from a
         ``finally`` or ``except`` while an error, Ctrl+C or SIGTERM (``collabopt.Terminated``) propagates, it only
-        leaves. Process exit without it only leaves too."""
+        leaves. A node's ranks decide together (``end_run``): it serves only where no rank is handling an exception.
+        Process exit without it only leaves too."""
         copt = self.collaborative_optimizer
-        if copt is not None:
-            try:
-                if not copt.closed and sys.exc_info()[1] is None:
-                    copt.serve_final_state()
-            finally:
-                copt.close()
-        super().end_training()
+        try:
+            if copt is not None:
+                copt.end_run(serve=sys.exc_info()[1] is None)
+        finally:
+            super().end_training()
 
 
 __all__ = ["CollaborativeAccelerator", "CollaborativeAcceleratedOptimizer", "CollaborativeScheduler"]

@@ -44,11 +44,11 @@ from collabopt.integrations._lightning_compat import (
 )
 from collabopt.integrations._lightning_metrics import SwarmMetricsCallback
 from collabopt.integrations._lightning_options import strategy_options
+from collabopt.integrations._lightning_signals import sigterm_ends_final_wait
 
 from collabopt.batch_size import infer_batch_size
 from collabopt.errors import ConfigurationError
 from collabopt.interface import is_collaborative_state, swarm_metrics
-from collabopt.lifecycle import sigterm_raises
 from collabopt.node import collaborative_optimizer
 from collabopt.scheduling import CollaborativeScheduler, is_scheduler
 from collabopt.swarm import print_join_message
@@ -262,15 +262,15 @@ class CollaborativeStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         """Training ended normally (an exception, Ctrl+C or SIGTERM in training raise past this hook): flush and serve
         the final state while a live peer is behind (``serve_final_state``; a node's ranks all call it, rank 0
-        serves). After a SIGTERM with the last batch it only flushes; one during the wait ends it
-        (:func:`~collabopt.lifecycle.sigterm_raises`: Lightning's handler only sets a flag)."""
+        serves). After a SIGTERM with the last batch it only flushes; one during the wait ends it (on a node, one that
+        reaches rank 0: :mod:`~collabopt.integrations._lightning_signals`)."""
         copt = self._copt
         if copt is not None and not copt.closed:
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
             if getattr(trainer, "received_sigterm", False):
                 copt.flush()
             else:
-                with sigterm_raises():
+                with sigterm_ends_final_wait(trainer, self._several_processes, self.global_rank):
                     copt.serve_final_state()
         super().on_train_end()
 

@@ -248,11 +248,9 @@ class CollaborativeTrainer(Trainer):
         if copt is None or plain is None:
             return
         self._plain = None
-        try:
-            if flush and not copt.closed:  # (a node: every rank calls it, rank 0 serves)
-                copt.serve_final_state()  # flushes; a peer one epoch behind downloads the final state meanwhile
+        try:  # serve_final_state flushes; a peer one epoch behind downloads the final state meanwhile
+            copt.end_run(serve=flush)  # a node's ranks decide together: it serves only where every rank finished
         finally:
-            copt.close()
             self._swap(self.optimizer, *plain)
 
     def training_step(self, model: torch.nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:

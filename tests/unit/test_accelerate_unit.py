@@ -14,8 +14,8 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
 from collabopt.integrations.accelerate import CollaborativeAccelerator
 
-from collabopt import ConfigurationError
-from collabopt.interface import SNAPSHOT_FIELDS, swarm_metrics, swarm_snapshot
+from collabopt import ConfigurationError, Terminated
+from collabopt.interface import SNAPSHOT_FIELDS, SwarmOptimizerBase, swarm_metrics, swarm_snapshot
 from collabopt.node import NodeOptimizer, collaborative_optimizer, is_node_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,15 +86,31 @@ def test_log_adds_the_swarm_metrics_under_the_names_every_adapter_logs(monkeypat
     assert logged[-1] == {**swarm_metrics(fake), "loss": 0.5} and "swarm/samples_per_second" in logged[-1]
 
 
+class EndingCore(SwarmOptimizerBase):
+    """A core that records the end of a run; its serve_final_state raises ``fails`` where given."""
+
+    def __init__(self, calls: list, fails: type[BaseException] | None = None):
+        self._closed, self.calls, self.fails = False, calls, fails
+
+    def serve_final_state(self, timeout=None) -> str:
+        self.calls.append("serve_final_state")
+        if self.fails is not None:
+            raise self.fails()
+        return "no live peer is behind epoch 3"
+
+    def close(self) -> None:
+        self.calls.append("close")
+        self._closed = True
+
+
 @pytest.mark.parametrize("raised", [None, KeyboardInterrupt, ValueError])
 def test_end_training_serves_the_final_state_unless_an_exception_propagates(monkeypatch, raised):
     """end_training() after the loop serves the final state for peers still behind, then leaves; called from a
-    finally while an error or Ctrl+C propagates, it only leaves."""
-    monkeypatch.setattr(Accelerator, "end_training", lambda self: None)
-    accelerator = CollaborativeAccelerator(cpu=True, **SWARM)
+    finally while an error or Ctrl+C propagates, it only leaves. Accelerate's own end_training runs last."""
     calls = []
-    accelerator.collaborative_optimizer = SimpleNamespace(
-        closed=False, serve_final_state=lambda: calls.append("serve_final_state"), close=lambda: calls.append("close"))
+    monkeypatch.setattr(Accelerator, "end_training", lambda self: calls.append("Accelerator.end_training"))
+    accelerator = CollaborativeAccelerator(cpu=True, **SWARM)
+    accelerator.collaborative_optimizer = EndingCore(calls)
     if raised is None:
         accelerator.end_training()
     else:
@@ -103,7 +119,21 @@ def test_end_training_serves_the_final_state_unless_an_exception_propagates(monk
                 raise raised()
             finally:
                 accelerator.end_training()
-    assert calls == (["serve_final_state", "close"] if raised is None else ["close"])
+    served = ["serve_final_state"] if raised is None else []
+    assert calls == [*served, "close", "Accelerator.end_training"]
+
+
+@pytest.mark.parametrize("interrupt", [Terminated, KeyboardInterrupt])
+def test_an_interrupt_during_the_final_wait_still_ends_accelerate(monkeypatch, interrupt):
+    """SIGTERM or Ctrl+C during serve_final_state: the optimizer closes, and Accelerate's end_training (trackers,
+    process group) still runs before the interrupt propagates."""
+    calls = []
+    monkeypatch.setattr(Accelerator, "end_training", lambda self: calls.append("Accelerator.end_training"))
+    accelerator = CollaborativeAccelerator(cpu=True, **SWARM)
+    accelerator.collaborative_optimizer = EndingCore(calls, fails=interrupt)
+    with pytest.raises(interrupt):
+        accelerator.end_training()
+    assert calls == ["serve_final_state", "close", "Accelerator.end_training"]
 
 
 def test_node_needs_torch_distributed():

@@ -49,3 +49,29 @@ def test_sigterm_raises_within_the_block_after_the_handler_that_was_set():
         assert seen == [signal.SIGTERM, signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_sigterm_raises_can_run_another_handler_instead_and_not_raise():
+    """A node's rank other than 0 in Lightning's final wait: only a flag is recorded (Lightning's handler, which
+    broadcasts on the default group, does not run), and no Terminated is raised (rank 0's reaches it)."""
+    import os
+    import signal
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("lightning"))
+    try:
+        with lifecycle.sigterm_raises(instead=lambda: seen.append("instead"), raises=False):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == ["instead"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_sigterm_raises_leaves_a_handler_set_from_c_alone(monkeypatch):
+    """signal.getsignal returns None for a handler set from C: it can be neither chained nor restored."""
+    import signal
+
+    monkeypatch.setattr(signal, "getsignal", lambda signum: None)
+    monkeypatch.setattr(signal, "signal", lambda *args: pytest.fail("the handler was replaced"))
+    with lifecycle.sigterm_raises():
+        pass
