@@ -52,6 +52,10 @@ IMPORT_LOCKS = (("hivemind.utils.mpfuture", "SharedBytes", "_lock"),
 PER_PROCESS = frozenset({"PYTHONPATH", "INITIAL_PEERS", "PYTEST_CURRENT_TEST", "COLLABOPT_BENCHMARK_FORK"})
 MAX_LAUNCHERS = 6  # each holds ~360 MB: a variable that differs in every child must not start one per child
 _MESSAGE = 1 << 20
+# in a launcher: the variables its preloaded modules set at import (lightning.fabric sets PYTORCH_NVML_BASED_CUDA_CHECK
+# so that torch's CUDA check does not break a later fork); a child's environment gets those it does not set itself,
+# as its own import would have made them (the import is a no-op in a child that inherited the module)
+_IMPORT_ENV: dict[str, str] = {}
 _launchers: dict[tuple[object, ...], Launcher] = {}
 _launchers_lock = threading.Lock()  # threads that start children at once (the GPU check's parts) share one
 
@@ -306,6 +310,8 @@ def _run(request: dict[str, Any], ready_w: int, base_path: list[str]) -> None:
     args = request["args"]
     os.environ.clear()
     os.environ.update(request["env"])
+    for key, value in _IMPORT_ENV.items():
+        os.environ.setdefault(key, value)
     pythonpath = os.environ.get("PYTHONPATH")  # made absolute, an empty entry is the cwd
     extra = [os.path.abspath(entry) for entry in pythonpath.split(os.pathsep)] if pythonpath else []
     module = args[2] if args[1] == "-m" else None
@@ -355,12 +361,14 @@ def _preload(names: Sequence[str], required: bool) -> None:
     import importlib
 
     new = [name for name in names if name not in sys.modules]
+    before = dict(os.environ)
     for name in new:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001  # the child's own import fails as it would in a fresh process
             if required:
                 raise
+    _IMPORT_ENV.update({key: value for key, value in os.environ.items() if before.get(key) != value})
     threads = os.listdir("/proc/self/task")
     if len(threads) != 1:
         sys.exit(f"importing {new} started {len(threads) - 1} threads (OMP_NUM_THREADS is "

@@ -294,6 +294,26 @@ def test_modules_preloaded_for_a_child_stay_for_the_next_and_one_that_fails_is_l
     assert all(text.startswith("True\n") and "ModuleNotFoundError" in text for text in logs), logs
 
 
+def test_what_a_preloaded_module_sets_in_the_environment_at_import_reaches_the_child(tmp_path):
+    """As lightning.fabric sets PYTORCH_NVML_BASED_CUDA_CHECK at import: a fresh process's import would set it; in a
+    forked child the import is a no-op, so the launcher passes what the preload set (unless the child sets it)."""
+    (tmp_path / "setter.py").write_text("import os\nos.environ['COLLABOPT_TEST_SET_AT_IMPORT'] = '1'\n"
+                                        "os.environ['COLLABOPT_TEST_OWN'] = 'import'\n")
+    (tmp_path / "script.py").write_text("import os, setter\nprint(os.environ.get('COLLABOPT_TEST_SET_AT_IMPORT'),"
+                                        " os.environ.get('COLLABOPT_TEST_OWN'))")
+    own = launcher.Launcher(env(PYTHONPATH=str(tmp_path), COLLABOPT_TEST_OWN="child"), preload=())
+    try:
+        child_env = env(PYTHONPATH=str(tmp_path), COLLABOPT_TEST_OWN="child")
+        for i in range(2):  # the first child asks for the preload, the next one inherits the module
+            log = tmp_path / f"{i}.log"
+            proc = own.spawn([sys.executable, str(tmp_path / "script.py")], log, child_env,
+                             preload=["setter"] if i == 0 else [])
+            assert proc.wait(60) == 0
+            assert log.read_text().split() == ["1", "child"]  # (the child's own value stays)
+    finally:
+        own.close()
+
+
 def test_a_preload_that_starts_a_thread_ends_the_launcher_before_it_forks(tmp_path):
     (tmp_path / "threader.py").write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(60,),"
                                           " daemon=True).start()\n")
