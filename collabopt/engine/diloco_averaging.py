@@ -44,7 +44,7 @@ from collabopt.engine.gather_exchange import ExchangeResult, ExchangeService, Sc
 from collabopt.engine.gather_round import MAX_PAYLOAD_LIMIT
 from collabopt.errors import ConfigurationError
 from collabopt.sparse_aggregation import AGREEMENT_FLOOR, aggregate_set
-from collabopt.sparse_codec import PayloadError
+from collabopt.sparse_codec import VERSION, PayloadError
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,9 @@ class SparsePseudoGradientRounds(_Buffers):
                 "pseudo_gradient_compression", f"its payload for this model is up to {payload_bytes} bytes, over the "
                 f"exchange's limit of {MAX_PAYLOAD_LIMIT} (one message of the daemon)",
                 "pass a lower SparseLoCo(density=...) or bits, or drop pseudo_gradient_compression")
-        settings = repr((self.codec.density, self.codec.chunk_size, self.codec.bits, aggregation)).encode()
+        # (peers of another payload format or other settings never meet in a group: each side would refuse the
+        # other's payloads and apply a round of its own)
+        settings = repr((self.codec.density, self.codec.chunk_size, self.codec.bits, aggregation, VERSION)).encode()
         options = {} if request_timeout is None else {"request_timeout": request_timeout}
         self.service = ExchangeService(
             dht, prefix=f"{prefix}_sparse{hashlib.sha256(settings).hexdigest()[:12]}",
