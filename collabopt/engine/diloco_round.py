@@ -53,14 +53,12 @@ class ThrottledProgressTracker(SwarmProgressTracker):
         return progress
 
     def fetch_period(self) -> float:
-        """The longest wait between two fetches: ``max_fetch_period`` until this peer saw a whole round (the ETA-based
-        period while the throughput estimates warm up left peers counting only their own samples), then its
-        :meth:`report_period`, since the others' records change no faster than that (each peer's own period, from
-        rounds of about the same length). Each fetch gets every peer's signed record from several nodes: at every
-        half ``matchmaking_time`` that was about a third of a compressed round's bytes (B6). Near the round's end
-        the ETA-based period is the shorter one."""
-        if self._last_round is None:
-            return self.max_fetch_period
+        """The longest wait between two fetches: ``max_fetch_period`` (the ETA-based period while the throughput
+        estimates warm up left peers counting only their own samples), or its :meth:`report_period` if longer, since
+        the others' records change no faster than that (each peer's own period, from rounds of about the same
+        length). Each fetch gets every peer's signed record from several nodes: at every half ``matchmaking_time``
+        that was about a third of a compressed round's bytes (B6). Near the round's end the ETA-based period is the
+        shorter one."""
         return max(self.max_fetch_period, self.report_period())
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int,

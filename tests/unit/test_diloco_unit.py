@@ -724,6 +724,10 @@ def test_a_diloco_peers_view_of_the_swarm_is_never_older_than_its_fetch_period(m
     tracker = object.__new__(ThrottledProgressTracker)
     tracker.max_fetch_period, tracker.min_refresh_period, tracker.max_refresh_period = 1.0, 0.5, 10.0
     assert tracker._parse_swarm_progress_data({}).next_fetch_time <= get_dht_time() + 1.0
+    tracker._epoch_began = get_dht_time() - 5.0  # 5 s into a round: never longer than max_fetch_period
+    assert tracker.fetch_period() == 1.0
+    tracker._epoch_began = get_dht_time() - 30.0  # 30 s into it: the others store once per 3 s at least
+    assert tracker.fetch_period() == pytest.approx(3.0, abs=0.1)
     tracker._last_round = 40.0  # after a whole round: the others' records change once per report period (4 s)
     assert tracker.fetch_period() == tracker.report_period() == 4.0
     assert get_dht_time() + 3.9 < tracker._parse_swarm_progress_data({}).next_fetch_time <= get_dht_time() + 4.0
