@@ -119,8 +119,12 @@ def peers_to_dial(found: Any, progress: Any, own: PeerID, connected: set[PeerID]
     """At most ``limit`` peers (chosen at random) to connect to, with their addresses, of the
     :func:`published_peers` not ``connected`` already. Where several owners name one peer id, one record is chosen
     at random each time: a false one shadows the peer's own at most for a look."""
-    candidates = {peer: maddrs for peer, maddrs in published_peers(found, progress, own).items()
-                  if peer not in connected}
+    return _choose(published_peers(found, progress, own), connected, limit)
+
+
+def _choose(published: dict[PeerID, list[list[str]]], connected: set[PeerID],
+            limit: int) -> dict[PeerID, list[str]]:
+    candidates = {peer: maddrs for peer, maddrs in published.items() if peer not in connected}
     chosen = random.sample(sorted(candidates, key=PeerID.to_bytes), min(limit, len(candidates)))
     return {peer: random.choice(candidates[peer]) for peer in chosen}  # (one record of a peer named by several)
 
@@ -267,8 +271,9 @@ async def _connect_to_published(node: Any, key: str, progress_key: str,
     except Exception as e:
         logger.debug("collabopt: could not read the run's addresses: %r", e)
         return None
-    named = set(published_peers(found, progress, node.peer_id))
-    missing = peers_to_dial(found, progress, node.peer_id, connected)
+    published = published_peers(found, progress, node.peer_id)
+    named = set(published)
+    missing = _choose(published, connected, DIALS_PER_LOOK)
     others = training_peers(progress, node.peer_id)  # (none yet: peers that start together look again soon)
     everyone_in = bool(others) and others <= named & connected
 

@@ -61,8 +61,7 @@ async def _nearest_nodes(node: Any, key_id: DHTID) -> dict[Any, Any]:
     found = _replicas.get(key_id)
     age = time.monotonic() - found[0] if found is not None else float("inf")
     grown = found is not None and known > found[1]
-    if (age > REPLICAS_TTL or (grown and age > GROWN_TTL)
-            or (grown and len(found[2]) < node.num_replicas)):
+    if age > REPLICAS_TTL or (grown and (age > GROWN_TTL or len(found[2]) < node.num_replicas)):
         nearest = await node.find_nearest_nodes([key_id], k_nearest=node.num_replicas,
                                                 exclude_self=node.protocol.client_mode)  # nobody reads a client
         found = _replicas[key_id] = (time.monotonic(), known, dict(nearest[key_id]))
