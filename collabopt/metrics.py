@@ -29,6 +29,7 @@ import torch
 
 from collabopt.engine.compat import dht_time, versions
 from collabopt.engine.records import read_run_records, reader_validators
+from collabopt.engine.replicas import RIDE_ALONG
 from collabopt.errors import ConfigurationError
 
 __all__ = ["DILOCO_PUBLISH_INTERVAL", "PUBLISH_INTERVAL", "RECORD_TTL", "MetricsReporter", "read_swarm_progress",
@@ -137,7 +138,8 @@ class MetricsReporter:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.peer.publish_metrics(self.record(), dht_time() + self.ttl)
+                self.peer.publish_metrics(self.record(), dht_time() + self.ttl,  # (a renewal may wait a little)
+                                          may_wait=min(RIDE_ALONG, self.interval / 3) if self._published else 0.0)
                 self._published += 1
             except Exception as e:  # informational: never disturb training
                 logger.debug("collabopt: could not publish metrics: %r", e)

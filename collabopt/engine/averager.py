@@ -53,6 +53,7 @@ from collabopt.engine.group_search import (
 )
 from collabopt.engine.p2p import own_replica
 from collabopt.engine.part_reducer import AGGREGATES
+from collabopt.engine.replicas import ReplicaRecords
 from collabopt.engine.round_schema import round_schema
 from collabopt.engine.service_thread import ScheduledWork, ServiceThread
 from collabopt.engine.streams import MemberStub
@@ -189,9 +190,9 @@ class AveragingService(ServiceThread):
 
     def _matchmaker(self, schema_hash: bytes) -> Matchmaking:
         if schema_hash not in self._matchmakings:
-            search_dht = SearchDHT(self.dht, self.p2p, schema_hash=schema_hash, prefix=self.prefix, hints=self._hints,
-                                   entry=lambda: self._my_entry(None),  # (collabopt.engine.group_search)
-                                   matchmaking_time=self.matchmaking_time)
+            search_dht = SearchDHT(ReplicaRecords(self.dht), self.p2p, schema_hash=schema_hash, prefix=self.prefix,
+                                   hints=self._hints, entry=lambda: self._my_entry(None),  # (engine.group_search)
+                                   matchmaking_time=self.matchmaking_time)  # (declarations on the key's replicas)
             self._matchmakings[schema_hash] = RoundMatchmaking(
                 self.p2p, schema_hash, search_dht, servicer_type=AllReduceService, prefix=self.prefix,
                 target_group_size=self.target_group_size, min_group_size=self.min_group_size,

@@ -39,6 +39,7 @@ from collabopt.engine.averager import _MemberGate, _Search, _token_refusal, decl
 from collabopt.engine.gather_round import MAX_PAYLOAD_LIMIT, ExchangeRound, ExchangeServicer, _is_weight
 from collabopt.engine.group_search import DeclarationService, PeerHints, RoundMatchmaking, SearchDHT, verdict_patience
 from collabopt.engine.p2p import own_replica
+from collabopt.engine.replicas import ReplicaRecords
 from collabopt.engine.service_thread import ScheduledWork, ServiceThread
 from collabopt.membership import MemberToken, swarm_key_of
 
@@ -121,8 +122,9 @@ class ExchangeService(ServiceThread):
         self.p2p = await own_replica(self.dht)
         await self.servicer.add_p2p_handlers(self.p2p, namespace=self.prefix)
         await self.declarations.add_p2p_handlers(self.p2p, namespace=self.prefix)
-        search_dht = SearchDHT(self.dht, self.p2p, schema_hash=self.schema, prefix=self.prefix, hints=self._hints,
-                               entry=lambda: self._my_entry(None), matchmaking_time=self.matchmaking_time)
+        search_dht = SearchDHT(ReplicaRecords(self.dht), self.p2p, schema_hash=self.schema, prefix=self.prefix,
+                               hints=self._hints, entry=lambda: self._my_entry(None),
+                               matchmaking_time=self.matchmaking_time)  # (declarations on the key's replicas)
         self._matchmaking = RoundMatchmaking(  # (a follower waits for its leader's verdict: group_search)
             self.p2p, self.schema, search_dht, servicer_type=ExchangeServicer, prefix=self.prefix,
             target_group_size=self.target_group_size, min_group_size=self.min_group_size,

@@ -42,6 +42,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from pydantic.v1 import BaseModel, StrictFloat, conint, conlist, constr
 
 from collabopt.engine.records import MAX_RECORD_BYTES, OwnerKeyValidator, RecordSizeValidator
+from collabopt.engine.replicas import RIDE_ALONG
 from collabopt.errors import ModelMismatchError
 from collabopt.model_check import describe
 
@@ -161,13 +162,15 @@ class ModelCheck:
         self._next_publish = 0.0
         self._next_poll = time.monotonic()  # (the first step looks)
         self._fetch: tuple[Any, Any] | None = None
-        self._publish()
+        self._publish(renewal=False)
 
-    def _publish(self) -> None:
+    def _publish(self, renewal: bool = True) -> None:
+        """Store this peer's record; a renewal may wait a little to leave with another store (half its slack)."""
         now = get_dht_time()
         self._next_publish = time.monotonic() + self.tracker.metadata_expiration / 2
         self.tracker.dht.store(key=self.key, subkey=self.tracker.local_public_key, value=self.record,
-                               expiration_time=now + self.tracker.metadata_expiration, return_future=True)
+                               expiration_time=now + self.tracker.metadata_expiration, return_future=True,
+                               may_wait=min(RIDE_ALONG, self.tracker.metadata_expiration / 4) if renewal else 0.0)
 
     def before_contribution(self) -> None:
         """Called by each local step before it schedules a round: renew this peer's record when due; before its

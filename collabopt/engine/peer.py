@@ -190,11 +190,12 @@ class HivemindPeer:
         """Whether this peer is reached through a relay (a ``/p2p-circuit`` address among those it announces)."""
         return any("p2p-circuit" in str(m) for m in self.dht.get_visible_maddrs())
 
-    def publish_metrics(self, record: dict[str, Any] | None, expiration: float) -> None:
-        """Store this peer's metrics record (``None``: it leaves) under its signed subkey, without waiting."""
+    def publish_metrics(self, record: dict[str, Any] | None, expiration: float, may_wait: float = 0.0) -> None:
+        """Store this peer's metrics record (``None``: it leaves) under its signed subkey, without waiting
+        (``may_wait``: seconds it may wait to leave with another store, see :mod:`collabopt.engine.replicas`)."""
         tracker = self.loop.tracker  # its DHT stores on the key's replicas (collabopt.engine.replicas)
         tracker.dht.store(key=self.metrics_key, subkey=tracker.local_public_key, value=record,
-                          expiration_time=expiration, return_future=True)
+                          expiration_time=expiration, return_future=True, may_wait=may_wait)
 
     def announce(self, timeout: float = 10.0) -> None:
         """Publish this peer's progress record now, with zero samples, and make the tracker fetch the swarm's.

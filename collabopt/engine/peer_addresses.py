@@ -48,7 +48,7 @@ from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, Extra, conbytes, conlist, constr
 
 from collabopt.engine.p2p import connect_to
-from collabopt.engine.replicas import READ_REPLICAS, _store_on_replicas
+from collabopt.engine.replicas import RIDE_ALONG, _store_on_replicas, read_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -219,11 +219,16 @@ async def keep_peers_connected(run_id: str, owner: bytes, publish: bool, connect
         with contextlib.suppress(asyncio.CancelledError):
             loop = asyncio.get_running_loop()
             next_publish = next_look = next_read = loop.time()
-            looks, peers, named = 0, 0, set()
+            looks, peers, named, renewals, published = 0, 0, set(), set(), False
             while True:
                 if publish and loop.time() >= next_publish:
+                    if not published:  # the first record goes out now; a renewal may wait for a ride
+                        published = await _publish(node, key, owner, may_wait=0.0)
+                    else:  # (in the background: the looks go on meanwhile)
+                        renewal = asyncio.ensure_future(_publish(node, key, owner, may_wait=RIDE_ALONG))
+                        renewals.add(renewal)
+                        renewal.add_done_callback(renewals.discard)
                     next_publish = loop.time() + PUBLISH_EVERY
-                    await _publish(node, key, owner)
                 if loop.time() >= next_look:
                     if looks < len(FIRST_LOOKS) or loop.time() >= next_read or await _any_missing(node, named):
                         read = await _connect_to_published(node, key, progress_key, connect)
@@ -239,15 +244,18 @@ async def keep_peers_connected(run_id: str, owner: bytes, publish: bool, connect
             del _BOOKS[run_id]
 
 
-async def _publish(node: Any, key: str, owner: bytes) -> None:
+async def _publish(node: Any, key: str, owner: bytes, may_wait: float) -> bool:
+    """Store this peer's record (``may_wait``: see :func:`~collabopt.engine.replicas._store_on_replicas`): True if
+    a replica took it."""
     try:
         maddrs = [str(m) for m in await node.p2p.get_visible_maddrs(latest=True)][:MAX_MADDRS]
         maddrs = [m for m in maddrs if len(m) <= MAX_MADDR_CHARS]
         if maddrs:
             record = dict(peer_id=node.peer_id.to_bytes(), maddrs=maddrs)
-            await _store_on_replicas(key, owner, record, get_dht_time() + RECORD_SECONDS, None, node)
+            return await _store_on_replicas(key, owner, record, get_dht_time() + RECORD_SECONDS, None, node, may_wait)
     except Exception as e:  # (no address yet, or the DHT is stopping: the next turn tries again)
         logger.debug("collabopt: could not publish this peer's addresses: %r", e)
+    return False
 
 
 async def _any_missing(node: Any, named: set[PeerID]) -> bool:
@@ -265,8 +273,8 @@ async def _connect_to_published(node: Any, key: str, progress_key: str,
     peers the book names, and whether every training peer of the progress records (client-mode peers publish no
     address) is in the book and was connected already (None: the book could not be read)."""
     try:
-        found, progress = await asyncio.gather(node.get(key, latest=True, beam_size=READ_REPLICAS),
-                                               node.get(progress_key, latest=True, beam_size=READ_REPLICAS))
+        read = await read_replicas(node, [key, progress_key])  # (one request to a replica for both keys)
+        found, progress = read[key], read[progress_key]
         connected = {info.peer_id for info in await node.p2p.list_peers()}
     except Exception as e:
         logger.debug("collabopt: could not read the run's addresses: %r", e)

@@ -44,6 +44,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from collabopt.engine.download_challenge import ChallengeAnswers, ask_projections, challenge_protocol
 from collabopt.engine.member_checks import download_refusal, store_member_token
 from collabopt.engine.p2p import own_replica
+from collabopt.engine.replicas import ReplicaRecords
 from collabopt.engine.service_thread import STOP_TIMEOUT, ServiceThread
 from collabopt.engine.streams import open_in_time
 from collabopt.membership import swarm_key_of
@@ -117,6 +118,7 @@ class StateService(ServiceThread):
 
     def __init__(self, dht: Any, averager: Any, *, start_timeout: float = 60.0):
         self.dht, self.averager, self.prefix = dht, averager, averager.prefix
+        self.records = ReplicaRecords(dht)  # (the declarations: on their key's replicas, no crawl at every store)
         self.chunk_timeout = float(averager.chunk_timeout)
         self.declines: Callable[[], bool] = lambda: False
         self.serves = not averager.client_mode  # (a client-mode peer cannot be reached: it registers no handler)
@@ -164,7 +166,8 @@ class StateService(ServiceThread):
             sharing = self.averager.allow_state_sharing
             if sharing or shared:
                 value = self.averager.state_sharing_priority if sharing else None
-                store = self.dht.store(key, subkey=me, value=value, expiration_time=expiration, return_future=True)
+                store = self.records.store(key, subkey=me, value=value, expiration_time=expiration,
+                                           return_future=True)
                 asyncio.ensure_future(asyncio.wait_for(store, DECLARE_PERIOD))
                 shared = sharing
             self._sharing_changed.clear()
@@ -229,7 +232,7 @@ class StateService(ServiceThread):
     # ---------------------------------------------------------------- downloading
     def serving_peers(self) -> dict[str, float]:
         """The peers that serve their state, with the priority they advertise (base58 ids)."""
-        found = self.dht.get(f"{self.prefix}.all_averagers", latest=True)
+        found = self.records.get(f"{self.prefix}.all_averagers", latest=True)
         peers: dict[str, float] = {}
         for subkey, info in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
             try:

@@ -1,5 +1,6 @@
 """Per-peer records stored on their key's replicas (collabopt.engine.replicas), on real DHT nodes: every peer reads
-every record, signed records stay signed, and a store downloads nothing once the key's replicas are known."""
+every record, signed records stay signed, a store downloads nothing once the key's replicas are known, and a read asks
+a few replicas only."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ _calls: dict[str, int] = {}  # in a DHT's process: the requests of each kind its
 
 
 async def _count(method: str, _dht, node) -> None:
-    call = getattr(node.protocol, method)
+    if method not in _calls:  # (counted from now on; a second call starts the count again)
+        call = getattr(node.protocol, method)
 
-    async def counted(*args, **kwargs):
-        _calls[method] += 1
-        return await call(*args, **kwargs)
+        async def counted(*args, **kwargs):
+            _calls[method] += 1
+            return await call(*args, **kwargs)
 
-    setattr(node.protocol, method, counted)
+        setattr(node.protocol, method, counted)
     _calls[method] = 0
 
 
@@ -38,7 +40,7 @@ def test_records_on_replicas_are_read_by_every_peer_and_a_store_downloads_nothin
     import hivemind
     from hivemind.dht.crypto import RSASignatureValidator
 
-    from collabopt.engine.replicas import ReplicaRecords
+    from collabopt.engine.replicas import READ_REPLICAS, ReplicaRecords
 
     options = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], num_replicas=2, start=True)
     dhts = [hivemind.DHT(**options)]
@@ -61,6 +63,9 @@ def test_records_on_replicas_are_read_by_every_peer_and_a_store_downloads_nothin
                 assert {subkey: item.value for subkey, item in found.value.items()} == {
                     subkey: {"peer": j} for j, subkey in enumerate(subkeys)}, f"peer {i} read other records"
 
+        dhts[1].run_coroutine(functools.partial(_count, "call_find"))
+        assert records[1].get(key) is not None
+        assert 1 <= dhts[1].run_coroutine(functools.partial(_made, "call_find")) <= READ_REPLICAS  # (replicas known)
         dhts[1].run_coroutine(functools.partial(_count, "call_find"))
         assert records[1].store(key, {"peer": 1, "again": True}, expiration + 1, subkey=subkeys[1])
         assert dhts[1].run_coroutine(functools.partial(_made, "call_find")) == 0, "a store asked for the dictionary"

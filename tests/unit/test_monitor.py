@@ -215,7 +215,7 @@ class FakePeer:
         self.published: list = []
         self.event = threading.Event()
 
-    def publish_metrics(self, record, expiration):
+    def publish_metrics(self, record, expiration, may_wait=0.0):
         self.published.append(record)
         self.event.set()
 

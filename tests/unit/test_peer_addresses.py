@@ -26,6 +26,7 @@ from collabopt.engine.peer_addresses import (
     look_period,
     peers_to_dial,
 )
+from collabopt.engine.replicas import RIDE_ALONG
 
 ALICE, BOB, CAROL, DAVE = (PeerID.from_base58(text) for text in (
     "QmXfzzKcYg6ARUVzmWz1CjJzUHMMF7i7CuBfi1W8gwjEP4", "QmNLei78zWmzUdbeRB3CiUfAizWUrbeeZh5K1rhAQKCh51",
@@ -194,7 +195,7 @@ class Node:
     async def list_peers(self):
         return [SimpleNamespace(peer_id=peer) for peer in self.connected]
 
-    async def get(self, key, latest=False, beam_size=None):
+    async def get(self, key):
         self.read.append(key)
         return {addresses_key(RUN): self.published, f"{RUN}_progress": self.training}.get(key)
 
@@ -204,13 +205,19 @@ def run_book(monkeypatch, node, publish, seconds=0.1, look_every=60.0, during=No
     monkeypatch.setattr(peer_addresses, "LOOK_EVERY", look_every)
     stored, dialed = [], []
 
-    async def store(key, subkey, value, expiration, _dht, _node):
-        stored.append((key, subkey, value))
+    async def store(key, subkey, value, expiration, _dht, _node, may_wait):
+        stored.append((key, subkey, value, may_wait))
+        await asyncio.sleep(may_wait)  # (a renewal waits for a ride)
+        return True
 
     async def connect(p2p, peer, maddrs):
         dialed.append((peer, maddrs))
 
+    async def read_replicas(node, keys):
+        return {key: await node.get(key) for key in keys}
+
     monkeypatch.setattr(peer_addresses, "_store_on_replicas", store)
+    monkeypatch.setattr(peer_addresses, "read_replicas", read_replicas)
 
     async def go():
         task = asyncio.ensure_future(keep_peers_connected(RUN, owner("alice"), publish, connect, None, node))
@@ -237,7 +244,17 @@ def test_a_peer_publishes_its_addresses_and_connects_to_the_run_peers_it_misses(
     assert dialed == [(BOB, [at(BOB, "/ip4/192.0.2.11/tcp/2")])]  # (CAROL is connected already)
     assert set(node.read) == {addresses_key(RUN), f"{RUN}_progress"}
     record = dict(peer_id=ALICE.to_bytes(), maddrs=[at(ALICE, "/ip4/192.0.2.10/tcp/1")])
-    assert stored == ([(addresses_key(RUN), owner("alice"), record)] if publish else [])  # (a client: nothing)
+    assert stored == ([(addresses_key(RUN), owner("alice"), record, 0.0)] if publish else [])  # (a client: nothing)
+
+
+def test_renewals_wait_for_a_ride_in_the_background_while_the_looks_go_on(monkeypatch):
+    """The first record goes out at once; a renewal may wait (RIDE_ALONG) to leave with another store of this peer,
+    and the book's looks do not wait for it."""
+    monkeypatch.setattr(peer_addresses, "PUBLISH_EVERY", 0.02)
+    node = Node(None, progress(alice=ALICE), connected=[])  # (no other record yet: every look reads)
+    stored, _ = run_book(monkeypatch, node, True, seconds=0.2, look_every=0.02)
+    assert [may_wait for *_, may_wait in stored][:3] == [0.0, RIDE_ALONG, RIDE_ALONG]
+    assert len(node.read) >= 2 * 5  # (renewals that wait 10 s did not hold up ~10 looks)
 
 
 def test_the_book_is_read_again_at_once_when_a_peer_it_named_is_no_longer_connected(monkeypatch):
