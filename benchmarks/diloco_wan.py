@@ -29,8 +29,7 @@ WAN = dict(width=1024, in_dim=256, batch=32, params=5_000_000, compute_seconds=0
 
 
 def run_wan(cfg: dict[str, Any], workdir: Path, log: Any = print) -> dict[str, Any]:
-    from benchmarks.swarmrun import run_peers, start_bootstrap
-    from collabopt.testing.testnet import TestNet, unavailable_reason
+    from collabopt.testing.testnet import unavailable_reason
 
     reason = unavailable_reason()
     if reason:
@@ -44,24 +43,7 @@ def run_wan(cfg: dict[str, Any], workdir: Path, log: Any = print) -> dict[str, A
             row: dict[str, Any] = dict(mode=mode, mbit=rate, peers=n, steps_per_round=steps)
             started = time.time()
             try:
-                with TestNet(n, rate) as net:
-                    bootstrap, initial_peers = start_bootstrap(workdir, host=net.bootstrap_addr, netns=net.bootstrap)
-                    try:
-                        peer = dict(impl="collabopt", run_id=f"b6w_{uuid.uuid4().hex[:8]}",
-                                    initial_peers=initial_peers, params=cfg["params"], width=cfg["width"],
-                                    in_dim=cfg["in_dim"], batch=cfg["batch"], compute="sleep",
-                                    compute_seconds=cfg["compute_seconds"], target_batch_size=n * cfg["batch"] * steps,
-                                    matchmaking_time=cfg["matchmaking_time"],
-                                    averaging_timeout=cfg["averaging_timeout"], average_state_every=1000,
-                                    options=settings.get("options", {}), outer=settings.get("outer"),
-                                    sparse=settings.get("sparse"),
-                                    count_bytes=True, write_grads=True, warmup_epochs=settings["warmup_epochs"],
-                                    measure_epochs=settings["measure_epochs"], max_seconds=cfg["max_seconds"])
-                        records = run_peers(workdir, f"b6_{rate}_{mode.replace(' ', '')}",
-                                            [dict(peer, host=net.addr[i], seed=i) for i in range(n)],
-                                            timeout=cfg["max_seconds"] + 90, netns=net.peers)
-                    finally:
-                        bootstrap.kill_tree()
+                records = run_swarm(cfg, settings, rate, workdir, f"b6_{rate}_{mode.replace(' ', '')}")
                 row.update(wan_figures(records, settings["warmup_epochs"], cfg["batch"]))
                 row["payload_bytes"] = payload_bytes(settings, records[0]["grad_bytes"] // 4)
             except Exception as e:  # a failed case is reported, the others still run
@@ -71,6 +53,36 @@ def run_wan(cfg: dict[str, Any], workdir: Path, log: Any = print) -> dict[str, A
                                                            for k, v in row.items() if k not in ("mode", "mbit")))
             rows.append(row)
     return dict(rows=rows)
+
+
+def run_swarm(cfg: dict[str, Any], settings: dict[str, Any], rate: float | None, workdir: Path,
+              name: str) -> list[dict[str, Any]]:
+    """One swarm of ``cfg['peers']`` :mod:`benchmarks.peer` processes, each in a network namespace of its own
+    (links at ``rate`` Mbit/s), in the mode ``settings`` (a value of ``WAN['modes']``); the peers' records.
+    ``cfg['startup_seconds']``: how long the peers may take to start (beyond ``max_seconds``; B6: 90, and a peer
+    waits 120 s for the others); ``cfg['peer_options']``: more of every peer's config (:mod:`benchmarks.peer`)."""
+    from benchmarks.swarmrun import run_peers, start_bootstrap
+    from collabopt.testing.testnet import TestNet
+
+    n, steps = cfg["peers"], settings["steps_per_epoch"]
+    with TestNet(n, rate) as net:
+        bootstrap, initial_peers = start_bootstrap(workdir, host=net.bootstrap_addr, netns=net.bootstrap)
+        try:
+            peer = dict(impl="collabopt", run_id=f"b6w_{uuid.uuid4().hex[:8]}",
+                        initial_peers=initial_peers, params=cfg["params"], width=cfg["width"],
+                        in_dim=cfg["in_dim"], batch=cfg["batch"], compute="sleep",
+                        compute_seconds=cfg["compute_seconds"], target_batch_size=n * cfg["batch"] * steps,
+                        matchmaking_time=cfg["matchmaking_time"],
+                        averaging_timeout=cfg["averaging_timeout"], average_state_every=1000,
+                        options=settings.get("options", {}), outer=settings.get("outer"),
+                        sparse=settings.get("sparse"), join_timeout=cfg.get("startup_seconds", 120),
+                        count_bytes=True, write_grads=True, warmup_epochs=settings["warmup_epochs"],
+                        measure_epochs=settings["measure_epochs"], max_seconds=cfg["max_seconds"],
+                        **cfg.get("peer_options", {}))
+            return run_peers(workdir, name, [dict(peer, host=net.addr[i], seed=i) for i in range(n)],
+                             timeout=cfg["max_seconds"] + cfg.get("startup_seconds", 90), netns=net.peers)
+        finally:
+            bootstrap.kill_tree()
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:

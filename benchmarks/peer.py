@@ -81,6 +81,35 @@ def instrument_averaging(grad_averager: Any, events: list[dict[str, Any]]) -> No
     grad_averager.step = step
 
 
+def instrument_exchange(grad_averager: Any, rounds: list[dict[str, Any]]) -> None:
+    """Compressed DiLoCo (``SparsePseudoGradientRounds``): record per round the length of this peer's payload, the
+    bytes its exchange sent and received (message bodies) and, where the round was applied, the share of the
+    aggregate's entries that are not zero (the union of the members' kept entries). Nothing without compression."""
+    feedback = getattr(grad_averager, "error_feedback", None)
+    if feedback is None:
+        return
+    compress, report = feedback.compress, grad_averager.report
+    lengths: list[int] = []
+
+    def compressed(*args: Any, **kwargs: Any) -> bytes:
+        payload = compress(*args, **kwargs)
+        lengths.append(len(payload))
+        return payload
+
+    def reported(result: Any) -> Any:
+        evidence = report(result)
+        union = None
+        if result.applied_set is not None and not evidence.error:
+            with grad_averager.get_tensors() as buffers:
+                union = sum(int(b.count_nonzero()) for b in buffers) / sum(b.numel() for b in buffers)
+        rounds.append(dict(time=time.time(), payload=lengths.pop() if lengths else None, sent=result.sent_bytes,
+                           received=result.received_bytes, group=len(result.group), union=union,
+                           error=result.error))
+        return evidence
+
+    feedback.compress, grad_averager.report = compressed, reported
+
+
 STATUS_PREFIXES = (
     # hivemind's status lines (logged at INFO with verbose=True) that mark a peer's way through an epoch boundary
     "Pre-scheduling gradient", "Pre-scheduling state", "Beginning optimizer step", "Averaged gradients",
@@ -141,6 +170,15 @@ def bytes_sent() -> int:
     return sum(c.bytes_sent for nic, c in psutil.net_io_counters(pernic=True).items() if nic != "lo")
 
 
+def mark_dht(cfg: dict[str, Any], dht: list[dict[str, Any]], dht_calls: list[dict[str, int]]) -> None:
+    """With ``dht_traffic``: append :mod:`benchmarks.dht_traffic`'s counts and this process's DHT calls."""
+    if cfg.get("dht_traffic"):
+        from benchmarks import dht_traffic
+
+        dht.append(dht_traffic.snapshot())
+        dht_calls.append(dht_traffic.calls())
+
+
 def apply_experiments(hm: Any, names: list[str]) -> None:
     """Changes to hivemind's behaviour tried out by B5 before they are proposed for the core (by name).
 
@@ -180,6 +218,11 @@ def main(config_path: str) -> None:
 
         status = record_status()
         options["verbose"] = True
+    if cfg.get("dht_traffic"):  # DHT bytes by key (benchmarks.sparse_scale --breakdown); before the DHT starts
+        from benchmarks import dht_traffic
+
+        dht_traffic.install(cfg["run_id"])
+        dht_traffic.count_calls(cfg["run_id"])
     host = cfg.get("host", "127.0.0.1")
     impl = cfg["impl"]
     common = dict(run_id=cfg["run_id"], target_batch_size=cfg["target_batch_size"],
@@ -232,11 +275,17 @@ def main(config_path: str) -> None:
         while not Path(cfg["go_file"]).exists() and time.monotonic() < wait_until:
             time.sleep(0.05)
     events: list[dict[str, Any]] = []
+    exchanges: list[dict[str, Any]] = []  # compressed DiLoCo's rounds (instrument_exchange)
     if hm.grad_averager is not None:
         instrument_averaging(hm.grad_averager, events)
+        instrument_exchange(hm.grad_averager, exchanges)
+    rounds: list[dict[str, Any]] = []  # the outcomes of the rounds collabopt's steps ended (group sizes)
     # (compute start, compute seconds, step seconds, epoch, seconds of step() in the inner optimizer: DiLoCo)
     steps: list[tuple[float, float, float, int, float]] = []
     net_bytes: list[int] = []  # bytes sent on this namespace's interfaces at the window's start and end (B6)
+    exchange_bytes: list[int] = []  # compressed DiLoCo: bytes its exchange sent (bodies), at the same times
+    dht: list[dict[str, Any]] = []  # with dht_traffic: benchmarks.dht_traffic's counts and calls, at the same times
+    dht_calls: list[dict[str, int]] = []
     epochs: list[tuple[float, int]] = []
     created = time.time()
     deadline = time.monotonic() + cfg.get("max_seconds", 300)
@@ -250,6 +299,7 @@ def main(config_path: str) -> None:
     def record(**extra: Any) -> dict[str, Any]:
         return dict(impl=impl, launched=cfg.get("launched"), ready=ready_at, created=created, steps=steps,
                     epochs=epochs, averaging=events, window=window, cpu=cpu, net_bytes=net_bytes,
+                    exchange_bytes=exchange_bytes, exchanges=exchanges, rounds=rounds, dht=dht, dht_calls=dht_calls,
                     status=status.events if status is not None else [],
                     num_peers=hm.tracker.global_progress.num_peers, final_epoch=hm.local_epoch,
                     grad_bytes=sum(p.numel() * p.element_size() for p in params), **extra)
@@ -272,12 +322,16 @@ def main(config_path: str) -> None:
             epoch_before = hm.local_epoch
             inner_before = inner_seconds[0]
             t0 = time.time()
-            opt.step()
+            result = opt.step()
             if impl == "collabopt" or not options.get("reuse_grad_buffers"):
                 opt.zero_grad()
             t1 = time.time()
             if linger_until is None:
                 steps.append((start, compute, t1 - t0, hm.local_epoch, inner_seconds[0] - inner_before))
+                outcome = getattr(result, "round", None)  # (collabopt's StepResult)
+                if outcome is not None:
+                    rounds.append(dict(time=t1, epoch=outcome.epoch, applied=outcome.applied, reason=outcome.reason,
+                                       group_size=outcome.group_size, num_peers=outcome.num_peers))
             if hm.local_epoch != epoch_before:
                 epochs.append((t1, hm.local_epoch))
                 if not window and hm.local_epoch >= warmup_epochs:
@@ -286,6 +340,8 @@ def main(config_path: str) -> None:
                     cpu.append(tree_cpu_seconds())
                     if cfg.get("count_bytes"):
                         net_bytes.append(bytes_sent())
+                        exchange_bytes.append(getattr(hm.grad_averager, "bytes_sent", 0))
+                        mark_dht(cfg, dht, dht_calls)
             if cfg.get("measure_epochs"):  # a whole number of epochs / rounds (B6): each costs the same share
                 window_over = bool(window) and hm.local_epoch >= window_epoch[0] + cfg["measure_epochs"]
             else:
@@ -295,6 +351,8 @@ def main(config_path: str) -> None:
                 cpu.append(tree_cpu_seconds())
                 if cfg.get("count_bytes"):
                     net_bytes.append(bytes_sent())
+                    exchange_bytes.append(getattr(hm.grad_averager, "bytes_sent", 0))
+                    mark_dht(cfg, dht, dht_calls)
                 # results now; keep stepping a little so that peers whose window ends later are not left alone
                 write_json(cfg["out"], record())
                 linger_until = time.monotonic() + cfg.get("linger_seconds", 5.0)

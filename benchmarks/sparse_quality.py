@@ -80,9 +80,11 @@ def fp16_mean(deltas: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return [(sum(d.half().float() for d in parts) / len(parts)).half().float() for parts in zip(*deltas, strict=True)]
 
 
-def run(name: str, inner_steps: int, rounds: int, seed: int, data: dict[str, Any]) -> dict[str, Any]:
-    """One variant, one seed: ``rounds`` rounds of ``inner_steps`` steps per worker. The held-out loss after every
-    round and the bytes a worker sent a round, per parameter."""
+def run(name: str, inner_steps: int, rounds: int, seed: int, data: dict[str, Any],
+        workers: int = WORKERS) -> dict[str, Any]:
+    """One variant, one seed: ``rounds`` rounds of ``inner_steps`` steps per worker (``workers`` of them). The
+    held-out loss after every round, the bytes a worker sent a round, per parameter, and (compressed) the share of
+    the aggregate's entries that are not zero after every round (``union``: the workers' kept entries together)."""
     settings = parse_variant(name)
     option: SparseLoCo | None = settings["compression"]
     started = time.monotonic()
@@ -94,16 +96,16 @@ def run(name: str, inner_steps: int, rounds: int, seed: int, data: dict[str, Any
     anchor = [p.detach().clone() for p in model.parameters()]
     shapes = [tuple(t.shape) for t in anchor]
     numel = sum(t.numel() for t in anchor)
-    workers = [char_model(data["vocab"]) for _ in range(WORKERS)]  # (set to the anchor at every round)
-    inner = [torch.optim.AdamW(w.parameters(), lr=INNER_LR) for w in workers]  # (each keeps its state, as a peer)
-    feedback = [option.error_feedback(shapes) for _ in range(WORKERS)] if option else []
+    nets = [char_model(data["vocab"]) for _ in range(workers)]  # (set to the anchor at every round)
+    inner = [torch.optim.AdamW(w.parameters(), lr=INNER_LR) for w in nets]  # (each keeps its state, as a peer)
+    feedback = [option.error_feedback(shapes) for _ in range(workers)] if option else []
     outer_params = [torch.nn.Parameter(t.clone()) for t in anchor]
     outer = torch.optim.SGD(outer_params, **settings["outer"])
-    generators = [torch.Generator().manual_seed(1000 * seed + rank) for rank in range(WORKERS)]  # (the batches)
-    losses, sent = [], 0
+    generators = [torch.Generator().manual_seed(1000 * seed + rank) for rank in range(workers)]  # (the batches)
+    losses, unions, sent = [], [], 0
     for _ in range(rounds):
         deltas, contributions = [], {}
-        for rank, (worker, optimizer) in enumerate(zip(workers, inner, strict=True)):
+        for rank, (worker, optimizer) in enumerate(zip(nets, inner, strict=True)):
             with torch.no_grad():
                 for p, value in zip(worker.parameters(), anchor, strict=True):
                     p.copy_(value)
@@ -121,9 +123,10 @@ def run(name: str, inner_steps: int, rounds: int, seed: int, data: dict[str, Any
             deltas.append(delta)
         if option:
             averaged = aggregate(contributions, shapes, option.codec)
+            unions.append(round(sum(int(t.count_nonzero()) for t in averaged) / numel, 5))
         else:
             averaged = fp16_mean(deltas)
-            sent += WORKERS * 2 * numel
+            sent += workers * 2 * numel
         with torch.no_grad():  # (the outer step from the anchor, its gradient the aggregate, as DiLoCo's round)
             for p, value, grad in zip(outer_params, anchor, averaged, strict=True):
                 p.copy_(value)
@@ -135,8 +138,9 @@ def run(name: str, inner_steps: int, rounds: int, seed: int, data: dict[str, Any
                 p.copy_(value)
             losses.append(float(F.cross_entropy(model(data["eval_x"]), data["eval_y"])))
     return dict(variant=name, inner_steps=inner_steps, rounds=rounds, seed=seed, final_loss=losses[-1],
-                losses=[round(v, 5) for v in losses], bytes_per_param_round=sent / WORKERS / rounds / numel,
-                numel=numel, corpus=data["corpus"]["sha256"][:12], seconds=round(time.monotonic() - started, 1))
+                losses=[round(v, 5) for v in losses], bytes_per_param_round=sent / workers / rounds / numel,
+                numel=numel, corpus=data["corpus"]["sha256"][:12], seconds=round(time.monotonic() - started, 1),
+                workers=workers, union=unions)
 
 
 def git(*args: str) -> bytes:

@@ -78,5 +78,8 @@ def test_a_tiny_run_pairs_the_initial_model_and_the_batches():
     sparse = sparse_quality.run("d0.02-b2-e0.95-sgd1.0", inner_steps=2, rounds=2, seed=0, data=data)
     assert again["losses"] == fp16["losses"] and other_seed["losses"] != fp16["losses"]
     assert len(sparse["losses"]) == 2 and sparse["losses"] != fp16["losses"]
+    assert fp16["union"] == [] and len(sparse["union"]) == 2 and all(0 < u <= 1 for u in sparse["union"])
+    pair = sparse_quality.run("d0.02-b2-e0.95-sgd1.0", inner_steps=2, rounds=1, seed=0, data=data, workers=2)
+    assert pair["workers"] == 2 and len(pair["union"]) == 1  # (the share of the aggregate's entries not zero)
     assert fp16["bytes_per_param_round"] == 2.0
     assert sparse["bytes_per_param_round"] < 0.2  # (a short last chunk: more than 0.025)
