@@ -29,10 +29,12 @@ REPLICAS_TTL = 300.0  # seconds a key's replicas are reused before a crawl looks
 GROWN_TTL = 30.0  # ... once the routing table has grown since they were found (a new node may be nearer the key)
 READ_REPLICAS = 3  # a node that is not one of a key's replicas reads this many of them (hivemind: a crawl of 20)
 RIDE_ALONG = 10.0  # seconds a renewal with time to spare waits to leave with the next store (see _send_waiting)
+JOINING = 90.0  # seconds from a node's first read during which it reads like a node that is no replica: see below
+_first_read: dict[DHTID, float] = {}  # in the DHT's process: node id -> time.monotonic() of its first read
 
-# in the DHT's process: key id -> (time.monotonic() when found, nodes in the routing table then, {node id: peer id}
+# in the DHT's process: key id -> (time.monotonic() when found, the routing table's node ids then, {node id: peer id}
 # of the key's nearest nodes)
-_replicas: dict[DHTID, tuple[float, int, dict[Any, Any]]] = {}
+_replicas: dict[DHTID, tuple[float, frozenset, dict[Any, Any]]] = {}
 
 
 class ReplicaRecords:
@@ -64,21 +66,24 @@ class ReplicaRecords:
 async def _nearest_nodes(node: Any, key_id: DHTID) -> dict[Any, Any]:
     """The key's ``num_replicas`` nearest nodes, as found at most :data:`REPLICAS_TTL` ago (a crawl asks several
     nodes, each answering with its neighbours: in a swarm whose nodes stay the same it finds the same ones), or
-    :data:`GROWN_TTL` ago once the routing table has grown; looked for again at once while they are fewer than
-    ``num_replicas`` and the table has grown (a peer that started alone stores on the others at once). A replica
-    that does not answer is looked for again at the next store (:func:`_store_on_replicas`).
+    :data:`GROWN_TTL` ago once the routing table has grown (holds a node it did not hold then: a table whose nodes
+    leave it and come back, as hivemind's does when a request times out, made every key's replicas be looked for
+    every 30 s); looked for again at once while they are fewer than ``num_replicas`` and the table has grown (a peer
+    that started alone stores on the others at once). A replica that does not answer is looked for again at the next
+    store (:func:`_store_on_replicas`).
 
     The crawl looks for the nodes nearest to the key's id with its last bit flipped: the same nodes in the same
     order (XOR distances change in their last bit only), and no node holds a value under it, while every node asked
     about the key itself answered with its whole dictionary as well (up to 5 kB each, the traffic probe)."""
-    known = len(node.protocol.routing_table.uid_to_peer_id)
+    known = frozenset(node.protocol.routing_table.uid_to_peer_id)
     found = _replicas.get(key_id)
     age = time.monotonic() - found[0] if found is not None else float("inf")
-    grown = found is not None and known > found[1]
+    grown = found is not None and not known <= found[1]
     if age > REPLICAS_TTL or (grown and (age > GROWN_TTL or len(found[2]) < node.num_replicas)):
         beside = DHTID(int(key_id) ^ 1)
         nearest = await node.find_nearest_nodes([beside], k_nearest=node.num_replicas,
                                                 exclude_self=node.protocol.client_mode)  # nobody reads a client
+        known = frozenset(node.protocol.routing_table.uid_to_peer_id)  # (with the nodes the crawl found)
         found = _replicas[key_id] = (time.monotonic(), known, dict(nearest[beside]))
     return found[2]
 
@@ -158,25 +163,30 @@ async def _read_one(key: str, _dht: Any, node: Any) -> ValueWithExpiration | Non
 async def read_replicas(node: Any, keys: list[str]) -> dict[str, ValueWithExpiration | None]:
     """Runs in the DHT's process: each key's value, merged as hivemind's ``get`` merges it (per subkey, the latest
     record), from its replicas (:func:`_nearest_nodes`): where this node is one of them, its own storage and the
-    nearest other replica; else the :data:`READ_REPLICAS` nearest. One find request per node asked, for all the keys
-    it is asked for.
+    nearest other replica; else, and during its first :data:`JOINING` seconds, the :data:`READ_REPLICAS` nearest.
+    One find request per node asked, for all the keys it is asked for.
 
     Every store goes to all of a key's replicas, so a replica holds what the others hold, and one that is a replica
     in this node's view is one in the view of a storer that knows fewer nodes near the key: its storage meets every
     such store; the nearest other replica meets the stores of those that know more (it is among their nearest unless
-    four nodes nearer to the key are new to this one), and stands in for a store this node missed (it just joined).
+    four nodes nearer to the key are new to this one). A node that just joined holds nothing yet (the others store
+    on it once they have crawled again, :data:`GROWN_TTL`, and renewed their records), and its nearest other replica
+    may be another newcomer (a late joiner started beside a restarted peer saw no record and began at epoch 0): it
+    reads 3 replicas for its first :data:`JOINING` seconds.
     hivemind's read (a beam of 3 nodes in a crawl, ~4 requests) had every node it asked answer with every peer's
     signed record: the largest part of a compressed DiLoCo peer's control traffic (the traffic probe, B6). A replica
     that does not answer is replaced by the next nearest and makes the next store or read look for the replicas
     again."""
     protocol = node.protocol
+    now = time.monotonic()
+    joining = now - _first_read.setdefault(node.node_id, now) < JOINING
     key_ids = {key: DHTID.generate(source=key) for key in keys}
     found: dict[str, list[Any]] = {key: [protocol.storage.get(key_id), protocol.cache.get(key_id)]
                                    for key, key_id in key_ids.items()}
     needed, candidates = {}, {}
     for key, key_id in key_ids.items():
         replicas = await _nearest_nodes(node, key_id)
-        needed[key] = 1 if node.node_id in replicas else READ_REPLICAS
+        needed[key] = 1 if node.node_id in replicas and not joining else READ_REPLICAS
         candidates[key] = [peer_id for node_id, peer_id in sorted(replicas.items(), key=lambda item:
                            key_id.xor_distance(item[0])) if node_id != node.node_id]
     while True:

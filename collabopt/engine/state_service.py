@@ -44,7 +44,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from collabopt.engine.download_challenge import ChallengeAnswers, ask_projections, challenge_protocol
 from collabopt.engine.member_checks import download_refusal, store_member_token
 from collabopt.engine.p2p import own_replica
-from collabopt.engine.replicas import ReplicaRecords
+from collabopt.engine.replicas import RIDE_ALONG, ReplicaRecords
 from collabopt.engine.service_thread import STOP_TIMEOUT, ServiceThread
 from collabopt.engine.streams import open_in_time
 from collabopt.membership import swarm_key_of
@@ -159,17 +159,19 @@ class StateService(ServiceThread):
     async def _declare_periodically(self) -> None:
         """Advertise this peer's state in hivemind's ``<prefix>.all_averagers`` record (its priority; None once it
         stops sharing), every :data:`DECLARE_PERIOD` seconds and at once when either changes: downloaders, plain
-        hivemind peers included, find the peers to ask there."""
-        key, me, shared = f"{self.prefix}.all_averagers", self.p2p.peer_id.to_bytes(), False
+        hivemind peers included, find the peers to ask there. A renewal of the same declaration may wait
+        :data:`~collabopt.engine.replicas.RIDE_ALONG` seconds to leave with another store of this peer; each lives
+        that much longer than its period."""
+        key, me, shared, last = f"{self.prefix}.all_averagers", self.p2p.peer_id.to_bytes(), False, None
         while True:
-            expiration = get_dht_time() + DECLARE_PERIOD
+            expiration = get_dht_time() + DECLARE_PERIOD + RIDE_ALONG
             sharing = self.averager.allow_state_sharing
             if sharing or shared:
                 value = self.averager.state_sharing_priority if sharing else None
                 store = self.records.store(key, subkey=me, value=value, expiration_time=expiration,
-                                           return_future=True)
+                                           return_future=True, may_wait=RIDE_ALONG if (value,) == last else 0.0)
                 asyncio.ensure_future(asyncio.wait_for(store, DECLARE_PERIOD))
-                shared = sharing
+                shared, last = sharing, (value,)
             self._sharing_changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._sharing_changed.wait(), DECLARE_PERIOD)

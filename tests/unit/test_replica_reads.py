@@ -57,6 +57,7 @@ class Node:
 @pytest.fixture(autouse=True)
 def no_cached_replicas(monkeypatch):
     monkeypatch.setattr(replicas, "_replicas", {})
+    monkeypatch.setattr(replicas, "JOINING", 0.0)  # (nodes that read from their start: test_a_node_that_just_joined...)
 
 
 def nearest_first(node: Node, key: str) -> list[DHTID]:
@@ -112,3 +113,16 @@ def test_a_node_that_is_not_a_replica_asks_the_three_nearest_and_finds_nothing_w
     assert READ_REPLICAS == 3
     assert sorted(node_id for node_id, _ in node.asked) == sorted(nearest_first(node, KEYS[0])[:3])
     assert found == {KEYS[0]: None}
+
+
+def test_a_node_that_just_joined_reads_three_replicas_even_where_it_is_one(monkeypatch):
+    """Its own storage holds nothing yet, and its nearest other replica may be a newcomer too."""
+    monkeypatch.setattr(replicas, "JOINING", 90.0)
+    monkeypatch.setattr(replicas, "_first_read", {})
+    node = Node({DHTID.generate(): {} for _ in range(4)})
+    asyncio.run(read_replicas(node, KEYS[:1]))
+    assert sorted(node_id for node_id, _ in node.asked) == sorted(nearest_first(node, KEYS[0])[:READ_REPLICAS])
+    replicas._first_read[node.node_id] -= 90.0  # (90 s later)
+    node.asked.clear()
+    asyncio.run(read_replicas(node, KEYS[:1]))
+    assert [node_id for node_id, _ in node.asked] == nearest_first(node, KEYS[0])[:1]

@@ -12,7 +12,7 @@ from hivemind.dht.storage import DHTLocalStorage
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from collabopt.engine import replicas
-from collabopt.engine.replicas import _store_on_replicas
+from collabopt.engine.replicas import _nearest_nodes, _store_on_replicas
 
 
 class Node:
@@ -29,6 +29,7 @@ class Node:
                                         routing_table=SimpleNamespace(uid_to_peer_id={}), client_mode=False)
 
     async def find_nearest_nodes(self, queries, k_nearest, exclude_self):
+        self.crawls = getattr(self, "crawls", 0) + 1
         keys = [DHTID(int(query) ^ 1) for query in queries]  # (the crawl asks beside the key: see below)
         assert all(key in self.by_key for key in keys) and not set(queries) & set(self.by_key)
         return {query: {self.ids[name]: name for name in self.by_key[key]}
@@ -92,3 +93,21 @@ def test_a_replica_that_does_not_answer_makes_the_next_store_look_for_the_replic
     assert DHTID.generate(source="run_progress") not in replicas._replicas
     assert asyncio.run(store(node, "run_metrics", b"m"))
     assert DHTID.generate(source="run_metrics") in replicas._replicas
+
+
+def test_the_replicas_are_looked_for_again_when_a_new_node_joins_the_routing_table_not_when_one_comes_back(
+        monkeypatch):
+    monkeypatch.setattr(replicas, "GROWN_TTL", 0.0)
+    node = Node({"run_progress": ["me", "x"]})
+    table = node.protocol.routing_table.uid_to_peer_id
+    table.update({node.ids["x"]: "x", DHTID.generate(): "y"})
+    key_id = DHTID.generate(source="run_progress")
+    asyncio.run(_nearest_nodes(node, key_id))
+    left = table.popitem()  # (hivemind drops a node whose request timed out, and adds it again when it answers)
+    asyncio.run(_nearest_nodes(node, key_id))
+    table.update([left])
+    asyncio.run(_nearest_nodes(node, key_id))
+    assert node.crawls == 1
+    table[DHTID.generate()] = "z"  # a node this one did not know
+    asyncio.run(_nearest_nodes(node, key_id))
+    assert node.crawls == 2

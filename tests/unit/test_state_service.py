@@ -100,3 +100,38 @@ def test_a_download_stream_is_counted_while_it_is_open_also_where_the_downloader
 
     assert asyncio.run(download(None)) == ["a", "b"] and seen == [1, 1] and service.open_downloads == 0
     assert asyncio.run(download(1)) == ["a"] and service.open_downloads == 0
+
+
+def test_a_renewal_of_the_same_state_declaration_may_wait_for_a_ride_and_a_change_leaves_at_once(monkeypatch):
+    """Each declaration lives its period plus the wait; a renewal of the same value may wait RIDE_ALONG seconds to
+    leave with another store of this peer (collabopt.engine.replicas), a new priority goes out at once."""
+    from types import SimpleNamespace
+
+    from collabopt.engine import state_service
+    from collabopt.engine.replicas import RIDE_ALONG
+
+    monkeypatch.setattr(state_service, "DECLARE_PERIOD", 0.02)
+    stores = []
+    averager = SimpleNamespace(allow_state_sharing=True, state_sharing_priority=1.0)
+
+    def store(key, subkey, value, expiration_time, return_future, may_wait):
+        stores.append((value, may_wait))
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(True)
+        return future
+
+    async def go():
+        service = SimpleNamespace(prefix="run_state_averager", p2p=SimpleNamespace(peer_id=SimpleNamespace(
+            to_bytes=lambda: b"me")), averager=averager, records=SimpleNamespace(store=store),
+            _sharing_changed=asyncio.Event())
+        task = asyncio.ensure_future(state_service.StateService._declare_periodically(service))
+        await asyncio.sleep(0.07)
+        averager.state_sharing_priority = 2.0
+        await asyncio.sleep(0.07)
+        task.cancel()
+
+    asyncio.run(go())
+    ones = [wait for value, wait in stores if value == 1.0]
+    twos = [wait for value, wait in stores if value == 2.0]
+    assert ones[0] == 0.0 and set(ones[1:]) == {RIDE_ALONG} and len(ones) >= 2
+    assert twos[0] == 0.0 and set(twos[1:]) <= {RIDE_ALONG}
