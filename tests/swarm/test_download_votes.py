@@ -37,10 +37,12 @@ pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 HONEST = ("h0", "h1", "h2")
 ALTERED = 1000.0  # what the hostile peer adds to the parameters it serves
 SAME = 1e-6
-# (1280 samples: epochs of about 2 s, the parameter averaging about 0.2 s of it; a joiner's download and challenge
-# take about 0.3 s, so the answerers rarely move on meanwhile. A chunk timeout of 5 s: a download the hostile peer
-# holds for a parameter round is not given up at the default 1 s of this matchmaking_time on a slow host)
-BASE = dict(target_batch_size=1280, epochs=5, batch_sizes=[16], lr=0.05, step_sleep=0.05, max_seconds=60,
+# (2560 samples: epochs of 2.5-4 s, the parameter averaging about 0.2 s of it. The joiner joins about 1 s after h0
+# reaches epoch 2 and its download and challenge take about 0.3 s, so they end well inside that epoch, while the
+# answerers still vote for it: with 1280 samples a faster host filled an epoch in 1.1 s, the challenge met the
+# boundary, no voter answered and the hostile state was skipped, not refused. A chunk timeout of 5 s: a download the
+# hostile peer holds for a parameter round is not given up at the default 1 s of this matchmaking_time on a slow host)
+BASE = dict(target_batch_size=2560, epochs=4, batch_sizes=[16], lr=0.05, step_sleep=0.05, max_seconds=60,
             model_seed=0, save_epoch_params=True,
             options=dict(matchmaking_time=1.0, averaging_timeout=10.0, next_chunk_timeout=5.0))
 
