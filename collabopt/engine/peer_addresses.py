@@ -19,7 +19,7 @@ Rules, and why:
   :data:`QUIET_READ` seconds for the next read (new peers dial in themselves: their first looks find this one). A
   peer whose link was cut is thus reached again within seconds of its return, and a swarm whose peers are all
   connected reads the book rarely: every node asked answers with every peer's signed record.
-* A record counts only where the same key's progress record names the same peer id (:func:`peers_to_dial`), and
+* A record counts only where the same key's progress record names the same peer id (:func:`published_peers`), and
   only for addresses of that peer id, which libp2p checks when it connects: a false record costs a failed dial,
   never a connection to someone else, and an outsider makes no peer dial more than a few addresses per look.
 * :class:`AddressRecordValidator` refuses, under the key, anything but a dictionary entry (one plain value with a
@@ -114,16 +114,11 @@ class AddressRecordValidator(RecordValidatorBase):
         return True
 
 
-def peers_to_dial(found: Any, progress: Any, own: PeerID, connected: set[PeerID],
+def peers_to_dial(published: dict[PeerID, list[list[str]]], connected: set[PeerID],
                   limit: int = DIALS_PER_LOOK) -> dict[PeerID, list[str]]:
-    """At most ``limit`` peers (chosen at random) to connect to, with their addresses, of the
-    :func:`published_peers` not ``connected`` already. Where several owners name one peer id, one record is chosen
+    """At most ``limit`` peers (chosen at random) to connect to, with their addresses, of the ``published`` ones
+    (:func:`published_peers`) not ``connected`` already. Where several owners name one peer id, one record is chosen
     at random each time: a false one shadows the peer's own at most for a look."""
-    return _choose(published_peers(found, progress, own), connected, limit)
-
-
-def _choose(published: dict[PeerID, list[list[str]]], connected: set[PeerID],
-            limit: int) -> dict[PeerID, list[str]]:
     candidates = {peer: maddrs for peer, maddrs in published.items() if peer not in connected}
     chosen = random.sample(sorted(candidates, key=PeerID.to_bytes), min(limit, len(candidates)))
     return {peer: random.choice(candidates[peer]) for peer in chosen}  # (one record of a peer named by several)
@@ -281,7 +276,7 @@ async def _connect_to_published(node: Any, key: str, progress_key: str,
         return None
     published = published_peers(found, progress, node.peer_id)
     named = set(published)
-    missing = _choose(published, connected, DIALS_PER_LOOK)
+    missing = peers_to_dial(published, connected)
     others = training_peers(progress, node.peer_id)  # (none yet: peers that start together look again soon)
     everyone_in = bool(others) and others <= named & connected
 

@@ -25,6 +25,7 @@ from collabopt.engine.peer_addresses import (
     keep_peers_connected,
     look_period,
     peers_to_dial,
+    published_peers,
 )
 from collabopt.engine.replicas import RIDE_ALONG
 
@@ -59,7 +60,7 @@ def test_a_record_counts_only_where_its_owner_trains_in_the_run_under_the_same_p
                   owner("mallory"): dict(peer_id=CAROL.to_bytes(), maddrs=[at(CAROL, "/ip4/203.0.113.9/tcp/22")]),
                   owner("eve"): dict(peer_id=DAVE.to_bytes(), maddrs=[at(DAVE, "/ip4/203.0.113.8/tcp/23")])})
     # mallory's progress record names another peer id than its address record; eve has no progress record
-    dialed = peers_to_dial(found, progress(bob=BOB, mallory=ALICE), own=ALICE, connected=set())
+    dialed = peers_to_dial(published_peers(found, progress(bob=BOB, mallory=ALICE), ALICE), connected=set())
     assert dialed == {BOB: [at(BOB, "/ip4/192.0.2.11/tcp/2")]}
 
 
@@ -67,7 +68,7 @@ def test_only_the_peers_own_addresses_count_and_at_most_a_few():
     maddrs = [at(BOB, f"/ip4/192.0.2.{i}/tcp/2") for i in range(12)]
     found = book({owner("bob"): dict(peer_id=BOB.to_bytes(), maddrs=[at(CAROL, "/ip4/203.0.113.9/tcp/22"), 7,
                                                                        "/ip4/203.0.113.9/tcp/23", *maddrs])})
-    dialed = peers_to_dial(found, progress(bob=BOB), own=ALICE, connected=set())
+    dialed = peers_to_dial(published_peers(found, progress(bob=BOB), ALICE), connected=set())
     assert dialed == {BOB: maddrs[:peer_addresses.MAX_MADDRS - 3]}  # (the first MAX_MADDRS entries are read)
 
 
@@ -76,17 +77,17 @@ def test_neither_this_peer_nor_a_connected_one_is_dialed_and_at_most_a_few_per_l
     names.update(alice=ALICE, carol=CAROL)
     found = book({owner(name): dict(peer_id=peer.to_bytes(), maddrs=[at(peer, "/ip4/192.0.2.1/tcp/1")])
                   for name, peer in names.items()})
-    dialed = peers_to_dial(found, progress(**names), own=ALICE, connected={CAROL})
+    dialed = peers_to_dial(published_peers(found, progress(**names), ALICE), connected={CAROL})
     assert len(dialed) == peer_addresses.DIALS_PER_LOOK
     assert ALICE not in dialed and CAROL not in dialed
-    everyone = peers_to_dial(found, progress(**names), own=ALICE, connected={CAROL}, limit=100)
+    everyone = peers_to_dial(published_peers(found, progress(**names), ALICE), connected={CAROL}, limit=100)
     assert set(everyone) == set(names.values()) - {ALICE, CAROL}
 
 
 def test_malformed_values_give_nobody_to_dial():
     for found in (None, ValueWithExpiration(b"x", 1e12), book({owner("bob"): b"x"}),
                   book({owner("bob"): dict(peer_id=b"not a peer id", maddrs=["/p2p/x"])})):
-        assert peers_to_dial(found, progress(bob=BOB), own=ALICE, connected=set()) == {}
+        assert peers_to_dial(published_peers(found, progress(bob=BOB), ALICE), connected=set()) == {}
 
 
 def test_lookups_are_spaced_out_as_the_swarm_grows():
@@ -310,6 +311,6 @@ def test_a_second_book_for_the_run_replaces_the_first():
 def test_a_false_record_for_a_peer_never_shadows_its_own_for_good():
     found = book({owner("mallory"): dict(peer_id=BOB.to_bytes(), maddrs=[at(BOB, "/ip4/203.0.113.9/tcp/22")]),
                   owner("bob"): dict(peer_id=BOB.to_bytes(), maddrs=[at(BOB, "/ip4/192.0.2.11/tcp/2")])})
-    seen = {tuple(peers_to_dial(found, progress(bob=BOB, mallory=BOB), own=ALICE, connected=set())[BOB])
+    seen = {tuple(peers_to_dial(published_peers(found, progress(bob=BOB, mallory=BOB), ALICE), connected=set())[BOB])
             for _ in range(64)}
     assert seen == {(at(BOB, "/ip4/203.0.113.9/tcp/22"),), (at(BOB, "/ip4/192.0.2.11/tcp/2"),)}
