@@ -58,7 +58,13 @@ from collabopt.diloco_options import (  # re-exported: their import path before 
     check_config,
     check_outer_optimizer,
 )
-from collabopt.diloco_schedule import REPORT_SHARE, report_period, should_download, step_decision  # (re-exported)
+from collabopt.diloco_schedule import (  # (re-exported)
+    MAX_REPORT_PERIOD,
+    REPORT_SHARE,
+    report_period,
+    should_download,
+    step_decision,
+)
 from collabopt.engine import protocol
 from collabopt.guard import NonFiniteGuard, all_finite
 from collabopt.interface import RoundOutcome
@@ -373,7 +379,8 @@ def write_pseudo_gradients(anchors: Sequence[torch.Tensor], parameters: Sequence
     return all_finite(out)
 
 
-__all__ = ["DiLoCo", "INCOMPATIBLE", "INCOMPATIBLE_HIVEMIND", "OUTER_EXAMPLE", "PendingRound", "REPORT_SHARE",
+__all__ = ["DiLoCo", "INCOMPATIBLE", "INCOMPATIBLE_HIVEMIND", "MAX_REPORT_PERIOD", "OUTER_EXAMPLE", "PendingRound",
+           "REPORT_SHARE",
            "RoundOutcome", "RoundSwarm", "UNDECIDED_DOWNLOADS", "agrees_with_group", "check_config",
            "check_outer_optimizer", "fingerprint", "progress_from", "report_period", "same_fingerprint",
            "should_download", "step_decision", "write_pseudo_gradients"]

@@ -7,7 +7,8 @@ from typing import Any
 
 from collabopt.engine import protocol
 
-REPORT_SHARE = 0.1  # a DiLoCo peer stores its progress record at most once per this share of a round
+REPORT_SHARE = 0.25  # a DiLoCo peer stores its progress record at most once per this share of a round
+MAX_REPORT_PERIOD = 30.0  # seconds: DiLoCo's default max_refresh_period (records live 60 s, renewed at half of it)
 
 
 def step_decision(diloco: Any, local_epoch: int, global_epoch: int) -> protocol.StepDecision:
@@ -39,17 +40,19 @@ def should_download(diloco: Any, local_epoch: int, global_epoch: int) -> bool:
 def report_period(last_round_seconds: float | None, min_period: float, max_period: float) -> float:
     """How long a DiLoCo peer waits between two stores of its progress record (a change of epoch goes out at once).
 
-    Each store is a signed DHT record sent to several replicas (~20-30 kB on the wire); at hivemind's pace (every
-    step, or every ``min_period`` with collabopt's throttle) that costs more per sample than the round's all-reduce
-    once rounds are hundreds of steps long. Others extrapolate a record with its samples per second, so a long
-    round needs few: one per ``REPORT_SHARE`` of the last round, within ``[min_period, max_period]``.
+    Each store is a signed DHT record sent to each of its key's replicas, and every fetch of the swarm's progress
+    reads every peer's record from several of them; with long rounds these requests were most of what a compressed
+    DiLoCo peer sent besides its payload (B6). Others extrapolate a record with its samples per second, and a peer
+    fetches more often as the round's end nears, so a long round needs few: one per ``REPORT_SHARE`` of the last
+    round, within ``[min_period, max_period]`` (DiLoCo's default ``max_period``, :data:`MAX_REPORT_PERIOD`, is the
+    half-life of a record, when it is renewed anyway).
 
-        >>> report_period(None, 0.5, 10.0), report_period(3.0, 0.5, 10.0), report_period(40.0, 0.5, 10.0)
-        (0.5, 0.5, 4.0)
+        >>> report_period(None, 0.5, 30.0), report_period(1.0, 0.5, 30.0), report_period(40.0, 0.5, 30.0)
+        (0.5, 0.5, 10.0)
     """
     if last_round_seconds is None:
         return min_period
     return min(max_period, max(min_period, REPORT_SHARE * last_round_seconds))
 
 
-__all__ = ["REPORT_SHARE", "report_period", "should_download", "step_decision"]
+__all__ = ["MAX_REPORT_PERIOD", "REPORT_SHARE", "report_period", "should_download", "step_decision"]

@@ -22,8 +22,9 @@ logger = logging.getLogger(__name__)
 
 class ThrottledProgressTracker(SwarmProgressTracker):
     """A DiLoCo peer's tracker: it stores its progress record at most once per
-    :func:`collabopt.diloco.report_period` (a tenth of the last round: rounds are hundreds of steps long; one
-    store per ``min_refresh_period`` cost B6's peers 64 kB/s instead of 23, ~10% of their round's all-reduce)."""
+    :func:`collabopt.diloco.report_period` (a quarter of the last round, at most ``max_refresh_period``, 30 s by
+    default here: rounds are hundreds of steps long; one store per ``min_refresh_period`` cost B6's peers 64 kB/s
+    instead of 23, ~10% of their round's all-reduce)."""
 
     _epoch_began: float | None = None  # when this peer's current epoch (round) began, DHT time
     _last_round: float | None = None  # how long its last whole round took, seconds
@@ -35,7 +36,7 @@ class ThrottledProgressTracker(SwarmProgressTracker):
         super().__init__(*args, **kwargs)
 
     def report_period(self) -> float:
-        """A tenth of the last whole round; before one, of the time this round has lasted so far (since this peer
+        """A quarter of the last whole round; before one, of the time this round has lasted so far (since this peer
         began it, or started), which the round is at least as long as: storing every ``min_refresh_period`` until
         the second boundary made a peer's first rounds cost three times its later ones (B6)."""
         began = self._epoch_began if self._epoch_began is not None else self._created
@@ -45,8 +46,8 @@ class ThrottledProgressTracker(SwarmProgressTracker):
         return diloco_module.report_period(length, self.min_refresh_period, self.max_refresh_period)
 
     def _parse_swarm_progress_data(self, metadata: Any) -> Any:
-        """It fetches the swarm's progress at least every :meth:`fetch_period` (``max_refresh_period`` keeps its
-        default here: it also caps the report period). See docs/decisions.md, "DiLoCo: no round alone on an old
+        """It fetches the swarm's progress at least every :meth:`fetch_period` (``max_refresh_period`` also caps the
+        report period). See docs/decisions.md, "DiLoCo: no round alone on an old
         view"."""
         progress = super()._parse_swarm_progress_data(metadata)
         progress.next_fetch_time = min(progress.next_fetch_time, get_dht_time() + self.fetch_period())
@@ -89,6 +90,7 @@ class DiLoCoLoop(PeerLoop):
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> Any:
         kwargs.setdefault("max_fetch_period", max(kwargs.get("min_refresh_period", 0.5), self.matchmaking_time / 2))
+        kwargs.setdefault("max_refresh_period", diloco_module.MAX_REPORT_PERIOD)
         return ThrottledProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
                                         client_mode=self.client_mode, status_loglevel=self.status_loglevel,
                                         start=True, **kwargs)

@@ -640,10 +640,10 @@ def test_the_progress_reporter_is_woken_at_most_once_per_report_period(kind):
     if kind == "diloco":
         from hivemind.utils import get_dht_time
 
-        tracker._epoch_began = get_dht_time() - 2000.0  # before a whole round: a tenth of the round so far
+        tracker._epoch_began = get_dht_time() - 800.0  # before a whole round: a quarter of the round so far
         assert report(gated=False)
         assert tracker._next_report - time.monotonic() == pytest.approx(200.0, abs=5.0)
-        tracker._last_round = 4000.0  # long rounds: one store per tenth of the last round
+        tracker._last_round = 1600.0  # long rounds: one store per quarter of the last round
         assert report(gated=False)
         assert tracker._next_report - time.monotonic() == pytest.approx(400.0, abs=5.0)
     tracker._next_report = time.monotonic() + 2.0
@@ -684,10 +684,11 @@ def test_a_step_reports_at_once_only_a_new_epoch_or_a_smaller_count(monkeypatch)
 
 
 def test_a_long_round_spaces_the_progress_records_out():
-    assert report_period(None, 0.5, 10.0) == 0.5  # no round yet: as often as peers fetch them
-    assert report_period(2.0, 0.5, 10.0) == 0.5  # short rounds (the tests'): unchanged
-    assert report_period(33.0, 0.5, 10.0) == pytest.approx(3.3)  # B6's 600 steps of 55 ms
-    assert report_period(1000.0, 0.5, 10.0) == 10.0  # never longer than the fetch period
+    assert report_period(None, 0.5, 30.0) == 0.5  # no round yet: as often as peers fetch them
+    assert report_period(1.6, 0.5, 30.0) == 0.5  # short rounds (the tests'): unchanged
+    assert report_period(33.0, 0.5, 30.0) == pytest.approx(8.25)  # 600 steps of 55 ms: a quarter
+    assert report_period(118.0, 0.5, 30.0) == pytest.approx(29.5)  # B6's 2,000 steps
+    assert report_period(1000.0, 0.5, 30.0) == 30.0  # never longer than max_refresh_period
 
 
 def test_out_of_sync_says_a_download_is_pending():
@@ -724,11 +725,11 @@ def test_a_diloco_peers_view_of_the_swarm_is_never_older_than_its_fetch_period(m
     tracker = object.__new__(ThrottledProgressTracker)
     tracker.max_fetch_period, tracker.min_refresh_period, tracker.max_refresh_period = 1.0, 0.5, 10.0
     assert tracker._parse_swarm_progress_data({}).next_fetch_time <= get_dht_time() + 1.0
-    tracker._epoch_began = get_dht_time() - 5.0  # 5 s into a round: never longer than max_fetch_period
+    tracker._epoch_began = get_dht_time() - 2.0  # 2 s into a round: never longer than max_fetch_period
     assert tracker.fetch_period() == 1.0
-    tracker._epoch_began = get_dht_time() - 30.0  # 30 s into it: the others store once per 3 s at least
+    tracker._epoch_began = get_dht_time() - 12.0  # 12 s into it: the others store once per 3 s at least
     assert tracker.fetch_period() == pytest.approx(3.0, abs=0.1)
-    tracker._last_round = 40.0  # after a whole round: the others' records change once per report period (4 s)
+    tracker._last_round = 16.0  # after a whole round: the others' records change once per report period (4 s)
     assert tracker.fetch_period() == tracker.report_period() == 4.0
     assert get_dht_time() + 3.9 < tracker._parse_swarm_progress_data({}).next_fetch_time <= get_dht_time() + 4.0
     tracker._last_round = 3.0  # short rounds: never longer than max_fetch_period
