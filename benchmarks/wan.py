@@ -44,7 +44,7 @@ def run_case(workdir: Path, name: str, n: int, rate_mbit: float, params: int, va
     compute = cfg["compute_seconds"]
     steps_per_epoch = cfg["steps_per_epoch"]
     row: dict[str, Any] = dict(case=name, peers=n, mbit=rate_mbit, variant=variant, impl=impl)
-    with TestNet(n, rate_mbit) as net:
+    with TestNet(n, rate_mbit, fair=cfg.get("fair", False), congestion=cfg.get("congestion")) as net:
         bootstrap, initial_peers = start_bootstrap(workdir, host=net.bootstrap_addr, netns=net.bootstrap)
         try:
             peer = dict(impl=impl, run_id=f"bench_b3_{uuid.uuid4().hex[:8]}", initial_peers=initial_peers,

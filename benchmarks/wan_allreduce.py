@@ -6,6 +6,9 @@ peer done, :func:`benchmarks.swarmrun.allreduce_seconds`) against the link bound
 
 ``python -m benchmarks.wan_allreduce`` (root) runs B3's cases of 4 peers at 100 Mbit/s with raw hivemind's optimizer
 and with this runner, one after the other in one sitting, and writes ``benchmarks/results/b3_allreduce.{json,md}``.
+Other beds, each written to its own files (``b3_allreduce_fair``, ``_cubic``, ``_fair_cubic``): ``--fair`` shares
+each link evenly among the other peers (:class:`~collabopt.testing.testnet.TestNet`'s ``fair``; by default tbf keeps
+one FIFO queue), ``--congestion cubic`` sets the peers' TCP congestion control (by default the host's).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def run_case(workdir: Path, name: str, n: int, rate_mbit: float, params: int, cf
     """One swarm of ``n`` peers at ``rate_mbit`` per link; returns the row of this case (``impl`` "engine")."""
     row: dict[str, Any] = dict(case=name, peers=n, mbit=rate_mbit, variant="no overlap", impl="engine")
     run_id = f"bench_b3_engine_{uuid.uuid4().hex[:8]}"
-    with TestNet(n, rate_mbit) as net:
+    with TestNet(n, rate_mbit, fair=cfg.get("fair", False), congestion=cfg.get("congestion")) as net:
         bootstrap, initial_peers = start_bootstrap(workdir, host=net.bootstrap_addr, netns=net.bootstrap)
         procs, outs = [], []
         go = workdir / f"b3_{name}.go"
@@ -85,19 +88,27 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.wan_allreduce", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=run.RESULTS, help="where to write b3_allreduce.{json,md}")
+    parser.add_argument("--fair", action="store_true", help="links share evenly among peers (default: one FIFO)")
+    parser.add_argument("--congestion", help="the peers' TCP congestion control, e.g. cubic (default: the host's)")
     args = parser.parse_args(argv)
-    cfg = dict(run.FULL["b3"], cases=[case for case in run.FULL["b3"]["cases"]
-                                      if (case["peers"], case["mbit"], case.get("impl")) in ((4, 100, "hivemind"),
-                                                                                             (4, 100, "engine"))])
-    results: dict[str, Any] = {"machine": machine_info(), "quick": False, "config": {"b3": cfg}}
+    cfg = dict(run.FULL["b3"], fair=args.fair, congestion=args.congestion,
+               cases=[case for case in run.FULL["b3"]["cases"]
+                      if (case["peers"], case["mbit"], case.get("impl")) in ((4, 100, "hivemind"), (4, 100, "engine"))])
+    host_congestion = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    bed = dict(queue="fair" if args.fair else "fifo", congestion=args.congestion or f"{host_congestion} (host default)")
+    name = "_".join(["b3_allreduce"] + (["fair"] if args.fair else []) + ([args.congestion] if args.congestion else []))
+    results: dict[str, Any] = {"machine": machine_info(), "quick": False, "config": {"b3": cfg}, "bed": bed}
     with tempfile.TemporaryDirectory(prefix="collabopt-b3-") as tmp:
         results["b3"] = wan.run(cfg, Path(tmp))
     results["machine"]["load_avg_1m_at_end"] = round(__import__("os").getloadavg()[0], 2)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "b3_allreduce.json").write_text(json.dumps(results, indent=1))
-    report = run.markdown(results).replace("# collabopt benchmarks", "# B3's all-reduce: raw hivemind and collabopt's "
-                                           "own all-reduce runner, one sitting", 1)
-    (args.out / "b3_allreduce.md").write_text(report)
+    (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    queue = ("under each tbf, one queue per other peer, served a packet at a time (HTB classes, u32 filters), as "
+             "fq_codel / fq share among flows" if args.fair else "tbf's one FIFO queue (100 ms)")
+    title = "# B3's all-reduce: raw hivemind and collabopt's own all-reduce runner, one sitting"
+    report = run.markdown(results).replace(
+        "# collabopt benchmarks", f"{title}\n\nBed: links {queue}; TCP congestion control {bed['congestion']}.", 1)
+    (args.out / f"{name}.md").write_text(report)
     print(report)
     return 1 if not results["b3"].get("rows") or any("error" in row for row in results["b3"]["rows"]) else 0
 

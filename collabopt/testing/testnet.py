@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+from pathlib import Path
 from typing import Any
 
 PREFIX = "conet"
@@ -64,7 +65,10 @@ class TestNet:
 
     ``rate_mbit`` limits each peer's upload and download (tbf on both ends of its link): one rate for all, or one
     per peer (``None``: unlimited). ``subnet``: the first three octets of the addresses on the bridge (a /24 that
-    exists only in these namespaces; ``RESERVED_SUBNET``: a reserved range, as on some machines). Each peer in ``nat``
+    exists only in these namespaces; ``RESERVED_SUBNET``: a reserved range, as on some machines). ``fair``: each
+    limited link shares its rate evenly among the other ends (see :func:`_fair_queues`); by default its tbf keeps one
+    FIFO queue, where TCP streams share unevenly. ``congestion``: the TCP congestion
+    control of every namespace (``None``: the host's default, which new namespaces inherit). Each peer in ``nat``
     sits behind a router namespace of its own that masquerades its outgoing connections and drops every incoming
     one: ``.addr[i]`` is then its private address (10.213.1xx.2, unknown to the others), ``.public_addr[i]`` the
     router's address the others see.
@@ -73,7 +77,7 @@ class TestNet:
     __test__ = False  # not a pytest test class
 
     def __init__(self, n: int, rate_mbit: float | list[float | None] | None = None, nat: list[int] | tuple = (),
-                 subnet: str = SUBNET):
+                 subnet: str = SUBNET, fair: bool = False, congestion: str | None = None):
         self.tag = f"{PREFIX}{os.getpid()}"
         self.hub = f"{self.tag}h"
         self.peers = [f"{self.tag}p{i}" for i in range(n)]
@@ -85,6 +89,8 @@ class TestNet:
         self.addr = [_private_addr(i) if i in self.nat else self.public_addr[i] for i in range(n)]
         self.bootstrap_addr = f"{subnet}.2"
         self.rates = list(rate_mbit) if isinstance(rate_mbit, (list, tuple)) else [rate_mbit] * n
+        self.fair = fair
+        self.congestion = congestion
         self._created: list[str] = []
         self._old_handlers: dict[int, Any] = {}
 
@@ -103,6 +109,12 @@ class TestNet:
         _ip("netns", "add", name)
         self._created.append(name)
         _ip("-n", name, "link", "set", "lo", "up")
+        if self.congestion and subprocess.run(
+                ["ip", "netns", "exec", name, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.congestion}"],
+                capture_output=True, text=True, timeout=30).returncode:
+            allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().strip()
+            raise RuntimeError(f"a namespace may not use TCP congestion control {self.congestion!r}: the host allows "
+                               f"{allowed!r} (sysctl net.ipv4.tcp_allowed_congestion_control)")
 
     def _create(self) -> None:
         self._add_ns(self.hub)
@@ -122,11 +134,13 @@ class TestNet:
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             if rate:
-                for where, dev in ((ns, "eth0"), (self.hub, hub_end)):  # upload, download
+                others = [a for a in self.public_addr if a != addr]
+                for where, dev, field in ((ns, "eth0", "dst"), (self.hub, hub_end, "src")):  # upload, download
                     burst = max(32, int(rate * 1e6 / 8 / 250 / 1024) * 2)  # KiB: two timer ticks of data
-                    subprocess.run(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                                    f"{rate}mbit", "burst", f"{burst}kb", "latency", "100ms"],
-                                   check=True, capture_output=True, text=True, timeout=30)
+                    _tc(where, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", f"{rate}mbit",
+                        "burst", f"{burst}kb", "latency", "100ms")
+                    if self.fair:
+                        _fair_queues(where, dev, field, others, packets=max(10, int(rate * 1e6 / 8 * 0.1 / 1514)))
         for i in self.nat:
             self._create_nat(i)
 
@@ -188,6 +202,25 @@ table ip filter {
         ct state established,related accept; iifname "eth1" oifname "eth0" accept; }
 }
 """
+
+
+def _tc(where: str, *args: str) -> None:
+    subprocess.run(["tc", "-n", where, *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+def _fair_queues(where: str, dev: str, field: str, others: list[str], packets: int) -> None:
+    """Under the link's tbf, one queue per other end (by ``field``, "dst" or "src" address) and one for the rest,
+    served in turn a packet at a time: the flow fairness of fq_codel or fq (what most hosts and home routers run), per
+    peer, with only HTB and u32, which kernels without those qdiscs still have. The classes' rate is far above the
+    link's, so tbf alone sets the pace; each queue holds ``packets``, the FIFO's 100 ms at the link's rate."""
+    _tc(where, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "2:", "htb", "default", "1")
+    for k, addr in enumerate([None, *others], start=1):
+        _tc(where, "class", "add", "dev", dev, "parent", "2:", "classid", f"2:{k}", "htb", "rate", "10gbit",
+            "quantum", "1514")
+        _tc(where, "qdisc", "add", "dev", dev, "parent", f"2:{k}", "pfifo", "limit", str(packets))
+        if addr:
+            _tc(where, "filter", "add", "dev", dev, "parent", "2:", "protocol", "ip", "prio", "1", "u32",
+                "match", "ip", field, f"{addr}/32", "flowid", f"2:{k}")
 
 
 def _private_addr(peer: int, host: int = 2) -> str:

@@ -191,3 +191,24 @@ def test_b6_payload_bytes_per_peer_and_round():
     assert diloco_wan.payload_bytes(diloco_wan.WAN["modes"]["synchronous"], 1000) is None
     assert diloco_wan.payload_bytes(diloco_wan.DILOCO_WAN, 1000) == 2000
     assert diloco_wan.payload_bytes(diloco_wan.SPARSE_WAN, 10**6) == SparseLoCo().codec.payload_bytes(10**6)
+
+
+def test_fair_bed_queues_per_peer_and_congestion_control():
+    """``fair``: under each link's tbf, one queue per other peer plus one for the rest, each other peer's address
+    filtered to its own; ``congestion``: every namespace uses it (reno: every host allows it)."""
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with netns.TestNet(3, 50, fair=True, congestion="reno") as net:
+        for where, dev, others in ((net.peers[0], "eth0", net.addr[1:]), (net.hub, "v1", net.addr[1:])):
+            classes = subprocess.run(["tc", "-n", where, "class", "show", "dev", dev], capture_output=True,
+                                     text=True).stdout
+            filters = subprocess.run(["tc", "-n", where, "filter", "show", "dev", dev, "parent", "2:"],
+                                     capture_output=True, text=True).stdout
+            assert classes.count("class htb") == 3
+            for addr in others:
+                assert "".join(f"{int(octet):02x}" for octet in addr.split(".")) in filters
+        for ns in (*net.peers, net.hub, net.bootstrap):
+            cc = subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-n", "net.ipv4.tcp_congestion_control"],
+                                capture_output=True, text=True).stdout.strip()
+            assert cc == "reno"
