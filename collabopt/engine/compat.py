@@ -35,6 +35,8 @@ SEAMS: dict[str, str] = {
     "hivemind.averaging.matchmaking.Matchmaking._request_join_group": "df823040a94d",
     "hivemind.dht.validation.RecordValidatorBase.merge_with": "c98abae78e86",
     "hivemind.dht.validation.RecordValidatorBase.priority": "5daab08584a8",
+    "hivemind.dht.validation.RecordValidatorBase.sign_value": "331de153d7f4",
+    "hivemind.dht.validation.RecordValidatorBase.strip_value": "89702ffc17a2",
     "hivemind.dht.validation.RecordValidatorBase.validate": "c9c52593d961",
     "hivemind.p2p.servicer.ServicerBase._get_handle_name": "d3e13c74c5e5",
     "hivemind.utils.auth.AuthorizerBase.sign_request": "7490d0f663d0",

@@ -37,11 +37,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.schema import SchemaValidator
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from pydantic.v1 import BaseModel, StrictFloat, conint, conlist, constr
 
-from collabopt.engine.records import MAX_RECORD_BYTES, OwnerKeyValidator, RecordSizeValidator
+from collabopt.engine.record_signing import BytesWithOwner
+from collabopt.engine.records import MAX_RECORD_BYTES, RecordSizeValidator
 from collabopt.engine.replicas import RIDE_ALONG
 from collabopt.errors import ModelMismatchError
 from collabopt.model_check import describe
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 POLL_PERIOD = 1.0  # seconds between two looks at the records before the last one
 LAST_LOOK_TIMEOUT = 5.0  # seconds the last look waits for the records at most
-VALUE_BUDGET = 3000  # bytes of a record's value (the subkey and signature take ~750 of MAX_RECORD_BYTES)
+VALUE_BUDGET = 3000  # bytes of a record's value (the subkey and signature take ~160 of MAX_RECORD_BYTES)
 _MAX_SHAPES, _MAX_ORDER = 512, 4096
 
 
@@ -66,7 +67,7 @@ class ModelRecord(BaseModel):
 
 
 class ModelsSchema(BaseModel):
-    models: dict[BytesWithPublicKey, ModelRecord | None]
+    models: dict[BytesWithOwner, ModelRecord | None]
 
 
 def schema_of(tensors: Sequence[Any]) -> list[str]:
@@ -155,7 +156,7 @@ class ModelCheck:
         self.schema = schema_of([*averager.main_parameters, *getattr(averager, "extra_tensors", ())])
         self.digest, self.started = digest_of(self.schema), get_dht_time()
         self.record = make_record(self.schema, self.started)
-        loop.dht.add_validators([SchemaValidator(ModelsSchema, prefix=loop.run_id), OwnerKeyValidator(),
+        loop.dht.add_validators([SchemaValidator(ModelsSchema, prefix=loop.run_id),
                                  RecordSizeValidator([self.key], MAX_RECORD_BYTES)])
         self.done = False
         self.first_epoch = loop.local_epoch

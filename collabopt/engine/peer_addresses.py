@@ -9,14 +9,14 @@ Rules, and why:
   ``192.0.2.0/24`` it finds nothing ("Connect failed. msg=routing: not found"), and two peers that joined through one
   initial peer never reach each other: no round of them all, partial rounds, no download from each other.
 * So each peer that others can reach stores ``{peer_id, maddrs}`` under ``<run_id>_addresses`` (a key per run: runs
-  that share a DHT never dial each other's peers), subkey its progress records' signed key (hivemind's
-  ``[owner:...]``: nobody else can write or replace it), again every :data:`PUBLISH_EVERY` seconds, on the key's
-  replicas (:mod:`collabopt.engine.replicas`). Each peer reads the key soon after it starts and connects to at most
-  :data:`DIALS_PER_LOOK` peers it is not connected to. Then, every :data:`LOOK_EVERY` seconds (spaced out as the
-  swarm grows, :func:`look_period`), it checks its connections to the peers the book named (a local question to its
-  p2p daemon, nothing on the wire) and reads the book again at once if one is missing; only while the last read
-  found other training peers' progress records, and every one of them in the book and connected, does it wait
-  :data:`QUIET_READ` seconds for the next read (new peers dial in themselves: their first looks find this one). A
+  that share a DHT never dial each other's peers), subkey its progress records' signed key (``[ed25519:...]``,
+  :mod:`collabopt.engine.record_signing`: nobody else can write or replace it), again every :data:`PUBLISH_EVERY`
+  seconds, on the key's replicas (:mod:`collabopt.engine.replicas`). Each peer reads the key soon after it starts and
+  connects to at most :data:`DIALS_PER_LOOK` peers it is not connected to. Then, every :data:`LOOK_EVERY` seconds
+  (spaced out as the swarm grows, :func:`look_period`), it checks its connections to the peers the book named (a local
+  question to its p2p daemon, nothing on the wire) and reads the book again at once if one is missing; only while the
+  last read found other training peers' progress records, and every one of them in the book and connected, does it
+  wait :data:`QUIET_READ` seconds for the next read (new peers dial in themselves: their first looks find this one). A
   peer whose link was cut is thus reached again within seconds of its return, and a swarm whose peers are all
   connected reads the book rarely: every node asked answers with every peer's signed record.
 * A record counts only where the same key's progress record names the same peer id (:func:`published_peers`), and
@@ -35,19 +35,18 @@ import contextlib
 import functools
 import logging
 import random
-import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.schema import SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, Extra, conbytes, conlist, constr
 
 from collabopt.engine.p2p import connect_to
+from collabopt.engine.record_signing import BytesWithOwner, owners_in
 from collabopt.engine.replicas import RIDE_ALONG, _store_on_replicas, read_replicas
 
 logger = logging.getLogger(__name__)
@@ -78,10 +77,7 @@ class AddressRecord(BaseModel):
 class AddressesSchema(BaseModel):
     """The key's records: each under its owner's signed key."""
 
-    addresses: dict[BytesWithPublicKey, AddressRecord]
-
-
-_OWNER = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
+    addresses: dict[BytesWithOwner, AddressRecord]
 
 
 def addresses_key(run_id: str) -> str:
@@ -99,13 +95,13 @@ class AddressRecordValidator(RecordValidatorBase):
     def validate(self, record: Any) -> bool:
         if record.key not in self.key_ids:
             return True
-        if not _OWNER.search(record.subkey or b""):
+        if not owners_in(record.subkey or b""):
             return False  # a plain value (its subkey names no owner), or an entry anyone may write
         return record.expiration_time <= get_dht_time() + LONGEST_RECORD
 
     @property
     def priority(self) -> int:
-        return 20  # before RSASignatureValidator's 10 (higher runs first): cheaper
+        return 20  # before the signature's 10 (higher runs first): cheaper
 
     def merge_with(self, other: Any) -> bool:
         if not isinstance(other, AddressRecordValidator):

@@ -1,8 +1,8 @@
 """The swarm's progress toward ``target_batch_size``: collabopt's progress service, composed from hivemind's DHT.
 
 Every training peer stores a signed record of its epoch and samples in the DHT (hivemind's ``LocalTrainingProgress``
-under ``<run_id>_progress``, subkey its public key, checked by hivemind's ``SchemaValidator`` and
-``RSASignatureValidator``) and fetches the others'; the swarm's epoch ends when their samples reach the target.
+under ``<run_id>_progress``, subkey its Ed25519 key: :func:`~collabopt.engine.progress_records.progress_validators`)
+and fetches the others'; the swarm's epoch ends when their samples reach the target.
 :class:`SwarmProgressTracker` publishes and fetches them in a thread of its own; it throttles the stores, fetches
 outside the lock that a peer's step takes, stops extrapolating peers that went idle, and shuts down cleanly. How the
 records are counted is :mod:`collabopt.engine.progress_records`.
@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from hivemind.dht.schema import RSASignatureValidator, SchemaValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.performance_ema import PerformanceEMA
@@ -125,9 +124,9 @@ class SwarmProgressTracker(threading.Thread):
         self.status_loglevel, self.metadata_expiration = status_loglevel, metadata_expiration
         self.performance_ema = PerformanceEMA(alpha=performance_ema_alpha)
 
-        signature_validator = RSASignatureValidator(private_key)  # (None: this process's key)
-        self.local_public_key = signature_validator.local_public_key  # the subkey of this peer's records
-        dht.add_validators([SchemaValidator(counting.TrainingProgressSchema, prefix=prefix), signature_validator])
+        validators = counting.progress_validators(prefix, seed=private_key)  # (None: this process's key)
+        self.local_public_key = validators[-1].local_public_key  # the subkey of this peer's records
+        dht.add_validators(validators)
 
         self._report_lock = threading.RLock()  # a report and the installing of a view do not interleave
         self.lock_global_progress, self.global_state_updated = threading.Lock(), threading.Event()

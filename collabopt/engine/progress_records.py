@@ -1,7 +1,8 @@
 """The swarm's progress records and how a peer counts them: the arithmetic of :mod:`collabopt.engine.progress`.
 
-Each training peer stores hivemind's ``LocalTrainingProgress`` under ``<run_id>_progress``, subkey its signed public
-key (hivemind's wire format, so that every reader of a run's records, collabopt's monitor included, reads them).
+Each training peer stores hivemind's ``LocalTrainingProgress`` under ``<run_id>_progress``, subkey its Ed25519 key
+(:mod:`collabopt.engine.record_signing`; :class:`ProgressSchema`), so that every reader of a run's records, collabopt's
+monitor included, reads them.
 :func:`count_progress` turns the records fetched into :class:`SwarmProgress`, a peer's view of the swarm; the other
 functions prepare the records first (no extrapolation of idle peers, this peer's own count as it is now, capped
 claims). Nothing here touches the network.
@@ -14,15 +15,32 @@ import dataclasses
 import logging
 from typing import Any
 
-from hivemind.optim.progress_tracker import LocalTrainingProgress, TrainingProgressSchema
+from hivemind.dht.schema import SchemaValidator
+from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.timed_storage import ValueWithExpiration
+from pydantic.v1 import BaseModel
 
+from collabopt.engine.record_signing import BytesWithOwner, Ed25519SignatureValidator
 from collabopt.robust import cap_progress_claims
 
-__all__ = ["FetchPeriods", "LocalTrainingProgress", "SwarmProgress", "TrainingProgressSchema", "capped_records",
-           "count_progress", "newest_time_per_peer", "records_not_older_than", "with_own_progress"]
+__all__ = ["FetchPeriods", "LocalTrainingProgress", "ProgressSchema", "SwarmProgress", "capped_records",
+           "count_progress", "newest_time_per_peer", "progress_validators", "records_not_older_than",
+           "with_own_progress"]
 
 logger = logging.getLogger(__name__)
+
+
+class ProgressSchema(BaseModel):
+    """``<run_id>_progress``: each peer's ``LocalTrainingProgress`` (None once it left) under a subkey that names its
+    Ed25519 key. hivemind's ``TrainingProgressSchema`` has the same field under an RSA owner."""
+
+    progress: dict[BytesWithOwner, LocalTrainingProgress | None]
+
+
+def progress_validators(prefix: str, seed: bytes | None = None) -> list:
+    """What a peer's DHT checks ``<prefix>_progress`` with: :class:`ProgressSchema`, and signed by the owner its subkey
+    names; the last one signs this peer's records (the key of the 32-byte ``seed``; None: this process's key)."""
+    return [SchemaValidator(ProgressSchema, prefix=prefix), Ed25519SignatureValidator(seed)]
 
 
 @dataclasses.dataclass

@@ -1,10 +1,11 @@
 """The run's records on the DHT: their schemas, the validators peers store them with, and a reader that checks
 every record on its own.
 
-Each peer keeps two records under the run's keys, each under a subkey signed by the peer's key: its progress
-(hivemind's ``LocalTrainingProgress``, under ``<run_id>_progress``) and its metrics (:mod:`collabopt.metrics`,
-under ``<run_id>_metrics``); with ``aggregation="centered_clip"`` a third, its vote for the parameters it holds
-(:mod:`collabopt.engine.download_votes`, under ``<run_id>_fingerprints``).
+Each peer keeps two records under the run's keys, each under a subkey that names the peer's Ed25519 key and signed
+with it (:mod:`collabopt.engine.record_signing`): its progress (hivemind's ``LocalTrainingProgress``, under
+``<run_id>_progress``) and its metrics (:mod:`collabopt.metrics`, under ``<run_id>_metrics``); with
+``aggregation="centered_clip"`` a third, its vote for the parameters it holds (:mod:`collabopt.engine.download_votes`,
+under ``<run_id>_fingerprints``).
 """
 
 from __future__ import annotations
@@ -12,21 +13,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-import re
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.schema import SchemaValidator
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.p2p import PeerID
 from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer
-from hivemind.utils.crypto import RSAPublicKey
 from pydantic.v1 import StrictBool, StrictFloat, confloat, conint, conlist, constr, create_model
+
+from collabopt.engine.record_signing import BytesWithOwner, Ed25519SignatureValidator, owners_in
 
 
 def reader_validators() -> list:
@@ -35,10 +35,10 @@ def reader_validators() -> list:
 
     Readers do not need them: :func:`read_run_records` checks every record itself.
     """
-    return [RSASignatureValidator(), OwnerKeyValidator()]
+    return [Ed25519SignatureValidator()]
 
 
-MAX_RECORD_BYTES = 4096  # a real progress record takes ~150 bytes, a metrics record ~600: bigger ones are refused
+MAX_RECORD_BYTES = 4096  # a progress record takes ~0.3 kB signed, a metrics record ~0.6 kB: bigger ones are refused
 _MAX_ENTRIES_PER_SOURCE = 2048  # records read from one DHT node per key (the rest are counted as oversized)
 _K_NEAREST = 16  # DHT nodes asked for a key (hivemind stores each record on the 5 nearest)
 
@@ -69,12 +69,12 @@ def _record_models() -> dict[str, Any]:
         collabopt_version=name, hivemind_version=name, torch_version=name, python_version=name,
     )
     schema = create_model("MetricsSchema", __module__=__name__,
-                          metrics=(dict[BytesWithPublicKey, metrics | None], ...))
+                          metrics=(dict[BytesWithOwner, metrics | None], ...))
     # a peer's vote: the epoch of the state it serves and its parameters' fingerprint (collabopt.lineage)
     vote = create_model("ParameterVote", __module__=__name__, peer_id=name_of(128), epoch=count,
                         fingerprint=(conlist(StrictFloat, min_items=3, max_items=3), ...))
     votes = create_model("VotesSchema", __module__=__name__,
-                         fingerprints=(dict[BytesWithPublicKey, vote | None], ...))
+                         fingerprints=(dict[BytesWithOwner, vote | None], ...))
     return dict(progress=LocalTrainingProgress, metrics=metrics, PeerMetrics=metrics, MetricsSchema=schema,
                 fingerprints=vote, ParameterVote=vote, VotesSchema=votes)
 
@@ -98,41 +98,15 @@ def metrics_fields() -> list[str]:
 
 
 def metrics_validators(run_id: str) -> list:
-    """What a peer's DHT checks records under ``<run_id>_metrics`` with: signed by the key in the subkey (a key:
-    :class:`OwnerKeyValidator`), and the schema of :func:`metrics_fields` (as hivemind's tracker does for
-    ``<run_id>_progress``)."""
-    return [SchemaValidator(_record_models()["MetricsSchema"], prefix=run_id), RSASignatureValidator(),
-            OwnerKeyValidator()]
+    """What a peer's DHT checks records under ``<run_id>_metrics`` with: signed by the Ed25519 key the subkey names,
+    and the schema of :func:`metrics_fields` (as the progress tracker does for ``<run_id>_progress``)."""
+    return [SchemaValidator(_record_models()["MetricsSchema"], prefix=run_id), Ed25519SignatureValidator()]
 
 
 def votes_validators(run_id: str) -> list:
     """What a peer's DHT checks votes under ``<run_id>_fingerprints`` with (:mod:`collabopt.engine.download_votes`):
     signed by the key in the subkey, and their schema."""
-    return [SchemaValidator(_record_models()["VotesSchema"], prefix=run_id), RSASignatureValidator(),
-            OwnerKeyValidator()]
-
-
-class OwnerKeyValidator(RecordValidatorBase):
-    """Refuses a record whose key or subkey names an owner (``[owner:...]``) that is not a public key. hivemind's
-    ``RSASignatureValidator`` raises on one (``ValueError``), so a store of it failed with an error in the storing
-    node's handler instead of being refused; checked before the signature (the same for every key: merges into one)."""
-
-    _OWNER = re.compile(re.escape(RSASignatureValidator.PUBLIC_KEY_FORMAT).replace(b"_key_", rb"(.+?)"))
-
-    def validate(self, record: Any) -> bool:
-        for owner in self._OWNER.findall(record.key) + self._OWNER.findall(record.subkey or b""):
-            try:
-                RSAPublicKey.from_bytes(owner)
-            except Exception:  # (what cryptography raises on a key it cannot load varies)
-                return False
-        return True
-
-    @property
-    def priority(self) -> int:
-        return 15  # before RSASignatureValidator's 10 (higher runs first), after the size check's 20
-
-    def merge_with(self, other: Any) -> bool:
-        return isinstance(other, OwnerKeyValidator)
+    return [SchemaValidator(_record_models()["VotesSchema"], prefix=run_id), Ed25519SignatureValidator()]
 
 
 class RecordSizeValidator(RecordValidatorBase):
@@ -148,7 +122,7 @@ class RecordSizeValidator(RecordValidatorBase):
 
     @property
     def priority(self) -> int:
-        return 20  # RSASignatureValidator's is 10: higher runs first on validation
+        return 20  # the signature's is 10: higher runs first on validation
 
     def merge_with(self, other: Any) -> bool:
         if not isinstance(other, RecordSizeValidator) or other.max_bytes != self.max_bytes:
@@ -228,8 +202,8 @@ class _WithExpiration:
 
 
 @functools.lru_cache(maxsize=1)
-def _signature_checker() -> Any:
-    return RSASignatureValidator()
+def _signature_checker() -> Ed25519SignatureValidator:
+    return Ed25519SignatureValidator()
 
 
 def _check_record(key_id: bytes, subkey: bytes | None, value: bytes, expiration: float, model: Any,
@@ -246,14 +220,11 @@ def _check_record(key_id: bytes, subkey: bytes | None, value: bytes, expiration:
         subkey_value = MSGPackSerializer.loads(subkey)
     except Exception:
         return "malformed", None, None
-    owners = checker._PUBLIC_KEY_RE.findall(subkey_value) if isinstance(subkey_value, bytes) else []
+    owners = owners_in(subkey_value) if isinstance(subkey_value, bytes) else []
     if len(set(owners)) != 1:
         return "unsigned", None, None  # anyone may write under a subkey that names no key
     record = DHTRecord(key_id, subkey, value, expiration)
-    try:
-        if not checker.validate(record):
-            return "bad_signature", None, None
-    except Exception:  # e.g. the subkey names something that is not an RSA key
+    if not checker.validate(record):  # (an owner that is not a key: refused too)
         return "bad_signature", None, None
     try:
         content = MSGPackSerializer.loads(checker.strip_value(record))
@@ -286,7 +257,7 @@ class RunRecords:
 
 def read_run_records(dht: Any, run_id: str, timeout: float = 10.0,
                      kinds: tuple[str, ...] = ("progress", "metrics")) -> RunRecords:
-    """Read the progress records (hivemind's format, written by :mod:`collabopt.engine.progress`) and metrics records
+    """Read the progress records (hivemind's fields, written by :mod:`collabopt.engine.progress`) and metrics records
     (:mod:`collabopt.metrics`) of ``run_id`` (or the ``kinds`` named: attributes of :class:`RunRecords`) from the
     nearest DHT nodes, checking each record on its own: signed by the key its subkey names, within
     :data:`MAX_RECORD_BYTES`, matching its schema. Works with any DHT (no validators needed); a record that fails is

@@ -14,7 +14,8 @@ garbage               the string "garbage" under the subkey ``b"rogue"``        
 unsigned              a well-formed record under a subkey that names no key                  unsigned
 no_signature          under the rogue's own key, not signed                                  bad_signature
 other_peer            under a real peer's subkey, signed with the rogue's key                bad_signature
-not_a_key             under ``[owner:not-a-key]`` with a made-up signature                   bad_signature
+not_a_key             under ``[ed25519:not-a-key]`` with a made-up signature                 bad_signature
+rsa_signed            under the rogue's hivemind RSA key (``[owner:...]``), signed by it     unsigned
 wrong_schema          signed by the rogue's own key, ``{"epoch": "lots"}``                   malformed
 not_msgpack           signed by the rogue's own key, bytes that do not decode                malformed
 oversized             signed by the rogue's own key, a well-formed record with a 100 kB id   oversized
@@ -27,6 +28,7 @@ False), and which it did neither with (``failed``: no answer, or what the store 
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import json
@@ -37,14 +39,15 @@ import time
 from pathlib import Path
 
 import hivemind
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 
 from collabopt.engine.compat import versions
+from collabopt.engine.record_signing import OWNER_FORMAT, SIGNATURE_FORMAT, Ed25519SignatureValidator
 from collabopt.engine.records import _find_raw
 
 EPOCH = 1_000_000
@@ -76,15 +79,23 @@ async def write_raw(items: list[tuple[str, str, object, bytes, float]], _dht, no
     return results
 
 
-def signed(key: RSAPrivateKey, key_id: bytes, subkey: bytes, value: bytes, expiration: float) -> bytes:
-    """``value`` signed as hivemind's RSASignatureValidator signs, with ``key`` (whatever key the subkey names)."""
+def signed(seed: bytes, key_id: bytes, subkey: bytes, value: bytes, expiration: float) -> bytes:
+    """``value`` signed as collabopt's Ed25519SignatureValidator signs, with the key of ``seed`` (whatever key the
+    subkey names)."""
     record = DHTRecord(key_id, MSGPackSerializer.dumps(subkey), value, expiration)
-    signature = key.sign(MSGPackSerializer.dumps(dataclasses.astuple(record)))
-    return value + RSASignatureValidator.SIGNATURE_FORMAT.replace(b"_value_", signature)
+    signature = Ed25519PrivateKey.from_private_bytes(seed).sign(MSGPackSerializer.dumps(dataclasses.astuple(record)))
+    return value + SIGNATURE_FORMAT.replace(b"_value_", base64.b64encode(signature))
 
 
-def owner_subkey(key: RSAPrivateKey) -> bytes:
-    return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
+def owner_subkey(seed: bytes) -> bytes:
+    return Ed25519SignatureValidator(seed).local_public_key
+
+
+def rsa_signed(key_id: bytes, value: bytes, expiration: float) -> tuple[bytes, bytes]:
+    """A subkey that names this process's hivemind RSA key, and ``value`` signed by it as hivemind signs."""
+    rsa = RSASignatureValidator()
+    record = DHTRecord(key_id, MSGPackSerializer.dumps(rsa.local_public_key), value, expiration)
+    return rsa.local_public_key, rsa.sign_value(record)
 
 
 def claims(kind: str, owner: PeerID, **changes) -> dict:
@@ -102,7 +113,7 @@ def claims(kind: str, owner: PeerID, **changes) -> dict:
     return record
 
 
-def oversized(kind: str, owner: bytes, key: RSAPrivateKey, key_id: bytes, subkey: bytes, expiration: float) -> bytes:
+def oversized(kind: str, owner: bytes, key: bytes, key_id: bytes, subkey: bytes, expiration: float) -> bytes:
     """A well-formed record of ``kind`` with a 100 kB peer id, signed with ``key``."""
     huge = claims(kind, PeerID(owner), peer_id=(b"x" if kind == "progress" else "x") * 100_000)
     return signed(key, key_id, subkey, MSGPackSerializer.dumps(huge), expiration)
@@ -122,7 +133,7 @@ def main(config_path: str) -> None:
         for kind, key in keys.items():
             for _source, subkey, *_ in found[key]["records"]:
                 subkey = MSGPackSerializer.loads(subkey) if subkey else None
-                if isinstance(subkey, bytes) and subkey.startswith(b"[owner:"):
+                if isinstance(subkey, bytes) and subkey.startswith(OWNER_FORMAT.split(b"_key_")[0]):
                     real[kind] = subkey
         time.sleep(0.5)
     assert len(real) == 2, "the peers' records did not show up"
@@ -131,15 +142,16 @@ def main(config_path: str) -> None:
     written, items = [], []
     for kind, key in keys.items():
         key_id = DHTID.generate(source=key).to_bytes()
-        own = [RSAPrivateKey() for _ in range(4)]
-        fake_signature = RSASignatureValidator.SIGNATURE_FORMAT.replace(b"_value_", b"c2lnbmF0dXJl")
+        own = [os.urandom(32) for _ in range(4)]
+        fake_signature = SIGNATURE_FORMAT.replace(b"_value_", b"c2lnbmF0dXJl")
         good = MSGPackSerializer.dumps(claims(kind, dht.peer_id))
         records = [
             ("garbage", b"rogue", MSGPackSerializer.dumps("garbage"), "unsigned"),
             ("unsigned", b"rogue-peer", good, "unsigned"),
             ("no_signature", owner_subkey(own[0]), good, "bad_signature"),
             ("other_peer", real[kind], signed(own[0], key_id, real[kind], good, expiration), "bad_signature"),
-            ("not_a_key", b"[owner:not-a-key]", good + fake_signature, "bad_signature"),
+            ("not_a_key", OWNER_FORMAT.replace(b"_key_", b"not-a-key"), good + fake_signature, "bad_signature"),
+            ("rsa_signed", *rsa_signed(key_id, good, expiration), "unsigned"),
             ("wrong_schema", owner_subkey(own[1]),
              signed(own[1], key_id, owner_subkey(own[1]), MSGPackSerializer.dumps({"epoch": "lots"}), expiration),
              "malformed"),

@@ -38,8 +38,8 @@ async def _known(_dht, node) -> int:
 
 def test_records_on_replicas_are_read_by_every_peer_and_a_store_downloads_nothing():
     import hivemind
-    from hivemind.dht.crypto import RSASignatureValidator
 
+    from collabopt.engine.record_signing import Ed25519SignatureValidator
     from collabopt.engine.replicas import READ_REPLICAS, ReplicaRecords
 
     options = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], num_replicas=2, start=True)
@@ -48,7 +48,7 @@ def test_records_on_replicas_are_read_by_every_peer_and_a_store_downloads_nothin
     dhts += [hivemind.DHT(initial_peers=initial_peers, **options) for _ in range(3)]
     dhts.append(hivemind.DHT(initial_peers=initial_peers, client_mode=True, **options))
     try:
-        validator = RSASignatureValidator()  # one key per process: the signed record is peer 0's
+        validator = Ed25519SignatureValidator()  # one key per process: the signed record is peer 0's
         for dht in dhts:
             dht.add_validators([validator])
         key, expiration = f"replicas_test_{uuid.uuid4().hex[:8]}", get_dht_time() + 120

@@ -1,5 +1,5 @@
-"""Rogue records: a process that writes garbage, oversized, unsigned or other-peer-signed values under a run's DHT
-keys while a 2-peer swarm trains and ``collabopt monitor --serve`` reads the run.
+"""Rogue records: a process that writes garbage, oversized, unsigned, other-peer-signed or RSA-signed values under a
+run's DHT keys while a 2-peer swarm trains and ``collabopt monitor --serve`` reads the run.
 
 The rogue (``rogue_worker.py``) is a plain hivemind DHT node without validators, with keys of its own; it writes
 straight through hivemind's DHT protocol to every node near the keys. Checked: the peers' DHT nodes refuse every
@@ -41,7 +41,7 @@ def test_rogue_records_are_ignored_and_counted(tmp_path):
         wait_files([tmp_path / "rogue.json"], 90, procs)
         rogue = json.loads((tmp_path / "rogue.json").read_text())
         expected = Counter(f"{w['kind']}/{w['reason']}" for w in rogue["written"])
-        assert sum(expected.values()) == 16
+        assert sum(expected.values()) == 18
         wait_state(url, lambda s: s["rejected"]["by_kind"] == expected, 30, f"the monitor counting {expected}")
         # phase 2: a plain value where every peer keeps its own record
         (tmp_path / "rogue.phase2").touch()
@@ -70,7 +70,7 @@ def test_rogue_records_are_ignored_and_counted(tmp_path):
     assert state["num_peers"] == 2 and state["peers_known"] == 2, state["peers"]
     assert state["global_epoch"] == max(f["epoch"] for f in finals.values())
     assert all(p["sync"] == "in sync" and p["reachability"] == "reachable" for p in state["peers"])
-    assert state["rejected"]["by_kind"] == expected and state["rejected"]["total"] == 17
+    assert state["rejected"]["by_kind"] == expected and state["rejected"]["total"] == 19
     counted = {dict(labels)["record"] + "/" + dict(labels)["reason"]: value
                for (name, labels), value in metrics.items() if name == "collabopt_rejected_records_total"}
     assert counted == expected
@@ -81,7 +81,7 @@ def test_rogue_records_are_ignored_and_counted(tmp_path):
     # by an error or silence (only the bootstrap, which has no validators, kept them)
     peer_ids = {f["peer_id"] for f in finals.values()}
     assert peer_ids <= set(rogue["stores"]) and peer_ids <= set(rogue["phase2"]), "the rogue wrote to the peers' nodes"
-    for phase, written in (("stores", 16), ("phase2", 1)):
+    for phase, written in (("stores", 18), ("phase2", 1)):
         for node in peer_ids:
             counts = rogue[phase][node]
             assert counts == dict(accepted=0, refused=written, failed=[]), (phase, node, counts)

@@ -1,11 +1,13 @@
-"""The monitor without a swarm: how each record is judged (real hivemind signatures), the state and verdict built
+"""The monitor without a swarm: how each record is judged (real Ed25519 signatures), the state and verdict built
 from records, the status page's server, the loss a peer reports, and the adapters' report of it."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import math
+import os
 import threading
 import time
 import urllib.error
@@ -14,14 +16,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hivemind.dht.crypto import RSASignatureValidator
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer
-from hivemind.utils.crypto import RSAPrivateKey
 
 from collabopt import ConfigurationError, RoundOutcome, monitor
 from collabopt.engine import records as run_records
+from collabopt.engine.record_signing import SIGNATURE_FORMAT, Ed25519SignatureValidator
 from collabopt.metrics import MetricsReporter
 from collabopt.status_page import StatusServer, parse_address, prometheus_text
 
@@ -30,14 +32,15 @@ KEY_ID = DHTID.generate(source=KEY).to_bytes()
 PROGRESS = run_records._record_models()["progress"]
 
 
-def owner(key: RSAPrivateKey) -> bytes:
-    return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", key.get_public_key().to_bytes())
+def owner(seed: bytes) -> bytes:
+    return Ed25519SignatureValidator(seed).local_public_key
 
 
-def sign(key: RSAPrivateKey, subkey: bytes, value: bytes, expiration: float) -> bytes:
+def sign(seed: bytes, subkey: bytes, value: bytes, expiration: float) -> bytes:
+    """``value`` signed by ``seed``'s key, whatever owner ``subkey`` names."""
     record = DHTRecord(KEY_ID, MSGPackSerializer.dumps(subkey), value, expiration)
-    signature = key.sign(MSGPackSerializer.dumps(dataclasses.astuple(record)))
-    return value + RSASignatureValidator.SIGNATURE_FORMAT.replace(b"_value_", signature)
+    signature = Ed25519PrivateKey.from_private_bytes(seed).sign(MSGPackSerializer.dumps(dataclasses.astuple(record)))
+    return value + SIGNATURE_FORMAT.replace(b"_value_", base64.b64encode(signature))
 
 
 def progress(**changes) -> dict:
@@ -51,7 +54,7 @@ def judge(subkey: bytes | None, value: bytes, expiration: float = 1e10) -> str:
 
 
 def test_each_record_is_judged_on_its_own():
-    alice, mallory = RSAPrivateKey(), RSAPrivateKey()
+    alice, mallory = os.urandom(32), os.urandom(32)
     good = MSGPackSerializer.dumps(progress())
     assert judge(owner(alice), sign(alice, owner(alice), good, 1e10)) == "ok"
     assert judge(owner(alice), sign(alice, owner(alice), MSGPackSerializer.dumps(None), 1e10)) == "ok"  # left
@@ -60,7 +63,8 @@ def test_each_record_is_judged_on_its_own():
     assert judge(owner(alice), good) == "bad_signature"  # no signature
     assert judge(owner(alice), sign(mallory, owner(alice), good, 1e10)) == "bad_signature"  # another key's
     assert judge(owner(alice), sign(alice, owner(alice), good, 1e10), expiration=2e10) == "bad_signature"  # replayed
-    assert judge(b"[owner:not-a-key]", good + b"[signature:c2ln]") == "bad_signature"
+    assert judge(b"[ed25519:not-a-key]", good + b"[signature:c2ln]") == "bad_signature"
+    assert judge(b"[owner:not-a-key]", good + b"[signature:c2ln]") == "unsigned"  # (hivemind's marker: no owner)
     for content in ({"epoch": "lots"}, progress(epoch=3.0), progress(extra=1), progress(epoch=-1)):
         assert judge(owner(alice), sign(alice, owner(alice), MSGPackSerializer.dumps(content), 1e10)) == "malformed"
     assert judge(owner(alice), sign(alice, owner(alice), b"\xc1\xc1", 1e10)) == "malformed"

@@ -5,17 +5,16 @@ or take over the book, or make peers dial addresses of someone's choosing, are r
 from __future__ import annotations
 
 import asyncio
+import os
 from types import SimpleNamespace
 
 import pytest
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import SchemaValidator
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 
 from collabopt.engine import peer_addresses
 from collabopt.engine.peer_addresses import (
@@ -27,6 +26,7 @@ from collabopt.engine.peer_addresses import (
     peers_to_dial,
     published_peers,
 )
+from collabopt.engine.record_signing import Ed25519SignatureValidator
 from collabopt.engine.replicas import RIDE_ALONG
 
 ALICE, BOB, CAROL, DAVE = (PeerID.from_base58(text) for text in (
@@ -40,7 +40,7 @@ def at(peer, address):
 
 
 def owner(name):
-    return f"[owner:{name}]".encode()
+    return f"[ed25519:{name}]".encode()
 
 
 def book(records):
@@ -101,17 +101,17 @@ def test_lookups_are_spaced_out_as_the_swarm_grows():
 
 @pytest.fixture(scope="module")
 def keys():
-    return RSAPrivateKey(), RSAPrivateKey()
+    return os.urandom(32), os.urandom(32)
 
 
 def validators(key):
     return CompositeValidator([SchemaValidator(AddressesSchema, prefix=RUN), AddressRecordValidator([RUN]),
-                               RSASignatureValidator(key)])
+                               Ed25519SignatureValidator(key)])
 
 
 def signed(key, value, expiration=None, subkey_of=None, run=RUN):
     """A record under the run's key, signed by ``key``, under the subkey of ``subkey_of`` (default: ``key``)."""
-    subkey = RSASignatureValidator(subkey_of or key).local_public_key
+    subkey = Ed25519SignatureValidator(subkey_of or key).local_public_key
     record = DHTRecord(DHTID.generate(source=addresses_key(run)).to_bytes(), MSGPackSerializer.dumps(subkey),
                        MSGPackSerializer.dumps(value), get_dht_time() + 45 if expiration is None else expiration)
     return DHTRecord(record.key, record.subkey, validators(key).sign_value(record), record.expiration_time)
@@ -126,7 +126,7 @@ def test_a_peers_signed_record_is_accepted(keys):
 def test_a_plain_value_that_would_replace_the_book_is_refused(keys):
     alice, _ = keys
     key_id = DHTID.generate(source=addresses_key(RUN)).to_bytes()
-    for value in (b"x", {RSASignatureValidator(alice).local_public_key: dict(peer_id=ALICE.to_bytes(),
+    for value in (b"x", {Ed25519SignatureValidator(alice).local_public_key: dict(peer_id=ALICE.to_bytes(),
                                                                                 maddrs=["/ip4/1.2.3.4/tcp/1"])}):
         record = DHTRecord(key_id, DHTProtocol.IS_REGULAR_VALUE, MSGPackSerializer.dumps(value), get_dht_time() + 1e9)
         assert not validators(alice).validate(record)

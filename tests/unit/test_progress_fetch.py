@@ -41,7 +41,7 @@ def tracker_without_network(dht: SlowDHT):
     tracker.fetched_global_progress_this_epoch, tracker.shutdown_triggered = threading.Event(), threading.Event()
     tracker.global_progress = SimpleNamespace(next_fetch_time=0.0, applied=None)
     tracker.performance_ema = PerformanceEMA(alpha=0.1)
-    tracker._report_lock, tracker.local_public_key = threading.RLock(), b"[owner:me]"
+    tracker._report_lock, tracker.local_public_key = threading.RLock(), b"[ed25519:me]"
     tracker._parse_swarm_progress_data = lambda metadata: SimpleNamespace(next_fetch_time=0.0, applied=metadata)
     return tracker
 
