@@ -101,7 +101,7 @@ class AddressRecordValidator(RecordValidatorBase):
 
     @property
     def priority(self) -> int:
-        return 20  # before the signature's 10 (higher runs first): cheaper
+        return 20  # before the signatures' 11 and 10 (higher runs first): cheaper
 
     def merge_with(self, other: Any) -> bool:
         if not isinstance(other, AddressRecordValidator):

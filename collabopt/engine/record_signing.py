@@ -82,10 +82,29 @@ def _decode(text: bytes, length: int) -> bytes | None:
     return raw if len(raw) == length and base64.b64encode(raw) == text else None
 
 
-@functools.lru_cache(maxsize=4096)
+_P = 2**255 - 19  # the field of Curve25519
+_ORDER_8_Y = int.from_bytes(bytes.fromhex("26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05"), "little")
+_SMALL_ORDER_Y = frozenset({0, 1, _P - 1, _ORDER_8_Y, _P - _ORDER_8_Y})  # y of the 8 points with 8P = O
+
+
+def _weak(raw: bytes) -> bool:
+    """Whether the 32-byte key ``raw`` is a non-canonical encoding (y >= p) or one of the 8 points of small order.
+    Under such a key the signature (R = O, S = 0) verifies for any message (OpenSSL refuses neither), so it names no
+    owner: anyone could write under it."""
+    y = int.from_bytes(raw, "little") & ((1 << 255) - 1)
+    return y >= _P or y in _SMALL_ORDER_Y
+
+
 def _public_key(owner: bytes) -> Ed25519PublicKey | None:
+    """The key an owner marker names, or None: not 44 characters (checked before the cache, which keeps what it is
+    given), not the canonical base64 of 32 bytes, or a weak key (:func:`_weak`)."""
+    return _cached_public_key(owner) if len(owner) == 44 else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_public_key(owner: bytes) -> Ed25519PublicKey | None:
     raw = _decode(owner, 32)
-    if raw is None:
+    if raw is None or _weak(raw):
         return None
     try:
         return Ed25519PublicKey.from_public_bytes(raw)

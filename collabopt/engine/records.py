@@ -122,7 +122,7 @@ class RecordSizeValidator(RecordValidatorBase):
 
     @property
     def priority(self) -> int:
-        return 20  # the signature's is 10: higher runs first on validation
+        return 20  # the signatures' are 11 and 10: higher runs first on validation
 
     def merge_with(self, other: Any) -> bool:
         if not isinstance(other, RecordSizeValidator) or other.max_bytes != self.max_bytes:

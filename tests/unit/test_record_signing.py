@@ -46,7 +46,21 @@ BAD_OWNERS = {
     "31 bytes": marker(base64.b64encode(b"k" * 31)),
     "33 bytes": marker(base64.b64encode(b"k" * 33)),
     "not canonical base64": marker(base64.b64encode(b"k" * 32)[:-2] + b"B="),
+    "of 10 kB": marker(b"A" * 10_000),
 }
+
+
+def alias(seed: bytes) -> bytes:
+    """``seed``'s owner marker with a spare bit of its base64 set: the same 32 bytes, not their canonical text."""
+    text = owner(seed)[len(b"[ed25519:"):-1]
+    alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    other = text[:42] + bytes([alphabet[alphabet.index(text[42]) ^ 1]]) + b"="
+    assert other != text and base64.b64decode(other) == base64.b64decode(text)
+    return marker(other)
+
+
+IDENTITY = b"\x01" + bytes(31)  # the neutral point's encoding: a key of small order
+FORGED = b"v" + record_signing.SIGNATURE_FORMAT.replace(b"_value_", base64.b64encode(IDENTITY + bytes(32)))  # R=O, S=0
 CASES = {  # name: (key, subkey, value, expiration to validate at), whether valid
     "signed by its owner": ((KEY_ID, owner(ALICE), signed_by(ALICE, owner(ALICE)), 1e10), True),
     "unprotected, unsigned": ((KEY_ID, b"plain", b"v", 1e10), True),
@@ -63,6 +77,10 @@ CASES = {  # name: (key, subkey, value, expiration to validate at), whether vali
     "two owners in the subkey": ((KEY_ID, owner(ALICE) + owner(MALLORY),
                                   signed_by(ALICE, owner(ALICE) + owner(MALLORY)), 1e10), False),
     **{f"owner {name}": ((KEY_ID, bad, signed_by(ALICE, bad), 1e10), False) for name, bad in BAD_OWNERS.items()},
+    "its owner's key in base64 that is not canonical": ((KEY_ID, alias(ALICE), signed_by(ALICE, alias(ALICE)), 1e10),
+                                                        False),
+    "a key of small order, with a signature made without a key": ((KEY_ID, marker(base64.b64encode(IDENTITY)), FORGED,
+                                                                   1e10), False),
 }
 
 
