@@ -109,9 +109,8 @@ class TestNet:
         _ip("netns", "add", name)
         self._created.append(name)
         _ip("-n", name, "link", "set", "lo", "up")
-        if self.congestion and subprocess.run(
-                ["ip", "netns", "exec", name, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.congestion}"],
-                capture_output=True, text=True, timeout=30).returncode:
+        if self.congestion and _ip("netns", "exec", name, "sysctl", "-qw",
+                                   f"net.ipv4.tcp_congestion_control={self.congestion}", check=False).returncode:
             allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().strip()
             raise RuntimeError(f"a namespace may not use TCP congestion control {self.congestion!r}: the host allows "
                                f"{allowed!r} (sysctl net.ipv4.tcp_allowed_congestion_control)")
