@@ -1,8 +1,8 @@
 """The swarm's progress records and how a peer counts them: the arithmetic of :mod:`collabopt.engine.progress`.
 
 Each training peer stores hivemind's ``LocalTrainingProgress`` under ``<run_id>_progress``, subkey its Ed25519 key
-(:mod:`collabopt.engine.record_signing`; :class:`ProgressSchema`), so that every reader of a run's records, collabopt's
-monitor included, reads them.
+(:mod:`collabopt.engine.record_signing`; :class:`ProgressSchema`): hivemind's fields, so that a plain hivemind node
+decodes them too.
 :func:`count_progress` turns the records fetched into :class:`SwarmProgress`, a peer's view of the swarm; the other
 functions prepare the records first (no extrapolation of idle peers, this peer's own count as it is now, capped
 claims). Nothing here touches the network.
