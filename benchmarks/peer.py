@@ -104,7 +104,7 @@ def instrument_exchange(grad_averager: Any, rounds: list[dict[str, Any]]) -> Non
                 union = sum(int(b.count_nonzero()) for b in buffers) / sum(b.numel() for b in buffers)
         rounds.append(dict(time=time.time(), payload=lengths.pop() if lengths else None, sent=result.sent_bytes,
                            received=result.received_bytes, group=len(result.group), union=union,
-                           error=result.error))
+                           error=result.error, contributed=getattr(result, "contributed", True)))
         return evidence
 
     feedback.compress, grad_averager.report = compressed, reported

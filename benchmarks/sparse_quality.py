@@ -11,11 +11,14 @@ collabopt computes it, without the transport:
 * ``fp16``: each pseudo-gradient (``anchor - parameters``) rounded to fp16, their mean rounded to fp16 (what the
   all-reduce of fp16 parts delivers, up to the rounding of its partial sums), then collabopt's DiLoCo outer step (SGD
   lr 0.7, Nesterov momentum 0.9, as B6);
-* a compressed variant ``d<density>-b<bits>-e<decay>-<outer>``: what a peer's
+* a compressed variant ``d<density>-b<bits>-e<decay>-<outer>[-k<max contributors>]``: what a peer's
   :class:`~collabopt.engine.diloco_averaging.SparsePseudoGradientRounds` does in a round every member applies: each
   worker's payload from its error-feedback buffer (``ErrorFeedback.compress``, then ``commit``), the members'
   aggregate (:func:`~collabopt.sparse_aggregation.aggregate`, weights the samples), then the outer step ``sgd<lr>``
-  (SGD without momentum, ``SparseLoCo.outer_optimizer(lr)``) or ``nest<lr>`` (SGD, Nesterov momentum 0.9);
+  (SGD without momentum, ``SparseLoCo.outer_optimizer(lr)``) or ``nest<lr>`` (SGD, Nesterov momentum 0.9); with
+  more workers than ``SparseLoCo.max_contributors`` (``-k``; default: SparseLoCo's), the contributors of each round
+  are chosen by the exchange's rule (:func:`collabopt.engine.gather_protocol.contributors`) and the others keep
+  their whole pseudo-gradient in their error feedback (``ErrorFeedback.commit_unsent``), as a peer does;
 * ``fp16-sgd<lr>``: the fp16 mean with an outer step without momentum (what the outer step alone changes).
 
 Every variant of a seed starts from the same initial model and trains on the same batches of the same text, so each
@@ -49,6 +52,7 @@ import torch.nn.functional as F
 from benchmarks.common import ROOT, machine_info, write_json
 from benchmarks.diloco import char_model, encode, windows
 from collabopt.diloco_options import SparseLoCo
+from collabopt.engine import gather_protocol as protocol
 from collabopt.sparse_aggregation import aggregate
 
 WORKERS = 4
@@ -56,7 +60,8 @@ BATCH = 64
 INNER_LR = 3e-3
 FP16_OUTER = dict(lr=0.7, momentum=0.9, nesterov=True)  # collabopt's DiLoCo outer step (B6's)
 BOUND = 1.02
-VARIANT = re.compile(r"^d(?P<density>[0-9.]+)-b(?P<bits>\d+)-e(?P<decay>[0-9.]+)-(?P<outer>sgd|nest)(?P<lr>[0-9.]+)$")
+VARIANT = re.compile(r"^d(?P<density>[0-9.]+)-b(?P<bits>\d+)-e(?P<decay>[0-9.]+)-(?P<outer>sgd|nest)(?P<lr>[0-9.]+)"
+                     r"(?:-k(?P<k>\d+))?$")
 
 
 def parse_variant(name: str) -> dict[str, Any]:
@@ -68,11 +73,12 @@ def parse_variant(name: str) -> dict[str, Any]:
     match = VARIANT.match(name)
     if not match:
         raise SystemExit(f"--variants: {name!r} is not fp16, fp16-sgd<lr> or d<density>-b<bits>-e<decay>-sgd|nest<lr>"
-                         " (e.g. d0.02-b2-e0.95-sgd1.0)")
+                         "[-k<max contributors>] (e.g. d0.02-b2-e0.95-sgd1.0)")
     lr = float(match["lr"])
     outer = dict(lr=lr) if match["outer"] == "sgd" else dict(lr=lr, momentum=0.9, nesterov=True)
+    contributors = {} if match["k"] is None else dict(max_contributors=int(match["k"]))
     return dict(compression=SparseLoCo(density=float(match["density"]), bits=int(match["bits"]),
-                                       error_decay=float(match["decay"])), outer=outer)
+                                       error_decay=float(match["decay"]), **contributors), outer=outer)
 
 
 def fp16_mean(deltas: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -103,8 +109,11 @@ def run(name: str, inner_steps: int, rounds: int, seed: int, data: dict[str, Any
     outer = torch.optim.SGD(outer_params, **settings["outer"])
     generators = [torch.Generator().manual_seed(1000 * seed + rank) for rank in range(workers)]  # (the batches)
     losses, unions, sent = [], [], 0
-    for _ in range(rounds):
+    ids = [b"worker-%d" % rank for rank in range(workers)]
+    for index in range(rounds):
         deltas, contributions = [], {}
+        chosen = protocol.contributors(b"seed %d round %d" % (seed, index), ids,
+                                       option.max_contributors if option else None)
         for rank, (worker, optimizer) in enumerate(zip(nets, inner, strict=True)):
             with torch.no_grad():
                 for p, value in zip(worker.parameters(), anchor, strict=True):
@@ -117,9 +126,12 @@ def run(name: str, inner_steps: int, rounds: int, seed: int, data: dict[str, Any
             delta = [a - p.detach() for a, p in zip(anchor, worker.parameters(), strict=True)]
             if option:
                 payload = feedback[rank].compress(delta)
-                feedback[rank].commit()  # (the round is applied: SparsePseudoGradientRounds.settle(applied=True))
-                sent += len(payload)
-                contributions[f"worker-{rank}"] = (float(inner_steps * BATCH), payload)
+                if rank in chosen:
+                    feedback[rank].commit()  # (the round is applied: SparsePseudoGradientRounds.settle(applied=True))
+                    sent += len(payload)
+                    contributions[f"worker-{rank}"] = (float(inner_steps * BATCH), payload)
+                else:  # (not a contributor: its whole pseudo-gradient stays in its buffer)
+                    feedback[rank].commit_unsent()
             deltas.append(delta)
         if option:
             averaged = aggregate(contributions, shapes, option.codec)
@@ -201,10 +213,11 @@ def report(result: dict[str, Any]) -> str:
     """The Markdown table of :func:`summarize`'s rows, after the machine, code, command and corpus of each batch of
     runs."""
     lines = ["# Compressed pseudo-gradients against fp16 DiLoCo (B6's corpus and model, one process)", "",
-             f"{WORKERS} workers, AdamW lr {INNER_LR}, batch {BATCH}; rows of the same corpus, inner steps and rounds "
-             "saw the same samples. fp16: the mean of fp16 pseudo-gradients, outer SGD lr 0.7 Nesterov 0.9 "
-             "(collabopt's DiLoCo default). Variants: d<density>-b<bits>-e<error decay>-sgd<lr> (outer SGD without "
-             "momentum, `SparseLoCo.outer_optimizer(lr)`) or -nest<lr> (Nesterov 0.9); fp16-sgd<lr>: fp16 with that "
+             f"{result.get('workers', WORKERS)} workers, AdamW lr {INNER_LR}, batch {BATCH}; rows of the same "
+             "corpus, inner steps and rounds saw the same samples. fp16: the mean of fp16 pseudo-gradients, outer "
+             "SGD lr 0.7 Nesterov 0.9 (collabopt's DiLoCo default). Variants: d<density>-b<bits>-e<error "
+             "decay>-sgd<lr> (outer SGD without momentum, `SparseLoCo.outer_optimizer(lr)`) or -nest<lr> (Nesterov "
+             "0.9), -k<n>: at most n contributors a round (`max_contributors`); fp16-sgd<lr>: fp16 with that "
              "outer step. Ratio: held-out loss (cross-entropy, nats) over fp16's of the same seed, after all rounds "
              f"(median and range over seeds) and after half of them (median); bound {BOUND}x (the median and every "
              "seed).", "", "Batches of runs:", ""]
@@ -240,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples-steps", type=int, default=2000,
                         help="inner steps per worker in all (rounds = this / inner steps)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--workers", type=int, default=WORKERS)
     parser.add_argument("--variants", nargs="+", default=["fp16", "d0.02-b2-e0.95-sgd1.0"])
     parser.add_argument("--corpus-commit", default="HEAD", help="the commit whose Markdown is the text")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sparse_quality")
@@ -269,10 +283,10 @@ def main(argv: list[str] | None = None) -> None:
                     key = (data["corpus"]["sha256"][:12], name, inner_steps, rounds, seed)
                     runs = [r for r in runs if (r["corpus"], r["variant"], r["inner_steps"], r["rounds"], r["seed"])
                             != key]  # (a run of the same key is replaced)
-                    runs.append(run(name, inner_steps, rounds, seed, data))
+                    runs.append(run(name, inner_steps, rounds, seed, data, workers=args.workers))
                     print(f"H={inner_steps} seed {seed} {name:24s} loss {runs[-1]['final_loss']:.4f} "
                           f"({runs[-1]['seconds']:.0f} s)", flush=True)
-    result = dict(workers=WORKERS, batch=BATCH, inner_lr=INNER_LR, bound=BOUND, batches=batches, runs=runs,
+    result = dict(workers=args.workers, batch=BATCH, inner_lr=INNER_LR, bound=BOUND, batches=batches, runs=runs,
                   summary=summarize(runs))
     write_json(args.out.with_suffix(".json"), result)
     args.out.with_suffix(".md").write_text(report(result))

@@ -74,6 +74,7 @@ def figures(n: int, records: list[dict[str, Any]]) -> dict[str, Any]:
     """A size's row from its peers' records: per peer and round (means over the peers), the exchange's bytes, the
     interfaces' bytes and the rest (control); control per second; the rounds' group sizes and unions."""
     exchange, net, control_rate, seconds, rounds, payloads, groups, unions = [], [], [], [], [], [], [], []
+    contributed = []
     for record in records:
         start, end = record["window"]
         count = sum(1 for t, _ in record["epochs"] if start < t <= end)
@@ -87,19 +88,30 @@ def figures(n: int, records: list[dict[str, Any]]) -> dict[str, Any]:
         mine = in_window(record, record["exchanges"])
         payloads += [e["payload"] for e in mine if e["payload"]]
         unions += [e["union"] for e in mine if e["union"] is not None]
+        contributed += [e.get("contributed", True) for e in mine if e.get("error") is None]
         groups += [r["group_size"] if r["applied"] else f"{r['group_size']} ({r['reason']})"
                    for r in in_window(record, record["rounds"])]
     mean = sum(exchange) / len(exchange)
     control = sum(control_rate) / len(control_rate)
     payload = median(payloads)
+    k = contributors(n)
     return dict(peers=n, rounds=min(rounds), round_seconds=median(seconds), payload_bytes=payload,
-                exchange_per_round=mean, exchange_over_payloads=mean / ((n - 1) * payload),
+                max_contributors=k, contributed_share=contributed.count(True) / max(1, len(contributed)),
+                exchange_per_round=mean, exchange_over_payloads=mean / (k * (n - 1) / n * payload),
                 sent_per_round=sum(net) / len(net), control_per_round=sum(net) / len(net) - mean,
                 control_per_second=control, total_at_b6_round=mean + control * B6_ROUND_SECONDS,
                 total_at_b6_round_control_per_round=sum(net) / len(net),
                 group_sizes={str(k): v for k, v in sorted(Counter(groups).items(), key=str)},
                 all_members=all(g == n for g in groups) and len(groups) == sum(rounds),
                 union_median=median(unions), numel=records[0]["grad_bytes"] // 4, **dht_split(records))
+
+
+def contributors(n: int) -> int:
+    """How many members of a group of ``n`` contribute a payload each round at ``SparseLoCo()``'s defaults."""
+    from collabopt.diloco_options import SparseLoCo
+
+    limit = SparseLoCo().max_contributors
+    return n if limit is None else min(n, limit)
 
 
 def dht_split(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -245,25 +257,28 @@ def markdown(result: dict[str, Any]) -> str:
                if len(codes) > 1 else []),
              f"Each swarm: N peers, each in a network namespace with a {cfg['rate']} Mbit/s link (B6's bed), an MLP "
              f"of about {cfg['params'] / 1e6:.0f}M parameters, `SparseLoCo()` (density 0.02, chunks of 4096, 2 "
-             f"bits) with its outer step, rounds of {' or '.join(map(str, cfg['steps']))} inner steps of "
+             "bits; K: the members that contribute a payload each round, `max_contributors` at most, the others "
+             "keeping their pseudo-gradient in their error feedback) with its outer step, rounds of "
+             f"{' or '.join(map(str, cfg['steps']))} inner steps of "
              f"{cfg['compute_seconds']} s of simulated compute, `matchmaking_time` {cfg['matchmaking_time']} s; "
              f"{SETTINGS['measure_epochs']} rounds measured after {SETTINGS['warmup_epochs']}. Per peer and round, "
              "mean over the peers: *exchange*: the bodies of the all-gather's messages it sent (its payload to "
              "each other member, signatures, hashes, agreement); *control*: what its interface sent beyond them "
              "(DHT, matchmaking, framing). At B6's round: exchange + control/s x "
              f"{B6_ROUND_SECONDS:.0f} s, and exchange + control per round.", "",
-             "| N | steps x compute s | load at start | round s | payload kB | exchange kB / round "
-             "| over (N-1) payloads | control kB / s | control kB / round | total kB at 116 s (control/s) "
+             "| N | K | steps x compute s | load at start | round s | payload kB | exchange kB / round "
+             "| over K (N-1) / N payloads | control kB / s | control kB / round | total kB at 116 s (control/s) "
              "| ratio to N=4 | total kB (control/round) | ratio to N=4 | group sizes (rounds of all peers) | union |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['peers']}{tag(r)} | {r['steps_per_round']} x {r['compute_seconds']} "
+            lines.append(f"| {r['peers']}{tag(r)} | - | {r['steps_per_round']} x {r['compute_seconds']} "
                          f"| {r['load_avg_at_start']} | error: {r['error'].splitlines()[0][:300]} |" + " |" * 11)
             continue
         groups = ", ".join(f"{k}: {v}" for k, v in r["group_sizes"].items())
         lines.append(
-            f"| {r['peers']}{tag(r)} | {r['steps_per_round']} x {r['compute_seconds']} | {r['load_avg_at_start']} "
+            f"| {r['peers']}{tag(r)} | {r.get('max_contributors', r['peers'])} "
+            f"| {r['steps_per_round']} x {r['compute_seconds']} | {r['load_avg_at_start']} "
             f"| {r['round_seconds']:.1f} "
             f"| {r['payload_bytes'] / 1e3:.1f} "
             f"| {r['exchange_per_round'] / 1e3:,.0f} | {r['exchange_over_payloads']:.3f} "

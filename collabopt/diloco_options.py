@@ -22,6 +22,8 @@ from collabopt.error_feedback import ErrorFeedback
 from collabopt.errors import ConfigurationError
 from collabopt.sparse_codec import MAX_BITS, MAX_CHUNK_SIZE, SparseCodec
 
+# The largest SparseLoCo.max_contributors (a round's digest lists every contribution; groups are smaller in practice)
+MAX_CONTRIBUTORS = 1024
 OUTER_EXAMPLE = "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)"
 # options of CollabConfig that cannot be combined with outer_optimizer, and why
 INCOMPATIBLE = {
@@ -89,13 +91,21 @@ class SparseLoCo:
     fp16 DiLoCo's at equal samples (5 seeds, median and range; ``benchmarks/results/sparse_quality.md``), was 0.98x
     (0.97-0.99) at 20 inner steps a round and 1.00x (0.99-1.01) at 100 after 4,000 inner steps a worker, 1.01x
     (0.99-1.02) and 1.04x (1.02-1.06) after 2,000. DiLoCo's Nesterov outer step (lr 0.7, momentum 0.9) runs, but
-    trained worse there: 1.12x and 1.34x after 2,000. Each setting is checked here, before any network starts; every
-    peer of a swarm must use the same."""
+    trained worse there: 1.12x and 1.34x after 2,000.
+
+    ``max_contributors``: in a round of more members, that many of them, chosen anew each round from the round's
+    group id (every member makes the same choice), send their payload; the others send none, keep their whole
+    pseudo-gradient in their error-feedback buffer (sent in a later round) and apply the round like the rest. Every
+    member downloads every payload of a round, so this bounds what a member receives to ``max_contributors``
+    payloads and what it sends to ``max_contributors * (members - 1) / members`` on average, whatever the group's
+    size; None: every member contributes every round. Each setting is checked here, before any network starts;
+    every peer of a swarm must use the same."""
 
     density: float = 0.02
     chunk_size: int = 4096
     bits: int = 2
     error_decay: float = 0.95
+    max_contributors: int | None = 8
 
     def __post_init__(self) -> None:
         for name, problem, example in (
@@ -103,6 +113,8 @@ class SparseLoCo:
             ("chunk_size", _integer_in(self.chunk_size, 2, MAX_CHUNK_SIZE), 4096),
             ("bits", _integer_in(self.bits, 1, MAX_BITS), 2),
             ("error_decay", _number_in(self.error_decay, 0.0, 1.0), 0.95),
+            ("max_contributors", None if self.max_contributors is None else
+             _integer_in(self.max_contributors, 2, MAX_CONTRIBUTORS), 8),
         ):
             if problem:
                 raise ConfigurationError(f"SparseLoCo.{name}", problem, f"pass e.g. SparseLoCo({name}={example})")

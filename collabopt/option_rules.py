@@ -16,6 +16,7 @@ in words (``fix``) and as data (:attr:`~collabopt.errors.ConfigurationError.fixe
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import functools
 import math
@@ -29,6 +30,7 @@ from hivemind.compression import Float16Compression, NoCompression
 
 from collabopt import diloco_options
 from collabopt.engine import compat
+from collabopt.engine.clipping import MIN_CLIPPED_GROUP
 from collabopt.engine.robust_averaging import AGGREGATIONS
 from collabopt.errors import DROP, ConfigurationError
 
@@ -162,6 +164,12 @@ def _pseudo_gradient_compression(v: Mapping[str, Any]) -> Broken | None:
     if v["client_mode"]:
         return Broken("client_mode", f"cannot be combined with {name}: every member of the exchange receives the "
                       "others' payloads, so it must be reachable", [{"client_mode": DROP}, drop])
+    if v["aggregation"] == "centered_clip" and value.max_contributors is not None and \
+            value.max_contributors < MIN_CLIPPED_GROUP:
+        return Broken(name, f"max_contributors={value.max_contributors} with aggregation='centered_clip': the robust "
+                      f"aggregate needs at least {MIN_CLIPPED_GROUP} contributions a round",
+                      [{name: dataclasses.replace(value, max_contributors=MIN_CLIPPED_GROUP)},
+                       {"aggregation": "mean"}], example=True)
     return None
 
 

@@ -184,6 +184,9 @@ class SparsePseudoGradientRounds(_Buffers):
       members that decoded or aggregated differently would apply different rounds. The error feedback's decay is
       the peer's own.
     * A joiner starts with a zero buffer: the buffer is not part of the state peers download.
+    * A member that is not one of its round's contributors (``SparseLoCo.max_contributors``) sends no payload and
+      applies the round like the others: its error feedback keeps all of its pseudo-gradient, as for a payload the
+      robust aggregate left out, and its next rounds send it.
     """
 
     def __init__(self, *, dht: Any, prefix: str, parameters: Sequence[torch.Tensor], sparse: SparseLoCo,
@@ -204,12 +207,14 @@ class SparsePseudoGradientRounds(_Buffers):
                 "pass a lower SparseLoCo(density=...) or bits, or drop pseudo_gradient_compression")
         # (peers of another payload format or other settings never meet in a group: each side would refuse the
         # other's payloads and apply a round of its own)
-        settings = repr((self.codec.density, self.codec.chunk_size, self.codec.bits, aggregation, VERSION)).encode()
+        settings = repr((self.codec.density, self.codec.chunk_size, self.codec.bits, aggregation, VERSION,
+                         sparse.max_contributors)).encode()
         options = {} if request_timeout is None else {"request_timeout": request_timeout}
         self.service = ExchangeService(
             dht, prefix=f"{prefix}_sparse{hashlib.sha256(settings).hexdigest()[:12]}",
             min_group_size=MIN_CLIPPED_GROUP if aggregation == "centered_clip" else 2,
             matchmaking_time=min_matchmaking_time, max_payload_bytes=payload_bytes,
+            max_contributors=sparse.max_contributors,
             phase_timeout=next_chunk_timeout if next_chunk_timeout is not None else min_matchmaking_time, **options)
 
     def schedule(self, timeout: float, gather: Any) -> ScheduledExchange:
@@ -276,7 +281,7 @@ class SparsePseudoGradientRounds(_Buffers):
         group = dict(result.gathered) if result.group and result.gathered else None
         self._went_out = self._left_out = False
         if result.applied_set is None:
-            if result.group and result.sent_bytes > 0:
+            if result.group and result.sent_bytes > 0 and result.contributed:
                 self._went_out = True  # (settle holds the error feedback's update)
                 logger.warning("collabopt: this DiLoCo exchange is not applied here (%s); its payload went out",
                                result.error)
@@ -301,10 +306,12 @@ class SparsePseudoGradientRounds(_Buffers):
             logger.warning("collabopt: the robust aggregate of this DiLoCo exchange left out %s%s: its pseudo-gradient "
                            "points away from the others' (agreement %.3f, below %s)", peer,
                            " (this peer)" if peer == self.service.p2p.peer_id else "", agreement, AGREEMENT_FLOOR)
-        self._left_out = self.service.p2p.peer_id in average.left_out
+        self._left_out = self.service.p2p.peer_id in average.left_out or not result.contributed
         with torch.no_grad(), self.get_tensors() as buffers:
             for buffer, value in zip(buffers, average.tensors, strict=True):
                 buffer.copy_(value)
+        if not result.contributed:  # (its pseudo-gradient waits in its error feedback: it counts, sent later)
+            return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, contributed=False)
         return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, included=0.0 if self._left_out else 1.0)
 
     def shutdown(self) -> None:

@@ -61,8 +61,9 @@ class ExchangeResult:
     """One exchange: ``applied_set`` (the contributions to aggregate, in the group's order; None where this member
     must not apply the round), ``excluded`` (members that sent different payloads to different members), the
     ``group``, what each member ``gathered``, ``error`` (why nothing is applied, or None), and the bytes this member
-    sent and received (``sent_bytes`` / ``received_bytes``: the bodies of requests and answers) and how long its
-    round took from the payload's hand-over (``round_seconds``)."""
+    sent and received (``sent_bytes`` / ``received_bytes``: the bodies of requests and answers), how long its
+    round took from the payload's hand-over (``round_seconds``) and whether this member was one of the round's
+    contributors (``contributed``; False: it sent an empty payload of weight 0, see ``max_contributors``)."""
 
     applied_set: tuple[Contribution, ...] | None
     excluded: tuple[PeerID, ...]
@@ -72,6 +73,7 @@ class ExchangeResult:
     sent_bytes: int = 0
     received_bytes: int = 0
     round_seconds: float = 0.0
+    contributed: bool = True
 
     @property
     def applied(self) -> bool:
@@ -86,11 +88,13 @@ class ExchangeService(ServiceThread):
     ``target_group_size`` / ``min_group_size``, ``matchmaking_time``, ``request_timeout``: as
     :class:`~collabopt.engine.averager.AveragingService`'s. ``phase_timeout``: how long each of the round's three
     phases waits for the other members. ``max_payload_bytes``: the largest payload a member sends or accepts (at
-    most :data:`~collabopt.engine.gather_round.MAX_PAYLOAD_LIMIT`)."""
+    most :data:`~collabopt.engine.gather_round.MAX_PAYLOAD_LIMIT`). ``max_contributors``: in a group of more members,
+    only that many contribute a payload each round (:func:`~collabopt.engine.gather_protocol.contributors`); None:
+    every member. Every peer of the exchange must use the same (put it in the ``prefix``)."""
 
     def __init__(self, dht: Any, *, prefix: str, target_group_size: int | None = None, min_group_size: int = 2,
                  matchmaking_time: float = 5.0, request_timeout: float = 3.0, phase_timeout: float = 5.0,
-                 max_payload_bytes: int = 2**20, start_timeout: float = 60.0):
+                 max_payload_bytes: int = 2**20, max_contributors: int | None = None, start_timeout: float = 60.0):
         if not prefix or "." in prefix:
             raise ValueError(f"prefix must be a non-empty string without '.', got {prefix!r} (use the run id)")
         if min_group_size < 2 or (target_group_size is not None and target_group_size < min_group_size):
@@ -101,10 +105,13 @@ class ExchangeService(ServiceThread):
                              f"daemon), got {max_payload_bytes!r}")
         if not phase_timeout > 0:
             raise ValueError(f"phase_timeout must be positive, got {phase_timeout!r}")
+        if max_contributors is not None and not (type(max_contributors) is int and max_contributors >= 1):
+            raise ValueError(f"max_contributors must be None or an int >= 1, got {max_contributors!r}")
         self.dht, self.prefix = dht, prefix
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
         self.matchmaking_time, self.request_timeout = matchmaking_time, request_timeout
         self.phase_timeout, self.max_payload_bytes = phase_timeout, max_payload_bytes
+        self.max_contributors = max_contributors
         self.schema = DHTID.generate(source=["collabopt-gather-exchange", 1, max_payload_bytes]).to_bytes()
         self.servicer = ExchangeServicer(self._matchmaking_for, max_payload_bytes)
         self.declarations = DeclarationService(self._declaration)
@@ -227,7 +234,7 @@ class ExchangeService(ServiceThread):
             round_ = ExchangeRound(group_id=group.group_id, members=members, me=members.index(self.p2p.peer_id),
                                    keys=keys, gathered=group.gathered, signing_key=self._signing_key,
                                    stub_for=self._stub_for, phase_timeout=self.phase_timeout,
-                                   max_payload_bytes=self.max_payload_bytes)
+                                   max_payload_bytes=self.max_payload_bytes, max_contributors=self.max_contributors)
         except Exception as e:  # (this member not in the list: a hostile leader)
             return ExchangeResult(None, (), members, gathered, f"the group's data does not do: {e!r}")
         self.servicer.register(group.group_id, round_)
@@ -262,7 +269,8 @@ class ExchangeService(ServiceThread):
         applied = None if reason is not None or decision is None else tuple(
             Contribution(members[s], round_.payloads[s][d], w, d) for s, d, w in decision.applied)
         return ExchangeResult(applied, excluded, members, gathered, reason, round_.sent_bytes,
-                              round_.received_bytes, time.monotonic() - began)
+                              round_.received_bytes, time.monotonic() - began,
+                              contributed=round_.me in round_.contributors)
 
     def _unregister(self, group_id: bytes, round_: ExchangeRound) -> None:
         if self.servicer.rounds.get(group_id) is round_:

@@ -18,6 +18,12 @@ Rules, and why:
   with or without a member killed mid-round; a member that cannot show that does not apply.
   Left open: a hostile member in both majorities that confirms different decisions to two honest members, where it
   also made their evidence differ (a digest shown to one only) and their confirmations to each other were lost.
+* A round's *contributors* (:func:`contributors`): where a group has more members than the exchange's
+  ``max_contributors``, only that many members, chosen from the group id and the member ids (the same choice on every
+  member, a new one every round), send a payload of positive weight; the others take part with an empty one of weight
+  0, and a statement of positive weight from them is refused. Why: every member downloads every contribution, so
+  without a bound a member's traffic grows with the group (15 payloads a round at 16 members against 3 at 4).
+  Left open: the group id is the leader's choice, so a hostile leader can make itself a contributor in every round.
 """
 
 from __future__ import annotations
@@ -53,6 +59,16 @@ def view_hash(group_id: bytes, members: Sequence[bytes], keys: Sequence[bytes], 
         raise ValueError(f"members, keys and gathered must have one entry a member, got {len(members)}, "
                          f"{len(keys)} and {len(gathered)}")
     return hashlib.sha256(_framed(DOMAIN, b"view", group_id, *members, *keys, *gathered)).digest()
+
+
+def contributors(group_id: bytes, members: Sequence[bytes], limit: int | None) -> frozenset[int]:
+    """The indices of the members whose payloads count in this round: all of them where ``limit`` is None or the
+    group has at most ``limit`` members; else the ``limit`` members of the lowest SHA-256 of (group id, member id)."""
+    if limit is None or len(members) <= limit:
+        return frozenset(range(len(members)))
+    ranked = sorted(range(len(members)),
+                    key=lambda m: hashlib.sha256(_framed(DOMAIN, b"contributor", group_id, members[m])).digest())
+    return frozenset(ranked[:limit])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,9 @@ Rules, and why:
   are refused): any peer may send messages, and each holds a payload's memory while it waits.
 * A member whose gathered data this member cannot use (unreadable, no Ed25519 key) is absent from the round: it
   counts in the group's size for the majority and none of its messages count.
+* Where the group has more than ``max_contributors`` members, only the round's contributors
+  (:func:`~collabopt.engine.gather_protocol.contributors`) send a payload; the others send an empty one of weight 0
+  (they still confirm the set, and apply it), and a statement of positive weight from them is refused.
 """
 
 from __future__ import annotations
@@ -80,12 +83,13 @@ class ExchangeRound:
     for a member whose gathered data does not do: absent, see the module's rules); ``gathered``: each member's
     gathered data as this member received it (raw bytes; in the view the members confirm, see
     :func:`~collabopt.engine.gather_protocol.view_hash`); ``stub_for(peer)``: the member's
-    :class:`ExchangeServicer` stub."""
+    :class:`ExchangeServicer` stub; ``max_contributors``: see the module's rules (None: every member contributes)."""
 
     def __init__(self, *, group_id: bytes, members: Sequence[PeerID], me: int, keys: Sequence[bytes | None],
                  gathered: Sequence[bytes], signing_key: Ed25519PrivateKey, stub_for: Callable[[PeerID], Any],
-                 phase_timeout: float, max_payload_bytes: int):
+                 phase_timeout: float, max_payload_bytes: int, max_contributors: int | None = None):
         self.group_id, self.members, self.me = group_id, tuple(members), me
+        self.contributors = protocol.contributors(group_id, [m.to_bytes() for m in self.members], max_contributors)
         self.signing_key, self.stub_for = signing_key, stub_for
         self.phase_timeout, self.max_payload_bytes = phase_timeout, max_payload_bytes
         self.view = protocol.view_hash(group_id, [m.to_bytes() for m in self.members], [k or b"" for k in keys],
@@ -111,6 +115,9 @@ class ExchangeRound:
             raise Refused("a malformed statement")
         if self.keys[sender] is None:
             raise Refused(f"a statement of {self.members[sender]}, absent from this round (no usable key)")
+        if weight > 0 and sender not in self.contributors:
+            raise Refused(f"a contribution of weight {weight} from {self.members[sender]}, not one of this round's "
+                          f"{len(self.contributors)} contributors")
         statement = protocol.statement_bytes(self.group_id, self.members[sender].to_bytes(), digest, float(weight))
         try:
             self.keys[sender].verify(signature, statement)
@@ -223,8 +230,11 @@ class ExchangeRound:
                            self.members[holder], self.members[sender])
 
     async def run(self, payload: bytes, weight: float, start: float) -> tuple[protocol.Decision | None, str | None]:
-        """The round from this member's side: its decision, and why it must not apply it (None: it may)."""
+        """The round from this member's side: its decision, and why it must not apply it (None: it may). A member
+        that is not one of the round's contributors sends an empty payload of weight 0 instead of ``payload``."""
         others = self.present
+        if self.me not in self.contributors:
+            payload, weight = b"", 0.0
         digest, signature = self.sign(payload, weight)
         self._keep(self.me, digest, weight, signature)
         self.payloads[self.me] = {digest: payload}

@@ -26,6 +26,8 @@ class DiLoCoRoundEvidence:
         received: the share of the average whose result arrived here (see ``RoundEvidence`` in engine/allreduce.py).
         included: the share of those results that hold this peer's values (above 0: its pseudo-gradient reached them;
             0 in a whole round: the robust aggregate left it out, and it counted for no samples).
+        contributed: this peer was one of its round's contributors (compressed DiLoCo's ``max_contributors``; False:
+            its pseudo-gradient waits in its error feedback, sent in a later round, and its samples count).
         average_finite: the averaged pseudo-gradient is finite.
         needs_sync: a download was owed before this round.
         overlapped: the round ran in the background (``overlap_rounds``): the epoch moved on when it started.
@@ -40,6 +42,7 @@ class DiLoCoRoundEvidence:
     error: str = ""
     received: float = 1.0
     included: float = 1.0
+    contributed: bool = True
     average_finite: bool = True
     needs_sync: bool = False
     overlapped: bool = False
@@ -94,6 +97,9 @@ def diloco_round(e: DiLoCoRoundEvidence) -> DiLoCoDecision:
         elif e.included == 0:  # (applied without this peer's pseudo-gradient: the robust aggregate left it out)
             outcome = RoundOutcome(True, "averaged", size, 0.0, n,
                                    detail="the robust aggregate left this peer's pseudo-gradient out")
+        elif not e.contributed:
+            outcome = RoundOutcome(True, "averaged", size, weight, n, detail="not one of this round's contributors: "
+                                   "its pseudo-gradient waits in its error feedback for a later round")
         else:
             outcome = RoundOutcome(True, "averaged", size, weight, n)
     if not outcome.applied and e.overlapped:  # its epoch no longer tells whether the others applied it

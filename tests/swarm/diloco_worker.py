@@ -160,7 +160,8 @@ def main(config_path: str) -> None:
                     epoch=epoch, applied=applied, resynced=copt.diloco.resyncs != before[2],
                     weight=last.weight if applied else None,
                     group_size=getattr(last, "group_size", None) if applied else None,
-                    fed_since_anchor=fed_since_anchor, reason=getattr(last, "reason", "started")))
+                    fed_since_anchor=fed_since_anchor, reason=getattr(last, "reason", "started"),
+                    detail=getattr(last, "detail", "")))
                 if applied:
                     fed_since_anchor = 0
                 if held_out:

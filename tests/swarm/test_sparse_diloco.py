@@ -3,7 +3,8 @@
 (collabopt.engine.gather_exchange) and aggregating them itself.
 
 What is checked: every member of every round applies the bit-identical aggregate (the parameters after each round
-are equal exactly, not within a tolerance; apart between rounds); a peer restarted from its checkpoint gets its
+are equal exactly, not within a tolerance; apart between rounds), also the member that was not one of the round's
+contributors (``max_contributors``); a peer restarted from its checkpoint gets its
 error-feedback buffer back exactly, and a late joiner starts from the swarm's anchor with a zero error-feedback buffer,
 both in one swarm: each applies the same rounds as the others, equal to them exactly; a member
 SIGKILLed after its offer reached one member leaves the others one aggregate (both apply it, the same bits)."""
@@ -26,8 +27,10 @@ OUTER = dict(lr=1.0)  # SparseLoCo's outer step: SGD without momentum (SparseLoC
 
 
 def test_three_peers_apply_bit_identical_aggregates_in_every_round(tmp_path, bootstrap):
+    """max_contributors=2: in each round two members, chosen by the round, send their payloads and the third keeps
+    its pseudo-gradient in its error feedback; all three apply the same aggregate."""
     names = {"a": [8], "b": [16], "c": [24]}
-    configs = peers(unique_run_id("sparse3"), names, epochs=3, sparse=SPARSE, outer=OUTER)
+    configs = peers(unique_run_id("sparse3"), names, epochs=3, sparse=dict(SPARSE, max_contributors=2), outer=OUTER)
     for name in configs:
         configs[name]["finish_with"] = finish_line(tmp_path, *(n for n in names if n != name))
     results, params = run_swarm(tmp_path, bootstrap, configs)
@@ -36,6 +39,8 @@ def test_three_peers_apply_bit_identical_aggregates_in_every_round(tmp_path, boo
     for epoch in range(1, 4):
         rounds = {name: rounds_by_epoch(results[name]).get(epoch, {}) for name in names}
         assert all(rounds[n].get("applied") and rounds[n]["group_size"] == 3 for n in names), (epoch, why)
+        waiting = [n for n in names if "not one of this round's contributors" in rounds[n]["detail"]]
+        assert len(waiting) == 1 and rounds[waiting[0]]["weight"] > 0, (epoch, why)  # (its samples count)
         after = {name: params[name]["after"][epoch] for name in names}
         before = {name: params[name]["before"][epoch] for name in names}
         for x, y in itertools.combinations(names, 2):

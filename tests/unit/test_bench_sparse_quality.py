@@ -18,7 +18,8 @@ def test_variant_names_give_the_compression_and_the_outer_step():
     nesterov = sparse_quality.parse_variant("d0.05-b4-e1.0-nest0.7")
     assert nesterov["compression"] == SparseLoCo(density=0.05, bits=4, error_decay=1.0)
     assert nesterov["outer"] == dict(lr=0.7, momentum=0.9, nesterov=True)
-    for bad in ("fp32", "fp16-sgd", "d0.02-b2-sgd1.0"):
+    assert sparse_quality.parse_variant("d0.02-b2-e0.95-sgd1.0-k4")["compression"].max_contributors == 4
+    for bad in ("fp32", "fp16-sgd", "d0.02-b2-sgd1.0", "d0.02-b2-e0.95-sgd1.0-k"):
         with pytest.raises(SystemExit):
             sparse_quality.parse_variant(bad)
 
@@ -83,3 +84,7 @@ def test_a_tiny_run_pairs_the_initial_model_and_the_batches():
     assert pair["workers"] == 2 and len(pair["union"]) == 1  # (the share of the aggregate's entries not zero)
     assert fp16["bytes_per_param_round"] == 2.0
     assert sparse["bytes_per_param_round"] < 0.2  # (a short last chunk: more than 0.025)
+    # 4 workers, 2 contributors a round: half the payloads; the others keep their pseudo-gradient in their buffer
+    bounded = sparse_quality.run("d0.02-b2-e0.95-sgd1.0-k2", inner_steps=2, rounds=2, seed=0, data=data)
+    assert bounded["bytes_per_param_round"] == pytest.approx(sparse["bytes_per_param_round"] / 2, rel=0.05)
+    assert bounded["losses"] != sparse["losses"]

@@ -33,6 +33,17 @@ def test_a_row_splits_what_the_interfaces_sent_into_the_exchange_and_control():
     assert row["union_median"] == 0.06 and row["numel"] == 1_000_000
 
 
+def test_at_sixteen_peers_the_payloads_are_counted_for_the_rounds_contributors():
+    """SparseLoCo's max_contributors (8): a peer of 16 sends, on average, 8 x 15 / 16 payloads a round."""
+    assert SparseLoCo().max_contributors == 8 and sparse_scale.contributors(4) == 4
+    peers = [record(16, bodies=(0, 2 * 30_000)) for _ in range(2)]
+    for e in peers[1]["exchanges"]:
+        e["contributed"] = False
+    row = sparse_scale.figures(16, peers)
+    assert row["max_contributors"] == 8 and row["contributed_share"] == 0.5
+    assert row["exchange_over_payloads"] == 30_000 / (8 * 15 / 16 * 4_000)
+
+
 def test_a_round_of_fewer_members_is_reported():
     row = sparse_scale.figures(4, [record(4), record(4, group=3)])
     assert row["group_sizes"] == {"3": 2, "4": 2} and not row["all_members"]

@@ -151,3 +151,14 @@ def test_the_servicer_refuses_strangers_and_garbage_with_a_reason_and_never_rais
     assert call("rpc_confirm", MSGPackSerializer.dumps([b"g", 5]), _peer(1))[0] is False
     assert call("rpc_fetch", MSGPackSerializer.dumps([b"g", 2, H1]), _peer(1))[0] is False
     assert "refused offer from" in caplog.text
+
+
+def test_contributors_are_every_member_up_to_the_limit_and_a_fair_choice_of_limit_beyond_it():
+    members = [bytes([i]) * 38 for i in range(16)]
+    assert protocol.contributors(b"g", members[:8], 8) == frozenset(range(8))
+    assert protocol.contributors(b"g", members, None) == frozenset(range(16))
+    chosen = [protocol.contributors(b"round %d" % r, members, 4) for r in range(400)]
+    assert all(len(c) == 4 for c in chosen)
+    assert chosen[0] == protocol.contributors(b"round 0", members, 4)  # (every member makes the same choice)
+    times = [sum(m in c for c in chosen) for m in range(16)]
+    assert min(times) > 60 and max(times) < 140, times  # (each about 100 of 400 rounds: no member left out)

@@ -46,14 +46,16 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
-def _rounds(count: int = 3, absent: tuple[int, ...] = (), max_payload_bytes: int = 100, gathered=None):
+def _rounds(count: int = 3, absent: tuple[int, ...] = (), max_payload_bytes: int = 100, gathered=None,
+            max_contributors: int | None = None):
     """The members' rounds; ``gathered(i)``: the gathered data member i received (default: the same for all)."""
     keys = [Ed25519PrivateKey.generate() for _ in range(count)]
     raw = [None if i in absent else _raw(k) for i, k in enumerate(keys)]
     members = [_peer(i) for i in range(count)]
     gathered = gathered or (lambda i: [b"entry %d" % m for m in range(count)])
     return [ExchangeRound(group_id=b"g", members=members, me=i, keys=raw, gathered=gathered(i), signing_key=keys[i],
-                          stub_for=None, phase_timeout=5.0, max_payload_bytes=max_payload_bytes)
+                          stub_for=None, phase_timeout=5.0, max_payload_bytes=max_payload_bytes,
+                          max_contributors=max_contributors)
             for i in range(count) if i not in absent]
 
 
@@ -200,3 +202,31 @@ def test_members_told_different_metadata_of_a_member_see_different_views_and_non
     same = _rounds()  # (identical gathered data: one view, every member applies)
     assert len({r.view for r in same}) == 1
     assert [reason for _, reason in _run_together(same)] == [None, None, None]
+
+
+def test_only_the_rounds_contributors_send_a_payload_and_every_member_applies_their_set():
+    """max_contributors=2 in a group of 4: the two members chosen send their payloads, the other two an empty one of
+    weight 0; all four decide and apply the same set. A statement of positive weight from a member not chosen is
+    refused by every member (it would make a fifth contribution)."""
+    rounds = _rounds(count=4, max_contributors=2)
+    chosen = rounds[0].contributors
+    assert len(chosen) == 2 and all(r.contributors == chosen for r in rounds)
+    results = _run_together(rounds)
+    assert all(reason is None for _, reason in results)
+    decision = results[0][0]
+    assert all(d == decision for d, _ in results) and decision.senders == (0, 1, 2, 3)
+    for sender, digest, weight in decision.applied:
+        if sender in chosen:
+            assert weight == sender + 1.0 and digest == protocol.payload_hash(b"p%d" % sender)
+        else:
+            assert weight == 0.0 and digest == protocol.payload_hash(b"")
+    outsider = min(set(range(4)) - chosen)
+    receiver = next(r for r in _rounds(count=4, max_contributors=2) if r.me != outsider)
+    sender_round = next(r for r in _rounds(count=4, max_contributors=2) if r.me == outsider)
+    receiver.keys[outsider] = sender_round.signing_key.public_key()
+    _, signature = sender_round.sign(b"more", 1.0)
+    with pytest.raises(Refused, match="not one of this round's 2 contributors"):
+        receiver.on_offer(outsider, [b"more", 1.0, signature])
+    _, empty = sender_round.sign(b"", 0.0)
+    receiver.on_offer(outsider, [b"", 0.0, empty])  # (its part in the round: weight 0)
+    assert list(receiver.held[outsider]) == [(protocol.payload_hash(b""), 0.0)]

@@ -252,6 +252,10 @@ DILOCO_ROUNDS = [
     # every result came, though one holds no values of another member (it was left out): the same bits for all
     (diloco(WHOLE, included=0.7), (True, "averaged", 3, False), False, False),
     (diloco(WHOLE, needs_sync=True), (True, "averaged", 3, True), False, False),
+    # compressed, not one of the round's contributors: it applies the round, its samples count (sent later)
+    (diloco(WHOLE, contributed=False), (True, "averaged", 3, False), False, False),
+    (diloco({"me": MINE, "p1": THEIRS, "p2": THEIRS}, contributed=False), (False, "anchor differs", 3, True), False,
+     False),
     # overlapped: the epoch moved on when the round started: a round not applied leaves it owing a download
     (diloco(error="TimeoutError()", overlapped=True), (False, "averaging failed", 1, True), False, False),
     (diloco({"me": MINE, "p1": MINE}, num_peers=4, overlapped=True), (False, "no quorum", 2, True), False, False),
