@@ -18,7 +18,8 @@ collabopt computes it, without the transport:
   (SGD without momentum, ``SparseLoCo.outer_optimizer(lr)``) or ``nest<lr>`` (SGD, Nesterov momentum 0.9); with
   more workers than ``SparseLoCo.max_contributors`` (``-k``; default: SparseLoCo's), the contributors of each round
   are chosen by the exchange's rule (:func:`collabopt.engine.gather_protocol.contributors`) and the others keep
-  their whole pseudo-gradient in their error feedback (``ErrorFeedback.commit_unsent``), as a peer does;
+  their whole pseudo-gradient in their error feedback (``ErrorFeedback.defer``) and count as zeros in the aggregate
+  (``aggregate(waiting=...)``), as a peer does;
 * ``fp16-sgd<lr>``: the fp16 mean with an outer step without momentum (what the outer step alone changes).
 
 Every variant of a seed starts from the same initial model and trains on the same batches of the same text, so each
@@ -130,11 +131,11 @@ def run(name: str, inner_steps: int, rounds: int, seed: int, data: dict[str, Any
                     feedback[rank].commit()  # (the round is applied: SparsePseudoGradientRounds.settle(applied=True))
                     sent += len(payload)
                     contributions[f"worker-{rank}"] = (float(inner_steps * BATCH), payload)
-                else:  # (not a contributor: its whole pseudo-gradient stays in its buffer)
-                    feedback[rank].commit_unsent()
+                else:  # (not a contributor: its whole pseudo-gradient stays in its buffer, undecayed)
+                    feedback[rank].defer()
             deltas.append(delta)
         if option:
-            averaged = aggregate(contributions, shapes, option.codec)
+            averaged = aggregate(contributions, shapes, option.codec, waiting=workers - len(chosen))
             unions.append(round(sum(int(t.count_nonzero()) for t in averaged) / numel, 5))
         else:
             averaged = fp16_mean(deltas)
@@ -187,19 +188,20 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per corpus, inner-step count, round count and variant: the ratio of its held-out loss to fp16's of the same
     seed after all rounds (median, range) and after half of them (median); meets the bound where the median and
     every seed's final ratio are at most :data:`BOUND`."""
-    def setting(r: dict[str, Any]) -> tuple[str, int, int]:
-        return r["corpus"], r["inner_steps"], r["rounds"]
+    def setting(r: dict[str, Any]) -> tuple[str, int, int, int]:
+        return r["corpus"], r["inner_steps"], r["rounds"], r.get("workers", WORKERS)
 
     base = {(*setting(r), r["seed"]): r for r in runs if r["variant"] == "fp16"}
     rows = []
-    for key in sorted({(*setting(r), r["variant"]) for r in runs}, key=lambda k: (k[1], k[2], k[0], k[3])):
+    for key in sorted({(*setting(r), r["variant"]) for r in runs}, key=lambda k: (k[3], k[1], k[2], k[0], k[4])):
         mine = sorted((r for r in runs if (*setting(r), r["variant"]) == key), key=lambda r: r["seed"])
-        paired = [(r, base[(*key[:3], r["seed"])]) for r in mine if (*key[:3], r["seed"]) in base]
+        paired = [(r, base[(*key[:4], r["seed"])]) for r in mine if (*key[:4], r["seed"]) in base]
         ratios = {r["seed"]: r["final_loss"] / b["final_loss"] for r, b in paired}
         half = key[2] // 2 - 1
         halves = [r["losses"][half] / b["losses"][half] for r, b in paired if half >= 0]
         final = _spread(list(ratios.values()))
-        rows.append(dict(corpus=key[0], inner_steps=key[1], rounds=key[2], variant=key[3], seeds=sorted(ratios),
+        rows.append(dict(corpus=key[0], inner_steps=key[1], rounds=key[2], workers=key[3], variant=key[4],
+                         seeds=sorted(ratios),
                          losses={r["seed"]: round(r["final_loss"], 4) for r in mine},
                          ratios={s: round(v, 4) for s, v in ratios.items()},
                          ratio_median=final["median"], ratio_min=final["min"], ratio_max=final["max"],
@@ -213,8 +215,8 @@ def report(result: dict[str, Any]) -> str:
     """The Markdown table of :func:`summarize`'s rows, after the machine, code, command and corpus of each batch of
     runs."""
     lines = ["# Compressed pseudo-gradients against fp16 DiLoCo (B6's corpus and model, one process)", "",
-             f"{result.get('workers', WORKERS)} workers, AdamW lr {INNER_LR}, batch {BATCH}; rows of the same "
-             "corpus, inner steps and rounds saw the same samples. fp16: the mean of fp16 pseudo-gradients, outer "
+             f"Workers as each row says, AdamW lr {INNER_LR}, batch {BATCH}; rows of the same corpus, workers, "
+             "inner steps and rounds saw the same samples. fp16: the mean of fp16 pseudo-gradients, outer "
              "SGD lr 0.7 Nesterov 0.9 (collabopt's DiLoCo default). Variants: d<density>-b<bits>-e<error "
              "decay>-sgd<lr> (outer SGD without momentum, `SparseLoCo.outer_optimizer(lr)`) or -nest<lr> (Nesterov "
              "0.9), -k<n>: at most n contributors a round (`max_contributors`); fp16-sgd<lr>: fp16 with that "
@@ -229,12 +231,14 @@ def report(result: dict[str, Any]) -> str:
                      f"{m.get('date_utc', '?')}, torch {m.get('torch', '?')}, code {code}; corpus "
                      f"`{corpus['sha256'][:12]}`: the Markdown of commit `{corpus['commit']}`, {corpus['chars']} "
                      "characters.")
-    lines += ["", "| corpus | inner steps | rounds | variant | bytes/param/round | final loss per seed | ratio median "
-              "| range | ratio at half (median) | <= bound |", "|---|---:|---:|---|---:|---|---:|---|---:|:-:|"]
+    lines += ["", "| corpus | workers | inner steps | rounds | variant | bytes/param/round | final loss per seed "
+              "| ratio median | range | ratio at half (median) | <= bound |",
+              "|---|---:|---:|---:|---|---:|---|---:|---|---:|:-:|"]
     for row in result["summary"]:
         losses = ", ".join(f"{v:.4f}" for _, v in sorted(row["losses"].items()))
         bound = "-" if row["variant"] == "fp16" else ("yes" if row["meets_bound"] else "no")
-        lines.append(f"| {row['corpus']} | {row['inner_steps']} | {row['rounds']} | {row['variant']} | "
+        lines.append(f"| {row['corpus']} | {row.get('workers', WORKERS)} | {row['inner_steps']} | {row['rounds']} "
+                     f"| {row['variant']} | "
                      f"{row['bytes_per_param_round']} | {losses} | {row['ratio_median']} | "
                      f"{row['ratio_min']}..{row['ratio_max']} | {row['half_ratio_median']} | {bound} |")
     return "\n".join(lines) + "\n"
@@ -280,9 +284,9 @@ def main(argv: list[str] | None = None) -> None:
             rounds = args.samples_steps // inner_steps
             for seed in args.seeds:
                 for name in args.variants:
-                    key = (data["corpus"]["sha256"][:12], name, inner_steps, rounds, seed)
-                    runs = [r for r in runs if (r["corpus"], r["variant"], r["inner_steps"], r["rounds"], r["seed"])
-                            != key]  # (a run of the same key is replaced)
+                    key = (data["corpus"]["sha256"][:12], name, inner_steps, rounds, seed, args.workers)
+                    runs = [r for r in runs if (r["corpus"], r["variant"], r["inner_steps"], r["rounds"], r["seed"],
+                                                r.get("workers", WORKERS)) != key]  # (the same key: replaced)
                     runs.append(run(name, inner_steps, rounds, seed, data, workers=args.workers))
                     print(f"H={inner_steps} seed {seed} {name:24s} loss {runs[-1]['final_loss']:.4f} "
                           f"({runs[-1]['seconds']:.0f} s)", flush=True)

@@ -44,7 +44,9 @@ class RoundOutcome:
         applied: the round's update was taken (this peer moved to the next epoch).
         reason: one of :data:`ROUND_REASONS`.
         group_size: peers that averaged together (1 when alone or when averaging failed).
-        weight: samples this peer's contribution counted for (0: refused as non-finite).
+        weight: samples this peer's contribution counted for (0: refused as non-finite, or left out by the robust
+            aggregate; a compressed-DiLoCo member that waited, not one of its round's contributors, counts its
+            samples: its error feedback sends its pseudo-gradient in a later round).
         num_peers: the swarm's size as this peer counted it.
         resync: this peer knows its parameters are not the swarm's: it downloads the swarm's state (or takes its
             group's at its next round) before it contributes again.

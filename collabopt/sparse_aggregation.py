@@ -59,21 +59,29 @@ class Aggregate:
 
 
 def aggregate(contributions: Mapping[Hashable, tuple[float, bytes]], shapes: Sequence[Sequence[int]],
-              codec: SparseCodec, aggregation: str = "mean") -> list[torch.Tensor]:
+              codec: SparseCodec, aggregation: str = "mean", waiting: int = 0) -> list[torch.Tensor]:
     """The aggregate (float32 tensors of ``shapes``) of ``contributions``: see :func:`aggregate_set`."""
-    return aggregate_set(contributions, shapes, codec, aggregation).tensors
+    return aggregate_set(contributions, shapes, codec, aggregation, waiting).tensors
 
 
 def aggregate_set(contributions: Mapping[Hashable, tuple[float, bytes]], shapes: Sequence[Sequence[int]],
-                  codec: SparseCodec, aggregation: str = "mean") -> Aggregate:
+                  codec: SparseCodec, aggregation: str = "mean", waiting: int = 0) -> Aggregate:
     """The aggregate (float32 tensors of ``shapes``) of ``contributions``: ``{peer id: (weight, payload)}``, a peer
     id being bytes, str or an object with ``to_bytes()`` (hivemind's ``PeerID``), and the contributions it left out.
 
-    A contribution of weight 0 takes no part. Raises :class:`~collabopt.sparse_codec.PayloadError` (its ``peer``:
-    the sender) for a payload that does not decode, ValueError for a negative or non-finite weight, two ids of the
-    same bytes, no contribution of positive weight, or an unknown ``aggregation``."""
+    A contribution of weight 0 takes no part. ``waiting``: the members of the round that were not among its
+    contributors (``SparseLoCo.max_contributors``) and apply it; they count as contributions of zeros, so the result
+    is scaled by ``n / (n + waiting)``, n the contributions of positive weight (what the whole group would apply if
+    the waiting members' pseudo-gradients, which their error feedback sends later, were zeros; the mean of the n
+    alone would grow the step with the group, each contribution carrying the rounds its sender waited).
+
+    Raises :class:`~collabopt.sparse_codec.PayloadError` (its ``peer``: the sender) for a payload that does not
+    decode, ValueError for a negative or non-finite weight, two ids of the same bytes, no contribution of positive
+    weight, a ``waiting`` that is no int >= 0, or an unknown ``aggregation``."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if type(waiting) is not int or waiting < 0:
+        raise ValueError(f"waiting must be an int >= 0, got {waiting!r}")
     numels = [math.prod(shape) for shape in shapes]
     ordered = sorted(contributions, key=_order_key)
     keys = [_order_key(peer) for peer in ordered]
@@ -106,6 +114,8 @@ def aggregate_set(contributions: Mapping[Hashable, tuple[float, bytes]], shapes:
         capped = cap_weights(weights, WEIGHT_CAP)
         flat = _centered_clip([members[i] for i in kept], _normalized([capped[i] for i in kept]))
         flat = _at_most(flat, _lower_median(norms))
+    if waiting:
+        flat = flat * (len(members) / (len(members) + waiting))
     result = flat.to(torch.float32)
     tensors = [part.view(tuple(shape)) for part, shape in zip(result.split(numels), shapes, strict=True)]
     return Aggregate(tensors, tuple(peers[i] for i in left_out), tuple(left_out.values()))

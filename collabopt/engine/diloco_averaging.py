@@ -185,8 +185,9 @@ class SparsePseudoGradientRounds(_Buffers):
       the peer's own.
     * A joiner starts with a zero buffer: the buffer is not part of the state peers download.
     * A member that is not one of its round's contributors (``SparseLoCo.max_contributors``) sends no payload and
-      applies the round like the others: its error feedback keeps all of its pseudo-gradient, as for a payload the
-      robust aggregate left out, and its next rounds send it.
+      applies the round like the others: its error feedback keeps all of its pseudo-gradient, undecayed
+      (:meth:`~collabopt.error_feedback.ErrorFeedback.defer`), and its next rounds send it. Every member counts the
+      waiting members of the set (anchor agreeing) as contributions of zeros (``aggregate_set(waiting=...)``).
     """
 
     def __init__(self, *, dht: Any, prefix: str, parameters: Sequence[torch.Tensor], sparse: SparseLoCo,
@@ -199,6 +200,7 @@ class SparsePseudoGradientRounds(_Buffers):
         self.bytes_sent = self.bytes_received = 0  # the bodies of the exchange's messages, over all rounds
         self._went_out = False  # the last exchange: not applied here after this member's payload went out
         self._left_out = False  # the last exchange: applied without this member's payload (the robust aggregate)
+        self._waited = False  # the last exchange: this member was not one of its contributors (max_contributors)
         payload_bytes = self.codec.payload_bytes(sum(math.prod(shape) for shape in self.shapes))
         if payload_bytes > MAX_PAYLOAD_LIMIT:
             raise ConfigurationError(
@@ -236,14 +238,17 @@ class SparsePseudoGradientRounds(_Buffers):
     def settle(self, applied: bool) -> None:
         """The round decided (:func:`collabopt.engine.protocol.diloco_round`): the error feedback keeps what this
         round's payload left out where it was ``applied`` (all of the round's update where the robust aggregate left
-        this member's payload out), and stays as before it otherwise; where the payload went
+        this member's payload out, undecayed where it waited: not one of the contributors), and stays as before it
+        otherwise; where the payload went
         out but this member may not apply the set (:meth:`report`), the others may have applied it: the update is
         held for :meth:`settle_delivered` (the round's decision says so too: ``may_have_delivered``). An update
         already held is left to :meth:`settle_delivered`."""
         feedback = self.error_feedback
         if not feedback.staged or feedback.held:
             return
-        if applied and self._left_out:
+        if applied and self._waited:
+            feedback.defer()
+        elif applied and self._left_out:
             feedback.commit_unsent()
         elif applied:
             feedback.commit()
@@ -279,7 +284,7 @@ class SparsePseudoGradientRounds(_Buffers):
         self.bytes_sent += result.sent_bytes
         self.bytes_received += result.received_bytes
         group = dict(result.gathered) if result.group and result.gathered else None
-        self._went_out = self._left_out = False
+        self._went_out = self._left_out = self._waited = False
         if result.applied_set is None:
             if result.group and result.sent_bytes > 0 and result.contributed:
                 self._went_out = True  # (settle holds the error feedback's update)
@@ -290,9 +295,12 @@ class SparsePseudoGradientRounds(_Buffers):
         gathered = dict(result.gathered)
         contributions = {c.peer: (c.weight if protocol.diloco_contributes(gathered, c.peer) else 0.0, c.payload)
                          for c in result.applied_set}
+        waiting = 0 if result.contributors is None else sum(  # (members that apply the round, not chosen for it)
+            1 for c in result.applied_set
+            if c.peer not in result.contributors and protocol.diloco_contributes(gathered, c.peer))
         while True:
             try:
-                average = aggregate_set(contributions, self.shapes, self.codec, self.aggregation)
+                average = aggregate_set(contributions, self.shapes, self.codec, self.aggregation, waiting)
                 break
             except PayloadError as e:  # (every member decodes the same payloads: all leave the same one out)
                 peer = getattr(e, "peer", None)
@@ -306,7 +314,8 @@ class SparsePseudoGradientRounds(_Buffers):
             logger.warning("collabopt: the robust aggregate of this DiLoCo exchange left out %s%s: its pseudo-gradient "
                            "points away from the others' (agreement %.3f, below %s)", peer,
                            " (this peer)" if peer == self.service.p2p.peer_id else "", agreement, AGREEMENT_FLOOR)
-        self._left_out = self.service.p2p.peer_id in average.left_out or not result.contributed
+        self._left_out = self.service.p2p.peer_id in average.left_out
+        self._waited = not result.contributed
         with torch.no_grad(), self.get_tensors() as buffers:
             for buffer, value in zip(buffers, average.tensors, strict=True):
                 buffer.copy_(value)

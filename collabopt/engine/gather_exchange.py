@@ -62,8 +62,9 @@ class ExchangeResult:
     must not apply the round), ``excluded`` (members that sent different payloads to different members), the
     ``group``, what each member ``gathered``, ``error`` (why nothing is applied, or None), and the bytes this member
     sent and received (``sent_bytes`` / ``received_bytes``: the bodies of requests and answers), how long its
-    round took from the payload's hand-over (``round_seconds``) and whether this member was one of the round's
-    contributors (``contributed``; False: it sent an empty payload of weight 0, see ``max_contributors``)."""
+    round took from the payload's hand-over (``round_seconds``), whether this member was one of the round's
+    contributors (``contributed``; False: it sent the empty payload of weight 0, see ``max_contributors``) and who
+    they were (``contributors``; None: every member)."""
 
     applied_set: tuple[Contribution, ...] | None
     excluded: tuple[PeerID, ...]
@@ -74,6 +75,7 @@ class ExchangeResult:
     received_bytes: int = 0
     round_seconds: float = 0.0
     contributed: bool = True
+    contributors: tuple[PeerID, ...] | None = None
 
     @property
     def applied(self) -> bool:
@@ -270,7 +272,8 @@ class ExchangeService(ServiceThread):
             Contribution(members[s], round_.payloads[s][d], w, d) for s, d, w in decision.applied)
         return ExchangeResult(applied, excluded, members, gathered, reason, round_.sent_bytes,
                               round_.received_bytes, time.monotonic() - began,
-                              contributed=round_.me in round_.contributors)
+                              contributed=round_.me in round_.contributors,
+                              contributors=tuple(members[m] for m in sorted(round_.contributors)))
 
     def _unregister(self, group_id: bytes, round_: ExchangeRound) -> None:
         if self.servicer.rounds.get(group_id) is round_:
@@ -292,7 +295,8 @@ class ScheduledExchange(ScheduledWork):
         self._trigger: asyncio.Future | None = None
 
     def run(self, payload: bytes, weight: float = 1.0) -> None:
-        """Hand this member's ``payload`` and ``weight`` to the round. Once only."""
+        """Hand this member's ``payload`` and ``weight`` to the round. Once only. Weight 0, or a round this member
+        does not contribute to (``max_contributors``), sends the empty payload instead."""
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise ValueError(f"payload must be bytes, got {type(payload).__name__}")
         if len(payload) > self.service.max_payload_bytes:

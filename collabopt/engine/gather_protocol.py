@@ -18,12 +18,14 @@ Rules, and why:
   with or without a member killed mid-round; a member that cannot show that does not apply.
   Left open: a hostile member in both majorities that confirms different decisions to two honest members, where it
   also made their evidence differ (a digest shown to one only) and their confirmations to each other were lost.
-* A round's *contributors* (:func:`contributors`): where a group has more members than the exchange's
-  ``max_contributors``, only that many members, chosen from the group id and the member ids (the same choice on every
-  member, a new one every round), send a payload of positive weight; the others take part with an empty one of weight
-  0, and a statement of positive weight from them is refused. Why: every member downloads every contribution, so
-  without a bound a member's traffic grows with the group (15 payloads a round at 16 members against 3 at 4).
-  Left open: the group id is the leader's choice, so a hostile leader can make itself a contributor in every round.
+* A round's *contributors* (:func:`contributors`): where a group has more present members than the exchange's
+  ``max_contributors``, only that many of them, chosen from the group id and the member ids (the same choice on every
+  member, a new one every round), send a payload of positive weight; the others take part with the empty payload of
+  weight 0, and a statement of positive weight from them is refused. A statement of weight 0 must be for the empty
+  payload (:data:`EMPTY_HASH`), so that no member can make the others receive or fetch bytes no aggregate reads. Why:
+  every member downloads every contribution, so without a bound a member's traffic grows with the group (15 payloads
+  a round at 16 members against 3 at 4). Left open: the group id is the leader's draw, so a hostile leader can draw
+  until its own peers are among the contributors (see docs/faults.md).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def payload_hash(payload: bytes) -> bytes:
     return hashlib.sha256(payload).digest()
 
 
+EMPTY_HASH = payload_hash(b"")  # (a statement of weight 0 is for the empty payload)
+
+
 def statement_bytes(group_id: bytes, sender: bytes, digest: bytes, weight: float) -> bytes:
     """What a sender signs for its contribution to one round (``sender``: its ``PeerID.to_bytes()``)."""
     return _framed(DOMAIN, b"statement", group_id, sender, digest, struct.pack(">d", weight))
@@ -61,12 +66,15 @@ def view_hash(group_id: bytes, members: Sequence[bytes], keys: Sequence[bytes], 
     return hashlib.sha256(_framed(DOMAIN, b"view", group_id, *members, *keys, *gathered)).digest()
 
 
-def contributors(group_id: bytes, members: Sequence[bytes], limit: int | None) -> frozenset[int]:
-    """The indices of the members whose payloads count in this round: all of them where ``limit`` is None or the
-    group has at most ``limit`` members; else the ``limit`` members of the lowest SHA-256 of (group id, member id)."""
-    if limit is None or len(members) <= limit:
-        return frozenset(range(len(members)))
-    ranked = sorted(range(len(members)),
+def contributors(group_id: bytes, members: Sequence[bytes], limit: int | None,
+                 absent: Collection[int] = ()) -> frozenset[int]:
+    """The indices of the members whose payloads count in this round: every present member (not in ``absent``)
+    where ``limit`` is None or at most ``limit`` are present; else the ``limit`` present members of the lowest
+    SHA-256 of (group id, member id)."""
+    present = [m for m in range(len(members)) if m not in absent]
+    if limit is None or len(present) <= limit:
+        return frozenset(present)
+    ranked = sorted(present,
                     key=lambda m: hashlib.sha256(_framed(DOMAIN, b"contributor", group_id, members[m])).digest())
     return frozenset(ranked[:limit])
 

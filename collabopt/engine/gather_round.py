@@ -21,9 +21,10 @@ Rules, and why:
   are refused): any peer may send messages, and each holds a payload's memory while it waits.
 * A member whose gathered data this member cannot use (unreadable, no Ed25519 key) is absent from the round: it
   counts in the group's size for the majority and none of its messages count.
-* Where the group has more than ``max_contributors`` members, only the round's contributors
-  (:func:`~collabopt.engine.gather_protocol.contributors`) send a payload; the others send an empty one of weight 0
-  (they still confirm the set, and apply it), and a statement of positive weight from them is refused.
+* Where the group has more than ``max_contributors`` present members, only the round's contributors
+  (:func:`~collabopt.engine.gather_protocol.contributors`) send a payload; the others send the empty one of weight 0
+  (they still confirm the set, and apply it), and a statement of positive weight from them is refused. A statement
+  of weight 0 counts only for the empty payload, which every member holds without fetching it.
 """
 
 from __future__ import annotations
@@ -89,7 +90,6 @@ class ExchangeRound:
                  gathered: Sequence[bytes], signing_key: Ed25519PrivateKey, stub_for: Callable[[PeerID], Any],
                  phase_timeout: float, max_payload_bytes: int, max_contributors: int | None = None):
         self.group_id, self.members, self.me = group_id, tuple(members), me
-        self.contributors = protocol.contributors(group_id, [m.to_bytes() for m in self.members], max_contributors)
         self.signing_key, self.stub_for = signing_key, stub_for
         self.phase_timeout, self.max_payload_bytes = phase_timeout, max_payload_bytes
         self.view = protocol.view_hash(group_id, [m.to_bytes() for m in self.members], [k or b"" for k in keys],
@@ -99,6 +99,8 @@ class ExchangeRound:
         if me in self.absent:
             raise ValueError("this member's own key is not among the group's keys")
         self.present = [m for m in range(len(self.members)) if m != me and m not in self.absent]  # (the others)
+        self.contributors = protocol.contributors(group_id, [m.to_bytes() for m in self.members], max_contributors,
+                                                  self.absent)
         self.held: dict[int, dict[tuple[bytes, float], bytes]] = {}  # sender -> statement -> signature (direct)
         self.payloads: dict[int, dict[bytes, bytes]] = {}  # sender -> payload hash -> payload
         self.digests: dict[int, list[tuple[int, bytes, float]]] = {}  # member -> the statements it holds
@@ -118,6 +120,8 @@ class ExchangeRound:
         if weight > 0 and sender not in self.contributors:
             raise Refused(f"a contribution of weight {weight} from {self.members[sender]}, not one of this round's "
                           f"{len(self.contributors)} contributors")
+        if weight == 0 and digest != protocol.EMPTY_HASH:
+            raise Refused(f"a statement of weight 0 from {self.members[sender]} for a payload that is not empty")
         statement = protocol.statement_bytes(self.group_id, self.members[sender].to_bytes(), digest, float(weight))
         try:
             self.keys[sender].verify(signature, statement)
@@ -231,9 +235,9 @@ class ExchangeRound:
 
     async def run(self, payload: bytes, weight: float, start: float) -> tuple[protocol.Decision | None, str | None]:
         """The round from this member's side: its decision, and why it must not apply it (None: it may). A member
-        that is not one of the round's contributors sends an empty payload of weight 0 instead of ``payload``."""
+        that is not one of the round's contributors, or has ``weight`` 0, sends the empty payload of weight 0."""
         others = self.present
-        if self.me not in self.contributors:
+        if self.me not in self.contributors or weight == 0:
             payload, weight = b"", 0.0
         digest, signature = self.sign(payload, weight)
         self._keep(self.me, digest, weight, signature)
@@ -259,6 +263,9 @@ class ExchangeRound:
                            self.members[sender])
         mine = protocol.decision_hash(self.view, decision)
         end = start + 3 * self.phase_timeout
+        for sender, digest, _ in decision.applied:  # (every member holds the empty payload)
+            if digest == protocol.EMPTY_HASH:
+                self.payloads.setdefault(sender, {})[digest] = b""
         fetches = [asyncio.create_task(self._fetch(s, d, [m for m in self.digests if (s, d, w) in self.digests[m]],
                                                    end)) for s, d, w in decision.applied
                    if d not in self.payloads.get(s, {})]

@@ -40,6 +40,18 @@ def test_an_unknown_aggregation_is_refused_before_any_network(no_network, value)
     assert isinstance(info.value, ValueError)
 
 
+def test_centered_clip_needs_three_contributors_a_compressed_round(no_network):
+    from collabopt.diloco_options import SparseLoCo
+
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ConfigurationError) as info:
+        CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), aggregation="centered_clip",
+                               outer_optimizer=OUTER, pseudo_gradient_compression=SparseLoCo(max_contributors=2),
+                               **SWARM)
+    assert info.value.parameter == "pseudo_gradient_compression" and "at least 3" in str(info.value)
+    assert "max_contributors=3" in str(info.value) and "aggregation='mean'" in str(info.value)
+
+
 def test_a_users_gradient_averager_cannot_be_combined_with_centered_clip(no_network):
     with pytest.raises(ConfigurationError, match="grad_averager_factory"):
         CollabConfig.from_options(aggregation="centered_clip", grad_averager_factory=object, **SWARM)

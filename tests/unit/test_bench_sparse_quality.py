@@ -30,9 +30,10 @@ def test_the_fp16_mean_rounds_each_contribution_and_the_mean():
     assert sparse_quality.fp16_mean(deltas)[0].tolist() == [1.0, 3.0]
 
 
-def canned(variant, seed, losses, inner_steps=20, corpus="aaa"):
+def canned(variant, seed, losses, inner_steps=20, corpus="aaa", workers=4):
     return dict(variant=variant, inner_steps=inner_steps, rounds=len(losses), seed=seed, final_loss=losses[-1],
-                losses=losses, bytes_per_param_round=2.0 if variant == "fp16" else 0.037, corpus=corpus)
+                losses=losses, bytes_per_param_round=2.0 if variant == "fp16" else 0.037, corpus=corpus,
+                workers=workers)
 
 
 def test_ratios_are_paired_by_corpus_and_seed_and_the_bound_needs_every_seed():
@@ -42,8 +43,11 @@ def test_ratios_are_paired_by_corpus_and_seed_and_the_bound_needs_every_seed():
             canned("sparse", 2, [3.0, 2.0, 1.5, 0.99]),
             canned("sparse", 0, [2.0, 1.0], inner_steps=100),  # (no fp16 run of that setting: no ratio)
             canned("fp16", 0, [3.0, 2.0, 1.5, 2.0], corpus="bbb"),
-            canned("sparse", 0, [3.0, 2.0, 1.5, 1.0], corpus="bbb")]
-    rows = {(r["corpus"], r["inner_steps"], r["variant"]): r for r in sparse_quality.summarize(runs)}
+            canned("sparse", 0, [3.0, 2.0, 1.5, 1.0], corpus="bbb"),
+            canned("sparse", 0, [3.0, 2.0, 1.5, 4.0], workers=16)]  # (no fp16 run of 16 workers: no ratio)
+    summary = sparse_quality.summarize(runs)
+    assert [r["ratios"] for r in summary if r["workers"] == 16] == [{}]  # (never paired with 4 workers' fp16)
+    rows = {(r["corpus"], r["inner_steps"], r["variant"]): r for r in summary if r["workers"] == 4}
     assert rows[("bbb", 20, "sparse")]["ratios"] == {0: 0.5}  # (paired with fp16 of its own corpus only)
     rows = {(r["inner_steps"], r["variant"]): r for r in rows.values() if r["corpus"] == "aaa"}
     sparse = rows[(20, "sparse")]
@@ -65,8 +69,8 @@ def test_report_names_each_batchs_host_commit_command_corpus_and_every_row():
     assert "`h`" in text and "load 2.5" in text and "`abc1234` plus uncommitted changes to collabopt/x.py" in text
     assert "`python -m benchmarks.sparse_quality --seeds 0`" in text
     assert "corpus `aaa000000000`: the Markdown of commit `def5678`, 1000 characters" in text
-    assert "| aaa | 20 | 2 | d0.02-b2-e0.95-sgd1.0 | 0.037 | 1.0500 | 1.05 | 1.05..1.05 | 1.0 | no |" in text
-    assert "| aaa | 20 | 2 | fp16 | 2.0 | 1.0000 | 1.0 | 1.0..1.0 | 1.0 | - |" in text
+    assert "| aaa | 4 | 20 | 2 | d0.02-b2-e0.95-sgd1.0 | 0.037 | 1.0500 | 1.05 | 1.05..1.05 | 1.0 | no |" in text
+    assert "| aaa | 4 | 20 | 2 | fp16 | 2.0 | 1.0000 | 1.0 | 1.0..1.0 | 1.0 | - |" in text
 
 
 def test_a_tiny_run_pairs_the_initial_model_and_the_batches():

@@ -108,12 +108,12 @@ def metadata(epoch, anchor_seed):
     return anchor_metadata(epoch, [torch.full((3,), float(anchor_seed))])
 
 
-def exchange_result(members, error=None, sent_bytes=100, contributed=True):
+def exchange_result(members, error=None, sent_bytes=100, contributed=True, contributors=None):
     """``members``: (peer, weight, payload, anchor seed)."""
     gathered = {peer: metadata(4, seed) for peer, _, _, seed in members}
     applied = None if error else tuple(Contribution(peer, payload, weight, b"") for peer, weight, payload, _ in members)
     return ExchangeResult(applied, (), tuple(gathered), gathered, error, sent_bytes, sent_bytes,
-                          contributed=contributed)
+                          contributed=contributed, contributors=contributors)
 
 
 def decide(rounds, result, me="a", weight=10.0):
@@ -171,10 +171,11 @@ def test_a_member_that_may_not_apply_after_its_offers_went_out_downloads_first(r
 
 
 def test_a_member_not_chosen_to_contribute_applies_the_round_and_keeps_its_whole_pseudo_gradient(rounds):
-    """max_contributors: a member not chosen sent an empty payload of weight 0 (the exchange sends it instead of its
-    payload); it applies the contributors' aggregate, its samples count, and its error feedback keeps all of its
-    pseudo-gradient (decay * e + delta) for a later round. A round it could not apply leaves the buffer as before
-    and owes no download (nothing of it went out)."""
+    """max_contributors: a member not chosen sent the empty payload of weight 0 (the exchange sends it instead of its
+    payload); it applies the contributors' aggregate, in which every waiting member of the set whose anchor is the
+    group's counts as zeros, its samples count, and its error feedback keeps all of its pseudo-gradient, undecayed
+    (e + delta), for a later round. A round it could not apply leaves the buffer as before and owes no download
+    (nothing of it went out)."""
     codec, feedback = SPARSE.codec, rounds.error_feedback
     contribute(rounds, pseudo_gradient(1))
     rounds.settle(True)
@@ -182,14 +183,17 @@ def test_a_member_not_chosen_to_contribute_applies_the_round_and_keeps_its_whole
     delta = pseudo_gradient(2)
     contribute(rounds, delta)
     others = {name: codec.encode(pseudo_gradient(seed)) for seed, name in enumerate("bc", start=3)}
-    members = [("a", 0.0, b"", 0)] + [(name, 10.0, payload, 0) for name, payload in others.items()]
-    decision = decide(rounds, exchange_result(members, contributed=False))
+    members = [("a", 0.0, b"", 0)] + [(name, 10.0, payload, 0) for name, payload in others.items()] + [
+        ("d", 0.0, b"", 0), ("e", 0.0, b"", 1)]  # (d waits too; e's anchor is not the group's: not counted)
+    decision = decide(rounds, exchange_result(members, contributed=False, contributors=("b", "c")))
     assert decision.outcome.applied and decision.outcome.weight == 10.0
     assert "not one of this round's contributors" in decision.outcome.detail
     with rounds.get_tensors() as buffers:
-        assert same(buffers, aggregate({n: (10.0, p) for n, p in others.items()}, SHAPES, codec))
+        expected = aggregate({n: (10.0, p) for n, p in others.items()}, SHAPES, codec, waiting=2)
+        assert same(buffers, expected)
+        assert same(expected, [t * 0.5 for t in aggregate({n: (10.0, p) for n, p in others.items()}, SHAPES, codec)])
     rounds.settle(True)
-    kept = [SPARSE.error_decay * b + d for b, d in zip(before, delta, strict=True)]
+    kept = [b + d for b, d in zip(before, delta, strict=True)]
     assert all(torch.allclose(b, k, atol=1e-6) for b, k in zip(feedback.buffers, kept, strict=True))
     contribute(rounds, pseudo_gradient(5))
     failed = decide(rounds, exchange_result(members, error="only 1 of 3 members confirmed this set",

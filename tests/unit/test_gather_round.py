@@ -227,6 +227,15 @@ def test_only_the_rounds_contributors_send_a_payload_and_every_member_applies_th
     _, signature = sender_round.sign(b"more", 1.0)
     with pytest.raises(Refused, match="not one of this round's 2 contributors"):
         receiver.on_offer(outsider, [b"more", 1.0, signature])
+    _, unread = sender_round.sign(b"more", 0.0)
+    with pytest.raises(Refused, match="weight 0 .* not empty"):  # (bytes no aggregate reads: refused)
+        receiver.on_offer(outsider, [b"more", 0.0, unread])
     _, empty = sender_round.sign(b"", 0.0)
     receiver.on_offer(outsider, [b"", 0.0, empty])  # (its part in the round: weight 0)
-    assert list(receiver.held[outsider]) == [(protocol.payload_hash(b""), 0.0)]
+    assert list(receiver.held[outsider]) == [(protocol.EMPTY_HASH, 0.0)]
+
+
+def test_absent_members_are_never_chosen_to_contribute():
+    rounds = _rounds(count=5, absent=(1, 3), max_contributors=2)
+    assert all(len(r.contributors) == 2 and not r.contributors & {1, 3} for r in rounds)
+    assert _rounds(count=4, absent=(2,), max_contributors=3)[0].contributors == {0, 1, 3}

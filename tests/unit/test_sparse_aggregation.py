@@ -187,6 +187,34 @@ def test_a_member_left_out_keeps_its_whole_update_in_its_error_feedback():
     assert not kept.staged
 
 
+def test_a_member_that_waited_keeps_its_whole_pseudo_gradient_undecayed():
+    """Not one of its round's contributors (max_contributors): the round did not take place for its buffer, which
+    keeps buffer + pseudo-gradient, not decay * buffer + pseudo-gradient."""
+    from collabopt.error_feedback import ErrorFeedback
+
+    generator = torch.Generator().manual_seed(3)
+    before, delta = torch.randn(NUMEL, generator=generator), torch.randn(NUMEL, generator=generator)
+    feedback = ErrorFeedback(CODEC, [(NUMEL,)], decay=0.9)
+    feedback.buffers = [before.clone()]
+    feedback.compress([delta])
+    feedback.defer()
+    assert torch.allclose(feedback.buffers[0], before + delta, atol=1e-6) and not feedback.staged
+    with pytest.raises(RuntimeError, match="compress"):
+        feedback.defer()
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "centered_clip"])
+def test_waiting_members_count_as_zeros(aggregation):
+    given = contributions(count=4)
+    alone = flat(aggregate(given, SHAPES, CODEC, aggregation))
+    assert torch.equal(flat(aggregate(given, SHAPES, CODEC, aggregation, waiting=4)),
+                       (alone.to(torch.float64) * 0.5).to(torch.float32))
+    assert torch.equal(flat(aggregate(given, SHAPES, CODEC, aggregation, waiting=0)), alone)
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="waiting"):
+            aggregate(given, SHAPES, CODEC, aggregation, waiting=bad)
+
+
 def test_weights_and_payloads_are_checked_and_a_bad_payload_names_its_sender():
     given = contributions(count=3)
     for bad in (-1.0, float("nan"), float("inf"), True, "1"):
