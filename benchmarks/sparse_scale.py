@@ -179,25 +179,30 @@ def independent_union(n: int, density: float) -> float:
     return 1.0 - (1.0 - density) ** n
 
 
-def reduce_scatter_bytes(n: int, numel: int, union: float, bits: int) -> dict[str, float]:
-    """What a peer sends a round in an all-gather of ``SparseLoCo()`` payloads (``(n - 1) P``) and in a
-    reduce-scatter of their parts (each of the ``n`` reducers gets every member's ``1/n`` slice, then sends its
-    reduced slice to the ``n - 1`` others: ``(n - 1) / n (P + R)``), where ``R``, the reduced whole, keeps the
-    ``union`` of the members' entries at ``bits`` bits in the same format (longest payloads both)."""
+def reduce_scatter_bytes(n: int, numel: int, union: float, bits: int, k: int | None = None) -> dict[str, float]:
+    """What a peer sends a round, on average over the ``n`` members of which ``k`` contribute (default: all), in an
+    all-gather of ``SparseLoCo()`` payloads (``k (n - 1) / n P``) and in a reduce-scatter of their parts (each of
+    the ``n`` reducers gets every contributor's ``1/n`` slice, then sends its reduced slice to the ``n - 1`` others:
+    ``(n - 1) / n (k / n P + R)``), where ``R``, the reduced whole, keeps the ``union`` of the contributors' entries
+    at ``bits`` bits in the same format (longest payloads both)."""
     from collabopt.diloco_options import SparseLoCo
     from collabopt.sparse_codec import SparseCodec
 
     codec = SparseLoCo().codec
     p = codec.payload_bytes(numel)
     r = SparseCodec(density=min(1.0, union), chunk_size=codec.chunk_size, bits=bits).payload_bytes(numel)
-    return dict(all_gather=(n - 1) * p, reduce_scatter=(n - 1) / n * (p + r), reduced_over_payload=r / p)
+    k = n if k is None else k
+    return dict(all_gather=k * (n - 1) / n * p, reduce_scatter=(n - 1) / n * (k / n * p + r),
+                reduced_over_payload=r / p)
 
 
 def break_even(numel: int, bits: int, density: float, largest: int = 64) -> int | None:
     """The smallest group size from which the reduce-scatter sends less than the all-gather, for independent
-    unions (:func:`independent_union`, what the benchmark's simulated pseudo-gradients give)."""
+    unions (:func:`independent_union`, what the benchmark's simulated pseudo-gradients give), both with
+    ``SparseLoCo()``'s contributors a round (:func:`contributors`)."""
     for n in range(2, largest + 1):
-        b = reduce_scatter_bytes(n, numel, independent_union(n, density), bits)
+        k = contributors(n)
+        b = reduce_scatter_bytes(n, numel, independent_union(k, density), bits, k)
         if b["reduce_scatter"] < b["all_gather"]:
             return n
     return None
@@ -229,13 +234,15 @@ def estimates(result: dict[str, Any]) -> list[dict[str, Any]]:
         if "error" in row or _setting(row)[::3] in seen or row["compute_seconds"] != CONFIG["compute_seconds"]:
             continue
         seen.add(_setting(row)[::3])
-        n, real = row["peers"], result.get("unions", {}).get("union", {}).get(str(row["peers"]))
+        n, k = row["peers"], row.get("max_contributors", row["peers"])
+        real = result.get("unions", {}).get("union", {}).get(str(k))  # (the union of k workers' contributions)
         for source, union in (("swarm", row["union_median"]), ("quality bed", real[-1] if real else None)):
             if union is None or union != union:
                 continue
             for bits in (2, 4, 8):
-                b = reduce_scatter_bytes(n, row["numel"], union, bits)
-                rows.append(dict(peers=n, code=row.get("code", ""), union_source=source, union=union, bits=bits, **b))
+                b = reduce_scatter_bytes(n, row["numel"], union, bits, k)
+                rows.append(dict(peers=n, k=k, code=row.get("code", ""), union_source=source, union=union, bits=bits,
+                                 **b))
     return rows
 
 
@@ -317,17 +324,19 @@ def markdown(result: dict[str, Any]) -> str:
                   f"{u['variant']}, {u['inner_steps']} inner steps a round, seed {u['seed']}; after rounds "
                   f"1..{u['rounds']}):", ""]
         lines += [f"- N={n}: " + ", ".join(f"{v:.3f}" for v in values) for n, values in unions["union"].items()]
-    lines += ["", "Reduce-scatter of the sparse parts against the all-gather, payload bytes a peer sends a round "
-              "(longest payloads; the reduced whole in the payload's format at the union's density and 2, 4 or 8 "
-              "bits):", "", "| N | union from | union | bits | reduced / payload | all-gather kB | reduce-scatter kB |",
-              "|---:|---|---:|---:|---:|---:|---:|"]
+    lines += ["", "Reduce-scatter of the sparse parts against the all-gather, payload bytes a peer sends a round, "
+              "mean over the N members of which K contribute (longest payloads; the reduced whole in the payload's "
+              "format at the union of the K contributions' density and 2, 4 or 8 bits):", "",
+              "| N | K | union from | union | bits | reduced / payload | all-gather kB | reduce-scatter kB |",
+              "|---:|---:|---|---:|---:|---:|---:|---:|"]
     for e in estimates(result):
-        lines.append(f"| {e['peers']}{tag(e)} | {e['union_source']} | {e['union']:.4f} | {e['bits']} "
+        lines.append(f"| {e['peers']}{tag(e)} | {e.get('k', e['peers'])} | {e['union_source']} | {e['union']:.4f} "
+                     f"| {e['bits']} "
                      f"| {e['reduced_over_payload']:.2f} | {e['all_gather'] / 1e3:,.0f} "
                      f"| {e['reduce_scatter'] / 1e3:,.0f} |")
     numel = next((r["numel"] for r in result["rows"] if "numel" in r), None)
     if numel:
-        lines += ["", "Break-even group size for independent unions (1 - 0.98^N, as the swarm's): "
+        lines += ["", "Break-even group size for independent unions (1 - 0.98^K, as the swarm's), K as `SparseLoCo()`: "
                   + ", ".join(f"{bits} bits: N = {break_even(numel, bits, 0.02)}" for bits in (2, 4, 8)) + "."]
     return "\n".join(lines) + "\n"
 

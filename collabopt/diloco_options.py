@@ -95,7 +95,8 @@ class SparseLoCo:
 
     ``max_contributors``: in a round of more members, that many of them, chosen anew each round from the round's
     group id (every member makes the same choice), send their payload; the others send none, keep their whole
-    pseudo-gradient in their error-feedback buffer (sent in a later round) and apply the round like the rest. Every
+    pseudo-gradient in their error-feedback buffer, undecayed (sent in a later round), count as zeros in the
+    aggregate and apply the round like the rest. Every
     member downloads every payload of a round, so this bounds what a member receives to ``max_contributors``
     payloads and what it sends to ``max_contributors * (members - 1) / members`` on average, whatever the group's
     size; None: every member contributes every round. Each setting is checked here, before any network starts;

@@ -71,9 +71,10 @@ def aggregate_set(contributions: Mapping[Hashable, tuple[float, bytes]], shapes:
 
     A contribution of weight 0 takes no part. ``waiting``: the members of the round that were not among its
     contributors (``SparseLoCo.max_contributors``) and apply it; they count as contributions of zeros, so the result
-    is scaled by ``n / (n + waiting)``, n the contributions of positive weight (what the whole group would apply if
-    the waiting members' pseudo-gradients, which their error feedback sends later, were zeros; the mean of the n
-    alone would grow the step with the group, each contribution carrying the rounds its sender waited).
+    is scaled by ``n / (n + waiting)``, n the contributions of positive weight the aggregate keeps (one the robust
+    aggregate leaves out counts on neither side): what the whole group would apply if the waiting members'
+    pseudo-gradients, which their error feedback sends later, were zeros. The mean of the n alone would grow the step
+    with the group, each contribution carrying the rounds its sender waited.
 
     Raises :class:`~collabopt.sparse_codec.PayloadError` (its ``peer``: the sender) for a payload that does not
     decode, ValueError for a negative or non-finite weight, two ids of the same bytes, no contribution of positive
@@ -115,7 +116,8 @@ def aggregate_set(contributions: Mapping[Hashable, tuple[float, bytes]], shapes:
         flat = _centered_clip([members[i] for i in kept], _normalized([capped[i] for i in kept]))
         flat = _at_most(flat, _lower_median(norms))
     if waiting:
-        flat = flat * (len(members) / (len(members) + waiting))
+        counted = len(members) - len(left_out)  # (a contribution left out counts for neither side)
+        flat = flat * (counted / (counted + waiting))
     result = flat.to(torch.float32)
     tensors = [part.view(tuple(shape)) for part, shape in zip(result.split(numels), shapes, strict=True)]
     return Aggregate(tensors, tuple(peers[i] for i in left_out), tuple(left_out.values()))

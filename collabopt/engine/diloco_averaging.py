@@ -48,6 +48,10 @@ from collabopt.sparse_codec import VERSION, PayloadError
 
 logger = logging.getLogger(__name__)
 
+# How a compressed round's members aggregate (in the exchange's settings: members of other rules never meet): 2, the
+# waiting members count as zeros (aggregate_set(waiting=...))
+ROUND_RULES = 2
+
 
 def default_pseudo_gradient_compression() -> Any:
     """How pseudo-gradients travel unless ``grad_compression=`` says otherwise: fp16 (OpenDiLoCo found it lossless)."""
@@ -187,7 +191,8 @@ class SparsePseudoGradientRounds(_Buffers):
     * A member that is not one of its round's contributors (``SparseLoCo.max_contributors``) sends no payload and
       applies the round like the others: its error feedback keeps all of its pseudo-gradient, undecayed
       (:meth:`~collabopt.error_feedback.ErrorFeedback.defer`), and its next rounds send it. Every member counts the
-      waiting members of the set (anchor agreeing) as contributions of zeros (``aggregate_set(waiting=...)``).
+      waiting members of the set (weight > 0, anchor the group's) as contributions of zeros, one each whatever
+      weight it claims (``aggregate_set(waiting=...)``).
     """
 
     def __init__(self, *, dht: Any, prefix: str, parameters: Sequence[torch.Tensor], sparse: SparseLoCo,
@@ -210,7 +215,7 @@ class SparsePseudoGradientRounds(_Buffers):
         # (peers of another payload format or other settings never meet in a group: each side would refuse the
         # other's payloads and apply a round of its own)
         settings = repr((self.codec.density, self.codec.chunk_size, self.codec.bits, aggregation, VERSION,
-                         sparse.max_contributors)).encode()
+                         sparse.max_contributors, ROUND_RULES)).encode()
         options = {} if request_timeout is None else {"request_timeout": request_timeout}
         self.service = ExchangeService(
             dht, prefix=f"{prefix}_sparse{hashlib.sha256(settings).hexdigest()[:12]}",
@@ -292,12 +297,13 @@ class SparsePseudoGradientRounds(_Buffers):
                                result.error)
                 return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, received=0.0, included=1.0)
             return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, error=result.error or "no round")
-        gathered = dict(result.gathered)
+        gathered, chosen = dict(result.gathered), result.contributors
         contributions = {c.peer: (c.weight if protocol.diloco_contributes(gathered, c.peer) else 0.0, c.payload)
-                         for c in result.applied_set}
-        waiting = 0 if result.contributors is None else sum(  # (members that apply the round, not chosen for it)
-            1 for c in result.applied_set
-            if c.peer not in result.contributors and protocol.diloco_contributes(gathered, c.peer))
+                         for c in result.applied_set if chosen is None or c.peer in chosen}
+        waiting = sum(1 for c in result.applied_set  # (not chosen, trained, and it applies the round: a zero)
+                      if chosen is not None and c.peer not in chosen and c.weight > 0
+                      and protocol.diloco_contributes(gathered, c.peer))
+        me, dropped = self.service.p2p.peer_id, False
         while True:
             try:
                 average = aggregate_set(contributions, self.shapes, self.codec, self.aggregation, waiting)
@@ -308,13 +314,14 @@ class SparsePseudoGradientRounds(_Buffers):
                     return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, error=f"aggregation failed: {e}")
                 logger.warning("collabopt: a payload of this DiLoCo exchange does not decode, left out: %s", e)
                 contributions[peer] = (0.0, b"")
+                dropped = dropped or peer == me
             except ValueError as e:  # (no contribution of positive weight)
                 return protocol.DiLoCoRoundEvidence(0, 0, 0.0, group=group, error=f"nothing to aggregate: {e}")
         for peer, agreement in zip(average.left_out, average.agreement, strict=True):
             logger.warning("collabopt: the robust aggregate of this DiLoCo exchange left out %s%s: its pseudo-gradient "
                            "points away from the others' (agreement %.3f, below %s)", peer,
-                           " (this peer)" if peer == self.service.p2p.peer_id else "", agreement, AGREEMENT_FLOOR)
-        self._left_out = self.service.p2p.peer_id in average.left_out
+                           " (this peer)" if peer == me else "", agreement, AGREEMENT_FLOOR)
+        self._left_out = me in average.left_out or dropped  # (its payload is not in the aggregate)
         self._waited = not result.contributed
         with torch.no_grad(), self.get_tensors() as buffers:
             for buffer, value in zip(buffers, average.tensors, strict=True):

@@ -20,9 +20,10 @@ Rules, and why:
   also made their evidence differ (a digest shown to one only) and their confirmations to each other were lost.
 * A round's *contributors* (:func:`contributors`): where a group has more present members than the exchange's
   ``max_contributors``, only that many of them, chosen from the group id and the member ids (the same choice on every
-  member, a new one every round), send a payload of positive weight; the others take part with the empty payload of
-  weight 0, and a statement of positive weight from them is refused. A statement of weight 0 must be for the empty
-  payload (:data:`EMPTY_HASH`), so that no member can make the others receive or fetch bytes no aggregate reads. Why:
+  member, a new one every round), send a payload; the others take part with the empty payload (:data:`EMPTY_HASH`)
+  and their weight (weight > 0: they wait, and the aggregate counts them), and a statement of a payload from them is
+  refused. A statement of weight 0 must be for the empty payload too, so that no member can make the others receive
+  or fetch bytes no aggregate reads. Why:
   every member downloads every contribution, so without a bound a member's traffic grows with the group (15 payloads
   a round at 16 members against 3 at 4). Left open: the group id is the leader's draw, so a hostile leader can draw
   until its own peers are among the contributors (see docs/faults.md).

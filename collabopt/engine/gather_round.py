@@ -22,8 +22,8 @@ Rules, and why:
 * A member whose gathered data this member cannot use (unreadable, no Ed25519 key) is absent from the round: it
   counts in the group's size for the majority and none of its messages count.
 * Where the group has more than ``max_contributors`` present members, only the round's contributors
-  (:func:`~collabopt.engine.gather_protocol.contributors`) send a payload; the others send the empty one of weight 0
-  (they still confirm the set, and apply it), and a statement of positive weight from them is refused. A statement
+  (:func:`~collabopt.engine.gather_protocol.contributors`) send a payload; the others send the empty one with their
+  weight (they still confirm the set, and apply it), and a statement of a payload from them is refused. A statement
   of weight 0 counts only for the empty payload, which every member holds without fetching it.
 """
 
@@ -65,7 +65,10 @@ def _message(*fields: Any) -> averaging_pb2.DownloadData:
 
 
 def _is_weight(weight: Any) -> bool:
-    return isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight) and weight >= 0
+    """A finite number >= 0, not -0.0 (which equals 0.0 in a set but not in a decision's hash: a member signing
+    each to different members would make every honest member refuse the round without being excluded)."""
+    return isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight) and \
+        math.copysign(1.0, weight) > 0
 
 
 class Refused(Exception):
@@ -117,9 +120,9 @@ class ExchangeRound:
             raise Refused("a malformed statement")
         if self.keys[sender] is None:
             raise Refused(f"a statement of {self.members[sender]}, absent from this round (no usable key)")
-        if weight > 0 and sender not in self.contributors:
-            raise Refused(f"a contribution of weight {weight} from {self.members[sender]}, not one of this round's "
-                          f"{len(self.contributors)} contributors")
+        if digest != protocol.EMPTY_HASH and sender not in self.contributors:
+            raise Refused(f"a payload from {self.members[sender]}, not one of this round's {len(self.contributors)} "
+                          f"contributors")
         if weight == 0 and digest != protocol.EMPTY_HASH:
             raise Refused(f"a statement of weight 0 from {self.members[sender]} for a payload that is not empty")
         statement = protocol.statement_bytes(self.group_id, self.members[sender].to_bytes(), digest, float(weight))
@@ -235,10 +238,11 @@ class ExchangeRound:
 
     async def run(self, payload: bytes, weight: float, start: float) -> tuple[protocol.Decision | None, str | None]:
         """The round from this member's side: its decision, and why it must not apply it (None: it may). A member
-        that is not one of the round's contributors, or has ``weight`` 0, sends the empty payload of weight 0."""
+        that is not one of the round's contributors sends the empty payload with its ``weight`` (it waits: the
+        others count it, :func:`~collabopt.engine.gather_protocol.contributors`); weight 0 sends the empty payload."""
         others = self.present
         if self.me not in self.contributors or weight == 0:
-            payload, weight = b"", 0.0
+            payload = b""
         digest, signature = self.sign(payload, weight)
         self._keep(self.me, digest, weight, signature)
         self.payloads[self.me] = {digest: payload}

@@ -80,6 +80,10 @@ def test_the_reduce_scatter_sends_its_slices_and_the_reduced_whole():
     denser = sparse_scale.reduce_scatter_bytes(8, numel, union=0.15, bits=8)
     assert denser["reduced_over_payload"] > 0.15 / 0.02  # (more entries, and 8 bits each instead of 2)
     assert sparse_scale.independent_union(1, 0.02) == pytest.approx(0.02)
+    # 8 of 16 contributing: a contributor's slices and the reduced whole of their union, against 8 x 15 / 16 payloads
+    bounded = sparse_scale.reduce_scatter_bytes(16, numel, union=0.02, bits=2, k=8)
+    assert bounded["all_gather"] == pytest.approx(8 * 15 / 16 * p)
+    assert bounded["reduce_scatter"] == pytest.approx(15 / 16 * (8 / 16 * p + p))
     n = sparse_scale.break_even(numel, 2, 0.02)
     assert n is not None
     for size in (n - 1, n):
@@ -97,7 +101,7 @@ def test_the_report_has_every_row_and_the_estimates():
                   unions=dict(settings=sparse_scale.CONFIG["union"], numel=1000, union={"4": [0.05, 0.07]}))
     sparse_scale.add_ratios(result["rows"])
     text = sparse_scale.markdown(result)
-    assert "| 4 | 40 x 0.5 | 1.5 | 5.0 | 4.0 | 12 | 1.000 |" in text and "error: RuntimeError: x" in text
+    assert "| 4 | 4 | 40 x 0.5 | 1.5 | 5.0 | 4.0 | 12 | 1.000 |" in text and "error: RuntimeError: x" in text
     assert "| 4 | quality bed | 0.0700 | 2 |" in text and "| 4 | swarm | 0.0600 | 8 |" in text
     assert "Break-even group size" in text
 

@@ -171,8 +171,8 @@ def test_a_member_that_may_not_apply_after_its_offers_went_out_downloads_first(r
 
 
 def test_a_member_not_chosen_to_contribute_applies_the_round_and_keeps_its_whole_pseudo_gradient(rounds):
-    """max_contributors: a member not chosen sent the empty payload of weight 0 (the exchange sends it instead of its
-    payload); it applies the contributors' aggregate, in which every waiting member of the set whose anchor is the
+    """max_contributors: a member not chosen sent the empty payload with its weight (the exchange sends it instead of
+    its payload); it applies the contributors' aggregate, in which every waiting member of the set whose anchor is the
     group's counts as zeros, its samples count, and its error feedback keeps all of its pseudo-gradient, undecayed
     (e + delta), for a later round. A round it could not apply leaves the buffer as before and owes no download
     (nothing of it went out)."""
@@ -183,8 +183,9 @@ def test_a_member_not_chosen_to_contribute_applies_the_round_and_keeps_its_whole
     delta = pseudo_gradient(2)
     contribute(rounds, delta)
     others = {name: codec.encode(pseudo_gradient(seed)) for seed, name in enumerate("bc", start=3)}
-    members = [("a", 0.0, b"", 0)] + [(name, 10.0, payload, 0) for name, payload in others.items()] + [
-        ("d", 0.0, b"", 0), ("e", 0.0, b"", 1)]  # (d waits too; e's anchor is not the group's: not counted)
+    members = [("a", 10.0, b"", 0)] + [(name, 10.0, payload, 0) for name, payload in others.items()] + [
+        ("d", 99.0, b"", 0), ("e", 10.0, b"", 1), ("f", 0.0, b"", 0)]  # (d waits too, one zero whatever it claims;
+    # e's anchor is not the group's and f trained nothing: neither counts)
     decision = decide(rounds, exchange_result(members, contributed=False, contributors=("b", "c")))
     assert decision.outcome.applied and decision.outcome.weight == 10.0
     assert "not one of this round's contributors" in decision.outcome.detail

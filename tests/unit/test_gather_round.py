@@ -205,9 +205,10 @@ def test_members_told_different_metadata_of_a_member_see_different_views_and_non
 
 
 def test_only_the_rounds_contributors_send_a_payload_and_every_member_applies_their_set():
-    """max_contributors=2 in a group of 4: the two members chosen send their payloads, the other two an empty one of
-    weight 0; all four decide and apply the same set. A statement of positive weight from a member not chosen is
-    refused by every member (it would make a fifth contribution)."""
+    """max_contributors=2 in a group of 4: the two members chosen send their payloads, the other two the empty one
+    with their weight (they wait); all four decide and apply the same set. A payload from a member not chosen is
+    refused by every member (it would make a fifth contribution), and so is a statement of weight 0 for a payload
+    that is not empty, or of weight -0.0 (equal to 0.0 in a set, not in a decision's hash)."""
     rounds = _rounds(count=4, max_contributors=2)
     chosen = rounds[0].contributors
     assert len(chosen) == 2 and all(r.contributors == chosen for r in rounds)
@@ -216,23 +217,25 @@ def test_only_the_rounds_contributors_send_a_payload_and_every_member_applies_th
     decision = results[0][0]
     assert all(d == decision for d, _ in results) and decision.senders == (0, 1, 2, 3)
     for sender, digest, weight in decision.applied:
-        if sender in chosen:
-            assert weight == sender + 1.0 and digest == protocol.payload_hash(b"p%d" % sender)
-        else:
-            assert weight == 0.0 and digest == protocol.payload_hash(b"")
-    outsider = min(set(range(4)) - chosen)
-    receiver = next(r for r in _rounds(count=4, max_contributors=2) if r.me != outsider)
-    sender_round = next(r for r in _rounds(count=4, max_contributors=2) if r.me == outsider)
-    receiver.keys[outsider] = sender_round.signing_key.public_key()
-    _, signature = sender_round.sign(b"more", 1.0)
+        assert weight == sender + 1.0
+        assert digest == (protocol.payload_hash(b"p%d" % sender) if sender in chosen else protocol.EMPTY_HASH)
+    outsider, insider = min(set(range(4)) - chosen), min(chosen)
+    fresh = _rounds(count=4, max_contributors=2)
+    receiver = next(r for r in fresh if r.me not in (outsider, insider))
+    for member in (outsider, insider):
+        receiver.keys[member] = fresh[member].signing_key.public_key()
+    _, signature = fresh[outsider].sign(b"more", 1.0)
     with pytest.raises(Refused, match="not one of this round's 2 contributors"):
         receiver.on_offer(outsider, [b"more", 1.0, signature])
-    _, unread = sender_round.sign(b"more", 0.0)
+    _, unread = fresh[insider].sign(b"more", 0.0)
     with pytest.raises(Refused, match="weight 0 .* not empty"):  # (bytes no aggregate reads: refused)
-        receiver.on_offer(outsider, [b"more", 0.0, unread])
-    _, empty = sender_round.sign(b"", 0.0)
-    receiver.on_offer(outsider, [b"", 0.0, empty])  # (its part in the round: weight 0)
-    assert list(receiver.held[outsider]) == [(protocol.EMPTY_HASH, 0.0)]
+        receiver.on_offer(insider, [b"more", 0.0, unread])
+    _, negative = fresh[insider].sign(b"", -0.0)
+    with pytest.raises(Refused, match="malformed"):
+        receiver.on_offer(insider, [b"", -0.0, negative])
+    _, empty = fresh[outsider].sign(b"", 3.0)
+    receiver.on_offer(outsider, [b"", 3.0, empty])  # (its part in the round: it waits, with its weight)
+    assert list(receiver.held[outsider]) == [(protocol.EMPTY_HASH, 3.0)]
 
 
 def test_absent_members_are_never_chosen_to_contribute():
