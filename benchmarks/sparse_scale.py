@@ -37,6 +37,7 @@ from typing import Any
 
 from benchmarks.common import ROOT, machine_info, median, write_json
 from benchmarks.diloco_wan import SPARSE_WAN, WAN
+from benchmarks.sparse_reduce_scatter import break_even, contributors, reduce_scatter_bytes
 
 RESULTS = ROOT / "benchmarks" / "results"
 DHT_KEYS = ("progress", "metrics", "matchmaking", "state_lists", "routing")  # benchmarks.dht_traffic.CATEGORIES
@@ -54,7 +55,8 @@ def run_size(n: int, steps: int, cfg: dict[str, Any], workdir: Path) -> dict[str
 
     started, load = time.time(), os.getloadavg()[0]
     try:
-        records = run_swarm(dict(cfg, peers=n), dict(SETTINGS, steps_per_epoch=steps), cfg["rate"], workdir,
+        settings = dict(SETTINGS, steps_per_epoch=steps, warmup_epochs=cfg.get("warmup_epochs", 1))
+        records = run_swarm(dict(cfg, peers=n), settings, cfg["rate"], workdir,
                             f"sparse{n}_{steps}")
         row = figures(n, records)
     except Exception as e:  # a size that fails is reported; the others still run
@@ -104,14 +106,6 @@ def figures(n: int, records: list[dict[str, Any]]) -> dict[str, Any]:
                 group_sizes={str(k): v for k, v in sorted(Counter(groups).items(), key=str)},
                 all_members=all(g == n for g in groups) and len(groups) == sum(rounds),
                 union_median=median(unions), numel=records[0]["grad_bytes"] // 4, **dht_split(records))
-
-
-def contributors(n: int) -> int:
-    """How many members of a group of ``n`` contribute a payload each round at ``SparseLoCo()``'s defaults."""
-    from collabopt.diloco_options import SparseLoCo
-
-    limit = SparseLoCo().max_contributors
-    return n if limit is None else min(n, limit)
 
 
 def dht_split(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -171,41 +165,7 @@ def control_fits(rows: list[dict[str, Any]], compute: float = CONFIG["compute_se
     return fits
 
 
-# ---------------------------------------------------------------------------------------------- reduce-scatter
-
-
-def independent_union(n: int, density: float) -> float:
-    """The share of entries some member keeps when each keeps ``density`` of them independently of the others."""
-    return 1.0 - (1.0 - density) ** n
-
-
-def reduce_scatter_bytes(n: int, numel: int, union: float, bits: int, k: int | None = None) -> dict[str, float]:
-    """What a peer sends a round, on average over the ``n`` members of which ``k`` contribute (default: all), in an
-    all-gather of ``SparseLoCo()`` payloads (``k (n - 1) / n P``) and in a reduce-scatter of their parts (each of
-    the ``n`` reducers gets every contributor's ``1/n`` slice, then sends its reduced slice to the ``n - 1`` others:
-    ``(n - 1) / n (k / n P + R)``), where ``R``, the reduced whole, keeps the ``union`` of the contributors' entries
-    at ``bits`` bits in the same format (longest payloads both)."""
-    from collabopt.diloco_options import SparseLoCo
-    from collabopt.sparse_codec import SparseCodec
-
-    codec = SparseLoCo().codec
-    p = codec.payload_bytes(numel)
-    r = SparseCodec(density=min(1.0, union), chunk_size=codec.chunk_size, bits=bits).payload_bytes(numel)
-    k = n if k is None else k
-    return dict(all_gather=k * (n - 1) / n * p, reduce_scatter=(n - 1) / n * (k / n * p + r),
-                reduced_over_payload=r / p)
-
-
-def break_even(numel: int, bits: int, density: float, largest: int = 64) -> int | None:
-    """The smallest group size from which the reduce-scatter sends less than the all-gather, for independent
-    unions (:func:`independent_union`, what the benchmark's simulated pseudo-gradients give), both with
-    ``SparseLoCo()``'s contributors a round (:func:`contributors`)."""
-    for n in range(2, largest + 1):
-        k = contributors(n)
-        b = reduce_scatter_bytes(n, numel, independent_union(k, density), bits, k)
-        if b["reduce_scatter"] < b["all_gather"]:
-            return n
-    return None
+# -------------------------------------------------------------------------------- unions on the quality bed
 
 
 def measure_unions(cfg: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
@@ -268,7 +228,7 @@ def markdown(result: dict[str, Any]) -> str:
              "keeping their pseudo-gradient in their error feedback) with its outer step, rounds of "
              f"{' or '.join(map(str, cfg['steps']))} inner steps of "
              f"{cfg['compute_seconds']} s of simulated compute, `matchmaking_time` {cfg['matchmaking_time']} s; "
-             f"{SETTINGS['measure_epochs']} rounds measured after {SETTINGS['warmup_epochs']}. Per peer and round, "
+             f"{SETTINGS['measure_epochs']} rounds measured after {cfg.get('warmup_epochs', 1)}. Per peer and round, "
              "mean over the peers: *exchange*: the bodies of the all-gather's messages it sent (its payload to "
              "each other member, signatures, hashes, agreement); *control*: what its interface sent beyond them "
              "(DHT, matchmaking, framing). At B6's round: exchange + control/s x "
@@ -366,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="keep the peers' logs and records here")
     parser.add_argument("--code", default=None, help="what code runs, for the report (default: git HEAD)")
     parser.add_argument("--breakdown", action="store_true", help="count every peer's DHT traffic by key too")
+    parser.add_argument("--warmup", type=int, default=1, help="rounds before the measured ones (default 1; more "
+                        "where the first round split and its late members' state downloads would be counted)")
     args = parser.parse_args(argv)
     previous = json.loads((args.out / "sparse_scale.json").read_text()) \
         if (args.out / "sparse_scale.json").exists() else None
@@ -382,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg["compute_seconds"] = args.compute_seconds
     if args.breakdown:
         cfg["peer_options"] = dict(dht_traffic=True)
+    cfg["warmup_epochs"] = args.warmup
     from collabopt.testing.testnet import unavailable_reason
 
     if (reason := unavailable_reason()) is not None:
@@ -399,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{time.strftime('%H:%M:%S')}] N={n}: {json.dumps(result['rows'][-1])}", flush=True)
     if not args.no_unions:
         result["unions"] = measure_unions(cfg, CONFIG["sizes"])
+    elif previous and "unions" in previous:
+        result["unions"] = previous["unions"]
     if args.update and previous:
         ran = {_setting(row) for row in result["rows"]}  # (a row of the same size, steps and compute is replaced)
         kept = [row for row in previous["rows"] if _setting(row) not in ran]

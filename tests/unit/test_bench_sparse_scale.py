@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks import sparse_reduce_scatter as rs
 from benchmarks import sparse_scale
 from collabopt.diloco_options import SparseLoCo
 
@@ -35,7 +36,7 @@ def test_a_row_splits_what_the_interfaces_sent_into_the_exchange_and_control():
 
 def test_at_sixteen_peers_the_payloads_are_counted_for_the_rounds_contributors():
     """SparseLoCo's max_contributors (8): a peer of 16 sends, on average, 8 x 15 / 16 payloads a round."""
-    assert SparseLoCo().max_contributors == 8 and sparse_scale.contributors(4) == 4
+    assert SparseLoCo().max_contributors == 8 and rs.contributors(4) == 4
     peers = [record(16, bodies=(0, 2 * 30_000)) for _ in range(2)]
     for e in peers[1]["exchanges"]:
         e["contributed"] = False
@@ -74,20 +75,20 @@ def test_ratios_compare_rows_of_the_same_round_length_and_the_fit_recovers_a_lin
 def test_the_reduce_scatter_sends_its_slices_and_the_reduced_whole():
     numel, codec = 1_000_000, SparseLoCo().codec
     p = codec.payload_bytes(numel)
-    same = sparse_scale.reduce_scatter_bytes(8, numel, union=0.02, bits=2)  # (a union no denser than a payload)
+    same = rs.reduce_scatter_bytes(8, numel, union=0.02, bits=2)  # (a union no denser than a payload)
     assert same["all_gather"] == 7 * p and same["reduced_over_payload"] == 1.0
     assert same["reduce_scatter"] == pytest.approx(7 / 8 * 2 * p)
-    denser = sparse_scale.reduce_scatter_bytes(8, numel, union=0.15, bits=8)
+    denser = rs.reduce_scatter_bytes(8, numel, union=0.15, bits=8)
     assert denser["reduced_over_payload"] > 0.15 / 0.02  # (more entries, and 8 bits each instead of 2)
-    assert sparse_scale.independent_union(1, 0.02) == pytest.approx(0.02)
+    assert rs.independent_union(1, 0.02) == pytest.approx(0.02)
     # 8 of 16 contributing: a contributor's slices and the reduced whole of their union, against 8 x 15 / 16 payloads
-    bounded = sparse_scale.reduce_scatter_bytes(16, numel, union=0.02, bits=2, k=8)
+    bounded = rs.reduce_scatter_bytes(16, numel, union=0.02, bits=2, k=8)
     assert bounded["all_gather"] == pytest.approx(8 * 15 / 16 * p)
     assert bounded["reduce_scatter"] == pytest.approx(15 / 16 * (8 / 16 * p + p))
-    n = sparse_scale.break_even(numel, 2, 0.02)
+    n = rs.break_even(numel, 2, 0.02)
     assert n is not None
     for size in (n - 1, n):
-        b = sparse_scale.reduce_scatter_bytes(size, numel, sparse_scale.independent_union(size, 0.02), 2)
+        b = rs.reduce_scatter_bytes(size, numel, rs.independent_union(size, 0.02), 2)
         assert (b["reduce_scatter"] < b["all_gather"]) == (size == n)
 
 
