@@ -202,7 +202,8 @@ def b6() -> list[str]:
         "", "WAN bed: 4 peers in network namespaces, about 5M parameters, simulated compute.", ""] + table(
         ["Mbit/s", "mode", "compute utilization", "`step()` overhead ms", "bytes sent per sample",
          "fewer bytes than synchronous"], wan) + ["", machine(load("diloco")["machine"])] + (
-        ["Rows marked † were measured in an earlier run, on " + "; ".join(sorted(earlier_runs)) + "."]
+        [("Rows marked † were measured in earlier runs, on " if len(earlier_runs) > 1 else
+          "Rows marked † were measured in an earlier run, on ") + " and ".join(sorted(earlier_runs)) + "."]
         if earlier_runs else [])
 
 

@@ -96,11 +96,10 @@ class SparseLoCo:
     ``max_contributors``: in a round of more members, that many of them, chosen anew each round from the round's
     group id (every member makes the same choice), send their payload; the others send none, keep their whole
     pseudo-gradient in their error-feedback buffer, undecayed (sent in a later round), count as zeros in the
-    aggregate and apply the round like the rest. Every
-    member downloads every payload of a round, so this bounds what a member receives to ``max_contributors``
-    payloads and what it sends to ``max_contributors * (members - 1) / members`` on average, whatever the group's
-    size; None: every member contributes every round. Each setting is checked here, before any network starts;
-    every peer of a swarm must use the same."""
+    aggregate and apply the round like the rest. Every member downloads every payload of a round, so this bounds
+    what a member receives to ``max_contributors`` payloads and what it sends to ``max_contributors * (members - 1)
+    / members`` on average, whatever the group's size; None: every member contributes every round. Each setting is
+    checked here, before any network starts; every peer of a swarm must use the same."""
 
     density: float = 0.02
     chunk_size: int = 4096

@@ -1,8 +1,8 @@
 """The aggregate of a round's compressed pseudo-gradients, computed by every member from the same contributions.
 
-In the sparse exchange every member receives every member's payload (:mod:`collabopt.sparse_codec`) and aggregates
-them itself, so no member has to trust another's reduction. :func:`aggregate` takes the round's contributions as
-``{peer id: (weight, payload)}`` and returns the aggregate, either
+In the sparse exchange every member receives every contributor's payload (:mod:`collabopt.sparse_codec`) and
+aggregates them itself, so no member has to trust another's reduction. :func:`aggregate` takes the round's
+contributions as ``{peer id: (weight, payload)}`` and returns the aggregate, either
 
 * ``"mean"``: the weighted mean (weights: the samples each member trained on since the last round), or
 * ``"centered_clip"``: first the members whose contribution points away from the others' are left out
@@ -73,8 +73,9 @@ def aggregate_set(contributions: Mapping[Hashable, tuple[float, bytes]], shapes:
     contributors (``SparseLoCo.max_contributors``) and apply it; they count as contributions of zeros, so the result
     is scaled by ``n / (n + waiting)``, n the contributions of positive weight the aggregate keeps (one the robust
     aggregate leaves out counts on neither side): what the whole group would apply if the waiting members'
-    pseudo-gradients, which their error feedback sends later, were zeros. The mean of the n alone would grow the step
-    with the group, each contribution carrying the rounds its sender waited.
+    pseudo-gradients, which their error feedback sends later, were zeros, at the contributors' mean weight each.
+    The mean of the n alone would grow the step with the group, each contribution carrying the rounds its sender
+    waited.
 
     Raises :class:`~collabopt.sparse_codec.PayloadError` (its ``peer``: the sender) for a payload that does not
     decode, ValueError for a negative or non-finite weight, two ids of the same bytes, no contribution of positive

@@ -1,5 +1,6 @@
-"""collabopt's all-gather exchange: every member of a round receives every other member's payload (opaque bytes,
-e.g. a compressed pseudo-gradient) and aggregates for itself, so that no member has to trust another's reduction.
+"""collabopt's all-gather exchange: every member of a round receives every contributor's payload (opaque bytes, e.g.
+a compressed pseudo-gradient; every other member's up to ``max_contributors``) and aggregates for itself, so that no
+member has to trust another's reduction.
 
 Rules, and why:
 
@@ -63,7 +64,7 @@ class ExchangeResult:
     ``group``, what each member ``gathered``, ``error`` (why nothing is applied, or None), and the bytes this member
     sent and received (``sent_bytes`` / ``received_bytes``: the bodies of requests and answers), how long its
     round took from the payload's hand-over (``round_seconds``), whether this member was one of the round's
-    contributors (``contributed``; False: it sent the empty payload of weight 0, see ``max_contributors``) and who
+    contributors (``contributed``; False: it sent the empty payload with its weight, see ``max_contributors``) and who
     they were (``contributors``; None: every member)."""
 
     applied_set: tuple[Contribution, ...] | None

@@ -10,9 +10,10 @@ Rules, and why:
   what it decides by); (3) confirmations of the decision hash, while payloads it lacks are fetched from a member
   whose digest holds them (checked against the signed hash).
 * Everything from the network is checked before it counts: the sender is a member (its authenticated libp2p peer
-  id), a payload is at most ``max_payload_bytes``, a weight is finite and >= 0, a signature verifies under the key
-  the sender announced. What fails is refused with a logged reason, never raised in the service. At most two
-  statements of a sender are kept (two prove it equivocated), so a hostile member cannot grow a member's memory.
+  id), a payload is at most ``max_payload_bytes``, a weight is finite and >= 0 (not -0.0), a signature verifies
+  under the key the sender announced. What fails is refused with a logged reason, never raised in the service. At
+  most two statements of a sender are kept (two prove it equivocated), so a hostile member cannot grow a member's
+  memory.
 * Messages are unary calls (msgpack in ``DownloadData.metadata``): a payload must fit one daemon message
   (:data:`MAX_PAYLOAD_LIMIT`).
 * A message for a group this member has not registered yet (the leader's last matchmaking message may come after a

@@ -88,8 +88,10 @@ def test_the_reduce_scatter_sends_its_slices_and_the_reduced_whole():
     n = rs.break_even(numel, 2, 0.02)
     assert n is not None
     for size in (n - 1, n):
-        b = rs.reduce_scatter_bytes(size, numel, rs.independent_union(size, 0.02), 2)
+        k = rs.contributors(size)
+        b = rs.reduce_scatter_bytes(size, numel, rs.independent_union(k, 0.02), 2, k)
         assert (b["reduce_scatter"] < b["all_gather"]) == (size == n)
+    assert rs.break_even(numel, 8, 0.02) is None  # (8 contributors at most: at 8 bits the all-gather stays cheaper)
 
 
 def test_the_report_has_every_row_and_the_estimates():
@@ -98,12 +100,15 @@ def test_the_report_has_every_row_and_the_estimates():
     result = dict(machine=dict(host="h", cpu="c", cpus=2, date_utc="d", torch="t", hivemind="hm", git_commit="abc"),
                   config=dict(sparse_scale.CONFIG, steps=[40]),
                   rows=[row, dict(peers=8, steps_per_round=40, compute_seconds=0.5, load_avg_at_start=2.0,
-                             error="RuntimeError: x")],
+                             error="RuntimeError: x"),
+                        dict(sparse_scale.figures(16, [record(16), record(16)]), steps_per_round=40,
+                             compute_seconds=0.5, load_avg_at_start=3.0)],
                   unions=dict(settings=sparse_scale.CONFIG["union"], numel=1000, union={"4": [0.05, 0.07]}))
     sparse_scale.add_ratios(result["rows"])
     text = sparse_scale.markdown(result)
-    assert "| 4 | 4 | 40 x 0.5 | 1.5 | 5.0 | 4.0 | 12 | 1.000 |" in text and "error: RuntimeError: x" in text
-    assert "| 4 | quality bed | 0.0700 | 2 |" in text and "| 4 | swarm | 0.0600 | 8 |" in text
+    assert "\n| 4 | 4 | 40 x 0.5 | 1.5 | 5.0 | 4.0 | 12 | 1.000 |" in text and "error: RuntimeError: x" in text
+    assert "\n| 16 | 8 | 40 x 0.5 | 3.0 |" in text  # (K: 8 of 16 contribute)
+    assert "\n| 4 | 4 | quality bed | 0.0700 | 2 |" in text and "\n| 4 | 4 | swarm | 0.0600 | 8 |" in text
     assert "Break-even group size" in text
 
 

@@ -159,6 +159,7 @@ def test_contributors_are_every_member_up_to_the_limit_and_a_fair_choice_of_limi
     assert protocol.contributors(b"g", members, None) == frozenset(range(16))
     chosen = [protocol.contributors(b"round %d" % r, members, 4) for r in range(400)]
     assert all(len(c) == 4 for c in chosen)
-    assert chosen[0] == protocol.contributors(b"round 0", members, 4)  # (every member makes the same choice)
+    assert chosen[0] == frozenset({3, 6, 8, 9})  # (pinned: every peer of this rule chooses alike)
+    assert {15 - m for m in protocol.contributors(b"round 0", members[::-1], 4)} == chosen[0]  # (by id, not order)
     times = [sum(m in c for c in chosen) for m in range(16)]
     assert min(times) > 60 and max(times) < 140, times  # (each about 100 of 400 rounds: no member left out)

@@ -149,19 +149,22 @@ def test_an_absent_members_messages_and_statements_do_not_count():
 class _Stub:
     """A member's stub that hands each message straight to another member's servicer."""
 
-    def __init__(self, servicer: ExchangeServicer, caller: PeerID):
-        self.servicer, self.caller = servicer, caller
+    def __init__(self, servicer: ExchangeServicer, caller: PeerID, calls: list | None = None):
+        self.servicer, self.caller, self.calls = servicer, caller, calls
 
     def __getattr__(self, rpc: str):
         async def call(request, timeout):
+            if self.calls is not None:
+                self.calls.append((self.caller, rpc))
             context = P2PContext(handle_name=rpc, local_id=_peer(0), remote_id=self.caller)
             return await getattr(self.servicer, rpc)(request, context)
         return call
 
 
-def _run_together(rounds, asked: set | None = None) -> list:
+def _run_together(rounds, asked: set | None = None, weight=lambda i: i + 1.0, calls: list | None = None) -> list:
     """Run the members' ``rounds`` against each other in one loop, each member's messages handed straight to the
-    others' servicers; member i's payload: b"p<i>" of weight i + 1. The (decision, reason) of each."""
+    others' servicers (``calls``: (caller, rpc) of each message); member i's payload: b"p<i>" of ``weight(i)``. The
+    (decision, reason) of each."""
     async def scenario():
         servicers = {}
         for round_ in rounds:
@@ -171,11 +174,11 @@ def _run_together(rounds, asked: set | None = None) -> list:
         def stub_for(peer: PeerID, me: PeerID) -> _Stub:
             if asked is not None:
                 asked.add(peer)
-            return _Stub(servicers[peer], me)
+            return _Stub(servicers[peer], me, calls)
         for round_ in rounds:
             round_.stub_for = lambda peer, me=round_.members[round_.me]: stub_for(peer, me)
         start = time.monotonic()
-        return await asyncio.gather(*(r.run(b"p%d" % r.me, r.me + 1.0, start) for r in rounds))
+        return await asyncio.gather(*(r.run(b"p%d" % r.me, weight(r.me), start) for r in rounds))
     return asyncio.run(scenario())
 
 
@@ -242,3 +245,24 @@ def test_absent_members_are_never_chosen_to_contribute():
     rounds = _rounds(count=5, absent=(1, 3), max_contributors=2)
     assert all(len(r.contributors) == 2 and not r.contributors & {1, 3} for r in rounds)
     assert _rounds(count=4, absent=(2,), max_contributors=3)[0].contributors == {0, 1, 3}
+
+
+def test_a_member_of_weight_zero_sends_the_empty_payload_which_nobody_fetches():
+    """Weight 0 (nothing trained): the member sends the empty payload whatever it was handed; and a waiting member's
+    statement that one member got only through the others' digests needs no fetch: every member holds the empty
+    payload."""
+    results = _run_together(_rounds(), weight=lambda i: 0.0 if i == 0 else i + 1.0)
+    assert all(reason is None for _, reason in results)
+    assert all(decision.applied[0] == (0, protocol.EMPTY_HASH, 0.0) for decision, _ in results)
+    rounds, calls = _rounds(count=4, max_contributors=2), []
+    waiting = min(set(range(4)) - rounds[0].contributors)
+    blind = next(m for m in range(4) if m != waiting)
+
+    async def offer_to_all_but_one(payload, weight, digest, signature, deadline, me=rounds[waiting]):
+        await asyncio.gather(*(me._call(m, "rpc_offer", deadline, payload, weight, signature)
+                               for m in me.present if m != blind))
+    rounds[waiting].send_offers = offer_to_all_but_one
+    results = _run_together(rounds, calls=calls)
+    assert all(reason is None for _, reason in results)
+    assert rounds[blind].payloads[waiting] == {protocol.EMPTY_HASH: b""} and waiting not in rounds[blind].held
+    assert not [call for call in calls if call[1] == "rpc_fetch"]

@@ -271,6 +271,8 @@ def test_a_diloco_round_is_applied_only_if_sound(evidence, expected, delivered, 
     assert (decision.needs_sync, decision.may_have_delivered, decision.nonfinite_average) == (expected[3], delivered,
                                                                                               nonfinite)
     assert outcome.epoch == 5 and outcome.weight == evidence.weight
+    if not evidence.contributed and outcome.applied:
+        assert "not one of this round's contributors" in outcome.detail
 
 
 # ------------------------------------------------------------------------------------------------- both modes

@@ -121,6 +121,10 @@ def test_centered_clip_leaves_out_a_contribution_that_points_away_from_the_other
     result = aggregate_set(dict(honest, hostile=(weight, payload(hostile))), SHAPES, CODEC, "centered_clip")
     assert result.left_out == ("hostile",) and result.agreement[0] < AGREEMENT_FLOOR
     assert torch.equal(flat(result.tensors), flat(aggregate(honest, SHAPES, CODEC, "centered_clip")))
+    # with 3 members waiting: the 3 kept count against them, the one left out on neither side (3 / (3 + 3))
+    waited = aggregate_set(dict(honest, hostile=(weight, payload(hostile))), SHAPES, CODEC, "centered_clip", waiting=3)
+    assert waited.left_out == ("hostile",)
+    assert torch.equal(flat(waited.tensors), (flat(result.tensors).double() * 0.5).float())
     clean = aggregate_set(dict(honest, other=(1.0, payload(members[3]))), SHAPES, CODEC, "centered_clip")
     assert clean.left_out == ()  # an honest member agrees with the others
     assert aggregate_set(dict(honest, hostile=(weight, payload(hostile))), SHAPES, CODEC).left_out == ()  # (mean)
