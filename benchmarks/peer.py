@@ -61,20 +61,42 @@ def diloco_options(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def instrument_averaging(grad_averager: Any, events: list[dict[str, Any]]) -> None:
-    """Record trigger and completion wall times of every gradient all-reduce this peer runs (hivemind's averagers'
-    ``step``; DiLoCo's pseudo-gradient rounds have none: nothing is recorded for them)."""
+    """Record trigger and completion wall times of every gradient all-reduce this peer runs (the gradient averager's
+    ``step``: hivemind's returns a ``StepControl``; collabopt's a ``GradientRound`` whose scheduled round reports its
+    end, or with ``wait`` the round's result once it ended). DiLoCo's pseudo-gradient rounds have no ``step``: nothing
+    is recorded for them."""
     original = getattr(grad_averager, "step", None)
     if original is None:
         return
 
+    def watch(scheduled: Any, event: dict[str, Any]) -> None:  # collabopt's round: its end, in the service's thread
+        def ended() -> None:
+            event["done"] = time.time()
+            result = scheduled.result(0)
+            event["ok"] = result.tensors is not None and result.error is None
+        scheduled.on_done(ended)
+
     def step(*args: Any, **kwargs: Any) -> Any:
-        event = {"trigger": time.time(), "prescheduled": kwargs.get("control") is not None}
-        control = original(*args, **kwargs)
-        if control is not None and hasattr(control, "add_done_callback"):
+        given = kwargs.get("control")
+        event = {"trigger": time.time(), "prescheduled": given is not None}
+        if hasattr(given, "scheduled"):
+            watch(given.scheduled, event)
+        try:
+            control = original(*args, **kwargs)
+        except Exception:
+            event.setdefault("done", time.time())
+            event["ok"] = False
+            events.append(event)
+            raise
+        if hasattr(control, "add_done_callback"):  # hivemind's StepControl
             def done(future: Any) -> None:
                 event["done"] = time.time()
                 event["ok"] = not future.cancelled() and future.exception() is None
             control.add_done_callback(done)
+        elif hasattr(control, "scheduled") and given is None:  # collabopt's round, wait=False
+            watch(control.scheduled, event)
+        elif given is None:  # collabopt's round with wait: it ended before step() returned
+            event["done"], event["ok"] = time.time(), True
         events.append(event)
         return control
 

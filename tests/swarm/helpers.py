@@ -29,10 +29,11 @@ WORKER = HERE / "peer_worker.py"
 IN_NETNS = ROOT / "tests" / "net" / "in_netns.py"
 
 
-# Peers of a swarm agree to float rounding, not always to the last bit: hivemind's all-reduce returns each peer
-# `averaged - local` (hivemind/averaging/allreduce.py) and the peer adds it to its own tensor, so peers whose inputs
-# differed (every peer's local gradients do) can end a few ulps apart. Usually 0.0; seen once 1.9e-9 after 5 epochs.
-# Ranks of one node (parameters broadcast) and single-process equivalences are compared exactly.
+# Peers of a swarm agree to float rounding: collabopt's all-reduce sends every member the same bytes of each averaged
+# part (peers that apply the same rounds in the default mode end bit-identical), but where a round's result is added
+# to a peer's local progress (the delta rule: use_local_updates with delay_state_averaging) peers can end ulps apart.
+# One tolerance for every mode. Ranks of one node (parameters broadcast) and single-process equivalences are compared
+# exactly.
 SWARM_ROUNDING = 1e-6
 
 

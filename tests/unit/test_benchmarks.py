@@ -212,3 +212,66 @@ def test_fair_bed_queues_per_peer_and_congestion_control():
             cc = subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-n", "net.ipv4.tcp_congestion_control"],
                                 capture_output=True, text=True).stdout.strip()
             assert cc == "reno"
+
+
+def test_allreduce_timing_reads_collabopt_rounds_and_hivemind_controls():
+    """B3's all-reduce time comes from the gradient averager's step: collabopt's round reports its end (prescheduled
+    or not, waited for or not), hivemind's StepControl is a future; a round that failed or raised is not ok."""
+    import concurrent.futures
+    import types
+
+    from benchmarks.peer import instrument_averaging
+    from benchmarks.swarmrun import allreduce_seconds
+
+    class Scheduled:  # the part of collabopt's ScheduledRound the timing reads
+        def __init__(self, error=None):
+            self.callbacks, self.error = [], error
+
+        def on_done(self, callback):
+            self.callbacks.append(callback)
+
+        def result(self, timeout=None):
+            return types.SimpleNamespace(tensors=None if self.error else [], error=self.error)
+
+        def end(self):
+            for callback in self.callbacks:
+                callback()
+
+    def averager(step):
+        events = []
+        holder = types.SimpleNamespace(step=step)
+        instrument_averaging(holder, events)
+        return holder, events
+
+    # collabopt, prescheduled, waited for: the round ends inside step()
+    round_ = types.SimpleNamespace(scheduled=Scheduled())
+    holder, events = averager(lambda **kw: (kw["control"].scheduled.end(), {"me": {}})[1])
+    assert holder.step(control=round_) == {"me": {}}
+    assert events[0]["ok"] and events[0]["done"] >= events[0]["trigger"] and events[0]["prescheduled"]
+    # collabopt, not waited for (delay_grad_averaging): the end comes later
+    later = types.SimpleNamespace(scheduled=Scheduled(error="no quorum"))
+    holder, events = averager(lambda **kw: later)
+    holder.step(wait=False)
+    assert "done" not in events[0]
+    later.scheduled.end()
+    assert events[0]["done"] >= events[0]["trigger"] and events[0]["ok"] is False
+    # collabopt, scheduled inside step() and waited for; then a step that raised
+    def failing(**kw):
+        raise RuntimeError("round failed")
+    holder, events = averager(lambda **kw: {"me": {}})
+    holder.step()
+    assert events[0]["ok"] is True and events[0]["done"] >= events[0]["trigger"]
+    holder, events = averager(failing)
+    with pytest.raises(RuntimeError):
+        holder.step()
+    assert events[0]["ok"] is False
+    # hivemind: a StepControl is a future
+    future = concurrent.futures.Future()
+    holder, events = averager(lambda **kw: future)
+    holder.step(wait=False)
+    future.set_result(None)
+    assert events[0]["ok"] is True
+    # two peers' rounds pair by trigger time; the first event of each peer is skipped
+    records = [{"averaging": [dict(trigger=t, done=t + d, ok=True) for t, d in ((0, 1), (10.0, 2.5))]},
+               {"averaging": [dict(trigger=t + 0.5, done=t + 0.5 + d, ok=True) for t, d in ((0, 1), (10.0, 2.0))]}]
+    assert allreduce_seconds(records) == [2.0]
