@@ -77,12 +77,13 @@ class AveragingResult:
 
 @dataclasses.dataclass
 class _Search:
-    """What hivemind's ``Matchmaking.look_for_group`` reads of its ``StepControl``: when to begin, when to give up,
-    and the bytes to gather."""
+    """What hivemind's ``Matchmaking.look_for_group`` reads of its ``StepControl`` (when to begin, when to give up,
+    the bytes to gather), and the rule this peer's gate applies while it leads (:meth:`AveragingService.schedule`)."""
 
     scheduled_time: float
     deadline: float
     data_for_gather: bytes
+    admits: Callable[[Any], bool] | None = None
 
     def get_timeout(self) -> float:
         return max(0.0, self.deadline - get_dht_time())
@@ -157,15 +158,15 @@ class AveragingService(ServiceThread):
         return scheduled.result()
 
     def schedule(self, template: Sequence[torch.Tensor], timeout: float = 30.0, gather: Any = None,
-                 scheduled_time: float | None = None,
-                 contributes: Callable[[dict[PeerID, Any]], bool] | None = None,
-                 target_group_size: Any = ...) -> ScheduledRound:
+                 scheduled_time: float | None = None, contributes: Callable[[dict[PeerID, Any]], bool] | None = None,
+                 target_group_size: Any = ..., admits: Callable[[Any], bool] | None = None) -> ScheduledRound:
         """Begin a round now whose tensors come later (:meth:`ScheduledRound.run`): matchmaking assembles a group
         for tensors shaped like ``template`` until ``scheduled_time`` (DHT time; default: ``matchmaking_time`` from
         now) and gives up ``timeout`` seconds from now; the all-reduce begins once the group is assembled and the
         tensors are handed over. ``contributes(gathered)``: asked once the group is known; False: this member takes
         part with weight 0 and zeros (its values must not count in this group, e.g. they belong to another epoch).
-        ``target_group_size``: this round's (default: the service's)."""
+        ``admits(theirs)``: asked, while this peer leads, of each peer that asks to join (what it gathers); False
+        refuses it (it looks for another leader). ``target_group_size``: this round's (default: the service's)."""
         if self._closed:
             raise RuntimeError("this AveragingService is closed")
         _check_tensors(template)
@@ -175,7 +176,7 @@ class AveragingService(ServiceThread):
         schema = round_schema(shapes, self.compression, self.part_size_bytes, self.aggregation)
         now = get_dht_time()
         search = _Search(scheduled_time=now + self.matchmaking_time if scheduled_time is None else scheduled_time,
-                         deadline=now + timeout, data_for_gather=b"")
+                         deadline=now + timeout, data_for_gather=b"", admits=admits)
         scheduled = ScheduledRound(self, shapes, float(timeout))
         scheduled._trigger = self._event_loop.create_future()  # (set and read in the service's thread only)
         scheduled._future = asyncio.run_coroutine_threadsafe(
@@ -331,24 +332,28 @@ class ScheduledRound(ScheduledWork):
 
 
 class _MemberGate:
-    """The matchmaking of one tensor schema, behind the swarm key: a join request whose gathered data carries no
-    valid member token of the caller is refused before hivemind's matchmaking reads it (``PROTOCOL_VIOLATION``)."""
+    """The matchmaking of one tensor schema, behind the swarm key and the search's own rule: a join request whose
+    gathered data carries no valid member token of the caller is refused before hivemind's matchmaking reads it
+    (``PROTOCOL_VIOLATION``), and so is one the search this peer leads does not admit (``BAD_GROUP_KEY``: the caller
+    looks for another leader; see :meth:`AveragingService.schedule`)."""
 
     def __init__(self, matchmaking: Matchmaking, key: SwarmKey | None, scope: str):
         self.matchmaking, self.key, self.scope = matchmaking, key, scope
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
                              context: P2PContext) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
+        entry = _loads(request.gather)
         if self.key is not None:
-            try:
-                entry = MSGPackSerializer.loads(request.gather)
-            except Exception:
-                entry = None
             refusal = _token_refusal(entry, self.key, self.scope, context.remote_id.to_bytes())
             if refusal is not None:
                 logger.warning("collabopt: refused %s in matchmaking: %s", context.remote_id, refusal)
                 yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
                 return
+        admits = getattr(getattr(self.matchmaking, "step_control", None), "admits", None)
+        if admits is not None and isinstance(entry, (list, tuple)) and len(entry) == 3 and not admits(entry[1]):
+            logger.debug("collabopt: this search does not admit %s (%r)", context.remote_id, entry[1])
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
+            return
         async for message in self.matchmaking.rpc_join_group(request, context):
             yield message
 
@@ -358,17 +363,19 @@ def declaration_for(request: averaging_pb2.JoinRequest, context: P2PContext, mat
     """A service's declaration for a member that asks (:class:`~collabopt.engine.group_search.SearchDHT`), given its
     ``matchmaking`` for the request's tensors (None: tensors it never matched, and the caller is no hint); with a
     swarm ``key``, only for a caller whose member token proves it a member."""
-    if key is not None:
-        try:
-            entry = MSGPackSerializer.loads(request.gather)
-        except Exception:
-            entry = None
-        if _token_refusal(entry, key, prefix, context.remote_id.to_bytes()) is not None:
-            return None
+    if key is not None and _token_refusal(_loads(request.gather), key, prefix, context.remote_id.to_bytes()):
+        return None
     if matchmaking is None:
         return None
     hints.add_caller(context.remote_id)
     return declared_expiration(matchmaking, request.group_key)
+
+
+def _loads(data: bytes) -> Any:
+    try:
+        return MSGPackSerializer.loads(data)
+    except Exception:
+        return None
 
 
 def _token_refusal(entry: Any, key: SwarmKey, scope: str, peer_id: bytes) -> str | None:

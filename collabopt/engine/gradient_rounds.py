@@ -238,9 +238,11 @@ class GradientRounds:
     def schedule_step(self, timeout: float | None = None, gather: Any = None, **_: Any) -> GradientRound:
         """Begin matchmaking for a round of these buffers now; the round gathers ``gather`` (this peer's epoch in
         it decides whether its gradients count in its group: :func:`collabopt.engine.protocol.sync_contributes`)."""
-        contributes = functools.partial(protocol.sync_contributes, gather) if isinstance(gather, dict) else None
-        scheduled = self.service.schedule(self._buffers, timeout=timeout or self.allreduce_timeout, gather=gather,
-                                          contributes=contributes)
+        mine = gather if isinstance(gather, dict) else None
+        scheduled = self.service.schedule(
+            self._buffers, timeout=timeout or self.allreduce_timeout, gather=gather,
+            contributes=None if mine is None else functools.partial(protocol.sync_contributes, mine),
+            admits=None if mine is None else functools.partial(protocol.sync_admits, mine))
         return GradientRound(self, scheduled)
 
     def step(self, weight: float | None = None, reset_accumulators: bool = True, control: GradientRound | None = None,

@@ -133,6 +133,7 @@ class ParameterRounds:
         hinted = hint is not None and hint[0] == epoch - 1  # (the boundary's epoch)
         scheduled = self.service.schedule(template, timeout=timeout or self.timeout, gather=gather,
                                           contributes=functools.partial(protocol.sync_contributes, gather),
+                                          admits=functools.partial(protocol.sync_admits, gather),
                                           target_group_size=self.group_size(epoch - 1))
         scheduled.on_done(self._assembled)
         return ParameterRound(scheduled, epoch, hinted)

@@ -304,7 +304,8 @@ class PowerSGDRounds(GradientRounds):
         scheduled = self.service.schedule(
             [torch.empty(shape, dtype=dtype) for shape, dtype in self.powersgd.p_shapes],
             timeout=timeout or self.allreduce_timeout, gather=gather,
-            contributes=functools.partial(protocol.sync_contributes, gather))
+            contributes=functools.partial(protocol.sync_contributes, gather),
+            admits=functools.partial(protocol.sync_admits, gather))
         return PowerSGDRound(self, scheduled)
 
     def submit(self, function: Callable[..., Any], *args: Any) -> concurrent.futures.Future:

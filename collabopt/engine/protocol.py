@@ -8,7 +8,8 @@ happened and what to do next. The rest of the engine gathers the evidence and ex
   :func:`step_accepted` (whether the step's samples count);
 - a synchronous boundary: :func:`sync_boundary` (a peer behind the swarm downloads instead), then
   :func:`sync_round` (the gradient round's group, the lineage check, the share of the average that arrived), and
-  within the round :func:`sync_contributes` (a member's epoch) and :func:`sync_gradients` (whether the average is used);
+  within the round :func:`sync_admits` (who joins a group it leads), :func:`sync_contributes` (a member's epoch) and
+  :func:`sync_gradients` (whether the average is used);
 - a synchronous parameter round: :func:`parameter_round` (whether its average replaces this peer's parameters);
 - a synchronous download (the one re-sync path): whether the peer is current, downloads again or goes on, and what it
   ends of a pending re-sync (:mod:`collabopt.engine.protocol_download`);
@@ -242,6 +243,17 @@ def sync_contributes(mine: Mapping[str, Any], gathered: Mapping[Hashable, Any]) 
     return epoch is None or type(own) is not int or own == epoch
 
 
+def sync_admits(mine: Mapping[str, Any], theirs: Any) -> bool:
+    """Whether a round this peer leads takes a peer that asks to join: not one at a later epoch. A leader behind it
+    searches on a schedule of its own (its round was scheduled before it fell behind, e.g. while its link was
+    down), so it takes the current round's peers before they find each other, into a group whose gradients it
+    cannot use; the rest of their round waits out its timeout alone. A peer behind the leader is taken: it learns
+    from its group that it is behind (:func:`sync_round`)."""
+    own = mine.get("epoch") if isinstance(mine, Mapping) else None
+    other = theirs.get("epoch") if isinstance(theirs, Mapping) else None
+    return type(own) is not int or type(other) is not int or other <= own
+
+
 def sync_gradients(received: float) -> bool:
     """Whether the average replaces this peer's own gradients: only whole (else it steps with its own, apart)."""
     return received >= 1.0
@@ -360,9 +372,9 @@ def guard_amended(outcome: RoundOutcome, gradients_refused: bool, parameters_res
                                reason="non-finite average")
 
 
-__all__ = ["DOWNLOAD_REASONS", "REFUSING_REASONS", "DiLoCoDecision", "DiLoCoRoundEvidence", "DiLoCoStepEvidence",
-           "ParameterDecision", "ParameterRoundEvidence", "StepDecision", "SwarmView", "SyncDecision",
+__all__ = ["DOWNLOAD_REASONS", "DiLoCoDecision", "DiLoCoRoundEvidence", "DiLoCoStepEvidence", "ParameterDecision",
+           "ParameterRoundEvidence", "REFUSING_REASONS", "StepDecision", "SwarmView", "SyncDecision",
            "SyncRoundEvidence", "SyncStepEvidence", "averages_parameters", "diloco_contributes", "diloco_round",
            "diloco_step", "group_epoch", "guard_amended", "parameter_round", "parameter_round_peers", "quorum_count",
-           "step_accepted", "sync_boundary", "sync_contributes", "sync_gradients", "sync_round", "sync_step",
-           "verdict_text"]
+           "step_accepted", "sync_admits", "sync_boundary", "sync_contributes", "sync_gradients", "sync_round",
+           "sync_step", "verdict_text"]

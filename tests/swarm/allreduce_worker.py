@@ -5,14 +5,18 @@ Usage: ``python allreduce_worker.py config.json`` (INITIAL_PEERS in the environm
 service's prefix), ``group_size``, ``seed``, ``numel``, ``weight``, ``aggregation``, ``role`` ("honest"; "hostile":
 sends its inputs times -20; "victim": SIGKILLs itself ``kill_after`` seconds after its group is assembled;
 "tag_along": takes part with nothing), ``out``. With ``epoch``: the round is scheduled (``AveragingService.schedule``,
-gathering the epoch; a member whose epoch is below the group's newest contributes nothing) and its tensors come
-``trigger_after`` seconds later.
+gathering the epoch; as in the product, a member not at its group's epoch contributes nothing and a leader takes no
+member of a later epoch: ``collabopt.engine.protocol``) and its tensors come
+``trigger_after`` seconds later; with ``go`` too (a file the test writes with a wall time t0 once every member is
+ready), matchmaking begins at t0 + ``start_after`` for a round scheduled at t0 + ``scheduled_after`` (default: its
+``matchmaking_time`` from its start), among ``min_group_size`` or more (``group_size`` None: no target).
 Writes ``<out>.pt`` (its inputs as sent, and the averaged tensors) and ``<out>.json`` (the round's evidence, peer ids
 in base58).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from collabopt.engine import protocol
 from collabopt.engine.averager import AveragingService
 from collabopt.engine.p2p import start_dht
 
@@ -56,18 +61,28 @@ def main(config_path: str) -> None:
             threading.Timer(cfg.get("kill_after", 0.3), os.kill, (os.getpid(), signal.SIGKILL)).start()
 
     n = cfg["group_size"]
-    service = AveragingService(dht, prefix=cfg["run_id"], target_group_size=n, min_group_size=n,
+    service = AveragingService(dht, prefix=cfg["run_id"], target_group_size=n,
+                               min_group_size=cfg.get("min_group_size", n),
                                matchmaking_time=cfg.get("matchmaking_time", 3.0), request_timeout=1.0,
                                sender_timeout=cfg.get("sender_timeout", 5.0),
                                reducer_timeout=cfg.get("reducer_timeout", 10.0),
                                aggregation=cfg.get("aggregation", "mean"), on_group=on_group)
     tensors = inputs_of(cfg)
+    scheduled_time = None
+    if "go" in cfg:  # (every member waits for the others to be ready, then begins on the common clock)
+        Path(f"{out}.ready").touch()
+        while not Path(cfg["go"]).exists():
+            time.sleep(0.05)
+        t0 = float(Path(cfg["go"]).read_text())
+        time.sleep(max(0.0, t0 + cfg.get("start_after", 0.0) - time.time()))
+        scheduled_time = t0 + cfg["scheduled_after"] if "scheduled_after" in cfg else None
     start = time.monotonic()
     if "epoch" in cfg:  # scheduled: matchmaking now, the tensors once its epoch ends (stale members tag along)
         epoch = cfg["epoch"]
         scheduled = service.schedule(tensors, timeout=cfg.get("timeout", 60.0), gather=dict(epoch=epoch),
-                                     contributes=lambda gathered: all(g["epoch"] == epoch for g in gathered.values())
-                                     or epoch == max(g["epoch"] for g in gathered.values()))
+                                     scheduled_time=scheduled_time,
+                                     contributes=functools.partial(protocol.sync_contributes, dict(epoch=epoch)),
+                                     admits=functools.partial(protocol.sync_admits, dict(epoch=epoch)))
         time.sleep(cfg.get("trigger_after", 0.0))
         if cfg.get("role") == "tag_along":
             scheduled.tag_along()

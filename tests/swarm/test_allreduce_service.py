@@ -1,11 +1,13 @@
 """collabopt's own averaging service (collabopt.engine.averager) among real OS processes on loopback: every member
 gets the same bits, equal to the exact weighted mean; centered_clip bounds a hostile member; a member killed
-mid-round leaves the others with the same result, and their evidence names it."""
+mid-round leaves the others with the same result, and their evidence names it; a member behind does not lead the
+current round's members away from each other."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,19 @@ def start_members(tmp_path, bootstrap, configs):
         procs[name] = Process([sys.executable, str(WORKER), str(path)], tmp_path / f"{name}.log",
                               env=child_env(INITIAL_PEERS=bootstrap))
     return procs
+
+
+def go_when_ready(tmp_path, procs, timeout=90.0):
+    """Once every member is ready (its DHT joined), give them a common t0 a moment ahead."""
+    deadline = time.monotonic() + timeout
+    while not all((tmp_path / f"{name}.ready").exists() for name in procs):
+        if time.monotonic() > deadline or any(proc.poll() is not None for proc in procs.values()):
+            for proc in procs.values():
+                proc.kill_tree()
+            raise AssertionError({name: proc.log()[-2000:] for name, proc in procs.items()})
+        time.sleep(0.1)
+    (tmp_path / "go.tmp").write_text(repr(time.time() + 0.5))
+    (tmp_path / "go.tmp").rename(tmp_path / "go")
 
 
 def finish(procs, timeout=120.0, dying=()):
@@ -130,3 +145,28 @@ def test_a_scheduled_round_averages_the_current_epochs_tensors_only(tmp_path, bo
         for got, want in zip(saved["tensors"], expected, strict=True):
             assert torch.allclose(got, want, atol=1e-6), f"{name}: {float((got - want).abs().max())} from the mean"
         assert torch.equal(flat(saved["tensors"]), flat(results["m0"][1]["tensors"])), f"{name} holds other bits"
+
+
+def test_a_member_behind_does_not_lead_the_current_rounds_members_apart(tmp_path, bootstrap):
+    """c's round is of epoch 3 and was scheduled before the others' (e.g. while its link was down): it declares the
+    earliest end of search, so a and b, at epoch 7, would each ask it first. a asks at once, b (whose round ends
+    when a's does) 3 s later: c, were it to take a, would end its search with a alone before b came, and b would
+    wait out its timeout. A leader takes no member of a later epoch (protocol.sync_admits): a and b average together
+    (c, behind, may join them and adds nothing)."""
+    go = str(tmp_path / "go")
+    members = {"c": dict(epoch=3, start_after=0.0, timeout=8.0),
+               "a": dict(epoch=7, start_after=0.5, scheduled_after=4.0),
+               "b": dict(epoch=7, start_after=3.2, scheduled_after=4.0)}
+    configs = {name: dict(cfg, group_size=None, min_group_size=2, matchmaking_time=2.0, seed=i, numel=1000, go=go,
+                          timeout=cfg.get("timeout", 12.0)) for i, (name, cfg) in enumerate(members.items())}
+    procs = start_members(tmp_path, bootstrap, configs)
+    go_when_ready(tmp_path, procs)
+    finish(procs)
+    results = {name: read(tmp_path, name) for name in configs}
+    ids = {results[name][0]["me"]: name for name in configs}
+    a, b = results["a"][0], results["b"][0]
+    assert a["error"] is None and b["error"] is None, (a, b, results["c"][0])
+    assert a["group"] == b["group"] and {ids[peer] for peer in a["group"]} >= {"a", "b"}, (a, b)
+    expected = weighted_mean([results[name][1]["inputs"][0] for name in ("a", "b")], [1.0, 1.0])
+    for name in (ids[peer] for peer in a["group"]):
+        assert torch.allclose(results[name][1]["tensors"][0], expected, atol=1e-6), name

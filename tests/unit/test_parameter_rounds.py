@@ -69,7 +69,7 @@ class Service:
         self.on_group, self.p2p, self.closed, self.rounds = on_group, SimpleNamespace(peer_id="me"), False, []
         self.assemble, self.averages = True, []
 
-    def schedule(self, template, *, timeout, gather, contributes, target_group_size):
+    def schedule(self, template, *, timeout, gather, contributes, target_group_size, admits):
         scheduled = Round(self, gather, self.averages.pop(0) if self.averages else None)
         self.rounds.append(scheduled)
         if self.assemble:

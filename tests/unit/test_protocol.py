@@ -176,6 +176,18 @@ def test_only_the_members_at_their_groups_epoch_contribute_gradients(gathered, e
     assert {peer: protocol.sync_contributes(gathered[peer], gathered) for peer in gathered} == counts
 
 
+@pytest.mark.parametrize(("mine", "theirs", "admits"), [
+    ({"epoch": 7}, {"epoch": 7}, True),
+    ({"epoch": 7}, {"epoch": 3}, True),  # (a peer behind learns so from its group)
+    ({"epoch": 3}, {"epoch": 7}, False),  # a leader behind the asker's round: the asker looks for another leader
+    ({"epoch": 3, "lineage": "x"}, {"epoch": 4, "lineage": "y"}, False),
+    ({"epoch": 3}, {}, True), ({"epoch": 3}, None, True), ({}, {"epoch": 7}, True),  # (nothing to judge)
+    ({"epoch": 3}, {"epoch": 7.0}, True), ({"epoch": True}, {"epoch": 7}, True),
+])
+def test_a_leader_does_not_take_peers_of_a_later_epoch(mine, theirs, admits):
+    assert protocol.sync_admits(mine, theirs) is admits
+
+
 @pytest.mark.parametrize(("gathered", "epoch", "peers", "averages"), [
     ({"me": {"epoch": 5}, "b": {"epoch": 5}, "c": {"epoch": 4}}, 5, 2, True),  # (c downloads)
     ({"me": {"epoch": 14}, "b": {"epoch": 12}}, 14, 1, False),  # a joiner just downloaded: alone at its epoch
