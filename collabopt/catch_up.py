@@ -75,7 +75,8 @@ class CatchUp:
         """hivemind drops a step and downloads state when the swarm is ahead. When the peers that are ahead have
         left (their progress records outlive them), nobody can serve that state and hivemind would retry at every
         step forever. After :data:`SYNC_ATTEMPTS` such steps, continue from this peer's own parameters at the
-        swarm's epoch.
+        swarm's epoch. A boundary whose gradient round showed this peer behind its group (it did not step, and its
+        download did not bring the swarm's epoch) is such a step too.
         """
         self._failed_syncs += 1
         if self._failed_syncs < SYNC_ATTEMPTS:

@@ -120,13 +120,15 @@ def finished_group(control: Any) -> Any:
 def follow_round_decision(optimizer: Any, decision: Any) -> None:
     """Carry out what the protocol decided of a gradient round (:func:`collabopt.engine.protocol.sync_round`, a
     :class:`~collabopt.engine.protocol.SyncDecision`): a peer that holds its group's lineage is no longer apart; one
-    that does not plans a download from a peer that holds it (and serves its own state below theirs); one whose
-    round was partial is apart until a round or a download says otherwise."""
+    that does not plans a download from a peer that holds it (and serves its own state below theirs), after this
+    step or, behind its group, instead of it (the loop downloads at once); one whose round was partial is apart
+    until a round or a download says otherwise."""
     if decision.holds:
         optimizer.sync_state.apart = False
     if decision.resync_from is not None:
-        logging.getLogger(__name__).warning("collabopt: %s: it downloads their state after this step",
-                                            decision.outcome.detail)
+        if decision.steps:  # (else the loop says it, as it downloads instead of stepping)
+            logging.getLogger(__name__).warning("collabopt: %s: it downloads their state after this step",
+                                                decision.outcome.detail)
         optimizer.sync_state.resync = Resync(peers=[str(peer) for peer in decision.resync_from],
                                              epoch=decision.my_epoch,
                                              until=time.monotonic() + optimizer.averaging_timeout)

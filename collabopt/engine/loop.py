@@ -122,7 +122,8 @@ class PeerLoop:
         """One local step of ``batch_size`` samples, whose gradients are in the parameters' ``.grad`` (``None``: an
         auxiliary peer's turn, which only takes part in rounds). Returns whether the step's samples count
         (:func:`~collabopt.engine.protocol.step_accepted`): False where it downloaded the swarm's state first and
-        dropped them, and for an auxiliary peer's turn."""
+        dropped them, where the boundary it ended applied no update (it was behind and downloaded instead:
+        :func:`~collabopt.engine.protocol.boundary_accepted`), and for an auxiliary peer's turn."""
         self.state_averager.step(apply_delayed_updates=True)  # a delayed update that finished is applied now
         if self.state_averager.votes is not None:
             self.state_averager.votes.keep_alive()
@@ -138,8 +139,8 @@ class PeerLoop:
         if self.model_check is not None:  # a peer of another model than the swarm's stops before its first round
             self.model_check.before_contribution()
         self.schedule_rounds()
-        if self.tracker.ready_to_update_epoch:
-            self.end_epoch()
+        if self.tracker.ready_to_update_epoch and not protocol.boundary_accepted(self.end_epoch()):
+            return False
         return not self.auxiliary
 
     def _accumulate(self, batch_size: int) -> None:
@@ -162,8 +163,8 @@ class PeerLoop:
         """Schedule the coming round's matchmaking, where the epoch is about to end (the mode's rule)."""
         raise NotImplementedError
 
-    def end_epoch(self) -> None:
-        """The round that ends this peer's global epoch (the mode's)."""
+    def end_epoch(self) -> Any:
+        """The round that ends this peer's global epoch (the mode's); the synchronous mode returns its outcome."""
         raise NotImplementedError
 
     def load_state_from_peers(self) -> None:

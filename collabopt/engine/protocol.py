@@ -7,8 +7,9 @@ happened and what to do next. The rest of the engine gathers the evidence and ex
 - a local step: :func:`sync_step` / :func:`diloco_step` (download the swarm's state first, and why), then
   :func:`step_accepted` (whether the step's samples count);
 - a synchronous boundary: :func:`sync_boundary` (a peer behind the swarm downloads instead), then
-  :func:`sync_round` (the gradient round's group, the lineage check, the share of the average that arrived), and
-  within the round :func:`sync_admits` (who joins a group it leads), :func:`sync_contributes` (a member's epoch) and
+  :func:`sync_round` (the gradient round's group, the lineage check, the share of the average that arrived, whether
+  the optimizer steps), :func:`boundary_accepted` (whether the boundary step's samples count), and within the round
+  :func:`sync_admits` (who joins a group it leads), :func:`sync_contributes` (a member's epoch) and
   :func:`sync_gradients` (whether the average is used);
 - a synchronous parameter round: :func:`parameter_round` (whether its average replaces this peer's parameters);
 - a synchronous download (the one re-sync path): whether the peer is current, downloads again or goes on, and what it
@@ -176,7 +177,9 @@ class SyncRoundEvidence:
     ``received``, where below 1); None: no round, or it failed; ``me``: this peer's id in ``group``;
     ``checks_lineage``: its group's lineage is judged (:mod:`collabopt.lineage`); ``resync_pending``: a
     re-synchronization is pending already (not judged again); ``averages_gradients``: False with
-    ``use_local_updates``."""
+    ``use_local_updates``; ``step_pending``: this peer's optimizer step of the boundary is still to come, and is its
+    own (False: ``delay_grad_averaging``, whose round ends in the background after the step, and an auxiliary peer,
+    which steps nothing)."""
 
     epoch: int
     num_peers: int
@@ -185,20 +188,23 @@ class SyncRoundEvidence:
     checks_lineage: bool = False
     resync_pending: bool = False
     averages_gradients: bool = True
+    step_pending: bool = True
 
 
 @dataclass(frozen=True)
 class SyncDecision:
-    """A synchronous boundary's ``outcome`` (the optimizer steps in every case) and what this peer does next:
-    ``resync_from``: download the state of one of these peers after this step (None: none); ``holds``: it holds its
-    group's lineage again; ``received``: the share of the average that arrived (below 1: it is apart); ``my_epoch``:
-    the epoch it told its group."""
+    """A synchronous boundary's ``outcome`` and what this peer does next: ``steps``: the optimizer steps (its
+    outcome applied); False: it keeps its parameters and epoch and downloads the swarm's state now, within this
+    boundary; ``resync_from``: download the state of one of these peers (None: none; with ``steps``, after this
+    step); ``holds``: it holds its group's lineage again; ``received``: the share of the average that arrived
+    (below 1: it is apart); ``my_epoch``: the epoch it told its group."""
 
     outcome: RoundOutcome
     resync_from: tuple[Hashable, ...] | None = None
     holds: bool = False
     received: float = 1.0
     my_epoch: int = -1
+    steps: bool = True
 
     @property
     def partial(self) -> bool:
@@ -260,11 +266,14 @@ def sync_gradients(received: float) -> bool:
 
 
 def sync_round(e: SyncRoundEvidence) -> SyncDecision:
-    """The one verdict of a synchronous boundary: the epoch's update is applied in every case (the group's whole
-    average, else this peer's own gradients: ``"alone"``, ``"no group"``, ``"partial"``: apart). A member whose epoch
-    is not its group's (its gradients were left out) or, with the lineage check (:func:`collabopt.lineage.judge`),
-    whose parameters are not the group's plans a download (``"behind"``/``"apart"``: no parameter averaging at this
-    boundary). See docs/decisions.md, "The lineage check"."""
+    """The one verdict of a synchronous boundary: the epoch's update is applied (the group's whole average, else
+    this peer's own gradients: ``"alone"``, ``"no group"``, ``"partial"``: apart). A member whose epoch is not its
+    group's (its gradients were left out) or, with the lineage check (:func:`collabopt.lineage.judge`), whose
+    parameters are not the group's plans a download (``"behind"``/``"apart"``: no parameter averaging at this
+    boundary). A member behind its group, whose step is still to come (``step_pending``), does not step: the average
+    it received is the group's update of a later epoch, and its own would put parameters of its own at the next
+    epoch; it keeps its epoch and downloads now (``steps`` False, not applied). See docs/decisions.md, "The lineage
+    check" and "A peer behind its gradient round does not step"."""
     if not e.averages_gradients:  # use_local_updates: parameters are averaged, gradients never
         return SyncDecision(RoundOutcome(True, "averaged" if e.num_peers > 1 else "alone", num_peers=e.num_peers,
                                          epoch=e.epoch))
@@ -284,9 +293,20 @@ def sync_round(e: SyncRoundEvidence) -> SyncDecision:
                                epoch=e.epoch)
     else:
         reason, detail = decision.outcome.reason, decision.outcome.detail
-        outcome = RoundOutcome(True, reason, len(group), num_peers=e.num_peers, resync=reason != "averaged",
-                               epoch=e.epoch, detail=detail)
+        holds_back = reason == "behind" and e.step_pending
+        if holds_back:
+            detail = f"{detail}: it does not step, and downloads the swarm's state now"
+            decision = dataclasses.replace(decision, steps=False)
+        outcome = RoundOutcome(not holds_back, reason, len(group), num_peers=e.num_peers,
+                               resync=reason != "averaged", epoch=e.epoch, detail=detail)
     return dataclasses.replace(decision, outcome=outcome)
+
+
+def boundary_accepted(outcome: RoundOutcome | None) -> bool:
+    """Whether the samples of the step that ended a synchronous boundary count (in ``samples_reported``): not where
+    the boundary applied no update (``"behind"``: it downloaded the swarm's state instead, and its gradients were in
+    no average); None (its round ends in the background) counts."""
+    return outcome is None or outcome.applied
 
 
 def _judge_lineage(group: Mapping[Hashable, Any], me: Hashable, mine: dict, resync_pending: bool) -> SyncDecision:
@@ -374,7 +394,7 @@ def guard_amended(outcome: RoundOutcome, gradients_refused: bool, parameters_res
 
 __all__ = ["DOWNLOAD_REASONS", "DiLoCoDecision", "DiLoCoRoundEvidence", "DiLoCoStepEvidence", "ParameterDecision",
            "ParameterRoundEvidence", "REFUSING_REASONS", "StepDecision", "SwarmView", "SyncDecision",
-           "SyncRoundEvidence", "SyncStepEvidence", "averages_parameters", "diloco_contributes", "diloco_round",
-           "diloco_step", "group_epoch", "guard_amended", "parameter_round", "parameter_round_peers", "quorum_count",
-           "step_accepted", "sync_admits", "sync_boundary", "sync_contributes", "sync_gradients", "sync_round",
-           "sync_step", "verdict_text"]
+           "SyncRoundEvidence", "SyncStepEvidence", "averages_parameters", "boundary_accepted", "diloco_contributes",
+           "diloco_round", "diloco_step", "group_epoch", "guard_amended", "parameter_round", "parameter_round_peers",
+           "quorum_count", "step_accepted", "sync_admits", "sync_boundary", "sync_contributes", "sync_gradients",
+           "sync_round", "sync_step", "verdict_text"]

@@ -29,12 +29,15 @@ RESYNC_ACTIONS = (
 
 @dataclass(frozen=True)
 class DownloadEvidence:
-    """After one download: this peer's epoch, the swarm's (as the progress records tell it) and the seconds left until
-    the download's deadline (``averaging_timeout`` after it began)."""
+    """After one download: this peer's epoch, the swarm's (as the progress records tell it), the seconds left until
+    the download's deadline (``averaging_timeout`` after it began) and ``round_epoch``: the epoch the peers of this
+    peer's gradient round step to, where a round showed it behind them (-1: none), which the records may not say
+    yet."""
 
     local_epoch: int
     swarm_epoch: int
     time_left: float
+    round_epoch: int = -1
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,19 @@ class DownloadDecision:
 
 def after_download(e: DownloadEvidence) -> DownloadDecision:
     """A state older than the swarm's is downloaded again until the deadline: relabelling it at once (hivemind 1.1.12's
-    rule) left the peer one update apart from the others for good. Past the deadline, a state one epoch old is still
-    relabelled as a last resort, so that a peer whose group never serves the new state is not stuck."""
-    if e.local_epoch >= e.swarm_epoch:
-        return DownloadDecision("current", f"holds epoch {e.local_epoch}, the swarm is at {e.swarm_epoch}")
+    rule) left the peer one update apart from the others for good. Past the deadline, a state one epoch older than
+    the progress records say is still relabelled as a last resort, so that a peer whose group never serves the new
+    state is not stuck; never to a ``round_epoch`` the records do not show (the group's update would be missing from
+    parameters labelled as holding it: the peer goes on at its own epoch, and the next round shows it behind again)."""
+    swarm_epoch = max(e.swarm_epoch, e.round_epoch)
+    if e.local_epoch >= swarm_epoch:
+        return DownloadDecision("current", f"holds epoch {e.local_epoch}, the swarm is at {swarm_epoch}")
     if e.time_left > 0:
-        return DownloadDecision("again", f"epoch {e.local_epoch}'s state, the swarm is at {e.swarm_epoch}")
+        return DownloadDecision("again", f"epoch {e.local_epoch}'s state, the swarm is at {swarm_epoch}")
+    if e.local_epoch >= e.swarm_epoch:
+        return DownloadDecision("behind", f"epoch {e.local_epoch}'s state, the peers of its gradient round are at "
+                                          f"{e.round_epoch}: it goes on at its epoch until a round or a download "
+                                          f"brings it theirs")
     if e.local_epoch == e.swarm_epoch - 1:
         return DownloadDecision("relabel", f"no peer served the swarm's epoch {e.swarm_epoch} in time: this peer goes "
                                            f"on from epoch {e.local_epoch}'s state as epoch {e.swarm_epoch}")

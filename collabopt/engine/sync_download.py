@@ -21,34 +21,37 @@ logger = logging.getLogger(__name__)
 DOWNLOAD_ATTEMPTS = 5  # downloads that raised, in a row, before a download gives up until the next step
 
 
-def download_state(optimizer: Any, **kwargs: Any) -> None:
+def download_state(optimizer: Any, round_epoch: int = -1, **kwargs: Any) -> None:
     """Download the swarm's state for :class:`~collabopt.engine.sync_round.SyncLoop`.
 
     A state one epoch older than the swarm's is downloaded again, for up to ``averaging_timeout``, before falling
     back on hivemind 1.1.12's relabelling (which left the peer one update apart for good). A re-synchronization of
-    the lineage check downloads from the peers of the group's lineage first. See docs/decisions.md, "Downloads
-    without relabelling"."""
+    the lineage check downloads from the peers of the group's lineage first. ``round_epoch``: the epoch the peers of
+    its gradient round step to, where the round showed this peer behind them: a state older is downloaded again,
+    whatever the progress records say yet, and never relabelled to it
+    (:func:`~collabopt.engine.protocol_download.after_download`). See docs/decisions.md, "Downloads without
+    relabelling"."""
     resync = optimizer.sync_state.resync
     apart = optimizer.sync_state.apart
     before = lineage.fingerprint(optimizer.state_averager.main_parameters) if resync is not None or apart else []
     if resync is not None:  # (the lineage check) a download from a peer of the group's lineage
         optimizer.state_downloads.prefer_sources(resync.peers)
     try:
-        _download_until_current(optimizer, **kwargs)
+        _download_until_current(optimizer, round_epoch, **kwargs)
     finally:
         if resync is not None:
             optimizer.state_downloads.prefer_sources([])
     resync_outcome(optimizer, resync, apart, before)
 
 
-def _download_until_current(optimizer: Any, **kwargs: Any) -> None:
+def _download_until_current(optimizer: Any, round_epoch: int = -1, **kwargs: Any) -> None:
     """Download until this peer holds the swarm's epoch or its deadline passed; what then
     (:func:`~collabopt.engine.protocol_download.after_download` decides)."""
     deadline = time.monotonic() + optimizer.averaging_timeout
     while True:
         _download_state_once(optimizer, **kwargs)
         seen = protocol_download.DownloadEvidence(optimizer.local_epoch, optimizer.tracker.global_epoch,
-                                                  deadline - time.monotonic())
+                                                  deadline - time.monotonic(), round_epoch)
         decision = protocol_download.after_download(seen)
         if decision.action != "again":
             break

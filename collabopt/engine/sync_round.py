@@ -38,6 +38,7 @@ class SyncLoop(PeerLoop):
     last_round: RoundOutcome | None = None  # the outcome of this peer's last boundary
     _joined_epoch: int | None = None  # the epoch whose round under way this peer joined (protocol.sync_step)
     boundary_epoch = 0  # the epoch of the boundary in progress (or the last one)
+    _held_back: int | None = None  # where its gradient round showed this peer behind: the epoch its group steps to
 
     def __init__(self, **kwargs: Any):
         self.sync_state = SyncState()
@@ -95,9 +96,10 @@ class SyncLoop(PeerLoop):
 
     # ---- the boundary
 
-    def end_epoch(self) -> None:
+    def end_epoch(self) -> RoundOutcome | None:
         """The boundary, decided once: a peer behind the swarm downloads; otherwise the gradient round, the
-        optimizer step and the parameter round, whose outcome is :attr:`last_round`."""
+        optimizer step and the parameter round, whose outcome is :attr:`last_round` (and returned; None: its round
+        ends in the background). A peer the gradient round shows behind does not step: it downloads instead."""
         epoch = self.boundary_epoch = self.local_epoch
         num_peers = self.tracker.global_progress.num_peers
         # one epoch behind is behind only where this boundary has a gradient round the others ran without it: with
@@ -112,7 +114,7 @@ class SyncLoop(PeerLoop):
                        "state", self.tracker.global_epoch, epoch)
             self.last_round = behind
             self.load_state_from_peers()
-            return
+            return behind
         if self.sync_state.before_averaging is not None and self.grad_averager is not None:
             self.sync_state.before_averaging()  # the non-finite guard's last look at the accumulation
         logger.log(self.status_loglevel, "collabopt: epoch %d ends", epoch)
@@ -125,42 +127,56 @@ class SyncLoop(PeerLoop):
                 if self.delay_optimizer_step:
                     self.state_averager.step(wait_for_delayed_updates=True)
                 outcome, in_background = self._gradient_round(epoch, num_peers)
-            next_epoch = max(epoch + 1, self.tracker.global_epoch)
-            hint = self.state_averager.group_size_hint
-            average_state = (num_peers > 1 and next_epoch % self.average_state_every == 0
-                             and not self.state_averager.averaging_in_progress
-                             and protocol.averages_parameters(outcome, hint[1] if hint and hint[0] == epoch else None))
-            optimizer_step = not self.auxiliary and self.grad_averager is not None
-            delay_averaging = self.delay_state_averaging and not self.auxiliary
-            parameter_round = (self.state_averager.schedule_parameter_round(self.averaging_timeout)
-                               if average_state and not delay_averaging else None)
-            # (a parameter round still running from an earlier boundary may write its result during this one too)
-            self.sync_state.parameter_round_due = average_state or self.state_averager.averaging_in_progress
-            try:
-                self.state_averager.step(
-                    increment_epoch=True, wait_for_trigger=in_background, optimizer_step=optimizer_step,
-                    delay_optimizer_step=self.delay_optimizer_step and optimizer_step, averaging_round=average_state,
-                    delay_averaging=delay_averaging, averaging_control=parameter_round,
-                    averaging_opts=dict(timeout=self.averaging_timeout) if average_state else None)
-            except BaseException:
-                if parameter_round is not None:
-                    parameter_round.cancel()
-                raise
-            finally:
-                self.sync_state.parameter_round_due = False
-            averaged = self._parameter_round_ended(parameter_round) if parameter_round is not None else None
-            if outcome is not None:
-                outcome = dataclasses.replace(outcome, parameters_averaged=averaged)
-            self.tracker.update_epoch(new_epoch=self.local_epoch)
-            if parameter_round is None or averaged is not None:  # (else the round writes them in the background)
-                vote_for_parameters(self)
-            self._exact_check_due = True
-            self.reset_accumulation()
-            if out_of_sync(self):
-                serve_below_the_others(self)
-            logger.log(self.status_loglevel, "collabopt: now at epoch %d", self.local_epoch)
+            held_back, self._held_back = self._held_back, None
+            if held_back is None:
+                outcome = self._step(epoch, num_peers, outcome, in_background)
         if outcome is not None:  # (a round in the background sets it when it ends)
             self.last_round = outcome
+        if held_back is not None:  # behind its gradient round: no step (protocol.sync_round, SyncDecision.steps)
+            logger.warning("collabopt: epoch %d ends without a step: %s", epoch, outcome.detail)
+            # (outside the boundary's locks: the tracker fetches, others download; its group's peers may not serve
+            # the epoch they step to yet: a download of an older state is tried again)
+            self.load_state_from_peers(round_epoch=held_back)
+        return outcome
+
+    def _step(self, epoch: int, num_peers: int, outcome: RoundOutcome | None, in_background: Any
+              ) -> RoundOutcome | None:
+        """The boundary's optimizer step (and epoch) and parameter round, after its gradient round's ``outcome``."""
+        next_epoch = max(epoch + 1, self.tracker.global_epoch)
+        hint = self.state_averager.group_size_hint
+        average_state = (num_peers > 1 and next_epoch % self.average_state_every == 0
+                         and not self.state_averager.averaging_in_progress
+                         and protocol.averages_parameters(outcome, hint[1] if hint and hint[0] == epoch else None))
+        optimizer_step = not self.auxiliary and self.grad_averager is not None
+        delay_averaging = self.delay_state_averaging and not self.auxiliary
+        parameter_round = (self.state_averager.schedule_parameter_round(self.averaging_timeout)
+                           if average_state and not delay_averaging else None)
+        # (a parameter round still running from an earlier boundary may write its result during this one too)
+        self.sync_state.parameter_round_due = average_state or self.state_averager.averaging_in_progress
+        try:
+            self.state_averager.step(
+                increment_epoch=True, wait_for_trigger=in_background, optimizer_step=optimizer_step,
+                delay_optimizer_step=self.delay_optimizer_step and optimizer_step, averaging_round=average_state,
+                delay_averaging=delay_averaging, averaging_control=parameter_round,
+                averaging_opts=dict(timeout=self.averaging_timeout) if average_state else None)
+        except BaseException:
+            if parameter_round is not None:
+                parameter_round.cancel()
+            raise
+        finally:
+            self.sync_state.parameter_round_due = False
+        averaged = self._parameter_round_ended(parameter_round) if parameter_round is not None else None
+        if outcome is not None:
+            outcome = dataclasses.replace(outcome, parameters_averaged=averaged)
+        self.tracker.update_epoch(new_epoch=self.local_epoch)
+        if parameter_round is None or averaged is not None:  # (else the round writes them in the background)
+            vote_for_parameters(self)
+        self._exact_check_due = True
+        self.reset_accumulation()
+        if out_of_sync(self):
+            serve_below_the_others(self)
+        logger.log(self.status_loglevel, "collabopt: now at epoch %d", self.local_epoch)
+        return outcome
 
     def _parameter_round_ended(self, control: Any) -> bool | None:
         """Whether the boundary's parameter round (the step has returned) averaged: True, False (it failed), or None
@@ -211,16 +227,19 @@ class SyncLoop(PeerLoop):
         hint_state_group(self, control)
         return self._judge(epoch, num_peers, group), None
 
-    def _judge(self, epoch: int, num_peers: int, group: Any) -> RoundOutcome:
+    def _judge(self, epoch: int, num_peers: int, group: Any, in_background: bool = False) -> RoundOutcome:
         """The boundary's outcome (:func:`collabopt.engine.protocol.sync_round`) from what its gradient round
         gathered (None: no round, or it failed); the lineage check's decision is followed (a download planned, the
-        peer apart)."""
+        peer apart). Not applied: the peer does not step (:meth:`end_epoch` downloads)."""
         checks = self.sync_state.checks_lineage
         decision = protocol.sync_round(protocol.SyncRoundEvidence(
             epoch, num_peers, group=group, me=self.dht.peer_id, checks_lineage=checks,
-            resync_pending=self.sync_state.resync is not None))
+            resync_pending=self.sync_state.resync is not None, step_pending=not (in_background or self.auxiliary)))
         if checks:
             follow_round_decision(self, decision)
+        if not decision.steps:  # (end_epoch downloads instead of stepping, up to the epoch its group's peers step to)
+            group_epoch = protocol.group_epoch(group) if isinstance(group, dict) else None
+            self._held_back = (epoch if group_epoch is None else group_epoch) + 1
         return decision.outcome
 
     def _await_gradients(self, control: Any) -> Any:
@@ -244,7 +263,7 @@ class SyncLoop(PeerLoop):
             with self.grad_averager.get_tensors():
                 pass
         self._load_averaged_gradients()
-        self.last_round = self._judge(epoch, num_peers, group)  # (no lineage check with delay_grad_averaging)
+        self.last_round = self._judge(epoch, num_peers, group, in_background=True)  # (no lineage check here)
 
     def _round_result(self, control: Any) -> tuple[bool, Any]:
         """Wait for the gradient round: whether it finished, and what its group gathered (None if it failed)."""
@@ -292,6 +311,6 @@ class SyncLoop(PeerLoop):
                 param.grad.mul_(scale)
         averager.notify_used_averaged_gradients()
 
-    def load_state_from_peers(self) -> None:
-        download_state(self)
+    def load_state_from_peers(self, round_epoch: int = -1) -> None:
+        download_state(self, round_epoch=round_epoch)
 

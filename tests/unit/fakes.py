@@ -19,9 +19,10 @@ class FakePeer:
     """One peer alone in a swarm: a global epoch happens when this peer's own samples reach the target.
 
     ``swarm_epoch`` makes the swarm look ahead; while ``serves_state`` is False, the peer drops every step (it tries
-    to download state nobody serves), which is what :class:`FakePeer` then does. Whether a step downloads, whether
-    its samples count and each round's outcome are the engine's decisions (:mod:`collabopt.engine.protocol`): the
-    fake always holds a fresh view of its swarm.
+    to download state nobody serves), which is what :class:`FakePeer` then does. ``round_ahead``: its boundaries'
+    gradient rounds gather its group at the next epoch (it is behind them: it does not step, and downloads). Whether
+    a step downloads, whether its samples count and each round's outcome are the engine's decisions
+    (:mod:`collabopt.engine.protocol`): the fake always holds a fresh view of its swarm.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, target_batch_size: int, reuse_grad_buffers: bool = False):
@@ -31,6 +32,7 @@ class FakePeer:
         self.local_epoch = 0
         self.swarm_epoch = 0
         self.serves_state = True
+        self.round_ahead = False
         self.accumulated_samples = 0
         self.accumulated_steps = 0
         self.num_peers = 1
@@ -82,6 +84,8 @@ class FakePeer:
                 self._accumulators = [g.detach().clone() for g in grads]
             else:
                 torch._foreach_add_(self._accumulators, grads)
+        if self.accumulated_samples >= self.target_batch_size and self.round_ahead:
+            return self._behind_its_round()
         if self.accumulated_samples >= self.target_batch_size:
             if self.before_averaging is not None:
                 self.before_averaging()
@@ -101,6 +105,19 @@ class FakePeer:
             self.local_epoch += 1
             self._reset()
         return True
+
+    def _behind_its_round(self) -> bool:
+        """A boundary whose gradient round gathered its group at the next epoch, as the engine decides it."""
+        group = {"me": {"epoch": self.local_epoch}, "b": {"epoch": self.local_epoch + 1}}
+        decision = protocol.sync_round(protocol.SyncRoundEvidence(self.local_epoch, max(self.num_peers, 2),
+                                                                  group=group, me="me"))
+        self.last_round = decision.outcome
+        if not decision.steps:
+            self.swarm_epoch = max(self.swarm_epoch, self.local_epoch + 2)  # (its group stepped on)
+            self._reset()
+            if self.serves_state:
+                self.load_state_from_peers()
+        return protocol.boundary_accepted(decision.outcome)
 
     def accumulators(self) -> list[torch.Tensor]:
         if self.reuse_grad_buffers:

@@ -84,6 +84,32 @@ def test_gives_up_syncing_when_nobody_serves_the_swarms_state():
     copt.close()
 
 
+def test_the_step_that_ends_a_boundary_behind_its_gradient_round_counts_no_samples():
+    """Its group was an epoch ahead: the peer did not step and downloaded instead; the samples of that step were in
+    no average (StepResult.samples 0, not in samples_reported). Where nobody serves the state, that boundary is the
+    first of the SYNC_ATTEMPTS refused steps before the peer goes on from its own parameters."""
+    model, copt, peer = make_core(target=16)
+    peer.round_ahead = True
+    backward(model, 8)
+    assert copt.step().samples == 8
+    backward(model, 8)
+    result = copt.step()
+    assert (result.samples, result.epoch_changed, copt.samples_reported) == (0, True, 8)
+    assert copt.local_epoch == 2 and peer.calls.count("load_state_from_peers") == 1
+    assert (peer.last_round.applied, peer.last_round.reason) == (False, "behind")
+    model, copt, peer = make_core(target=8)
+    peer.round_ahead, peer.serves_state = True, False
+    for attempt in range(1, SYNC_ATTEMPTS + 1):
+        backward(model, 8)
+        if attempt < SYNC_ATTEMPTS:
+            assert copt.step().samples == 0
+        else:
+            with pytest.warns(UserWarning, match="no peer could send its state"):
+                assert copt.step().epoch_changed
+    assert copt.local_epoch == 2 and "jump_to_epoch(2)" in peer.calls
+    copt.close()
+
+
 def test_a_served_download_counts_as_an_epoch_change():
     model, copt, peer = make_core(target=1000)
     peer.swarm_epoch = 3

@@ -132,9 +132,17 @@ SYNC_ROUNDS = [
     (lineage_round({"p1": meta(3, A), "me": meta(3, B, apart=True)}), (True, "apart", 2, True), ("p1",), False,
      1.0),  # its last round was partial
     (lineage_round({"p1": meta(3, A), "me": meta(3, NAN)}), (True, "apart", 2, True), ("p1",), False, 1.0),
-    (lineage_round({"p1": meta(4, A), "me": meta(3, B)}), (True, "behind", 2, True), ("p1",), False, 1.0),
-    (lineage_round({"p1": meta(4, A), "me": meta(3, B, received=0.5)}), (True, "behind", 2, True), ("p1",), False,
+    # behind its group (it missed a round; its gradients were left out): it does not step onto parameters of its own
+    # at the next epoch, it keeps its epoch and downloads now (a late joiner whose download was one epoch old)
+    (lineage_round({"p1": meta(4, A), "me": meta(3, B)}), (False, "behind", 2, True), ("p1",), False, 1.0),
+    (lineage_round({"p1": meta(4, A), "me": meta(3, A)}), (False, "behind", 2, True), ("p1",), False, 1.0),  # (its
+    # parameters are the group's, its epoch one behind: the average would put the swarm's epoch-5 parameters at 4)
+    (lineage_round({"p1": meta(4, A), "me": meta(3, B, received=0.5)}), (False, "behind", 2, True), ("p1",), False,
      0.5),  # (partial too: the verdict's reason stands)
+    (lineage_round({"p1": meta(4, A), "p2": meta(4, A), "me": meta(3, B)}, resync_pending=True),
+     (False, "behind", 3, True), ("p1", "p2"), False, 1.0),  # (a pending re-sync: left out all the same)
+    (lineage_round({"p1": meta(4, A), "me": meta(3, B)}, step_pending=False), (True, "behind", 2, True), ("p1",),
+     False, 1.0),  # the step ran already (delay_grad_averaging: the round ended in the background)
     (lineage_round({"p1": meta(3, A), "me": meta(3, B), "p2": meta(3, A)}, resync_pending=True),
      (True, "averaged", 3, False), None, False, 1.0),  # a pending re-sync is not planned again
     (lineage_round({"p1": meta(3, A), "me": meta(3, B, received=0.9)}, resync_pending=True),
@@ -143,7 +151,9 @@ SYNC_ROUNDS = [
      False, 1.0),  # all apart (lossy compression): no majority to adopt
     # no lineage check (delay_* options): the epochs and the share received still judged
     (SyncRoundEvidence(3, 4, group={"p1": {"epoch": 4}, "me": {"epoch": 3}, "p2": {"epoch": 4}}, me="me"),
-     (True, "behind", 3, True), ("p1", "p2"), False, 1.0),  # a stale joiner: its gradients were left out
+     (False, "behind", 3, True), ("p1", "p2"), False, 1.0),  # a stale joiner: its gradients were left out
+    (SyncRoundEvidence(3, 4, group={"p1": {"epoch": 4}, "me": {"epoch": 3}, "p2": {"epoch": 4}}, me="me",
+                       step_pending=False), (True, "behind", 3, True), ("p1", "p2"), False, 1.0),  # (stepped)
     (SyncRoundEvidence(3, 4, group={"p1": {"epoch": 3}, "me": {"epoch": 4}, "p2": {"epoch": 3}}, me="me"),
      (True, "apart", 3, True), None, False, 1.0),  # one epoch on, alone: left out too
     (SyncRoundEvidence(3, 4, group={"p1": {"epoch": 3}, "me": {"epoch": 3, "received": 0.5}}, me="me"),
@@ -159,9 +169,31 @@ def test_a_synchronous_round_gives_one_outcome(evidence, expected, resync_from, 
     assert (outcome.epoch, outcome.num_peers) == (evidence.epoch, evidence.num_peers)
     assert (decision.resync_from, decision.holds, decision.received) == (resync_from, holds, received)
     assert decision.averages_parameters == (outcome.reason not in ("apart", "behind"))
-    if resync_from is not None and evidence.checks_lineage:  # what the log says of it
-        assert outcome.detail == protocol.verdict_text(
-            protocol.lineage.judge(evidence.group, "me"), evidence.group, evidence.group["me"]["epoch"])
+    verdict = protocol.lineage.judge(evidence.group, "me") if evidence.group else None
+    if resync_from is not None and evidence.checks_lineage and not evidence.resync_pending and verdict.peers:
+        assert outcome.detail.startswith(protocol.verdict_text(  # what the log says of it
+            verdict, evidence.group, evidence.group["me"]["epoch"]))
+    assert ("it does not step, and downloads the swarm's state now" in outcome.detail) is not outcome.applied
+
+
+@pytest.mark.parametrize("evidence", [row[0] for row in SYNC_ROUNDS])
+def test_the_optimizer_steps_exactly_where_the_boundary_is_applied(evidence):
+    """Not behind its group with its step still to come: it would step onto parameters of its own."""
+    decision = protocol.sync_round(evidence)
+    assert decision.steps is decision.outcome.applied
+    assert decision.steps is not (decision.outcome.reason == "behind" and evidence.step_pending)
+
+
+@pytest.mark.parametrize(("outcome", "accepted"), [
+    (None, True),  # its round ends in the background
+    (RoundOutcome(True, "averaged", 2, num_peers=2, epoch=3), True),
+    (RoundOutcome(True, "no group", num_peers=2, epoch=3), True),  # (its own gradients: applied)
+    (RoundOutcome(True, "behind", 2, num_peers=2, resync=True, epoch=3), True),  # (it stepped: delay_grad_averaging)
+    (RoundOutcome(False, "behind", 2, num_peers=2, resync=True, epoch=3), False),  # behind its gradient round
+    (RoundOutcome(False, "behind", num_peers=2, resync=True, epoch=3), False),  # behind the swarm: no round
+])
+def test_a_boundary_steps_samples_count_only_where_it_applied_an_update(outcome, accepted):
+    assert protocol.boundary_accepted(outcome) is accepted
 
 
 @pytest.mark.parametrize(("gathered", "epoch", "counts"), [
@@ -217,8 +249,9 @@ def test_what_the_lineage_verdict_says():
     group = {"p1": meta(3, A), "me": meta(3, B), "p2": meta(3, A), "p3": meta(2, B)}
     assert "differ from those of 2 of the 3 peers of its gradient round at epoch 3" in (
         protocol.sync_round(lineage_round(group)).outcome.detail)
-    assert "this peer is at epoch 3, 1 peer(s) of its gradient round at epoch 4 (it missed a round)" in (
-        protocol.sync_round(lineage_round({"p1": meta(4, A), "me": meta(3, B)})).outcome.detail)
+    assert protocol.sync_round(lineage_round({"p1": meta(4, A), "me": meta(3, B)})).outcome.detail == (
+        "this peer is at epoch 3, 1 peer(s) of its gradient round at epoch 4 (it missed a round): it does not step, "
+        "and downloads the swarm's state now")
     assert protocol.sync_round(lineage_round({"p1": meta(3, A), "me": meta(3, A, received=0.757)})).outcome.detail \
         == "75.7% of the average arrived"
 
@@ -385,5 +418,11 @@ def test_the_loop_says_whether_it_accepted_the_samples():
     assert peer.loop.step(8) is True and peer.step(8) is True and peer.accumulated_samples == 16
     peer.loop.tracker.global_epoch = 7  # two ahead: a download first
     assert peer.step(8) is False and peer.loop.downloads == [5] and peer.local_epoch == 7
+    peer.loop.tracker.ready_to_update_epoch = True  # a step that ends a boundary: as its outcome says
+    for outcome, accepted in ((RoundOutcome(True, "averaged", 2, num_peers=2, epoch=7), True), (None, True),
+                              (RoundOutcome(False, "behind", 2, num_peers=2, resync=True, epoch=7), False)):
+        peer.loop.end_epoch = lambda outcome=outcome: outcome
+        assert peer.step(8) is accepted
+    peer.loop.tracker.ready_to_update_epoch = False
     peer.loop.auxiliary = True  # an auxiliary peer's turn contributes no samples
     assert peer.loop.step(None) is False

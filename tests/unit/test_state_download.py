@@ -100,6 +100,32 @@ def test_a_download_every_peer_declined_is_tried_again_and_says_so(caplog):
     assert caplog.text.count("no peer sent its state now") == 2 and "the state downloaded is" not in caplog.text
 
 
+def test_a_peer_behind_its_gradient_round_downloads_until_it_holds_its_groups_epoch_or_newer():
+    """Its round showed its group at epoch 5 before its progress records did (they say 4, its own epoch): a state
+    of epoch 4 (its group's peers were ending their boundary, serving nothing new yet) is not a catch-up."""
+    optimizer = StandIn(local_epoch=4, swarm_epoch=4, served=[None, 4, 6])
+    sync_download.download_state(optimizer, round_epoch=5)
+    assert (optimizer.downloads, optimizer.local_epoch) == (3, 6)
+    optimizer = StandIn(local_epoch=4, swarm_epoch=4, served=[None, 4, 6])
+    sync_download.download_state(optimizer)  # (without it: the first answer looked current)
+    assert (optimizer.downloads, optimizer.local_epoch) == (1, 4)
+
+
+def test_a_peer_behind_its_gradient_round_is_never_relabelled_to_its_groups_epoch(monkeypatch):
+    """Nobody served the epoch its group steps to (5) in time: it goes on at the epoch it holds (4, as the records
+    say) with the parameters of that epoch, not as epoch 5 without the group's update; relabelling stays the last
+    resort where the records themselves show the swarm one epoch ahead."""
+    import time
+    clock = iter(range(0, 1000, 2))
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    optimizer = StandIn(local_epoch=4, swarm_epoch=4, served=[4] * 100, averaging_timeout=5.0)
+    sync_download.download_state(optimizer, round_epoch=5)
+    assert optimizer.downloads >= 2 and optimizer.local_epoch == 4
+    optimizer = StandIn(local_epoch=4, swarm_epoch=5, served=[4] * 100, averaging_timeout=5.0)
+    sync_download.download_state(optimizer, round_epoch=6)
+    assert optimizer.local_epoch == 5
+
+
 def test_a_state_as_new_as_the_swarms_is_downloaded_once():
     optimizer = StandIn(local_epoch=0, swarm_epoch=5, served=[5])
     sync_download.download_state(optimizer)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
-from collabopt import RoundOutcome, lineage
-from collabopt.engine import lineage_check, parameter_rounds, progress, sync_round
+from collabopt import RoundOutcome, Terminated, lineage
+from collabopt.engine import lineage_check, parameter_rounds, progress, protocol, sync_round
 from collabopt.engine import peer as engine_peer
 
 
@@ -216,6 +216,57 @@ def test_a_round_that_finds_this_peer_on_another_lineage_averages_no_parameters(
     loop.end_epoch()
     assert loop.last_round.reason == "apart" and loop.last_round.resync
     assert [(s["optimizer_step"], s["averaging_round"]) for s in loop.state_steps] == [(True, False)]
+
+
+@pytest.mark.parametrize(("lineage_checked", "delay_grad_averaging"), [(True, False), (False, False), (False, True)])
+def test_a_peer_behind_its_gradient_round_does_not_step_and_downloads_at_once(lineage_checked,
+                                                                              delay_grad_averaging, caplog):
+    """A late joiner whose download brought epoch 8 as the others moved on to 9: its first gradient round gathers
+    them at epoch 9 and leaves its gradients out. It once stepped anyway (the average of epoch 9 on epoch 8's
+    parameters: parameters of its own at epoch 9), trained on them, and downloaded at its next step. Now it keeps
+    epoch 8 and downloads within the boundary, outside its locks; the boundary step's samples do not count.
+    (delay_grad_averaging: the round ends in the background, after the step: nothing to hold back.)"""
+    group = {"me": {"epoch": 8, "lineage": lineage.fingerprint([torch.zeros(2)]), "serves": True},
+             "b": {"epoch": 9, "lineage": lineage.fingerprint([torch.ones(2)]), "serves": True}}
+    if not lineage_checked:
+        group = {peer: {"epoch": metadata["epoch"]} for peer, metadata in group.items()}
+    loop = sync_loop(num_peers=2, group=group)
+    loop.sync_state.checks_lineage = lineage_checked
+    loop.delay_grad_averaging = loop.delay_optimizer_step = delay_grad_averaging
+    loop.load_state_from_peers = lambda **kwargs: loop.downloads.append((loop.closed[-1], loop.sync_state.resync,
+                                                                          kwargs))
+    with caplog.at_level(logging.INFO):
+        outcome = loop.end_epoch()
+    if delay_grad_averaging:  # (the step ran; the round's verdict comes when it ends)
+        assert outcome is None and loop.downloads == []
+        assert [s["increment_epoch"] for s in loop.state_steps if "increment_epoch" in s] == [True]
+        return
+    assert outcome is loop.last_round and (outcome.applied, outcome.reason, outcome.resync) == (False, "behind", True)
+    assert "it does not step, and downloads the swarm's state now" in outcome.detail
+    assert caplog.text.count("downloads the swarm's state now") == 1 and "after this step" not in caplog.text
+    assert f"epoch 8 ends without a step: {outcome.detail}" in caplog.text
+    assert loop.state_steps == []  # no optimizer step, no new epoch, no parameter round
+    [(closed, resync, kwargs)] = loop.downloads  # at once, with the boundary open for the others' downloads again
+    assert kwargs == {"round_epoch": 10}  # (its group steps from epoch 9 to 10: a state of epoch 8 or 9 is no catch-up)
+    assert closed is False and loop.closed == [True, False]
+    assert (resync is not None and resync.peers == ["b"]) is lineage_checked  # (from the peers of its round first)
+    assert not protocol.boundary_accepted(outcome)
+
+
+def test_sigterm_during_the_download_of_a_peer_behind_its_round_ends_the_boundary_at_once():
+    """The download runs outside the boundary's locks, after its outcome is known: SIGTERM (collabopt.Terminated)
+    leaves it with the peer at its old epoch, the boundary open to the others' downloads, and the outcome said."""
+    loop = sync_loop(num_peers=2, group={"me": {"epoch": 8}, "b": {"epoch": 9}})
+    loop.sync_state.checks_lineage = False
+
+    def terminated(**kwargs):
+        raise Terminated()
+
+    loop.load_state_from_peers = terminated
+    with pytest.raises(Terminated):
+        loop.end_epoch()
+    assert loop.closed == [True, False] and loop.state_steps == [] and loop.state_averager.local_epoch == 8
+    assert (loop.last_round.applied, loop.last_round.reason) == (False, "behind")
 
 
 @pytest.mark.parametrize(("num_peers", "error", "reason"), [(1, None, "alone"), (3, TimeoutError(), "no group")])
