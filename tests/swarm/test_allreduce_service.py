@@ -149,14 +149,14 @@ def test_a_scheduled_round_averages_the_current_epochs_tensors_only(tmp_path, bo
 
 def test_a_member_behind_does_not_lead_the_current_rounds_members_apart(tmp_path, bootstrap):
     """c's round is of epoch 3 and was scheduled before the others' (e.g. while its link was down): it declares the
-    earliest end of search, so a and b, at epoch 7, would each ask it first. a asks at once, b (whose round ends
-    when a's does) 3 s later: c, were it to take a, would end its search with a alone before b came, and b would
-    wait out its timeout. A leader takes no member of a later epoch (protocol.sync_admits): a and b average together
-    (c, behind, may join them and adds nothing)."""
+    earliest end of search (2 s), so a and b, at epoch 7, would each ask it first. a asks at once, b (whose round
+    ends when a's does, at 4.5 s) 2.5 s in: c, were it to take a, would end its search with a alone before b came,
+    and b would wait out its timeout. A leader takes no member of a later epoch (protocol.sync_admits): a and b
+    average together (c, behind, may join them and adds nothing)."""
     go = str(tmp_path / "go")
     members = {"c": dict(epoch=3, start_after=0.0, timeout=8.0),
-               "a": dict(epoch=7, start_after=0.5, scheduled_after=4.0),
-               "b": dict(epoch=7, start_after=3.2, scheduled_after=4.0)}
+               "a": dict(epoch=7, start_after=0.5, scheduled_after=4.5),
+               "b": dict(epoch=7, start_after=2.5, scheduled_after=4.5)}
     configs = {name: dict(cfg, group_size=None, min_group_size=2, matchmaking_time=2.0, seed=i, numel=1000, go=go,
                           timeout=cfg.get("timeout", 12.0)) for i, (name, cfg) in enumerate(members.items())}
     procs = start_members(tmp_path, bootstrap, configs)
