@@ -27,7 +27,7 @@ ROUND_REASONS = (
     "partial",  # applied, re-synchronizes: part of the average arrived (hivemind used this peer's values for the rest)
     "apart",  # applied, re-synchronizes: its parameters were not its group's (another lineage, or a partial round)
     "behind",  # not applied, re-synchronizes: the swarm was ahead of this peer (it downloads the swarm's state
-    # instead of stepping; applied only where its step ran before its round ended: delay_grad_averaging)
+    # instead of stepping; applied where the step came first: delay_grad_averaging, an auxiliary peer)
     "non-finite average",  # not applied: the group's average held NaN/inf (the non-finite guard refused it)
     "no quorum",  # not applied (DiLoCo): fewer than half of the swarm's peers averaged
     "anchor differs",  # not applied (DiLoCo): this peer's anchor was not its group's

@@ -166,7 +166,8 @@ class AveragingService(ServiceThread):
         tensors are handed over. ``contributes(gathered)``: asked once the group is known; False: this member takes
         part with weight 0 and zeros (its values must not count in this group, e.g. they belong to another epoch).
         ``admits(theirs)``: asked, while this peer leads, of each peer that asks to join (what it gathers); False
-        refuses it (it looks for another leader). ``target_group_size``: this round's (default: the service's)."""
+        refuses it (it looks for another leader; a client-mode peer, which can lead none, is never refused so).
+        ``target_group_size``: this round's (default: the service's)."""
         if self._closed:
             raise RuntimeError("this AveragingService is closed")
         _check_tensors(template)
@@ -332,10 +333,9 @@ class ScheduledRound(ScheduledWork):
 
 
 class _MemberGate:
-    """The matchmaking of one tensor schema, behind the swarm key and the search's own rule: a join request whose
-    gathered data carries no valid member token of the caller is refused before hivemind's matchmaking reads it
-    (``PROTOCOL_VIOLATION``), and so is one the search this peer leads does not admit (``BAD_GROUP_KEY``: the caller
-    looks for another leader; see :meth:`AveragingService.schedule`)."""
+    """The matchmaking of one tensor schema, behind the swarm key and the search's own rule: a join request without
+    a valid member token of the caller is refused before hivemind's matchmaking reads it (``PROTOCOL_VIOLATION``),
+    and so is one the search this peer leads does not admit (``BAD_GROUP_KEY``; :meth:`AveragingService.schedule`)."""
 
     def __init__(self, matchmaking: Matchmaking, key: SwarmKey | None, scope: str):
         self.matchmaking, self.key, self.scope = matchmaking, key, scope
@@ -349,8 +349,9 @@ class _MemberGate:
                 logger.warning("collabopt: refused %s in matchmaking: %s", context.remote_id, refusal)
                 yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
                 return
-        admits = getattr(getattr(self.matchmaking, "step_control", None), "admits", None)
-        if admits is not None and isinstance(entry, (list, tuple)) and len(entry) == 3 and not admits(entry[1]):
+        admits = getattr(getattr(self.matchmaking, "step_control", None), "admits", None)  # (None: not leading)
+        if admits is not None and not request.client_mode and isinstance(entry, (list, tuple)) and len(entry) == 3 \
+                and not admits(entry[1]):
             logger.debug("collabopt: this search does not admit %s (%r)", context.remote_id, entry[1])
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
             return

@@ -131,7 +131,9 @@ class PseudoGradientRounds(_Buffers):
     def schedule(self, timeout: float, gather: Any) -> ScheduledRound:
         """Begin matchmaking for a round whose pseudo-gradients come later (``ScheduledRound.run``); ``gather``: this
         peer's round metadata (epoch, anchor fingerprint), which every member of the group receives."""
-        return self.service.schedule(self.buffers, timeout=timeout, gather=gather, contributes=self._contributes)
+        admits = functools.partial(protocol.sync_admits, gather) if isinstance(gather, dict) else None
+        return self.service.schedule(self.buffers, timeout=timeout, gather=gather, contributes=self._contributes,
+                                     admits=admits)
 
     def run(self, control: ScheduledRound, weight: float) -> None:
         """Hand the buffers (copied now) and this peer's ``weight`` to the round ``control``."""
@@ -227,7 +229,8 @@ class SparsePseudoGradientRounds(_Buffers):
     def schedule(self, timeout: float, gather: Any) -> ScheduledExchange:
         """Begin matchmaking for a round whose payload comes later (:meth:`run`); ``gather``: this peer's round
         metadata (epoch, anchor fingerprint), which every member of the group receives."""
-        return self.service.schedule(timeout=timeout, gather=gather)
+        admits = functools.partial(protocol.sync_admits, gather) if isinstance(gather, dict) else None
+        return self.service.schedule(timeout=timeout, gather=gather, admits=admits)
 
     def run(self, control: ScheduledExchange, weight: float) -> None:
         """Compress the buffers (this peer's pseudo-gradient) with the error feedback and hand the payload and

@@ -165,24 +165,26 @@ class ExchangeService(ServiceThread):
         scheduled.run(payload, weight)
         return scheduled.result()
 
-    def schedule(self, timeout: float = 30.0, gather: Any = None,
-                 scheduled_time: float | None = None) -> ScheduledExchange:
+    def schedule(self, timeout: float = 30.0, gather: Any = None, scheduled_time: float | None = None,
+                 admits: Any = None) -> ScheduledExchange:
         """Begin matchmaking now for a payload that comes later (:meth:`ScheduledExchange.run`): a group forms until
         ``scheduled_time`` (DHT time; default ``matchmaking_time`` from now); matchmaking and the wait for the
-        payload give up ``timeout`` seconds from now."""
+        payload give up ``timeout`` seconds from now. ``admits``: as for the averaging service's rounds
+        (:meth:`~collabopt.engine.averager.AveragingService.schedule`)."""
         if self._closed:
             raise RuntimeError("this ExchangeService is closed")
         if not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         now = get_dht_time()
         search = _Search(scheduled_time=now + self.matchmaking_time if scheduled_time is None else scheduled_time,
-                         deadline=now + timeout, data_for_gather=self._my_entry(gather))
+                         deadline=now + timeout, data_for_gather=self._my_entry(gather),
+                         admits=None if admits is None else lambda theirs: admits(_gathered_of(theirs)))
         scheduled = ScheduledExchange(self, float(timeout))
         scheduled._trigger = self._event_loop.create_future()
         scheduled._future = asyncio.run_coroutine_threadsafe(self._scheduled(scheduled, search), self._event_loop)
         return scheduled
 
-    def _my_entry(self, gather: Any) -> bytes:
+    def _my_entry(self, gather: Any) -> bytes:  # (see _gathered_of)
         token = None if self._key is None else \
             MemberToken.issue(self._key, self.prefix, self.p2p.peer_id.to_bytes()).to_bytes()
         return MSGPackSerializer.dumps([True, [gather, self._public_key], token])
@@ -324,6 +326,11 @@ class ScheduledExchange(ScheduledWork):
             return self._future.result(timeout)
         except concurrent.futures.CancelledError:
             return ExchangeResult(None, (), self.group or (), {}, "cancelled")
+
+
+def _gathered_of(entry: Any) -> Any:
+    """What a member gathered, from its entry's middle part (``[gather, public key]``); None where unreadable."""
+    return entry[0] if isinstance(entry, (list, tuple)) and len(entry) == 2 else None
 
 
 __all__ = ["Contribution", "ExchangeResult", "ExchangeService", "ScheduledExchange"]

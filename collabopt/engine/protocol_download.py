@@ -17,7 +17,8 @@ DOWNLOAD_ACTIONS = (
     "current",  # it holds the swarm's epoch (or a later one): done
     "again",  # an older epoch's state came, or none: download again in a second, until the deadline
     "relabel",  # the deadline passed one epoch behind: go on from that state as the swarm's epoch (hivemind's rule)
-    "behind",  # the deadline passed two or more epochs behind: go on; the next step downloads again
+    "behind",  # the deadline passed two or more epochs behind the records, or behind its gradient round's peers
+    # only: go on at its epoch; the next step or round shows it behind again
 )
 # what a download ends of a pending lineage re-sync (ResyncDecision.resync)
 RESYNC_ACTIONS = (

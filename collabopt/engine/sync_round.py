@@ -137,6 +137,7 @@ class SyncLoop(PeerLoop):
             # (outside the boundary's locks: the tracker fetches, others download; its group's peers may not serve
             # the epoch they step to yet: a download of an older state is tried again)
             self.load_state_from_peers(round_epoch=held_back)
+            self._exact_check_due = True  # (it may have gone on at its own epoch: its next fresh view shows it)
         return outcome
 
     def _step(self, epoch: int, num_peers: int, outcome: RoundOutcome | None, in_background: Any
@@ -237,9 +238,9 @@ class SyncLoop(PeerLoop):
             resync_pending=self.sync_state.resync is not None, step_pending=not (in_background or self.auxiliary)))
         if checks:
             follow_round_decision(self, decision)
-        if not decision.steps:  # (end_epoch downloads instead of stepping, up to the epoch its group's peers step to)
-            group_epoch = protocol.group_epoch(group) if isinstance(group, dict) else None
-            self._held_back = (epoch if group_epoch is None else group_epoch) + 1
+        if not decision.steps:  # (end_epoch downloads instead: the state of the epoch its peers to follow step to)
+            ahead = [group[peer]["epoch"] for peer in decision.resync_from or ()]
+            self._held_back = max(ahead, default=epoch) + 1
         return decision.outcome
 
     def _await_gradients(self, control: Any) -> Any:

@@ -35,9 +35,10 @@ class Matchmaking:
         yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
 
 
-def join(gate, peer, data):
+def join(gate, peer, data, client_mode=False):
     async def go():
-        request = averaging_pb2.JoinRequest(gather=MSGPackSerializer.dumps(data) if data is not None else b"\xff")
+        request = averaging_pb2.JoinRequest(gather=MSGPackSerializer.dumps(data) if data is not None else b"\xff",
+                                            client_mode=client_mode)
         return [m.code async for m in gate.rpc_join_group(request, SimpleNamespace(remote_id=peer))]
     return asyncio.run(go())
 
@@ -74,6 +75,8 @@ def test_a_search_that_does_not_admit_a_peer_refuses_its_join_request_before_mat
         assert join(gate, BOB, entry(BOB, key=key, epoch=7)) == [averaging_pb2.BAD_GROUP_KEY]
         assert join(gate, ALICE, entry(ALICE, key=key, epoch=3)) == [averaging_pb2.ACCEPTED]
         assert join(gate, BOB, entry(BOB, key=key, epoch=2)) == [averaging_pb2.ACCEPTED]
-        assert matchmaking.requests == [ALICE, BOB]
+        # a client-mode peer can lead no group of its own: refused, it would have none
+        assert join(gate, BOB, entry(BOB, key=key, epoch=7), client_mode=True) == [averaging_pb2.ACCEPTED]
+        assert matchmaking.requests == [ALICE, BOB, BOB]
     assert join(averager._MemberGate(Matchmaking(averager._Search(0.0, 0.0, b"")), None, SCOPE), BOB,
                 entry(BOB, key=None, epoch=7)) == [averaging_pb2.ACCEPTED]  # (no rule: hivemind's checks only)

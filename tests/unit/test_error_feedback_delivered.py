@@ -27,7 +27,7 @@ class FakeService:
     def __init__(self, dht, **options):
         pass
 
-    def schedule(self, timeout, gather):
+    def schedule(self, timeout, gather, admits=None):
         return FakeControl()
 
     def close(self):

@@ -30,7 +30,7 @@ class FakeService:
         self.options = options
         self.p2p = SimpleNamespace(peer_id="a")
 
-    def schedule(self, timeout, gather):
+    def schedule(self, timeout, gather, admits=None):
         return FakeControl()
 
     def close(self):

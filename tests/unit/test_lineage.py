@@ -136,8 +136,11 @@ def test_a_peer_behind_adopts_the_newest_epochs_lineage(caplog):
     smallest = "a" if A < B else "b"
     assert judge(group, "c") == Verdict([smallest], "behind")
     optimizer = stand_in()
-    judge_lineage(optimizer, Control({"p1": meta(4, A), "me": meta(3, B)}))
+    outcome = judge_lineage(optimizer, Control({"p1": meta(4, A), "me": meta(3, B)}))
     assert optimizer.sync_state.resync.peers == ["p1"]
+    assert outcome.detail == ("this peer is at epoch 3, 1 peer(s) of its gradient round at epoch 4 (it missed a "
+                              "round): it does not step, and downloads the swarm's state now")
+    assert optimizer._held_back == 5  # (the state of the epoch p1 steps to)
     assert "after this step" not in caplog.text  # (no step: the loop says so as it downloads, test_state_round)
 
 
