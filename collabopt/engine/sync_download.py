@@ -64,10 +64,9 @@ def _download_until_current(optimizer: Any, round_epoch: int = -1, **kwargs: Any
             optimizer.tracker.global_progress.next_fetch_time = get_dht_time()
         optimizer.tracker.global_state_updated.set()
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-    if decision.action == "behind" and round_epoch >= 0:  # (behind its gradient round's peers: said, not silent)
+    if decision.action == "relabel" or (decision.action == "behind" and round_epoch >= 0):  # (said, not silent)
         logger.warning("collabopt: %s (within %.0f s)", decision.reason, optimizer.averaging_timeout)
     if decision.action == "relabel":  # hivemind's rule, as a last resort
-        logger.warning("collabopt: %s (within %.0f s)", decision.reason, optimizer.averaging_timeout)
         optimizer.state_averager.local_epoch = seen.swarm_epoch
         after_download(optimizer)
     forget_stale_progress(optimizer.tracker, optimizer.local_epoch)

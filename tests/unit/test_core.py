@@ -64,12 +64,9 @@ def test_reuse_grad_buffers_reports_reset_gradients():
     copt.close()
 
 
-def test_gives_up_syncing_when_nobody_serves_the_swarms_state():
-    """The peers that were ahead left (their records outlive them): after SYNC_ATTEMPTS refused steps this peer
-    continues from its own parameters at the swarm's epoch instead of retrying forever."""
-    model, copt, peer = make_core(target=1000)
-    peer.swarm_epoch, peer.serves_state = 5, False
-    before = [p.detach().clone() for p in model.parameters()]
+def steps_until_it_gives_up_syncing(model, copt) -> None:
+    """SYNC_ATTEMPTS steps nobody serves the swarm's state for: each counts no samples, the last goes on from this
+    peer's own parameters at the swarm's epoch, and says so."""
     for attempt in range(1, SYNC_ATTEMPTS + 1):
         backward(model, 8)
         if attempt < SYNC_ATTEMPTS:
@@ -77,6 +74,15 @@ def test_gives_up_syncing_when_nobody_serves_the_swarms_state():
         else:
             with pytest.warns(UserWarning, match="no peer could send its state"):
                 assert copt.step().epoch_changed
+
+
+def test_gives_up_syncing_when_nobody_serves_the_swarms_state():
+    """The peers that were ahead left (their records outlive them): after SYNC_ATTEMPTS refused steps this peer
+    continues from its own parameters at the swarm's epoch instead of retrying forever."""
+    model, copt, peer = make_core(target=1000)
+    peer.swarm_epoch, peer.serves_state = 5, False
+    before = [p.detach().clone() for p in model.parameters()]
+    steps_until_it_gives_up_syncing(model, copt)
     assert copt.local_epoch == 5 and "jump_to_epoch(5)" in peer.calls
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # own parameters kept
     backward(model, 8)
@@ -99,13 +105,7 @@ def test_the_step_that_ends_a_boundary_behind_its_gradient_round_counts_no_sampl
     assert (peer.last_round.applied, peer.last_round.reason) == (False, "behind")
     model, copt, peer = make_core(target=8)
     peer.round_ahead, peer.serves_state = True, False
-    for attempt in range(1, SYNC_ATTEMPTS + 1):
-        backward(model, 8)
-        if attempt < SYNC_ATTEMPTS:
-            assert copt.step().samples == 0
-        else:
-            with pytest.warns(UserWarning, match="no peer could send its state"):
-                assert copt.step().epoch_changed
+    steps_until_it_gives_up_syncing(model, copt)
     assert copt.local_epoch == 2 and "jump_to_epoch(2)" in peer.calls
     copt.close()
 
