@@ -187,5 +187,22 @@ def judge(group: Mapping[Hashable, Any], me: Hashable, key: str = "lineage") -> 
     return Verdict(peers=canonical, reason=reason)
 
 
+def verdict_text(verdict: Verdict, group: Mapping[Hashable, Any], epoch: int) -> str:
+    """What the log (and the round outcome's detail) says of a ``verdict`` of a member at ``epoch``."""
+    newest = group[verdict.peers[0]]["epoch"]
+    if verdict.reason == "behind":
+        return (f"this peer is at epoch {epoch}, {len(verdict.peers)} peer(s) of its gradient round at epoch "
+                f"{newest} (it missed a round)")
+    if verdict.reason == "apart":
+        return (f"this peer's last gradient round was partial, so its parameters are its own; {len(verdict.peers)} "
+                f"peer(s) of its gradient round at epoch {epoch} hold the group's")
+    if verdict.reason == "nonfinite":
+        return (f"this peer's parameters are not finite; {len(verdict.peers)} peer(s) of its gradient round at epoch "
+                f"{epoch} hold the group's")
+    peers_at_epoch = sum(1 for m in group.values() if isinstance(m, dict) and m.get("epoch") == epoch)
+    return (f"this peer's parameters differ from those of {len(verdict.peers)} of the {peers_at_epoch} peers of its "
+            f"gradient round at epoch {epoch} (they trained apart, e.g. across a network partition)")
+
+
 __all__ = ["FINGERPRINT_TOLERANCE", "Verdict", "canonical_peers", "fingerprint", "judge", "same_fingerprint",
-           "valid_fingerprint"]
+           "valid_fingerprint", "verdict_text"]

@@ -193,18 +193,22 @@ class SyncRoundEvidence:
 
 @dataclass(frozen=True)
 class SyncDecision:
-    """A synchronous boundary's ``outcome`` and what this peer does next: ``steps``: the optimizer steps (its
-    outcome applied); False: it keeps its parameters and epoch and downloads the swarm's state now, within this
-    boundary; ``resync_from``: download the state of one of these peers (None: none; with ``steps``, after this
-    step); ``holds``: it holds its group's lineage again; ``received``: the share of the average that arrived
-    (below 1: it is apart); ``my_epoch``: the epoch it told its group."""
+    """A synchronous boundary's ``outcome`` and what this peer does next: ``resync_from``: download the state of one
+    of these peers (None: none; where it steps, after this step); ``download_epoch``: None, the optimizer steps (its
+    outcome applied); else it keeps its parameters and epoch and downloads, within this boundary, the state of this
+    epoch: the one its peers to follow step to; ``holds``: it holds its group's lineage again; ``received``: the
+    share of the average that arrived (below 1: it is apart); ``my_epoch``: the epoch it told its group."""
 
     outcome: RoundOutcome
     resync_from: tuple[Hashable, ...] | None = None
     holds: bool = False
     received: float = 1.0
     my_epoch: int = -1
-    steps: bool = True
+    download_epoch: int | None = None
+
+    @property
+    def steps(self) -> bool:
+        return self.download_epoch is None
 
     @property
     def partial(self) -> bool:
@@ -294,9 +298,10 @@ def sync_round(e: SyncRoundEvidence) -> SyncDecision:
     else:
         reason, detail = decision.outcome.reason, decision.outcome.detail
         holds_back = reason == "behind" and e.step_pending
-        if holds_back:
+        if holds_back:  # (the state its peers to follow step to: the newest of their epochs + 1)
             detail = f"{detail}: it does not step, and downloads the swarm's state now"
-            decision = dataclasses.replace(decision, steps=False)
+            ahead = [group[peer]["epoch"] for peer in decision.resync_from or ()]
+            decision = dataclasses.replace(decision, download_epoch=max(ahead, default=e.epoch) + 1)
         outcome = RoundOutcome(not holds_back, reason, len(group), num_peers=e.num_peers,
                                resync=reason != "averaged", epoch=e.epoch, detail=detail)
     return dataclasses.replace(decision, outcome=outcome)
@@ -317,7 +322,7 @@ def _judge_lineage(group: Mapping[Hashable, Any], me: Hashable, mine: dict, resy
     if verdict is not None and verdict.reason == "holds":
         holds = True
     elif verdict is not None:
-        detail = verdict_text(verdict, group, epoch)
+        detail = lineage.verdict_text(verdict, group, epoch)
         reason = "behind" if verdict.reason == "behind" else "apart"
         resync_from = tuple(verdict.peers)
     received = mine.get("received", 1.0)
@@ -325,23 +330,6 @@ def _judge_lineage(group: Mapping[Hashable, Any], me: Hashable, mine: dict, resy
     if received < 1.0 and reason == "averaged":
         reason, detail = "partial", f"{100 * received:.1f}% of the average arrived"
     return SyncDecision(RoundOutcome(True, reason, detail=detail), resync_from, holds, received, epoch)
-
-
-def verdict_text(verdict: lineage.Verdict, group: Mapping[Hashable, Any], epoch: int) -> str:
-    """What the log (and the outcome's detail) says of a lineage ``verdict`` of a member at ``epoch``."""
-    newest = group[verdict.peers[0]]["epoch"]
-    if verdict.reason == "behind":
-        return (f"this peer is at epoch {epoch}, {len(verdict.peers)} peer(s) of its gradient round at epoch "
-                f"{newest} (it missed a round)")
-    if verdict.reason == "apart":
-        return (f"this peer's last gradient round was partial, so its parameters are its own; {len(verdict.peers)} "
-                f"peer(s) of its gradient round at epoch {epoch} hold the group's")
-    if verdict.reason == "nonfinite":
-        return (f"this peer's parameters are not finite; {len(verdict.peers)} peer(s) of its gradient round at epoch "
-                f"{epoch} hold the group's")
-    peers_at_epoch = sum(1 for m in group.values() if isinstance(m, dict) and m.get("epoch") == epoch)
-    return (f"this peer's parameters differ from those of {len(verdict.peers)} of the {peers_at_epoch} peers of its "
-            f"gradient round at epoch {epoch} (they trained apart, e.g. across a network partition)")
 
 
 # --------------------------------------------------------------------------------------- the parameter round
@@ -397,4 +385,4 @@ __all__ = ["DOWNLOAD_REASONS", "DiLoCoDecision", "DiLoCoRoundEvidence", "DiLoCoS
            "SyncRoundEvidence", "SyncStepEvidence", "averages_parameters", "boundary_accepted", "diloco_contributes",
            "diloco_round", "diloco_step", "group_epoch", "guard_amended", "parameter_round", "parameter_round_peers",
            "quorum_count", "step_accepted", "sync_admits", "sync_boundary", "sync_contributes", "sync_gradients",
-           "sync_round", "sync_step", "verdict_text"]
+           "sync_round", "sync_step"]

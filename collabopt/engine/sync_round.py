@@ -38,7 +38,6 @@ class SyncLoop(PeerLoop):
     last_round: RoundOutcome | None = None  # the outcome of this peer's last boundary
     _joined_epoch: int | None = None  # the epoch whose round under way this peer joined (protocol.sync_step)
     boundary_epoch = 0  # the epoch of the boundary in progress (or the last one)
-    _held_back: int | None = None  # where its gradient round showed this peer behind: the epoch its group steps to
 
     def __init__(self, **kwargs: Any):
         self.sync_state = SyncState()
@@ -121,22 +120,21 @@ class SyncLoop(PeerLoop):
         with self.tracker.pause_updates(), self.state_averager.closed_for_downloads():
             in_background = None
             if self.grad_averager is None:  # use_local_updates: parameters are averaged, gradients never
-                outcome = protocol.sync_round(protocol.SyncRoundEvidence(epoch, num_peers,
-                                                                         averages_gradients=False)).outcome
+                decision = protocol.sync_round(protocol.SyncRoundEvidence(epoch, num_peers, averages_gradients=False))
             else:
                 if self.delay_optimizer_step:
                     self.state_averager.step(wait_for_delayed_updates=True)
-                outcome, in_background = self._gradient_round(epoch, num_peers)
-            held_back, self._held_back = self._held_back, None
-            if held_back is None:
+                decision, in_background = self._gradient_round(epoch, num_peers)
+            outcome = decision.outcome if decision is not None else None
+            if decision is None or decision.steps:
                 outcome = self._step(epoch, num_peers, outcome, in_background)
         if outcome is not None:  # (a round in the background sets it when it ends)
             self.last_round = outcome
-        if held_back is not None:  # behind its gradient round: no step (protocol.sync_round, SyncDecision.steps)
+        if decision is not None and not decision.steps:  # behind its gradient round (protocol.sync_round)
             logger.warning("collabopt: epoch %d ends without a step: %s", epoch, outcome.detail)
             # (outside the boundary's locks: the tracker fetches, others download; its group's peers may not serve
             # the epoch they step to yet: a download of an older state is tried again)
-            self.load_state_from_peers(round_epoch=held_back)
+            self.load_state_from_peers(round_epoch=decision.download_epoch)
             self._exact_check_due = True  # (it may have gone on at its own epoch: its next fresh view shows it)
         return outcome
 
@@ -196,8 +194,8 @@ class SyncLoop(PeerLoop):
                    error)
         return False
 
-    def _gradient_round(self, epoch: int, num_peers: int) -> tuple[RoundOutcome | None, Any]:
-        """Average the epoch's gradients and load them into the optimizer. Returns the outcome, or with
+    def _gradient_round(self, epoch: int, num_peers: int) -> tuple[protocol.SyncDecision | None, Any]:
+        """Average the epoch's gradients and load them into the optimizer. Returns the boundary's decision, or with
         ``delay_grad_averaging`` None and the function the delayed optimizer step awaits first."""
         control, self.scheduled_grads = self.scheduled_grads, None
         if control is not None and (control.triggered or control.done()):
@@ -228,20 +226,17 @@ class SyncLoop(PeerLoop):
         hint_state_group(self, control)
         return self._judge(epoch, num_peers, group), None
 
-    def _judge(self, epoch: int, num_peers: int, group: Any, in_background: bool = False) -> RoundOutcome:
-        """The boundary's outcome (:func:`collabopt.engine.protocol.sync_round`) from what its gradient round
+    def _judge(self, epoch: int, num_peers: int, group: Any, in_background: bool = False) -> protocol.SyncDecision:
+        """The boundary's decision (:func:`collabopt.engine.protocol.sync_round`) from what its gradient round
         gathered (None: no round, or it failed); the lineage check's decision is followed (a download planned, the
-        peer apart). Not applied: the peer does not step (:meth:`end_epoch` downloads)."""
+        peer apart). Where it does not step, :meth:`end_epoch` downloads instead."""
         checks = self.sync_state.checks_lineage
         decision = protocol.sync_round(protocol.SyncRoundEvidence(
             epoch, num_peers, group=group, me=self.dht.peer_id, checks_lineage=checks,
             resync_pending=self.sync_state.resync is not None, step_pending=not (in_background or self.auxiliary)))
         if checks:
             follow_round_decision(self, decision)
-        if not decision.steps:  # (end_epoch downloads instead: the state of the epoch its peers to follow step to)
-            ahead = [group[peer]["epoch"] for peer in decision.resync_from or ()]
-            self._held_back = max(ahead, default=epoch) + 1
-        return decision.outcome
+        return decision
 
     def _await_gradients(self, control: Any) -> Any:
         """The round's group, with the averaged gradients loaded into the optimizer; None if the round failed, and
@@ -264,7 +259,7 @@ class SyncLoop(PeerLoop):
             with self.grad_averager.get_tensors():
                 pass
         self._load_averaged_gradients()
-        self.last_round = self._judge(epoch, num_peers, group, in_background=True)  # (no lineage check here)
+        self.last_round = self._judge(epoch, num_peers, group, in_background=True).outcome  # (no lineage check)
 
     def _round_result(self, control: Any) -> tuple[bool, Any]:
         """Wait for the gradient round: whether it finished, and what its group gathered (None if it failed)."""

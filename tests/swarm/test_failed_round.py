@@ -43,9 +43,9 @@ def test_a_failed_gradient_round_steps_with_the_local_gradients(mode, monkeypatc
 
         def round_with_another_peer(epoch, num_peers):
             hm.tracker.global_progress.num_peers = 2  # the round starts, and finds nobody
-            outcome, in_background = gradient_round(epoch, 2)
-            rounds.append(outcome is None or outcome.reason != "alone")  # (overlap: decided in the background)
-            return outcome, in_background
+            decision, in_background = gradient_round(epoch, 2)
+            rounds.append(decision is None or decision.outcome.reason != "alone")  # (overlap: in the background)
+            return decision, in_background
 
         monkeypatch.setattr(hm, "_gradient_round", round_with_another_peer)
         expected = 0.0

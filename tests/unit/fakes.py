@@ -113,7 +113,7 @@ class FakePeer:
                                                                   group=group, me="me"))
         self.last_round = decision.outcome
         if not decision.steps:
-            self.swarm_epoch = max(self.swarm_epoch, self.local_epoch + 2)  # (its group stepped on)
+            self.swarm_epoch = max(self.swarm_epoch, decision.download_epoch)  # (its group stepped on)
             self._reset()
             if self.serves_state:
                 self.load_state_from_peers()

@@ -80,8 +80,10 @@ def stand_in(epoch: int = 3, client_mode: bool = False) -> SimpleNamespace:
 
 def judge_lineage(optimizer: SimpleNamespace, control: Control | None):
     """The boundary's judgement after its gradient round (``SyncLoop._judge``: the protocol's decision, followed) on
-    a stand-in loop; returns the round's outcome."""
-    return sync_round.SyncLoop._judge(optimizer, optimizer.local_epoch, 4, lineage_check.finished_group(control))
+    a stand-in loop; returns the round's outcome (and keeps the decision in ``optimizer.decision``)."""
+    optimizer.decision = sync_round.SyncLoop._judge(optimizer, optimizer.local_epoch, 4,
+                                                    lineage_check.finished_group(control))
+    return optimizer.decision.outcome
 
 
 def test_a_peer_of_another_lineage_plans_a_download_from_the_canonical_members(caplog):
@@ -140,7 +142,7 @@ def test_a_peer_behind_adopts_the_newest_epochs_lineage(caplog):
     assert optimizer.sync_state.resync.peers == ["p1"]
     assert outcome.detail == ("this peer is at epoch 3, 1 peer(s) of its gradient round at epoch 4 (it missed a "
                               "round): it does not step, and downloads the swarm's state now")
-    assert optimizer._held_back == 5  # (the state of the epoch p1 steps to)
+    assert optimizer.decision.download_epoch == 5  # (the state of the epoch p1 steps to)
     assert "after this step" not in caplog.text  # (no step: the loop says so as it downloads, test_state_round)
 
 

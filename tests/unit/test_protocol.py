@@ -171,7 +171,7 @@ def test_a_synchronous_round_gives_one_outcome(evidence, expected, resync_from, 
     assert decision.averages_parameters == (outcome.reason not in ("apart", "behind"))
     verdict = protocol.lineage.judge(evidence.group, "me") if evidence.group else None
     if resync_from is not None and evidence.checks_lineage and not evidence.resync_pending and verdict.peers:
-        assert outcome.detail.startswith(protocol.verdict_text(  # what the log says of it
+        assert outcome.detail.startswith(protocol.lineage.verdict_text(  # what the log says of it
             verdict, evidence.group, evidence.group["me"]["epoch"]))
     assert ("it does not step, and downloads the swarm's state now" in outcome.detail) is not outcome.applied
 
@@ -182,6 +182,19 @@ def test_the_optimizer_steps_exactly_where_the_boundary_is_applied(evidence):
     decision = protocol.sync_round(evidence)
     assert decision.steps is decision.outcome.applied
     assert decision.steps is not (decision.outcome.reason == "behind" and evidence.step_pending)
+    assert (decision.download_epoch is None) is decision.steps
+
+
+@pytest.mark.parametrize(("epochs", "download_epoch"), [
+    ({"me": 3, "a": 4}, 5),  # the state of the epoch its group steps to
+    ({"me": 3, "a": 4, "b": 4, "c": 5}, 5),  # the peers it follows are the group's epoch's (c is left out too)
+    ({"me": 3, "a": 5, "b": 5, "c": 4}, 6),  # two epochs behind: the state its group steps to, not the next epoch
+])
+def test_a_peer_behind_its_round_downloads_the_epoch_its_peers_step_to(epochs, download_epoch):
+    group = {peer: {"epoch": epoch} for peer, epoch in epochs.items()}
+    decision = protocol.sync_round(protocol.SyncRoundEvidence(3, len(group), group=group, me="me"))
+    assert not decision.steps and decision.download_epoch == download_epoch
+    assert all(epochs[peer] == download_epoch - 1 for peer in decision.resync_from)
 
 
 @pytest.mark.parametrize(("outcome", "accepted"), [
