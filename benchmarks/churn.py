@@ -33,8 +33,8 @@ from typing import Any
 
 import psutil
 
-from benchmarks.common import ROOT, fork, write_json
-from collabopt.testing import processes
+from benchmarks.common import ROOT, spawner, write_json
+from collabopt import processes
 
 WORKER = ROOT / "tests" / "swarm" / "peer_worker.py"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -123,7 +123,7 @@ def run_churn(workdir: Path, *, peers: int = 5, seconds: float = 60.0, kills: in
     base = dict(run_id=run_id, target_batch_size=target_batch_size, epochs=0, lr=0.3, step_sleep=step_sleep,
                 model_seed=0, epochs_file=str(workdir / "target_epoch"), max_seconds=seconds + 240,
                 finish_with=[str(path) for path in slot_progress.values()])
-    bootstrap, initial_peers = processes.start_bootstrap(workdir, env=_env(), cwd=ROOT, fork=fork())
+    bootstrap, initial_peers = processes.start_bootstrap(workdir, env=_env(), cwd=ROOT, spawn=spawner())
     live: dict[str, processes.Process] = {}
     names = {slot: slot for slot in slots}
     killed: list[tuple[str, set[int]]] = []
@@ -137,7 +137,7 @@ def run_churn(workdir: Path, *, peers: int = 5, seconds: float = 60.0, kills: in
                                    identity_path=str(workdir / f"{slot}.id")), **extra)
         write_json(workdir / f"{name}.config.json", config)
         return processes.Process([sys.executable, str(WORKER), str(workdir / f"{name}.config.json")],
-                                 workdir / f"{name}.log", env=_env(initial_peers), cwd=ROOT, fork=fork())
+                                 workdir / f"{name}.log", env=_env(initial_peers), cwd=ROOT, spawn=spawner())
 
     def swarm_epoch() -> int:
         return max(_progress(Path(f"{p}.progress")) for p in slot_progress.values())

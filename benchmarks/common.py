@@ -1,5 +1,5 @@
 """Shared helpers: machine/version info, robust statistics, model builders and running a benchmark module
-(processes through :mod:`collabopt.testing.processes`, the harness the tests and the demo use too)."""
+(processes through :mod:`collabopt.processes`, the harness the tests and the demo use too)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from collabopt.testing import processes
-from collabopt.testing.processes import Process
+from collabopt import processes
+from collabopt.processes import Process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,10 +97,15 @@ def write_json(path: str | Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
-def fork(netns: str | None = None) -> bool:
-    """Whether to fork a benchmark process from a launcher (:mod:`collabopt.testing.launcher`): only where
-    COLLABOPT_BENCHMARK_FORK=1 (the swarm tests set it; a user's run starts each process fresh), never into a netns."""
-    return os.environ.get("COLLABOPT_BENCHMARK_FORK") == "1" and netns is None
+def spawner(netns: str | None = None) -> processes.Spawn | None:
+    """How to start a benchmark process: forked from a launcher (``harness/launcher.py``) only where
+    COLLABOPT_BENCHMARK_FORK=1 (the swarm tests set it; a user's run starts each process fresh: None), never into a
+    netns."""
+    if os.environ.get("COLLABOPT_BENCHMARK_FORK") != "1" or netns is not None:
+        return None
+    from harness import launcher
+
+    return launcher.spawn
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -111,14 +116,14 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def run_module(module: str, config: dict[str, Any], workdir: Path, timeout: float, name: str) -> dict[str, Any]:
-    """Run ``python -m <module> <config.json>`` in a process of its own (:func:`fork`); return the JSON it wrote to
+    """Run ``python -m <module> <config.json>`` in a process of its own (:func:`spawner`); return the JSON it wrote to
     ``config['out']``."""
     config = dict(config, out=str(workdir / f"{name}.json"))
     config_path = workdir / f"{name}.config.json"
     write_json(config_path, config)
     log_path = workdir / f"{name}.log"
     with Process([sys.executable, "-m", module, str(config_path)], log_path, env=child_env(), cwd=ROOT,
-                 fork=fork()) as proc:
+                 spawn=spawner()) as proc:
         code = proc.wait(timeout)  # leaving the block kills what is left (stray hivemind children: p2pd, averagers)
     if code is None:
         raise RuntimeError(f"{module} ({name}) ran past {timeout:.0f} s; log: {log_path}")

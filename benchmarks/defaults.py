@@ -43,7 +43,7 @@ from typing import Any
 
 from benchmarks.common import ROOT, child_env, machine_info, make_mlp, median, num_params, write_json
 from benchmarks.swarmrun import let_exit, start_bootstrap, wait_for_files
-from collabopt.testing.processes import Process
+from collabopt.processes import Process
 
 RESULTS = ROOT / "benchmarks" / "results"
 IMPLS = ("hivemind", "collabopt")

@@ -12,7 +12,7 @@ Writes ``benchmarks/results/diloco.{json,md,png}``.
   on the held-out tenth of the text after every global epoch / round; the swarm's samples at an epoch are the sum of
   the samples each peer had trained on when it reached it. Compared: the loss of both at the same number of samples
   (interpolated), and the inner steps per round.
-* **wan**: the B3 bed (:mod:`collabopt.testing.testnet`: 4 peers in network namespaces, every link limited with ``tc``),
+* **wan**: the B3 bed (:mod:`harness.testnet`: 4 peers in network namespaces, every link limited with ``tc``),
   ~5M parameters, simulated compute (``benchmarks.peer`` with ``compute="sleep"``): compute utilization (the
   simulated compute and, in DiLoCo mode, the inner optimizer step, over wall time) and bytes sent per sample (what
   all peers sent on their namespaces' interfaces but loopback over their measured windows, over the samples of
@@ -179,7 +179,7 @@ def loss_at(curve: list[tuple[float, float]], samples: float) -> float:
 
 
 def run_quality(cfg: dict[str, Any], workdir: Path, log: Any = print) -> dict[str, Any]:
-    from collabopt.testing import processes
+    from collabopt import processes
 
     text = corpus()
     result: dict[str, Any] = dict(corpus_chars=len(text), corpus_sha256=hashlib.sha256(text.encode()).hexdigest(),

@@ -29,7 +29,7 @@ WAN = dict(width=1024, in_dim=256, batch=32, params=5_000_000, compute_seconds=0
 
 
 def run_wan(cfg: dict[str, Any], workdir: Path, log: Any = print) -> dict[str, Any]:
-    from collabopt.testing.testnet import unavailable_reason
+    from harness.testnet import unavailable_reason
 
     reason = unavailable_reason()
     if reason:
@@ -62,7 +62,7 @@ def run_swarm(cfg: dict[str, Any], settings: dict[str, Any], rate: float | None,
     ``cfg['startup_seconds']``: how long the peers may take to start (beyond ``max_seconds``; B6: 90, and a peer
     waits 120 s for the others); ``cfg['peer_options']``: more of every peer's config (:mod:`benchmarks.peer`)."""
     from benchmarks.swarmrun import run_peers, start_bootstrap
-    from collabopt.testing.testnet import TestNet
+    from harness.testnet import TestNet
 
     n, steps = cfg["peers"], settings["steps_per_epoch"]
     with TestNet(n, rate) as net:

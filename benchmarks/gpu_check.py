@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from benchmarks import gpu_memory, gpu_step
-from benchmarks.common import ROOT, child_env, fork, machine_info, write_json
+from benchmarks.common import ROOT, child_env, machine_info, spawner, write_json
 from benchmarks.gpu_swarm import CASES, slug
-from collabopt.testing import processes
+from collabopt import processes
 
 RESULTS = ROOT / "benchmarks" / "results"
 SYNC_TOLERANCE = 1e-6  # float rounding of the all-reduce (see tests/swarm/helpers.py SWARM_ROUNDING)
@@ -68,7 +68,7 @@ def run_swarms(workdir: Path, smoke: bool, cases: list[str], timeout: float) -> 
     settings = dict(SWARM_SETTINGS["smoke" if smoke else "gpu"])
     workdir.mkdir(parents=True, exist_ok=True)
     env = child_env()
-    bootstrap, initial_peers = processes.start_bootstrap(workdir, env=env, cwd=ROOT, fork=fork())
+    bootstrap, initial_peers = processes.start_bootstrap(workdir, env=env, cwd=ROOT, spawn=spawner())
     # the peer processes' case lists (in order: Accelerate's case stays the last of its process)
     groups = [cases]
     if smoke:
@@ -87,7 +87,7 @@ def run_swarms(workdir: Path, smoke: bool, cases: list[str], timeout: float) -> 
                 write_json(path, cfg)
                 proc = processes.Process([sys.executable, "-m", "benchmarks.gpu_swarm", str(path)],
                                          workdir / f"{name}.log", env=dict(env, INITIAL_PEERS=initial_peers),
-                                         cwd=ROOT, fork=fork())
+                                         cwd=ROOT, spawn=spawner())
                 peers.append((proc, index, name))
         deadline = time.monotonic() + timeout
         codes = [proc.wait(max(0.1, deadline - time.monotonic())) for proc, _, _ in peers]

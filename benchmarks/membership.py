@@ -22,8 +22,8 @@ from typing import Any
 from benchmarks.common import ROOT, child_env, machine_info, write_json
 from benchmarks.side_by_side import compare_swarms
 from benchmarks.swarmrun import start_bootstrap
+from collabopt import processes
 from collabopt.membership import new_swarm_key
-from collabopt.testing import processes
 
 FULL = dict(params=1_000_000, width=512, in_dim=256, batch=32, compute_seconds=0.05, epoch_seconds=8,
             matchmaking_time=2.0, averaging_timeout=30.0, warmup_epochs=1, rounds_per_session=5, sessions=1,

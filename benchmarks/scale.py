@@ -31,9 +31,9 @@ from typing import Any
 import psutil
 
 from benchmarks import scale_report
-from benchmarks.common import ROOT, child_env, fork, machine_info, write_json
+from benchmarks.common import ROOT, child_env, machine_info, spawner, write_json
 from benchmarks.swarmrun import start_bootstrap
-from collabopt.testing.processes import Process
+from collabopt.processes import Process
 
 RESULTS = ROOT / "benchmarks" / "results"
 # every peer: 16 samples per step of 0.1 s of simulated compute (160 samples/s); the target fills in 4 s at N = 16,
@@ -50,7 +50,7 @@ def _start(workdir: Path, name: str, config: dict[str, Any]) -> Process:
     path = workdir / f"{name}.config.json"
     write_json(path, config)
     return Process([sys.executable, "-m", "benchmarks.scale_peer", str(path)], workdir / f"{name}.log",
-                   env=child_env(), cwd=ROOT, fork=fork())
+                   env=child_env(), cwd=ROOT, spawn=spawner())
 
 
 def _wait(paths: list[Path], procs: list[Process], timeout: float) -> bool:

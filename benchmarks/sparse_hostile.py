@@ -45,9 +45,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, fork, machine_info, write_json
-from collabopt.testing import processes
-from collabopt.testing.processes import Process
+from benchmarks.common import ROOT, machine_info, spawner, write_json
+from collabopt import processes
+from collabopt.processes import Process
 
 WORKER = ROOT / "tests" / "swarm" / "diloco_worker.py"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -107,7 +107,7 @@ def run_swarm(cfg: dict[str, Any], workdir: Path, initial_peers: str, name: str,
         for peer, config in peer_configs(cfg, run_dir, aggregation, attack).items():
             write_json(run_dir / f"{peer}.config.json", config)
             procs[peer] = Process([sys.executable, str(WORKER), str(run_dir / f"{peer}.config.json")],
-                                  run_dir / f"{peer}.log", env=env, cwd=ROOT, fork=fork())
+                                  run_dir / f"{peer}.log", env=env, cwd=ROOT, spawn=spawner())
         deadline = time.monotonic() + cfg["max_seconds"] + 60
         for peer in HONEST:
             code = procs[peer].wait(max(1.0, deadline - time.monotonic()))
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="collabopt_sparse_hostile_") as workdir:
         bootstrap, initial_peers = processes.start_bootstrap(workdir, dht_args=["--no-relay"], env=processes.child_env(
-            PYTHONPATH=str(ROOT)), cwd=ROOT, fork=fork())
+            PYTHONPATH=str(ROOT)), cwd=ROOT, spawn=spawner())
         try:
             for name, aggregation, attack in plan(cfg):
                 runs.append(run_swarm(cfg, Path(workdir), initial_peers, name, aggregation, attack))

@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.breakdown:
         cfg["peer_options"] = dict(dht_traffic=True)
     cfg["warmup_epochs"] = args.warmup
-    from collabopt.testing.testnet import unavailable_reason
+    from harness.testnet import unavailable_reason
 
     if (reason := unavailable_reason()) is not None:
         print(f"skipped: {reason}")

@@ -1,4 +1,4 @@
-"""Starting benchmark swarms (bootstrap DHT + peer processes, with :mod:`collabopt.testing.processes`) and turning peer
+"""Starting benchmark swarms (bootstrap DHT + peer processes, with :mod:`collabopt.processes`) and turning peer
 records into figures."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, child_env, fork, median, write_json
-from collabopt.testing import processes
-from collabopt.testing.processes import Process
+from benchmarks.common import ROOT, child_env, median, spawner, write_json
+from collabopt import processes
+from collabopt.processes import Process
 
 
 def start_bootstrap(workdir: Path, host: str = "127.0.0.1", netns: str | None = None) -> tuple[Process, str]:
     """Start ``collabopt dht`` (no relay) listening on ``host``; return it and its INITIAL_PEERS value."""
     return processes.start_bootstrap(workdir, name=f"bootstrap_{netns or 'lo'}", host=host, dht_args=["--no-relay"],
-                                     env=child_env(), cwd=ROOT, netns=netns, fork=fork(netns))
+                                     env=child_env(), cwd=ROOT, netns=netns, spawn=spawner(netns))
 
 
 def run_peers(workdir: Path, name: str, configs: list[dict[str, Any]], timeout: float,
@@ -41,7 +41,7 @@ def run_peers(workdir: Path, name: str, configs: list[dict[str, Any]], timeout: 
             ns = netns[i] if netns else None
             procs.append(Process([sys.executable, "-m", "benchmarks.peer", str(config_path)],
                                  workdir / f"{name}_{i}.log", env=child_env(), cwd=ROOT, netns=ns,
-                                 fork=fork(ns)))
+                                 spawn=spawner(ns)))
             outs.append(out)
         deadline = time.monotonic() + timeout
         wait_for_files(procs, ready, deadline, poll=0.1)

@@ -19,7 +19,7 @@ from typing import Any
 from benchmarks import wan_allreduce
 from benchmarks.common import median, spread
 from benchmarks.swarmrun import allreduce_seconds, run_peers, start_bootstrap, utilization
-from collabopt.testing.testnet import TestNet, unavailable_reason
+from harness.testnet import TestNet, unavailable_reason
 
 OVERLAP = {"offload_optimizer": True, "delay_optimizer_step": True, "delay_grad_averaging": True,
            "delay_state_averaging": True}

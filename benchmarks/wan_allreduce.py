@@ -7,7 +7,7 @@ peer done, :func:`benchmarks.swarmrun.allreduce_seconds`) against the link bound
 ``python -m benchmarks.wan_allreduce`` (root) runs B3's cases of 4 peers at 100 Mbit/s with raw hivemind's optimizer
 and with this runner, one after the other in one sitting, and writes ``benchmarks/results/b3_allreduce.{json,md}``.
 Other beds, each written to its own files (``b3_allreduce_fair``, ``_cubic``, ``_fair_cubic``): ``--fair`` shares
-each link evenly among the other peers (:class:`~collabopt.testing.testnet.TestNet`'s ``fair``; by default tbf keeps
+each link evenly among the other peers (:class:`~harness.testnet.TestNet`'s ``fair``; by default tbf keeps
 one FIFO queue), ``--congestion cubic`` sets the peers' TCP congestion control (by default the host's).
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 
 from benchmarks.common import ROOT, child_env, machine_info, median, spread, write_json
 from benchmarks.swarmrun import allreduce_seconds, start_bootstrap
-from collabopt.testing.processes import Process
-from collabopt.testing.testnet import TestNet
+from collabopt.processes import Process
+from harness.testnet import TestNet
 
 ROUNDS = 6
 

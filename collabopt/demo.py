@@ -136,8 +136,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from collabopt.lifecycle import preserved_sigint
     from collabopt.metrics import read_swarm_progress, reader_validators
+    from collabopt.processes import Process, child_env, stop_all
     from collabopt.swarm import SwarmOptions, start_dht
-    from collabopt.testing.processes import Process, child_env, stop_all
 
     address = None
     if getattr(args, "serve", None):

@@ -1,4 +1,4 @@
-"""Swarms in network namespaces (collabopt.testing.testnet): real processes, links that are cut, limited or partitioned.
+"""Swarms in network namespaces (harness.testnet): real processes, links that are cut, limited or partitioned.
 
 Needs root and iproute2. Elsewhere these tests skip with the reason; in CI (``CI`` set) they fail instead, so a
 green CI run always includes them.
@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from collabopt.testing import testnet
+from harness import testnet
 
 
 def pytest_collection_modifyitems(items):

@@ -20,7 +20,7 @@ from helpers import (
     unique_run_id,
 )
 
-from collabopt.testing.testnet import TestNet
+from harness.testnet import TestNet
 
 AVERAGING_TIMEOUT, MATCHMAKING_TIME = 10.0, 2.0
 # How long a fault that separates peers (a cut link, a partition) lasts. The peers that had members beyond it in the

@@ -8,7 +8,7 @@ import sys
 
 from helpers import Process, start_bootstrap
 
-from collabopt.testing.testnet import TestNet
+from harness.testnet import TestNet
 
 PUBLIC, NATTED = 0, 1
 

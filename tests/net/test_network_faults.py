@@ -1,6 +1,6 @@
 """Network faults on real peer processes in network namespaces: a cut link, a 2|2 partition, a slow link.
 
-Each peer runs in its own namespace (collabopt.testing.testnet), the bootstrap peer in another; faults are applied to
+Each peer runs in its own namespace (harness.testnet), the bootstrap peer in another; faults are applied to
 the links from the test while the peers train.
 """
 

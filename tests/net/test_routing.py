@@ -22,7 +22,7 @@ from helpers import (
 )
 from netswarm import AVERAGING_TIMEOUT, MATCHMAKING_TIME, assert_in_sync, wait_until
 
-from collabopt.testing.testnet import RESERVED_SUBNET
+from harness.testnet import RESERVED_SUBNET
 
 PARTIAL = re.compile(r"% of this peer's gradient round at epoch \d+ arrived")
 

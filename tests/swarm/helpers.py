@@ -1,15 +1,16 @@
-"""Test conveniences for real swarms on loopback, on top of :mod:`collabopt.testing.processes` (the process harness the
+"""Test conveniences for real swarms on loopback, on top of :mod:`collabopt.processes` (the process harness the
 demo and the benchmarks use too): a bootstrap DHT, peer processes, their results, and the checks the tests share.
 
 :class:`Process` adds to the harness's process what the fault tests check: which descendants (DHT, p2pd,
 averagers) a peer had, and whether any of them outlived it. Every process is forked from the harness's launcher
-(``collabopt.testing.launcher``: torch, numpy and hivemind imported once, not by each peer); one in a network
+(``harness.launcher``: torch, numpy and hivemind imported once, not by each peer); one in a network
 namespace then moves itself there (``tests/net/in_netns.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -21,7 +22,8 @@ from typing import Any
 
 import psutil
 
-from collabopt.testing import processes
+from collabopt import processes
+from harness import launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -63,7 +65,8 @@ class Process(processes.Process):
                  preload: tuple[str, ...] = ()):
         if netns is not None:  # not `ip netns exec`: a fresh interpreter imports torch and hivemind again
             args = [args[0], str(IN_NETNS), netns, *args[1:]]
-        super().__init__(args, log_path, env=env or child_env(), cwd=ROOT, fork=True, preload=preload)
+        super().__init__(args, log_path, env=env or child_env(), cwd=ROOT,
+                         spawn=functools.partial(launcher.spawn, preload=preload))
         self._descendants: set[int] = set()
 
     def remember_descendants(self) -> None:
@@ -97,7 +100,7 @@ def start_bootstrap(tmp_path: Path, host: str = "127.0.0.1", netns: str | None =
     """Start ``collabopt dht`` on ``host`` (loopback by default; log: ``<tmp_path>/bootstrap.log``), inside network
     namespace ``netns`` if given; return it and its INITIAL_PEERS."""
     if netns is None:
-        return processes.start_bootstrap(tmp_path, host=host, env=child_env(), cwd=ROOT, fork=True)
+        return processes.start_bootstrap(tmp_path, host=host, env=child_env(), cwd=ROOT, spawn=launcher.spawn)
     # processes.start_bootstrap's command, forked into the namespace as Process does
     peers_file = tmp_path / "bootstrap.initial_peers"
     peers_file.unlink(missing_ok=True)

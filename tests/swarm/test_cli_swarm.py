@@ -11,7 +11,7 @@ import time
 import pytest
 from helpers import ROOT, SWARM_ROUNDING, child_env, start_bootstrap, start_peer, unique_run_id, wait_for_file
 
-from collabopt.testing.processes import Process
+from collabopt.processes import Process
 
 pytestmark = pytest.mark.swarm
 

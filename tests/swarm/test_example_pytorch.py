@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import ROOT, Process, child_env, start_bootstrap, unique_run_id, wait_all
 
-from collabopt.testing import processes
+from collabopt import processes
 
 pytestmark = pytest.mark.swarm
 EXAMPLE = str(ROOT / "examples" / "pytorch_loop.py")

@@ -24,7 +24,7 @@ from helpers import (
 
 WORKER = Path(__file__).resolve().parent / "lightning_worker.py"
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_train.py"
-# imported by the launcher once, not by each trainer's process (2.3 s of CPU each): collabopt.testing.launcher
+# imported by the launcher once, not by each trainer's process (2.3 s of CPU each): harness.launcher
 PRELOAD = ("lightning.pytorch",)
 
 

@@ -27,7 +27,8 @@ from helpers import (
     wait_for_file,
 )
 
-from collabopt.testing import processes
+from collabopt import processes
+from harness import launcher
 
 pytestmark = pytest.mark.swarm
 
@@ -96,7 +97,7 @@ def test_only_members_train_read_and_download(tmp_path, monkeypatch):
     key_file = tmp_path / "swarm.key"
     key_file.write_text(text + "\n")
     bootstrap, initial_peers = processes.start_bootstrap(tmp_path, dht_args=["--swarm-key-file", str(key_file)],
-                                                         env=child_env(), cwd=ROOT, fork=True)
+                                                         env=child_env(), cwd=ROOT, spawn=launcher.spawn)
     run_id = unique_run_id("members")
     procs, dhts = {}, []
     try:

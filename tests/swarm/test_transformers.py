@@ -27,7 +27,7 @@ pytestmark = pytest.mark.swarm
 
 WORKER = Path(__file__).resolve().parent / "transformers_worker.py"
 LR, WARMUP = 1e-2, 1
-# imported by the launcher once, not by each Trainer's process (1.1 s of CPU each): collabopt.testing.launcher
+# imported by the launcher once, not by each Trainer's process (1.1 s of CPU each): harness.launcher
 PRELOAD = ("transformers.trainer", "transformers.models.gpt2.modeling_gpt2")
 
 

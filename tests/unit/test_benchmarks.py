@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from benchmarks import run, wan
-from collabopt.testing import testnet as netns
+from harness import testnet as netns
 
 
 def canned_results() -> dict:

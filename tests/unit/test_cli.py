@@ -193,8 +193,8 @@ def test_the_demo_timing_out_is_one_line_with_the_fix(monkeypatch, capsys):
     clock = iter(range(0, 10_000, 10))  # seconds: each look at the clock, 10 s later
     dht = FakeDHT()
     monkeypatch.setattr("collabopt.swarm.start_dht", lambda options: dht)
-    monkeypatch.setattr("collabopt.testing.processes.Process", lambda *args, **kwargs: FakePeerProcess())
-    monkeypatch.setattr("collabopt.testing.processes.stop_all", lambda procs, grace: None)
+    monkeypatch.setattr("collabopt.processes.Process", lambda *args, **kwargs: FakePeerProcess())
+    monkeypatch.setattr("collabopt.processes.stop_all", lambda procs, grace: None)
     monkeypatch.setattr("collabopt.metrics.read_swarm_progress", lambda dht, run_id: dict(
         num_peers=1, global_epoch=0, samples_accumulated=0, samples_per_second=0.0))
     monkeypatch.setattr("collabopt.demo.time", types.SimpleNamespace(monotonic=lambda: next(clock),
@@ -221,8 +221,8 @@ def test_ctrl_c_is_exit_status_130_in_every_command(monkeypatch, capsys, command
     monkeypatch.delenv("COLLABOPT_SWARM_KEY", raising=False)
     dht = FakeDHT(alive=_interrupt)
     monkeypatch.setattr("collabopt.swarm.start_dht", lambda options: dht)
-    monkeypatch.setattr("collabopt.testing.processes.Process", lambda *args, **kwargs: FakePeerProcess())
-    monkeypatch.setattr("collabopt.testing.processes.stop_all", lambda procs, grace: None)
+    monkeypatch.setattr("collabopt.processes.Process", lambda *args, **kwargs: FakePeerProcess())
+    monkeypatch.setattr("collabopt.processes.stop_all", lambda procs, grace: None)
     monkeypatch.setattr("collabopt.metrics.read_swarm_progress", _raise(KeyboardInterrupt()))
     monkeypatch.setattr("collabopt.doctor.run_checks", _raise(KeyboardInterrupt()))
     monkeypatch.setattr("collabopt.membership.new_swarm_key", _raise(KeyboardInterrupt()))

@@ -1,10 +1,11 @@
-"""collabopt.testing.launcher: a child forked from the launcher is the process ``python script.py`` or
+"""harness.launcher: a child forked from the launcher is the process ``python script.py`` or
 ``python -m module`` would be (compared with one started fresh), exits and dies as it would, and a launcher that
 is gone is an error, never a silent fallback."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import os
 import re
@@ -16,12 +17,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from collabopt.testing import launcher, processes
+from collabopt import processes
+from harness import launcher
 
 PROBE = '''
 import json, multiprocessing, os, signal, sys, threading
 import collabopt  # first, as in a peer: hivemind's import then warns nothing (on stderr, in the log read as JSON)
 import hivemind, numpy, torch
+import torch._dynamo  # preloaded by the launcher (a peer's first optimizer imports it); its import sets a variable
 import hivemind.utils.logging as hivemind_logging
 main = sys.modules["__main__"]
 fds = os.listdir("/proc/self/fd")
@@ -46,7 +49,7 @@ def env(**extra: str) -> dict[str, str]:
 
 
 def run(args: list[str], log: Path, fork: bool, environ: dict[str, str], cwd: Path | None = None) -> int | None:
-    proc = processes.Process(args, log, env=environ, cwd=cwd, fork=fork)
+    proc = processes.Process(args, log, env=environ, cwd=cwd, spawn=launcher.spawn if fork else None)
     try:
         return proc.wait(60)
     finally:
@@ -78,7 +81,8 @@ def test_a_forked_child_is_set_up_as_python_would_set_it_up(tmp_path, form):
     # relative, empty and repeated entries: Python makes them absolute (the empty one: the cwd) and drops repeats
     environ = env(PYTHONPATH=os.pathsep.join(["../scripts", "", str(scripts), "../scripts"]))
     args = [sys.executable, "-m", "probe", "x"] if form == "module" else [sys.executable, "../scripts/probe.py", "x"]
-    procs = {name: processes.Process(args, tmp_path / f"{name}.log", env=environ, cwd=cwd, fork=fork)
+    procs = {name: processes.Process(args, tmp_path / f"{name}.log", env=environ, cwd=cwd,
+                                     spawn=launcher.spawn if fork else None)
              for name, fork in (("fresh", False), ("forked", True), ("forked_again", True))}
     seen = {}
     for name, proc in procs.items():
@@ -137,7 +141,8 @@ def test_signals_reach_it_and_kill_tree_kills_what_it_started(tmp_path, light):
         "child = subprocess.Popen(['sleep', '60'])\n"
         f"open({str(tmp_path / 'child')!r}, 'w').write(str(child.pid))\n"
         "time.sleep(60)\n")
-    proc = processes.Process([sys.executable, str(tmp_path / "script.py")], tmp_path / "out.log", env=env(), fork=True)
+    proc = processes.Process([sys.executable, str(tmp_path / "script.py")], tmp_path / "out.log", env=env(),
+                             spawn=launcher.spawn)
     with proc:
         deadline = time.monotonic() + 60
         while not (tmp_path / "child").exists() or not (tmp_path / "child").read_text():
@@ -159,14 +164,14 @@ def test_signals_reach_it_and_kill_tree_kills_what_it_started(tmp_path, light):
 def test_what_cannot_be_forked_is_refused_before_anything_starts(tmp_path, light):
     log = tmp_path / "out.log"
     for args in (["sleep", "1"], [sys.executable, "-c", "pass"], [sys.executable, "-m"]):
-        with pytest.raises(ValueError, match="fork=True"):
-            processes.Process(args, log, env=env(), fork=True)
+        with pytest.raises(ValueError, match="spawn=None"):
+            processes.Process(args, log, env=env(), spawn=launcher.spawn)
     with pytest.raises(ValueError, match="network namespace"):
-        processes.Process([sys.executable, "x.py"], log, env=env(), netns="ns", fork=True)
+        processes.Process([sys.executable, "x.py"], log, env=env(), netns="ns", spawn=launcher.spawn)
     with pytest.raises(ValueError, match="OMP_NUM_THREADS"):
         launcher.launcher_for(env()).spawn([sys.executable, "x.py"], log, env(OMP_NUM_THREADS="2"))
     with pytest.raises(FileNotFoundError):
-        processes.Process([sys.executable, "x.py"], log, env=env(), cwd=tmp_path / "nowhere", fork=True)
+        processes.Process([sys.executable, "x.py"], log, env=env(), cwd=tmp_path / "nowhere", spawn=launcher.spawn)
 
 
 def test_a_launcher_that_is_gone_is_an_error(tmp_path):
@@ -249,7 +254,7 @@ def test_a_child_killed_holding_an_import_lock_does_not_block_the_next_child(tmp
         "from hivemind.utils.mpfuture import MPFuture\nfrom hivemind.utils.asyncio import _AsyncContextWrapper\n"
         "MPFuture()\n_AsyncContextWrapper.get_process_wide_executor()\nprint('done', flush=True)\n")
     holder = processes.Process([sys.executable, str(tmp_path / "holder.py")], tmp_path / "holder.log",
-                               env=env(OMP_NUM_THREADS="1"), fork=True)
+                               env=env(OMP_NUM_THREADS="1"), spawn=launcher.spawn)
     with holder:
         deadline = time.monotonic() + 60
         while "holding" not in holder.log():
@@ -286,8 +291,8 @@ def test_modules_preloaded_for_a_child_stay_for_the_next_and_one_that_fails_is_l
     logs = []
     for preload in (("colorsys", "no_such_module"), ()):
         log = tmp_path / f"{len(logs)}.log"
-        proc = processes.Process([sys.executable, str(tmp_path / "script.py")], log, env=env(), fork=True,
-                                 preload=preload)
+        proc = processes.Process([sys.executable, str(tmp_path / "script.py")], log, env=env(), spawn=functools.partial(
+            launcher.spawn, preload=preload))
         with proc:
             assert proc.wait(60) == 1  # the child's own import fails, as in a fresh process
         logs.append(log.read_text())

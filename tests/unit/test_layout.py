@@ -5,6 +5,7 @@ adapter or the frameworks they serve; modules stay under 400 lines (the few stil
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,6 +106,17 @@ def test_the_core_imports_no_adapter_and_no_framework():
     found = [f"{name}: {other}" for name, path in sorted(modules().items()) if not name.startswith(
         "collabopt.integrations") for other in sorted(imports(path)) if other.startswith(FRAMEWORKS)]
     assert not found, "\n".join(found)
+
+
+def test_the_installed_package_holds_no_test_tooling():
+    """The launcher and the network namespaces are the tests' and benchmarks' (``harness/``, not installed): the
+    package never imports them, nor the tests or the benchmarks, and installs only its own folders."""
+    found = [f"{name}: {other}" for name, path in sorted(modules().items()) for other in sorted(imports(path))
+             if other.split(".")[0] in ("harness", "benchmarks", "tests", "helpers")]
+    assert not found, "\n".join(found)
+    packages = re.search(r"^packages = (.*)$", (ROOT / "pyproject.toml").read_text(), re.MULTILINE)[1]
+    assert packages == '["collabopt", "collabopt.engine", "collabopt.integrations"]'
+    assert not (ROOT / "collabopt" / "testing").exists()
 
 
 def test_modules_stay_under_the_line_limit():

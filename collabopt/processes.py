@@ -4,11 +4,11 @@ Every process runs in its own session, so that it can be killed with every proce
 and averager processes, the ``p2pd`` daemons): they stay in its process group. Its stdout and stderr go to a log
 file that only the child holds open.
 
-A process is started fresh with ``subprocess`` unless ``fork=True``: then it is forked from a launcher that imported
-torch, numpy and hivemind once (:mod:`collabopt.testing.launcher`), which saves each process those imports (1.5 s of
-CPU). The tests fork their peers (and the benchmarks' under the swarm tests: ``benchmarks.common.fork``); the demo
-and the benchmarks start them fresh, as a user would, and so does a process in a network namespace (``ip netns exec``
-is a process of its own).
+A process is started fresh with ``subprocess`` unless a ``spawn`` function is given: the tests pass their launcher's
+(``harness/launcher.py``, outside the package), which forks it from a process that imported torch, numpy and
+hivemind once and saves each process those imports (1.5 s of CPU); so do the benchmarks under the swarm tests
+(``benchmarks.common.spawner``). The demo and the benchmarks start them fresh, as a user would, and so does a
+process in a network namespace (``ip netns exec`` is a process of its own).
 
 Standard library only: ``collabopt demo`` uses it, so it must not need the test or benchmark dependencies.
 """
@@ -21,12 +21,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
-from collabopt.testing import launcher
+__all__ = ["Process", "Spawn", "child_env", "start_bootstrap", "stop_all"]
 
-__all__ = ["Process", "child_env", "start_bootstrap", "stop_all"]
+# starts ``args`` with its output in ``log_path``, its environment and cwd, in a session of its own; returns what the
+# harness uses of :class:`subprocess.Popen` (``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``)
+Spawn = Callable[[list[str], Path, dict[str, str], "str | Path | None"], Any]
 
 
 def child_env(hivemind_loglevel: str = "WARNING", **extra: str) -> dict[str, str]:
@@ -44,21 +47,19 @@ def child_env(hivemind_loglevel: str = "WARNING", **extra: str) -> dict[str, str
 
 class Process:
     """A child process in its own session, its stdout and stderr in ``log_path``; ``netns`` runs it inside that
-    network namespace (``ip netns exec``, needs root); ``fork`` forks it from the launcher (``args`` must then be
-    ``[sys.executable, script or "-m" module, ...]``, and ``netns`` None), once the launcher imported the modules
-    ``preload``. Use as a context manager to kill it on leaving."""
+    network namespace (``ip netns exec``, needs root); ``spawn`` starts it instead of :class:`subprocess.Popen`
+    (:data:`Spawn`: the tests' launcher). Use as a context manager to kill it on leaving."""
 
     def __init__(self, args: Sequence[str], log_path: str | Path, *, env: dict[str, str] | None = None,
-                 cwd: str | Path | None = None, netns: str | None = None, fork: bool = False,
-                 preload: Sequence[str] = ()):
+                 cwd: str | Path | None = None, netns: str | None = None, spawn: Spawn | None = None):
         self.args = list(args)
         self.log_path = Path(log_path)
-        self.popen: subprocess.Popen[bytes] | launcher.Forked
-        if fork:
+        self.popen: Any
+        if spawn is not None:
             if netns:
-                raise ValueError(f"a process in network namespace {netns!r} cannot be forked: pass fork=False")
-            self.popen = launcher.spawn(self.args, self.log_path, dict(os.environ) if env is None else env, cwd,
-                                        preload)
+                raise ValueError(f"a process in network namespace {netns!r} is started by `ip netns exec`, not by "
+                                 f"spawn: pass spawn=None")
+            self.popen = spawn(self.args, self.log_path, dict(os.environ) if env is None else env, cwd)
         else:
             prefix = ["ip", "netns", "exec", netns] if netns else []
             # the child gets its own copy of the descriptor: ours is closed at once, nothing is left open here
@@ -130,10 +131,11 @@ def stop_all(procs: Iterable[Process], grace: float) -> None:
 
 def start_bootstrap(workdir: str | Path, *, name: str = "bootstrap", host: str = "127.0.0.1",
                     dht_args: Sequence[str] = (), env: dict[str, str] | None = None, cwd: str | Path | None = None,
-                    netns: str | None = None, fork: bool = False, timeout: float = 60.0) -> tuple[Process, str]:
+                    netns: str | None = None, spawn: Spawn | None = None, timeout: float = 60.0
+                    ) -> tuple[Process, str]:
     """Start a bootstrap DHT (``python -m collabopt dht``) listening on ``host`` with its log in
     ``<workdir>/<name>.log``; return it and its INITIAL_PEERS value once it serves. ``dht_args``: more options of
-    ``collabopt dht`` (e.g. ``["--no-relay"]``); ``fork``: see :class:`Process`. Raises RuntimeError, the process
+    ``collabopt dht`` (e.g. ``["--no-relay"]``); ``spawn``: see :class:`Process`. Raises RuntimeError, the process
     killed, if it exits or does not serve within ``timeout`` seconds."""
     workdir = Path(workdir)
     peers_file = workdir / f"{name}.initial_peers"
@@ -141,7 +143,7 @@ def start_bootstrap(workdir: str | Path, *, name: str = "bootstrap", host: str =
     proc = Process([sys.executable, "-m", "collabopt", "dht", "--host-maddrs", f"/ip4/{host}/tcp/0",
                     "--peers-file", str(peers_file), *dht_args],
                    workdir / f"{name}.log", env=env if env is not None else child_env(), cwd=cwd, netns=netns,
-                   fork=fork)
+                   spawn=spawn)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if peers_file.exists():  # written whole (renamed into place) by `collabopt dht`

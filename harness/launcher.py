@@ -1,5 +1,6 @@
-"""A pre-started launcher ("zygote") for the test harness: it imports torch, numpy and hivemind once, then forks each
-child from itself, so that a child does not pay those imports (1.5 s of CPU each, and the tests start hundreds).
+"""A pre-started launcher ("zygote") for the tests and the benchmarks they run: it imports torch, numpy and hivemind
+once, then forks each child from itself, so that a child does not pay those imports (1.5 s of CPU each, and the
+tests start hundreds). :func:`spawn` is the ``spawn`` of :class:`collabopt.processes.Process`.
 
 A forked child is set up as ``python script.py args`` or ``python -m module args`` would be: its own session (so
 that killing its process group kills hivemind's processes and p2pd with it), stdin from /dev/null, stdout and
@@ -136,7 +137,7 @@ class Launcher:
         module = len(args) >= 3 and args[1] == "-m"
         if args[0] != sys.executable or not (script or module):
             raise ValueError(f"the launcher starts `{sys.executable} script ...` or `{sys.executable} -m module ...`"
-                             f", not {args}: start this process without fork=True")
+                             f", not {args}: start this process without it (spawn=None)")
         differ = sorted(k for k in set(env) | set(self.env) if k not in PER_PROCESS and env.get(k) != self.env.get(k))
         if differ:
             raise ValueError(f"environment variables {differ} differ from this launcher's: use launcher_for(env)")
