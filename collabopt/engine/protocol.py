@@ -276,8 +276,8 @@ def sync_round(e: SyncRoundEvidence) -> SyncDecision:
     parameters are not the group's plans a download (``"behind"``/``"apart"``: no parameter averaging at this
     boundary). A member behind its group, whose step is still to come (``step_pending``), does not step: the average
     it received is the group's update of a later epoch, and its own would put parameters of its own at the next
-    epoch; it keeps its epoch and downloads now (``steps`` False, not applied). See docs/decisions.md, "The lineage
-    check" and "A peer behind its gradient round does not step"."""
+    epoch; it keeps its epoch and downloads now (``download_epoch`` set, ``steps`` False, not applied). See
+    docs/decisions.md, "The lineage check" and "A peer behind its gradient round does not step"."""
     if not e.averages_gradients:  # use_local_updates: parameters are averaged, gradients never
         return SyncDecision(RoundOutcome(True, "averaged" if e.num_peers > 1 else "alone", num_peers=e.num_peers,
                                          epoch=e.epoch))
