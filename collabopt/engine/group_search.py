@@ -10,13 +10,21 @@ Rules, and why:
   then 10 s...), and again after. A declaration made for ``matchmaking_time`` (2 s) then lands after it expired and
   is dropped: the healthy peers saw nobody (hivemind asked the DHT about 150 times a second, found nothing) and
   waited out the round's whole timeout. :class:`SearchDHT` is what ``Matchmaking`` gets as its DHT: a store is
-  awaited at most :data:`STORE_WAIT` (it finishes in the background), a lookup at most :data:`LOOKUP_WAIT` (a slow
-  one answers a later call), and an empty search looks again at most every :data:`PACE` seconds.
+  never awaited (it runs in the background: hivemind awaits the store that ends a search between a group's assembly
+  and its round, and a cut node held a follower's round back by the wait), and a search looks again at most every
+  :data:`PACE` seconds.
+* A search returns as soon as a direct answer or the DHT's lookup comes in (at most :data:`LOOKUP_WAIT` later):
+  what came in is never held for what did not. A lookup or request still under way answers a later search, and the
+  last lookup's declarations count until they end. (A search that waited out a lookup held up by a cut node handed
+  on each answer a second late: two healthy peers re-declaring every 2 s, an odd number of seconds apart, learned
+  each other's declaration just as it ended, every time, and formed no group.)
 * The peers this service met (members of its groups, peers found in the declarations, peers that asked) are asked
   directly for their declaration (:class:`DeclarationService`, one request, :data:`LOOKUP_WAIT` at most), so that
   they find each other without the DHT. An answer is the peer's own declaration, with its real end of search, so
-  hivemind's rules (who leads whom, when a group is assembled) stay as they are. A peer that does not answer is
-  not asked again for :data:`ASK_BACKOFF` seconds; one whose declaration the DHT already returned is not asked.
+  hivemind's rules (who leads whom, when a group is assembled) stay as they are. A peer is asked again every
+  :data:`ASK_EVERY` seconds, and at once when the declaration it answered has ended (it declares anew). A peer that
+  does not answer is not asked again for :data:`ASK_BACKOFF` seconds; one whose declaration the DHT returned is not
+  asked until it ends.
 * An answer's end of search counts up to ``matchmaking_time`` from now plus :data:`CLOCK_ALLOWANCE` (hivemind's
   matchmaking takes the latest declared end as assured: one at infinity or far ahead stalled every search). A peer
   that asks joins the hints only after the averaging service's checks, and then in :data:`CALLERS_KEPT` slots of its
@@ -48,7 +56,6 @@ from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
-STORE_WAIT = 1.0  # seconds matchmaking waits for a DHT store of its declaration
 LOOKUP_WAIT = 1.0  # seconds a search waits for the DHT's declarations and the direct answers
 PACE = 0.1  # seconds between two searches (hivemind searches again at once after finding nobody)
 ASK_BACKOFF = 4.0  # seconds a peer that did not answer is left alone
@@ -129,10 +136,14 @@ class SearchDHT:
         self.peer_id = dht.peer_id
         self._background: set[asyncio.Future] = set()  # (asyncio keeps weak references to tasks)
         self._lookups: dict[str, asyncio.Future] = {}
-        self._answers: dict[PeerID, tuple[float, float | None]] = {}  # peer -> (asked at, its expiration)
+        self._found: dict[str, dict[bytes, ValueWithExpiration]] = {}  # the last lookup's key -> declarations
+        self._asking: dict[PeerID, asyncio.Future] = {}  # the requests under way, one a peer
+        self._answers: dict[PeerID, tuple[float, float, float | None]] = {}  # peer -> (answered at: monotonic
+        # and DHT time, its expiration)
         self._quiet_until: dict[PeerID, float] = {}
         self._in_dht: dict[PeerID, float] = {}  # peers the last lookup returned -> their expiration
         self._next_search = 0.0
+        self._news = asyncio.Event()  # an answer, a silence or a lookup came in since the last search returned
 
     def _keep(self, future: asyncio.Future) -> asyncio.Future:
         self._background.add(future)
@@ -140,46 +151,42 @@ class SearchDHT:
         return future
 
     async def store(self, key: str, subkey: bytes, value: Any, expiration_time: float, **_: Any) -> bool:
-        """Store a declaration; wait at most :data:`STORE_WAIT` (asyncio.wait, not wait_for: Python 3.11's wait_for
-        can swallow the cancel that ends matchmaking's declaring task)."""
-        task = self._keep(asyncio.ensure_future(self.dht.store(
+        """Store a declaration in the background; never awaited (see the module's rules)."""
+        self._keep(asyncio.ensure_future(self.dht.store(
             key=key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)))
-        done, _ = await asyncio.wait({task}, timeout=STORE_WAIT)
-        if done and not task.cancelled() and task.exception() is None:
-            return bool(task.result())
-        return True  # (a slow store goes on; a declaration is advisory, and nothing reads the result)
+        return True  # (a declaration is advisory, and nothing reads the result)
 
     async def get(self, key: str, **_: Any) -> ValueWithExpiration | None:
-        """The declarations under ``key``: the DHT's (what it returned within :data:`LOOKUP_WAIT`) and the answers
-        of the peers in the hints, as hivemind's ``DHT.get(key, latest=True)`` returns a dictionary value."""
+        """The declarations under ``key``, as hivemind's ``DHT.get(key, latest=True)`` returns a dictionary value: the
+        last DHT lookup's and the answers of the peers in the hints, returned as soon as one of them comes in (see
+        the module's rules)."""
         loop = asyncio.get_running_loop()
         await asyncio.sleep(max(0.0, self._next_search - loop.time()))
         self._next_search = loop.time() + PACE
         lookup = self._lookups.get(key)
         if lookup is None:
             lookup = self._lookups[key] = self._keep(asyncio.ensure_future(self._lookup(key)))
-        asks = {self._keep(asyncio.ensure_future(self._ask(peer, key))): peer for peer in self._to_ask()}
-        try:
-            done, _ = await asyncio.wait({lookup, *asks}, timeout=LOOKUP_WAIT)
-        except asyncio.CancelledError:
-            for task in asks:
-                task.cancel()
-            raise
-        now = time.monotonic()
-        for task, peer in asks.items():
-            if task in done and not task.cancelled() and task.exception() is None:
-                self._answers[peer] = (now, task.result())
-            else:
-                task.cancel()
-                self._quiet_until[peer] = now + ASK_BACKOFF
-                self._answers.pop(peer, None)
-        self._prune(now)
-        entries: dict[bytes, ValueWithExpiration] = {}
+            lookup.add_done_callback(lambda _: self._news.set())
+        deadline = loop.time() + LOOKUP_WAIT
+        self._ask_due(key)
+        while not self._news.is_set() and not lookup.done() and loop.time() < deadline:
+            news = asyncio.ensure_future(self._news.wait())
+            try:  # (asyncio.wait, never wait_for: docs/decisions.md, "A search that never ended")
+                await asyncio.wait({news}, timeout=min(deadline - loop.time(), self._next_ask_in()))
+            finally:
+                news.cancel()
+            if not self._news.is_set():  # (a peer due meanwhile: its declaration ended, it declares anew)
+                self._ask_due(key)
+        self._news.clear()
+        self._prune(time.monotonic())
         if lookup.done():
             self._lookups.pop(key, None)
-            entries.update(self._declarations_in(None if lookup.cancelled() else lookup.result()))
-        for peer, (_, expiration) in self._answers.items():
-            if expiration is not None and expiration > get_dht_time():
+            self._found = {key: self._declarations_in(None if lookup.cancelled() else lookup.result())}
+        dht_now = get_dht_time()
+        entries = {subkey: entry for subkey, entry in self._found.get(key, {}).items()
+                   if entry.expiration_time > dht_now}
+        for peer, (_, _, expiration) in self._answers.items():
+            if expiration is not None and expiration > dht_now:
                 entries[peer.to_bytes()] = ValueWithExpiration(True, expiration)
         if not entries:
             return None
@@ -191,12 +198,31 @@ class SearchDHT:
         self._answers = {peer: answer for peer, answer in self._answers.items() if peer in hinted}
         self._quiet_until = {peer: until for peer, until in self._quiet_until.items() if until > now}
 
-    def _to_ask(self) -> list[PeerID]:
+    def _ask_due(self, key: str) -> None:
+        """Ask the hinted peers that are due (:meth:`_due_in` is 0), in the background."""
+        for peer, due_in in self._due_in().items():
+            if due_in <= 0.0:
+                self._asking[peer] = self._keep(asyncio.ensure_future(self._ask_in_time(peer, key)))
+
+    def _next_ask_in(self) -> float:
+        """Seconds until the next hinted peer is due to be asked (inf: none is)."""
+        return max(0.0, min(self._due_in().values(), default=math.inf))
+
+    def _due_in(self) -> dict[PeerID, float]:
+        """In how many seconds each hinted peer is due to be asked (none under way): every :data:`ASK_EVERY`
+        seconds, or at once when the declaration it answered has ended (it declares anew); not while it is quiet or
+        its declaration the DHT returned lasts."""
         now, dht_now = time.monotonic(), get_dht_time()
-        return [peer for peer in self.hints.peers()
-                if peer != self.peer_id and self._quiet_until.get(peer, 0.0) <= now
-                and self._in_dht.get(peer, 0.0) <= dht_now
-                and now - self._answers.get(peer, (-math.inf, None))[0] >= ASK_EVERY]
+        due = {}
+        for peer in self.hints.peers():
+            if peer == self.peer_id or peer in self._asking:
+                continue
+            answered_at, answered_dht, expiration = self._answers.get(peer, (-math.inf, -math.inf, None))
+            again = answered_at + ASK_EVERY - now
+            if expiration is not None and expiration > answered_dht:  # (one that had ended: ASK_EVERY)
+                again = min(again, expiration - dht_now)
+            due[peer] = max(again, self._quiet_until.get(peer, 0.0) - now, self._in_dht.get(peer, 0.0) - dht_now)
+        return due
 
     async def _lookup(self, key: str) -> Any:
         try:
@@ -204,12 +230,28 @@ class SearchDHT:
         except Exception:  # (the DHT is shutting down, or failed: the direct answers still count)
             return None
 
+    async def _ask_in_time(self, peer: PeerID, key: str) -> None:
+        """Ask ``peer``; its answer counts when it comes. One that does not answer within :data:`LOOKUP_WAIT` is
+        left alone for :data:`ASK_BACKOFF` seconds."""
+        task = asyncio.ensure_future(self._ask(peer, key))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=LOOKUP_WAIT)
+        finally:
+            task.cancel()  # (a no-op once it answered)
+            self._asking.pop(peer, None)
+        if done and not task.cancelled() and task.exception() is None:
+            self._answers[peer] = (time.monotonic(), get_dht_time(), task.result())
+        else:
+            self._quiet_until[peer] = time.monotonic() + ASK_BACKOFF
+            self._answers.pop(peer, None)
+        self._news.set()
+
     def _declarations_in(self, found: Any) -> dict[bytes, ValueWithExpiration]:
         value = getattr(found, "value", None)
+        self._in_dht.clear()
         if not isinstance(value, dict):
             return {}
         peers = []
-        self._in_dht.clear()
         for subkey, entry in value.items():
             try:
                 peer = PeerID(subkey)

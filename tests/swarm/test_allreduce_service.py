@@ -1,11 +1,13 @@
 """collabopt's own averaging service (collabopt.engine.averager) among real OS processes on loopback: every member
 gets the same bits, equal to the exact weighted mean; centered_clip bounds a hostile member; a member killed
 mid-round leaves the others with the same result, and their evidence names it; a member behind does not lead the
-current round's members away from each other."""
+current round's members away from each other; two members find each other while a frozen one holds the DHT up."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -170,3 +172,62 @@ def test_a_member_behind_does_not_lead_the_current_rounds_members_apart(tmp_path
     expected = weighted_mean([results[name][1]["inputs"][0] for name in ("a", "b")], [1.0, 1.0])
     for name in (ids[peer] for peer in a["group"]):
         assert torch.allclose(results[name][1]["tensors"][0], expected, atol=1e-6), name
+
+
+SEARCH_WORKER = Path(__file__).resolve().parent / "search_worker.py"
+
+
+def test_two_members_find_each_other_while_a_frozen_member_holds_the_dhts_lookups_up(tmp_path, bootstrap):
+    """A, B and C meet in a round; then C freezes (SIGSTOP: its DHT node and daemon answer nothing, as behind a
+    cut link, and every lookup of the round's key waits for it) and A and B begin their next round's search 3 s
+    apart, as the product's gradient rounds do when one peer's progress fetch waited for C. They find each other
+    as soon as B's search begins: B's round takes a ``matchmaking_time`` (2 s) plus at most a search's wait and a
+    request (1 s each), and both get the same bits of their mean. (A search that waited out the held-up lookup
+    before handing on the answers it got returned each a second late: A and B, re-declaring every 2 s an odd
+    number of seconds apart, learned each other's declaration just as it ended, every time, and both rounds failed
+    after 10 s.)"""
+    run_id = unique_run_id("search")
+    procs = {}
+    for name, seed, start_after in (("a", 0, 0.0), ("b", 1, 3.0), ("c", 2, 0.0)):
+        path = tmp_path / f"{name}.config.json"
+        path.write_text(json.dumps(dict(run_id=run_id, seed=seed, start_after=start_after, out=str(tmp_path / name))))
+        procs[name] = Process([sys.executable, str(SEARCH_WORKER), str(path)], tmp_path / f"{name}.log",
+                              env=child_env(INITIAL_PEERS=bootstrap))
+    try:
+        meet(tmp_path, procs)
+        os.killpg(procs["c"].pid, signal.SIGSTOP)  # (the process group: the worker and its p2p daemon)
+        write_time(tmp_path / "go2", time.time() + 0.2)
+        finish({name: procs[name] for name in ("a", "b")}, timeout=60)
+    finally:
+        for proc in procs.values():
+            proc.kill_tree()
+    (a, a_saved), (b, b_saved) = read(tmp_path, "a"), read(tmp_path, "b")
+    assert a["error"] is None and b["error"] is None, (a, b)
+    assert sorted(a["group"]) == sorted(b["group"]) == sorted([a["me"], b["me"]])
+    assert b["seconds"] <= 2.0 + 1.0 + 1.0, b  # (matchmaking_time, a search's LOOKUP_WAIT and request_timeout)
+    order = {a["me"]: a_saved, b["me"]: b_saved}
+    expected = [weighted_mean([order[peer]["inputs"][k] for peer in a["group"]], [1.0, 1.0]) for k in range(2)]
+    for saved in (a_saved, b_saved):
+        for got, want in zip(saved["tensors"], expected, strict=True):
+            assert torch.equal(got, want)
+
+
+def write_time(path, wall_time):
+    (path.parent / f"{path.name}.tmp").write_text(repr(wall_time))
+    (path.parent / f"{path.name}.tmp").rename(path)
+
+
+def meet(tmp_path, procs, attempts=5):
+    """Once every search worker is ready, have them average until one meeting had all of them (a group of fewer
+    leaves a member that never met the others)."""
+    go_when_ready(tmp_path, procs)  # (writes go, which the search workers do not read)
+    for meeting in range(1, attempts + 1):
+        write_time(tmp_path / f"go.{meeting}", time.time() + 0.5)
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"{name}.met.{meeting}").exists() for name in procs):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), \
+                {name: proc.tail() for name, proc in procs.items()}
+            time.sleep(0.05)
+        if all((tmp_path / f"{name}.met.{meeting}").read_text() == str(len(procs)) for name in procs):
+            return
+    raise AssertionError(f"the members never met all at once in {attempts} meetings")

@@ -29,7 +29,6 @@ MATCHMAKING_TIME = 60.0
 
 @pytest.fixture(autouse=True)
 def short_waits(monkeypatch):
-    monkeypatch.setattr(group_search, "STORE_WAIT", 0.05)
     monkeypatch.setattr(group_search, "LOOKUP_WAIT", 0.05)
     monkeypatch.setattr(group_search, "PACE", 0.0)
     monkeypatch.setattr(group_search, "ASK_EVERY", 0.0)
@@ -94,7 +93,7 @@ def test_a_peer_met_before_is_found_by_its_own_answer_while_the_dht_lookup_waits
     assert found == [(BOB, expiration)]
 
 
-def test_a_slow_lookup_answers_a_later_search_and_is_not_started_twice():
+def test_a_slow_lookup_answers_a_later_search_and_its_declarations_count_until_they_end():
     async def go():
         dht = SilentDHT()
         search, _ = search_dht(dht)
@@ -102,11 +101,14 @@ def test_a_slow_lookup_answers_a_later_search_and_is_not_started_twice():
         carol = ValueWithExpiration(True, get_dht_time() + 30)
         dht.lookups[0].set_result(ValueWithExpiration({CAROL.to_bytes(): carol}, carol.expiration_time))
         second = await search.get(KEY, latest=True)
-        return first, second, len(dht.lookups), search.hints.peers()
+        lookups = len(dht.lookups)
+        third = await search.get(KEY, latest=True)  # (a new lookup began, and waits)
+        await asyncio.sleep(0.01)
+        return first, second, third, (lookups, len(dht.lookups)), search.hints.peers()
 
-    first, second, lookups, hints = run(go())
-    assert first is None and list(second.value) == [CAROL.to_bytes()]
-    assert lookups == 1
+    first, second, third, lookups, hints = run(go())
+    assert first is None and list(second.value) == [CAROL.to_bytes()] and third.value == second.value
+    assert lookups == (1, 2)  # (none started twice)
     assert hints == [CAROL]  # (a peer the DHT returned is asked directly from then on)
 
 
@@ -119,6 +121,52 @@ def test_a_peer_that_does_not_answer_is_left_alone_for_a_while():
 
     asked = run(go())
     assert asked.count(BOB) == 1 and asked.count(CAROL) == 3
+
+
+def test_an_answer_is_handed_on_as_it_comes_while_the_lookup_is_held_up(monkeypatch):
+    """A search holds no answer back for a lookup waiting on a node that does not answer (nor for a peer that does
+    not answer): a declaration lasts ``matchmaking_time``, and one handed on a wait late may have ended."""
+    monkeypatch.setattr(group_search, "LOOKUP_WAIT", 3600.0)  # (run() gives up after 10 s)
+
+    async def go():
+        expiration = get_dht_time() + 30
+        search, _ = search_dht(SilentDHT(), hints=[BOB, CAROL], answers={BOB: expiration, CAROL: "silent"})
+        return await search.get(KEY, latest=True), expiration
+
+    found, expiration = run(go())
+    assert found.value == {BOB.to_bytes(): ValueWithExpiration(True, expiration)}
+
+
+def test_a_peer_whose_answered_declaration_ends_is_asked_again_at_once_within_the_search(monkeypatch):
+    """A search under way asks a peer again as its declaration ends (it declares anew), and returns the new one."""
+    monkeypatch.setattr(group_search, "ASK_EVERY", 3600.0)
+    monkeypatch.setattr(group_search, "LOOKUP_WAIT", 3600.0)  # (run() gives up after 10 s)
+
+    async def go():
+        search, asked = search_dht(SilentDHT(), hints=[BOB])
+        declarations = iter([get_dht_time() + 1.0, get_dht_time() + 30])
+        search._ask = lambda peer, key: asked.append(peer) or asyncio.sleep(0, next(declarations))
+        first = await search.get(KEY, latest=True)
+        second = await search.get(KEY, latest=True)
+        return first, second, asked
+
+    first, second, asked = run(go())
+    assert asked == [BOB, BOB]
+    assert first.value[BOB.to_bytes()].expiration_time < second.value[BOB.to_bytes()].expiration_time
+
+
+def test_a_peer_whose_answer_had_ended_already_is_asked_again_only_after_a_while(monkeypatch):
+    """An answer already past its end (a peer late to declare anew, or clocks apart) is not asked for again at every
+    search: only after :data:`ASK_EVERY`."""
+    monkeypatch.setattr(group_search, "ASK_EVERY", 3600.0)
+
+    async def go():
+        search, asked = search_dht(SilentDHT(), hints=[BOB], answers={BOB: get_dht_time() - 1.0})
+        for _ in range(5):
+            await search.get(KEY, latest=True)
+        return asked
+
+    assert run(go()) == [BOB]
 
 
 def test_a_peer_answers_its_declaration_under_the_key_only_while_it_looks_for_a_group():
