@@ -126,15 +126,16 @@ class SyncLoop(PeerLoop):
                     self.state_averager.step(wait_for_delayed_updates=True)
                 decision, in_background = self._gradient_round(epoch, num_peers)
             outcome = decision.outcome if decision is not None else None
-            if decision is None or decision.steps:
+            download_epoch = decision.download_epoch if decision is not None else None
+            if download_epoch is None:  # (it steps)
                 outcome = self._step(epoch, num_peers, outcome, in_background)
         if outcome is not None:  # (a round in the background sets it when it ends)
             self.last_round = outcome
-        if decision is not None and not decision.steps:  # behind its gradient round (protocol.sync_round)
+        if download_epoch is not None:  # behind its gradient round (protocol.sync_round)
             logger.warning("collabopt: epoch %d ends without a step: %s", epoch, outcome.detail)
             # (outside the boundary's locks: the tracker fetches, others download; its group's peers may not serve
             # the epoch they step to yet: a download of an older state is tried again)
-            self.load_state_from_peers(round_epoch=decision.download_epoch)
+            self.load_state_from_peers(round_epoch=download_epoch)
             self._exact_check_due = True  # (it may have gone on at its own epoch: its next fresh view shows it)
         return outcome
 
