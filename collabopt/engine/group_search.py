@@ -13,11 +13,15 @@ Rules, and why:
   never awaited (it runs in the background: hivemind awaits the store that ends a search between a group's assembly
   and its round, and a cut node held a follower's round back by the wait), and a search looks again at most every
   :data:`PACE` seconds.
-* A search returns as soon as a direct answer or the DHT's lookup comes in (at most :data:`LOOKUP_WAIT` later):
-  what came in is never held for what did not. A lookup or request still under way answers a later search, and the
-  last lookup's declarations count until they end. (A search that waited out a lookup held up by a cut node handed
-  on each answer a second late: two healthy peers re-declaring every 2 s, an odd number of seconds apart, learned
-  each other's declaration just as it ended, every time, and formed no group.)
+* A search returns one view of the others, as a lookup does: it waits (at most :data:`LOOKUP_WAIT`) for its
+  requests to the peers that answered their last one and for its lookup, so that every peer orders its candidate
+  leaders alike (views taken piecemeal sent three peers' join requests round in a circle, each waiting
+  ``request_timeout``, and one missed its round). It does not wait for a lookup once one took longer than
+  :data:`LOOKUP_WAIT` (a node on the key's path is cut), nor for a peer that did not answer its last request: a
+  search that waited out a lookup held up by a cut node handed on each answer a second late, and two healthy peers
+  re-declaring every 2 s, an odd number of seconds apart, learned each other's declaration just as it ended, every
+  time, and formed no group. A lookup or request still under way answers a later search, and the last lookup's
+  declarations count until they end.
 * The peers this service met (members of its groups, peers found in the declarations, peers that asked) are asked
   directly for their declaration (:class:`DeclarationService`, one request, :data:`LOOKUP_WAIT` at most), so that
   they find each other without the DHT. An answer is the peer's own declaration, with its real end of search, so
@@ -141,6 +145,8 @@ class SearchDHT:
         self._answers: dict[PeerID, tuple[float, float, float | None]] = {}  # peer -> (answered at: monotonic
         # and DHT time, its expiration)
         self._quiet_until: dict[PeerID, float] = {}
+        self._silent: set[PeerID] = set()  # peers whose last request went unanswered (not awaited again)
+        self._lookup_held = False  # the last lookup took longer than LOOKUP_WAIT (a node on the key's path is cut)
         self._in_dht: dict[PeerID, float] = {}  # peers the last lookup returned -> their expiration
         self._next_search = 0.0
         self._news = asyncio.Event()  # an answer, a silence or a lookup came in since the last search returned
@@ -158,25 +164,29 @@ class SearchDHT:
 
     async def get(self, key: str, **_: Any) -> ValueWithExpiration | None:
         """The declarations under ``key``, as hivemind's ``DHT.get(key, latest=True)`` returns a dictionary value: the
-        last DHT lookup's and the answers of the peers in the hints, returned as soon as one of them comes in (see
-        the module's rules)."""
+        last DHT lookup's and the answers of the peers in the hints (one view: see the module's rules)."""
         loop = asyncio.get_running_loop()
         await asyncio.sleep(max(0.0, self._next_search - loop.time()))
         self._next_search = loop.time() + PACE
         lookup = self._lookups.get(key)
+        awaited: set[asyncio.Future] = set()
         if lookup is None:
             lookup = self._lookups[key] = self._keep(asyncio.ensure_future(self._lookup(key)))
             lookup.add_done_callback(lambda _: self._news.set())
+            if not self._lookup_held:
+                awaited.add(lookup)
         deadline = loop.time() + LOOKUP_WAIT
-        self._ask_due(key)
-        while not self._news.is_set() and not lookup.done() and loop.time() < deadline:
+        awaited |= self._ask_due(key)
+        while not awaited and not self._news.is_set() and not lookup.done() and loop.time() < deadline:
             news = asyncio.ensure_future(self._news.wait())
             try:  # (asyncio.wait, never wait_for: docs/decisions.md, "A search that never ended")
                 await asyncio.wait({news}, timeout=min(deadline - loop.time(), self._next_ask_in()))
             finally:
                 news.cancel()
             if not self._news.is_set():  # (a peer due meanwhile: its declaration ended, it declares anew)
-                self._ask_due(key)
+                awaited = self._ask_due(key)
+        if awaited:  # (one view of the peers, as a DHT lookup gives: the order of leaders is everyone's)
+            await asyncio.wait(awaited, timeout=max(0.0, deadline - loop.time()))
         self._news.clear()
         self._prune(time.monotonic())
         if lookup.done():
@@ -197,12 +207,18 @@ class SearchDHT:
         hinted = set(self.hints.peers())
         self._answers = {peer: answer for peer, answer in self._answers.items() if peer in hinted}
         self._quiet_until = {peer: until for peer, until in self._quiet_until.items() if until > now}
+        self._silent &= hinted
 
-    def _ask_due(self, key: str) -> None:
-        """Ask the hinted peers that are due (:meth:`_due_in` is 0), in the background."""
+    def _ask_due(self, key: str) -> set[asyncio.Future]:
+        """Ask the hinted peers that are due (:meth:`_due_in` is 0), in the background; the requests to those that
+        answered their last one, which the search awaits."""
+        awaited = set()
         for peer, due_in in self._due_in().items():
             if due_in <= 0.0:
                 self._asking[peer] = self._keep(asyncio.ensure_future(self._ask_in_time(peer, key)))
+                if peer not in self._silent:
+                    awaited.add(self._asking[peer])
+        return awaited
 
     def _next_ask_in(self) -> float:
         """Seconds until the next hinted peer is due to be asked (inf: none is)."""
@@ -225,10 +241,13 @@ class SearchDHT:
         return due
 
     async def _lookup(self, key: str) -> Any:
+        started = time.monotonic()
         try:
             return await self.dht.get(key, latest=True, return_future=True)
         except Exception:  # (the DHT is shutting down, or failed: the direct answers still count)
             return None
+        finally:
+            self._lookup_held = time.monotonic() - started > LOOKUP_WAIT
 
     async def _ask_in_time(self, peer: PeerID, key: str) -> None:
         """Ask ``peer``; its answer counts when it comes. One that does not answer within :data:`LOOKUP_WAIT` is
@@ -241,9 +260,11 @@ class SearchDHT:
             self._asking.pop(peer, None)
         if done and not task.cancelled() and task.exception() is None:
             self._answers[peer] = (time.monotonic(), get_dht_time(), task.result())
+            self._silent.discard(peer)
         else:
             self._quiet_until[peer] = time.monotonic() + ASK_BACKOFF
             self._answers.pop(peer, None)
+            self._silent.add(peer)
         self._news.set()
 
     def _declarations_in(self, found: Any) -> dict[bytes, ValueWithExpiration]:

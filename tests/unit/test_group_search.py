@@ -123,36 +123,65 @@ def test_a_peer_that_does_not_answer_is_left_alone_for_a_while():
     assert asked.count(BOB) == 1 and asked.count(CAROL) == 3
 
 
-def test_an_answer_is_handed_on_as_it_comes_while_the_lookup_is_held_up(monkeypatch):
-    """A search holds no answer back for a lookup waiting on a node that does not answer (nor for a peer that does
-    not answer): a declaration lasts ``matchmaking_time``, and one handed on a wait late may have ended."""
-    monkeypatch.setattr(group_search, "LOOKUP_WAIT", 3600.0)  # (run() gives up after 10 s)
+async def hold_the_lookup(search, dht, monkeypatch):
+    """Let ``search`` see a lookup take longer than LOOKUP_WAIT (a node on the key's path does not answer), then make
+    LOOKUP_WAIT an hour: a search that waited for a lookup from then on would outlast run()'s 10 s."""
+    await search.get(KEY, latest=True)
+    await asyncio.sleep(2 * group_search.LOOKUP_WAIT)
+    dht.lookups[-1].set_result(None)
+    await asyncio.sleep(0.01)  # (its end is news)
+    await search.get(KEY, latest=True)  # (takes the held lookup's answer and the news)
+    monkeypatch.setattr(group_search, "LOOKUP_WAIT", 3600.0)
+
+
+def test_while_lookups_are_held_up_a_search_waits_only_for_the_peers_that_answer(monkeypatch):
+    """Once a lookup took longer than LOOKUP_WAIT, a search hands on the answers as they come, waiting neither for
+    the next lookup nor for a peer that did not answer its last request: a declaration lasts ``matchmaking_time``,
+    and one handed on a wait late may have ended."""
+    monkeypatch.setattr(group_search, "ASK_BACKOFF", 0.0)
 
     async def go():
         expiration = get_dht_time() + 30
-        search, _ = search_dht(SilentDHT(), hints=[BOB, CAROL], answers={BOB: expiration, CAROL: "silent"})
-        return await search.get(KEY, latest=True), expiration
+        dht = SilentDHT()
+        search, asked = search_dht(dht, hints=[BOB, CAROL], answers={BOB: expiration, CAROL: "silent"})
+        await hold_the_lookup(search, dht, monkeypatch)
+        return await search.get(KEY, latest=True), expiration, asked
 
-    found, expiration = run(go())
+    found, expiration, asked = run(go())
     assert found.value == {BOB.to_bytes(): ValueWithExpiration(True, expiration)}
+    assert asked.count(CAROL) >= 2  # (asked again, in the background)
 
 
 def test_a_peer_whose_answered_declaration_ends_is_asked_again_at_once_within_the_search(monkeypatch):
     """A search under way asks a peer again as its declaration ends (it declares anew), and returns the new one."""
     monkeypatch.setattr(group_search, "ASK_EVERY", 3600.0)
-    monkeypatch.setattr(group_search, "LOOKUP_WAIT", 3600.0)  # (run() gives up after 10 s)
 
     async def go():
-        search, asked = search_dht(SilentDHT(), hints=[BOB])
+        dht = SilentDHT()
+        search, asked = search_dht(dht, hints=[BOB])
         declarations = iter([get_dht_time() + 1.0, get_dht_time() + 30])
         search._ask = lambda peer, key: asked.append(peer) or asyncio.sleep(0, next(declarations))
-        first = await search.get(KEY, latest=True)
+        await hold_the_lookup(search, dht, monkeypatch)
         second = await search.get(KEY, latest=True)
-        return first, second, asked
+        return second, asked
 
-    first, second, asked = run(go())
-    assert asked == [BOB, BOB]
-    assert first.value[BOB.to_bytes()].expiration_time < second.value[BOB.to_bytes()].expiration_time
+    second, asked = run(go())
+    assert asked == [BOB, BOB] and second.value[BOB.to_bytes()].expiration_time > get_dht_time() + 20
+
+
+def test_a_lookup_that_answers_in_time_is_waited_for_with_the_answers_one_view():
+    """Where lookups answer within LOOKUP_WAIT, a search returns the DHT's declarations and the peers' answers
+    together (one view: every peer orders its candidate leaders alike, and none waits in a circle of requests)."""
+    async def go():
+        dht = SilentDHT()
+        search, _ = search_dht(dht, hints=[BOB], answers={BOB: get_dht_time() + 30})
+        search_task = asyncio.ensure_future(search.get(KEY, latest=True))
+        await asyncio.sleep(0.01)  # (BOB answered; the lookup not yet)
+        carol = ValueWithExpiration(True, get_dht_time() + 30)
+        dht.lookups[0].set_result(ValueWithExpiration({CAROL.to_bytes(): carol}, carol.expiration_time))
+        return await search_task
+
+    assert set(run(go()).value) == {BOB.to_bytes(), CAROL.to_bytes()}
 
 
 def test_a_peer_whose_answer_had_ended_already_is_asked_again_only_after_a_while(monkeypatch):
