@@ -14,10 +14,10 @@ Rules, and why:
   and its round, and a cut node held a follower's round back by the wait), and a search looks again at most every
   :data:`PACE` seconds.
 * A search returns one view of the others, as a lookup does: it waits (at most :data:`LOOKUP_WAIT`) for its
-  requests to the peers that answered their last one and for its lookup, so that every peer orders its candidate
-  leaders alike (views taken piecemeal sent three peers' join requests round in a circle, each waiting
-  ``request_timeout``, and one missed its round). It does not wait for a lookup once one took longer than
-  :data:`LOOKUP_WAIT` (a node on the key's path is cut), nor for a peer that did not answer its last request: a
+  requests to the peers whose last request did not go unanswered and for its lookup, so that every peer orders its
+  candidate leaders alike (views taken piecemeal sent three peers' join requests round in a circle, each waiting
+  ``request_timeout``, and one missed its round). It does not wait for a lookup while the last one took longer
+  than :data:`LOOKUP_WAIT` (a node on the key's path is cut), nor for a peer that did not answer its last request: a
   search that waited out a lookup held up by a cut node handed on each answer a second late, and two healthy peers
   re-declaring every 2 s, an odd number of seconds apart, learned each other's declaration just as it ended, every
   time, and formed no group. A lookup or request still under way answers a later search, and the last lookup's
@@ -210,8 +210,8 @@ class SearchDHT:
         self._silent &= hinted
 
     def _ask_due(self, key: str) -> set[asyncio.Future]:
-        """Ask the hinted peers that are due (:meth:`_due_in` is 0), in the background; the requests to those that
-        answered their last one, which the search awaits."""
+        """Ask the hinted peers that are due (:meth:`_due_in` is 0), in the background; returns the requests the
+        search awaits: those to peers whose last request did not go unanswered."""
         awaited = set()
         for peer, due_in in self._due_in().items():
             if due_in <= 0.0:

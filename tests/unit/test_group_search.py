@@ -159,7 +159,7 @@ def test_a_peer_whose_answered_declaration_ends_is_asked_again_at_once_within_th
     async def go():
         dht = SilentDHT()
         search, asked = search_dht(dht, hints=[BOB])
-        declarations = iter([get_dht_time() + 1.0, get_dht_time() + 30])
+        declarations = iter([get_dht_time() + 3.0, get_dht_time() + 30])
         search._ask = lambda peer, key: asked.append(peer) or asyncio.sleep(0, next(declarations))
         await hold_the_lookup(search, dht, monkeypatch)
         second = await search.get(KEY, latest=True)
@@ -169,9 +169,11 @@ def test_a_peer_whose_answered_declaration_ends_is_asked_again_at_once_within_th
     assert asked == [BOB, BOB] and second.value[BOB.to_bytes()].expiration_time > get_dht_time() + 20
 
 
-def test_a_lookup_that_answers_in_time_is_waited_for_with_the_answers_one_view():
+def test_a_lookup_that_answers_in_time_is_waited_for_with_the_answers_one_view(monkeypatch):
     """Where lookups answer within LOOKUP_WAIT, a search returns the DHT's declarations and the peers' answers
     together (one view: every peer orders its candidate leaders alike, and none waits in a circle of requests)."""
+    monkeypatch.setattr(group_search, "LOOKUP_WAIT", 5.0)  # (it returns as soon as both are in)
+
     async def go():
         dht = SilentDHT()
         search, _ = search_dht(dht, hints=[BOB], answers={BOB: get_dht_time() + 30})
