@@ -36,15 +36,27 @@ def start_members(tmp_path, bootstrap, configs):
 
 def go_when_ready(tmp_path, procs, timeout=90.0):
     """Once every member is ready (its DHT joined), give them a common t0 a moment ahead."""
+    wait_for_every(tmp_path, procs, "ready", timeout)
+    write_time(tmp_path / "go", time.time() + 0.5)
+
+
+def wait_for_every(tmp_path, procs, suffix, timeout):
+    """Wait until every member wrote ``<name>.<suffix>``; kill them all and fail with their logs if one exited first
+    or ``timeout`` passed."""
     deadline = time.monotonic() + timeout
-    while not all((tmp_path / f"{name}.ready").exists() for name in procs):
+    while not all((tmp_path / f"{name}.{suffix}").exists() for name in procs):
         if time.monotonic() > deadline or any(proc.poll() is not None for proc in procs.values()):
             for proc in procs.values():
                 proc.kill_tree()
             raise AssertionError({name: proc.log()[-2000:] for name, proc in procs.items()})
         time.sleep(0.1)
-    (tmp_path / "go.tmp").write_text(repr(time.time() + 0.5))
-    (tmp_path / "go.tmp").rename(tmp_path / "go")
+
+
+def write_time(path, wall_time):
+    """Write ``wall_time`` into ``path`` whole (renamed into place: a member polling it never reads it half
+    written)."""
+    (path.parent / f"{path.name}.tmp").write_text(repr(wall_time))
+    (path.parent / f"{path.name}.tmp").rename(path)
 
 
 def finish(procs, timeout=120.0, dying=()):
@@ -212,22 +224,13 @@ def test_two_members_find_each_other_while_a_frozen_member_holds_the_dhts_lookup
             assert torch.equal(got, want)
 
 
-def write_time(path, wall_time):
-    (path.parent / f"{path.name}.tmp").write_text(repr(wall_time))
-    (path.parent / f"{path.name}.tmp").rename(path)
-
-
 def meet(tmp_path, procs, attempts=5):
     """Once every search worker is ready, have them average until one meeting had all of them (a group of fewer
     leaves a member that never met the others)."""
-    go_when_ready(tmp_path, procs)  # (writes go, which the search workers do not read)
+    wait_for_every(tmp_path, procs, "ready", 90.0)
     for meeting in range(1, attempts + 1):
         write_time(tmp_path / f"go.{meeting}", time.time() + 0.5)
-        deadline = time.monotonic() + 30
-        while not all((tmp_path / f"{name}.met.{meeting}").exists() for name in procs):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), \
-                {name: proc.tail() for name, proc in procs.items()}
-            time.sleep(0.05)
+        wait_for_every(tmp_path, procs, f"met.{meeting}", 30.0)
         if all((tmp_path / f"{name}.met.{meeting}").read_text() == str(len(procs)) for name in procs):
             return
     raise AssertionError(f"the members never met all at once in {attempts} meetings")
