@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -54,10 +55,34 @@ def log_like_hivemind() -> None:
         ours.setLevel(hivemind_logging.loglevel)
 
 
+# What every p2pd collabopt starts finds in its environment (:func:`p2pd_environment`)
+P2PD_ENVIRONMENT = {"LIBP2P_TCP_REUSEPORT": "false"}
+
+
+@contextlib.contextmanager
+def p2pd_environment() -> Iterator[None]:
+    """While a libp2p daemon starts (a DHT's process forks inside), its environment holds :data:`P2PD_ENVIRONMENT`,
+    where the user did not set those variables: libp2p dials from ephemeral ports, not from its listening port.
+
+    Why: dialing from the listening port (``SO_REUSEPORT``, libp2p's default), two peers that dial each other at the
+    same moment (the members of a new group do, as its round begins) get one TCP connection by simultaneous open, on
+    which both act as the initiator; the security handshake fails on both sides, and each backs off from the other's
+    address for seconds ("dial backoff"). Dials from ephemeral ports cannot meet. See docs/decisions.md.
+    """
+    added = [name for name in P2PD_ENVIRONMENT if name not in os.environ]
+    os.environ.update({name: P2PD_ENVIRONMENT[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
 def start_dht(**kwargs: Any) -> Any:
     """Start a ``hivemind.DHT``; unless it is a client, it also serves collabopt's dial-back check."""
     relays_only = _static_relays() if kwargs.get("trusted_relays") else contextlib.nullcontext()
-    with children_follow_parent(), relays_only:  # the DHT process and its p2pd end with this process, even on SIGKILL
+    # the DHT process and its p2pd end with this process, even on SIGKILL
+    with children_follow_parent(), relays_only, p2pd_environment():
         dht = hivemind.DHT(start=True, **kwargs)
     if not kwargs.get("client_mode"):
         try:
@@ -144,7 +169,8 @@ async def own_replica(dht: Any) -> Any:
 
 async def create_p2p(**kwargs: Any) -> Any:
     """Start a libp2p daemon (``hivemind.P2P``) that listens like a peer would, without a DHT."""
-    return await P2P.create(**kwargs)
+    with p2pd_environment():
+        return await P2P.create(**kwargs)
 
 
 async def visible_maddrs(p2p: Any) -> list[Any]:
