@@ -205,7 +205,7 @@ def check_addresses(options: DoctorOptions) -> tuple[list[str], list[Check]]:
                                              "announce the fixed port this machine listens on (and forwards)")
             except ConfigurationError as e:
                 checks.append(Check(parameter, FAIL, e.problem, e.fix))
-    if not checks:  # a port held here: a daemon would share it with that process (collabopt.local_ports)
+    if not checks:  # a port held here: the daemon would exit, or share it with that process (collabopt.local_ports)
         checks += [Check("--host-maddrs", FAIL, f"{maddr}: this port is already in use on this machine (by a peer "
                          "that runs here, or another program)", PORT_FIX) for maddr in taken_ports(options.host_maddrs)]
     if not checks:

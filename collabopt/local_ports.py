@@ -1,12 +1,12 @@
 """Whether a fixed listening port is already held on this machine, told before a libp2p daemon starts on it.
 
-A libp2p daemon on its defaults listens with ``SO_REUSEPORT``: a second peer given the port of such a peer on the
-same machine starts anyway, the kernel then shares the incoming connections of that port between the two processes,
-and the new peer's join fails only after the bootstrap's timeout, as "none of the initial peers answered" (a pasted
-join line that carries ``--port`` does exactly this on the first peer's machine). A daemon collabopt starts listens
-without it (:func:`collabopt.engine.p2p.p2pd_environment`): on a port already held it exits with a bare
-``P2PDaemonError``, as any daemon does on a port another program holds. A test bind without ``SO_REUSEPORT`` fails
-in every case, so the error can name the port and the fix before anything starts.
+A libp2p daemon on its defaults listens with ``SO_REUSEPORT``: a second peer given the port of such a peer on the same
+machine starts anyway, the kernel then shares the incoming connections of that port between the two processes, and the
+new peer's join fails only after the bootstrap's timeout, as "none of the initial peers answered" (a pasted join line
+that carries ``--port`` does exactly this on the first peer's machine). A daemon collabopt starts listens without it
+unless the user set ``LIBP2P_TCP_REUSEPORT`` (:func:`collabopt.engine.p2p.p2pd_environment`): on a port already held it
+exits with a bare ``P2PDaemonError``, as any daemon does on a port another program holds. A test bind without
+``SO_REUSEPORT`` fails in every case, so the error can name the port and the fix before anything starts.
 """
 
 from __future__ import annotations

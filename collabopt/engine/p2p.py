@@ -67,7 +67,8 @@ def p2pd_environment() -> Iterator[None]:
     Why: dialing from the listening port (``SO_REUSEPORT``, libp2p's default), two peers that dial each other at the
     same moment (the members of a new group do, as its round begins) get one TCP connection by simultaneous open, on
     which both act as the initiator; the security handshake fails on both sides, and each backs off from the other's
-    address for seconds ("dial backoff"). Dials from ephemeral ports cannot meet. See docs/decisions.md.
+    address for seconds ("dial backoff"). Dials from ephemeral ports cannot meet. See docs/decisions.md, "Dials from
+    ephemeral ports" (and its cost: observed addresses).
     """
     added = [name for name in P2PD_ENVIRONMENT if name not in os.environ]
     os.environ.update({name: P2PD_ENVIRONMENT[name] for name in added})

@@ -18,7 +18,7 @@ PEER = "/ip4/10.0.0.2/tcp/31337/p2p/12D3KooWCxv9C3e6qv91uDww31w8bJovEcFDUJXA8Uxq
 
 @contextlib.contextmanager
 def listening_like_libp2p():
-    """A loopback listener with SO_REUSEPORT, as libp2p's: a second libp2p daemon could listen on it too."""
+    """A loopback listener with SO_REUSEPORT, as libp2p's on its defaults: such a daemon could listen on it too."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if hasattr(socket, "SO_REUSEPORT"):
