@@ -10,6 +10,12 @@ Rules, and why:
 * The download RPC keeps hivemind's name (``<prefix>::TrainingStateAverager.rpc_download_state``) and messages,
   and the service advertises the state in hivemind's ``<prefix>.all_averagers`` record: plain hivemind peers and
   older collabopt peers download from it, and it from them.
+* collabopt's downloaders ask for the same messages under collabopt's name
+  (``<prefix>::collabopt.StateService.rpc_download_counted_state``), whose stream the downloader closes first: it
+  reads the parts the first message counts (``tensor_count`` tensors, each of its first part's ``chunks``), closes,
+  and the server's end stays open until then. A server that closed first could lose its last parts in the daemon
+  (:mod:`collabopt.engine.streams`; the download failed, "the stream ended after 15 of the 16 tensors"). A peer
+  without it (plain hivemind, older collabopt) is asked under hivemind's name.
 * What is served is the state averager's (:meth:`~collabopt.engine.state.ConsistentStateAverager.served_state`: a
   copy whose epoch and tensors belong together, declined during a boundary), advertised with its epoch as priority,
   and nothing while its ``allow_state_sharing`` is off. With a swarm
@@ -33,7 +39,7 @@ from typing import Any
 
 import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
-from hivemind.p2p import P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2PContext, P2PDaemonError, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
@@ -46,12 +52,16 @@ from collabopt.engine.member_checks import download_refusal, store_member_token
 from collabopt.engine.p2p import own_replica
 from collabopt.engine.replicas import RIDE_ALONG, ReplicaRecords
 from collabopt.engine.service_thread import STOP_TIMEOUT, ServiceThread
-from collabopt.engine.streams import open_in_time
+from collabopt.engine.streams import open_in_time, serve_until_the_caller_closes
 from collabopt.membership import swarm_key_of
 
 logger = logging.getLogger(__name__)
 
 HIVEMIND_STATE_SERVICER = "TrainingStateAverager"  # the class name hivemind's state averagers serve downloads under
+COLLABOPT_STATE_SERVICER = "collabopt.StateService"  # the name collabopt's counted download is served under
+# How long a served state's stream stays open after its last part for the downloader to close first (it closes as
+# soon as it has every part; a downloader gone meanwhile holds only this coroutine)
+STATE_LINGER = 10.0
 
 
 DECLARE_PERIOD = 30.0  # seconds between two advertisements of this peer's state (hivemind's declare_state_period)
@@ -88,6 +98,19 @@ def state_problem(metadata: Any, tensors: Any) -> str | None:
     return None
 
 
+def _tensor_count(metadata: bytes) -> int | None:
+    """(the executor) How many tensors a download's first message says follow, or None (a plain hivemind peer)."""
+    loaded = MSGPackSerializer.loads(metadata)
+    count = loaded.get("tensor_count") if isinstance(loaded, dict) else None
+    return count if type(count) is int else None
+
+
+def _all_parts(groups: list[list[Any]], count: int | None) -> bool:
+    """Whether ``groups`` (each tensor's parts so far) hold all ``count`` tensors, each with the parts its first part
+    counts (hivemind's ``chunks``; an empty tensor comes as one part counting none)."""
+    return bool(groups) and len(groups) == count and len(groups[-1]) >= max(groups[-1][0].chunks, 1)
+
+
 def _decode(metadata: bytes, groups: list[list[Any]]) -> tuple[Any, list[torch.Tensor]]:
     """(the executor) The metadata and tensors of a download's messages (``groups``: each tensor's parts)."""
     return MSGPackSerializer.loads(metadata), [deserialize_torch_tensor(combine_from_streaming(parts))
@@ -95,7 +118,9 @@ def _decode(metadata: bytes, groups: list[list[Any]]) -> tuple[Any, list[torch.T
 
 
 class StateServicer(ServicerBase):
-    """The download RPC, under hivemind's name (see the module); ``serve(caller)`` yields its messages."""
+    """The download RPCs (see the module); ``serve(caller)`` yields a download's messages: under hivemind's name the
+    stream ends after the last one (hivemind's downloaders read to its end); under collabopt's it stays open until
+    the downloader, which knows the last one, closed it."""
 
     def __init__(self, serve: Callable[[PeerID], typing.AsyncIterator[averaging_pb2.DownloadData]]):
         self._serve = serve
@@ -105,9 +130,15 @@ class StateServicer(ServicerBase):
         async for message in self._serve(context.remote_id):
             yield message
 
+    async def rpc_download_counted_state(self, request: averaging_pb2.DownloadRequest,
+                                         context: P2PContext) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        async for message in serve_until_the_caller_closes(self._serve(context.remote_id), STATE_LINGER):
+            yield message
+
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
-        name = f"{HIVEMIND_STATE_SERVICER}.{method_name}"
+        owner = HIVEMIND_STATE_SERVICER if method_name == "rpc_download_state" else COLLABOPT_STATE_SERVICER
+        name = f"{owner}.{method_name}"
         return name if namespace is None else f"{namespace}::{name}"
 
 
@@ -260,20 +291,24 @@ class StateService(ServiceThread):
 
     async def _fetch(self, peer: PeerID, limit: int) -> tuple[dict, list[torch.Tensor]] | None:
         """(the service's loop, which also serves this peer's state and challenge answers) Receives the stream's
-        bytes only: decoding them runs in the executor."""
-        stub = StateServicer.get_stub(self.p2p, peer, namespace=self.prefix)
-        stream = await open_in_time(stub.rpc_download_state(averaging_pb2.DownloadRequest()), self.chunk_timeout,
-                                    f"downloading the state of {peer}")
-        metadata, groups, received = b"", [], 0
-        async for message in aiter_with_timeout(stream, timeout=self.chunk_timeout):
-            received += len(message.tensor_part.buffer) + len(message.metadata)
-            if received > limit:
-                raise ValueError(f"{peer} sent over {limit} bytes, more than a state of this peer's model takes")
-            if message.metadata:
-                metadata = message.metadata
-            if message.tensor_part.dtype or not groups:  # (a dtype starts the next tensor)
-                groups.append([])
-            groups[-1].append(message.tensor_part)
+        bytes only, and closes it once every part it counts came: decoding them runs in the executor."""
+        stream = await self._open_download(peer)
+        metadata, groups, received, count = b"", [], 0, None
+        try:
+            async for message in aiter_with_timeout(stream, timeout=self.chunk_timeout):
+                received += len(message.tensor_part.buffer) + len(message.metadata)
+                if received > limit:
+                    raise ValueError(f"{peer} sent over {limit} bytes, more than a state of this peer's model takes")
+                if message.metadata and not metadata:
+                    metadata = message.metadata
+                    count = await asyncio.get_running_loop().run_in_executor(None, _tensor_count, metadata)
+                if message.tensor_part.dtype or not groups:  # (a dtype starts the next tensor)
+                    groups.append([])
+                groups[-1].append(message.tensor_part)
+                if _all_parts(groups, count):
+                    break
+        finally:
+            await stream.aclose()  # (this end first, once every part came: the server's end waits for it)
         if not metadata:
             return None
         loaded = await asyncio.get_running_loop().run_in_executor(None, _decode, metadata, groups)
@@ -285,6 +320,18 @@ class StateService(ServiceThread):
             logger.warning(f"collabopt: the state {peer} sent is not one ({problem}): trying the next peer")
             return None
         return loaded
+
+    async def _open_download(self, peer: PeerID) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        """The stream of ``peer``'s state: collabopt's counted download, or hivemind's where ``peer`` serves none (a
+        plain hivemind peer or an older collabopt one: its daemon knows no such protocol)."""
+        stub, what = StateServicer.get_stub(self.p2p, peer, namespace=self.prefix), f"downloading the state of {peer}"
+        try:
+            return await open_in_time(stub.rpc_download_counted_state(averaging_pb2.DownloadRequest()),
+                                      self.chunk_timeout, what)
+        except P2PDaemonError as error:
+            if "protocols not supported" not in str(error):
+                raise
+        return await open_in_time(stub.rpc_download_state(averaging_pb2.DownloadRequest()), self.chunk_timeout, what)
 
     def ask_projections(self, peers: list[str], seed: int, epoch: int, timeout: float) -> Future:
         """A future of the download challenge's answers of ``peers``

@@ -15,7 +15,9 @@ with no fault".
 * :func:`serve_until_the_caller_closes`: a leader's answers to a join request, whose caller reads a known number of
   messages and then closes: the leader's end stays open after its verdict until the caller closed. A verdict written
   just before the leader's end closed was lost in that race: the follower read the end of the stream instead of the
-  group it was in, and the group's round waited for a member that never came.
+  group it was in, and the group's round waited for a member that never came. A served state's stream to a
+  collabopt downloader, which reads the parts its first message counts, is served so too
+  (:mod:`collabopt.engine.state_service`).
 """
 
 from __future__ import annotations
@@ -128,9 +130,14 @@ async def serve_until_the_caller_closes(messages: AsyncIterator[Any], linger: fl
     """A handler's ``messages`` to a caller that closes its end once it read the last one it expects (hivemind's
     follower reads its leader's answer and verdict, then closes); after them, keep this end open until the caller
     closed it (hivemind cancels the handler then), at most ``linger`` seconds. A handler cancelled meanwhile ends at
-    once (hivemind's ``rpc_join_group`` swallows a cancel and returns: the linger would hold a closing service)."""
+    once (hivemind's ``rpc_join_group`` swallows a cancel and returns: the linger would hold a closing service), and
+    so does one that sent nothing (nothing can be lost, and its caller waits for the end of the stream)."""
+    sent = 0
     async for message in messages:
         yield message
+        sent += 1
+    if not sent:
+        return
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError

@@ -137,7 +137,7 @@ def fetch_on_a_loop(monkeypatch, sent, limit):
 
     monkeypatch.setattr(state_service, "deserialize_torch_tensor", recorded)
     monkeypatch.setattr(state_service.StateServicer, "get_stub", classmethod(lambda cls, p2p, peer, namespace: (
-        SimpleNamespace(rpc_download_state=lambda request: opening()))))
+        SimpleNamespace(rpc_download_counted_state=lambda request: opening()))))
     service = StateService.__new__(StateService)
     vars(service).update(p2p=None, prefix="run", chunk_timeout=5.0)
     loop, threads = asyncio.new_event_loop(), []

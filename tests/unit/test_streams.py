@@ -235,6 +235,15 @@ def test_a_leader_keeps_its_join_stream_open_until_the_follower_closed():
     assert len(quick) == 2  # a follower that never closes: the leader's end closes after linger
 
 
+def test_a_handler_that_sent_nothing_does_not_linger():
+    """A declined download sends nothing: its caller reads the end of the stream, which must come at once."""
+    async def nothing():
+        return
+        yield
+
+    assert asyncio.run(asyncio.wait_for(_list(streams.serve_until_the_caller_closes(nothing(), linger=3600)), 2)) == []
+
+
 def test_a_leader_cancelled_before_its_verdict_does_not_linger():
     """hivemind's leader handler returns quietly when cancelled (a closing service cancels it): the wrapper must not
     then keep the task alive for the linger."""
