@@ -122,17 +122,17 @@ class StateServicer(ServicerBase):
     stream ends after the last one (hivemind's downloaders read to its end); under collabopt's it stays open until
     the downloader, which knows the last one, closed it."""
 
-    def __init__(self, serve: Callable[[PeerID], typing.AsyncIterator[averaging_pb2.DownloadData]]):
-        self._serve = serve
+    def __init__(self, serve: Callable[[PeerID, float], typing.AsyncIterator[averaging_pb2.DownloadData]]):
+        self._serve = serve  # (the caller, and how long the stream stays open after the last message for it)
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
-        async for message in self._serve(context.remote_id):
+        async for message in self._serve(context.remote_id, 0.0):
             yield message
 
     async def rpc_download_counted_state(self, request: averaging_pb2.DownloadRequest,
                                          context: P2PContext) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
-        async for message in serve_until_the_caller_closes(self._serve(context.remote_id), STATE_LINGER):
+        async for message in self._serve(context.remote_id, STATE_LINGER):
             yield message
 
     @classmethod
@@ -222,12 +222,14 @@ class StateService(ServiceThread):
         key = swarm_key_of(self.dht)
         return None if key is None else await download_refusal(self.dht, self.prefix, key, caller)
 
-    async def _serve(self, caller: PeerID) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+    async def _serve(self, caller: PeerID, linger: float = 0.0) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
         """The messages of one download, counted in :attr:`open_downloads` while its stream is open (a finished peer
-        serving its final state stays while one is, :mod:`~collabopt.engine.final_state`)."""
+        serving its final state stays while one is, :mod:`~collabopt.engine.final_state`); with ``linger``, it stays
+        open after the last one until the downloader closed it, at most ``linger`` seconds."""
         self.open_downloads += 1
         try:
-            async for message in self._messages(caller):
+            messages = self._messages(caller)
+            async for message in serve_until_the_caller_closes(messages, linger) if linger else messages:
                 yield message
         finally:
             self.open_downloads -= 1

@@ -110,10 +110,10 @@ def test_a_download_reads_the_parts_counted_closes_first_and_fails_as_the_stream
 
 def test_a_counted_download_between_two_daemons_gets_every_part_and_ends_the_servers_wait():
     """Two libp2p daemons: collabopt's counted download, 200 times in a row, receives every part, and the server's
-    end, which would wait STATE_LINGER (10 s) after its last part, ends as the downloader closes (its handler is
-    cancelled). Served under hivemind's name, a stream's last parts were lost now and then (the server closed
-    first: about 2 of 1000 such downloads on this machine). From a peer serving under hivemind's name only, the
-    download is asked there."""
+    end, which would stay open STATE_LINGER (10 s) after its last part, is closed as the downloader closes (its
+    handler is cancelled; open_downloads is back to 0). Served under hivemind's name, a stream's last parts were lost
+    now and then (the server closed first: about 2 of 1000 such downloads on this machine). From a peer serving under
+    hivemind's name only, the download is asked there."""
     import torch
     from hivemind.p2p import P2P
     from hivemind.proto import averaging_pb2
@@ -121,39 +121,39 @@ def test_a_counted_download_between_two_daemons_gets_every_part_and_ends_the_ser
     from collabopt.engine.state_service import StateServicer
 
     tensors = [torch.randn(100_000) for _ in range(4)]
-    messages, open_streams = _state_messages(tensors, len(tensors), part_bytes=1 << 16), []  # (hivemind's parts)
+    messages = _state_messages(tensors, len(tensors), part_bytes=1 << 16)  # (hivemind's parts)
+    serving = StateService.__new__(StateService)
+    serving.open_downloads = 0
 
-    async def serve(caller):
-        open_streams.append(1)
-        try:
-            for message in messages:
-                yield message
-        finally:
-            open_streams.pop()
+    async def served(caller):
+        for message in messages:
+            yield message
+
+    serving._messages = served
 
     async def go():
         server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                   initial_peers=[str(m) for m in await server.get_visible_maddrs()])
         try:
-            await StateServicer(serve).add_p2p_handlers(server, namespace="run")
-            service = object.__new__(StateService)
-            service.p2p, service.prefix, service.chunk_timeout = client, "run", 5.0
+            await StateServicer(serving._serve).add_p2p_handlers(server, namespace="run")
+            downloading = object.__new__(StateService)
+            downloading.p2p, downloading.prefix, downloading.chunk_timeout = client, "run", 5.0
             for _ in range(200):
-                _, loaded = await asyncio.wait_for(service._fetch(server.peer_id, 10**7), 5.0)
+                _, loaded = await asyncio.wait_for(downloading._fetch(server.peer_id, 10**7), 5.0)
                 assert all(torch.equal(a, b) for a, b in zip(loaded, tensors, strict=True))
             for _ in range(50):  # (the last handler's cancel may still be on its way)
-                if not open_streams:
+                if not serving.open_downloads:
                     break
                 await asyncio.sleep(0.1)
-            assert not open_streams, "the server's end still waits after the downloader closed"
+            assert serving.open_downloads == 0, "the server's end still waits after the downloader closed"
 
             # a peer serving under hivemind's name only (as plain hivemind does): asked there
-            await StateServicer(serve).remove_p2p_handlers(server, namespace="run")
+            await StateServicer(serving._serve).remove_p2p_handlers(server, namespace="run")
             await server.add_protobuf_handler("run::TrainingStateAverager.rpc_download_state",
-                                              lambda request, context: serve(context.remote_id),
+                                              lambda request, context: served(context.remote_id),
                                               averaging_pb2.DownloadRequest, stream_output=True)
-            _, loaded = await asyncio.wait_for(service._fetch(server.peer_id, 10**7), 5.0)
+            _, loaded = await asyncio.wait_for(downloading._fetch(server.peer_id, 10**7), 5.0)
             assert all(torch.equal(a, b) for a, b in zip(loaded, tensors, strict=True))
         finally:
             await client.shutdown()
@@ -164,7 +164,7 @@ def test_a_counted_download_between_two_daemons_gets_every_part_and_ends_the_ser
 
 def test_a_download_stream_is_counted_while_it_is_open_also_where_the_downloader_leaves_early():
     """A finished peer serving its final state stays while a download of its state is open
-    (collabopt.engine.final_state)."""
+    (collabopt.engine.final_state), also while its end waits for the downloader to close."""
     service = StateService.__new__(StateService)
     service.open_downloads = 0
     seen = []
@@ -184,6 +184,19 @@ def test_a_download_stream_is_counted_while_it_is_open_also_where_the_downloader
 
     assert asyncio.run(download(None)) == ["a", "b"] and seen == [1, 1] and service.open_downloads == 0
     assert asyncio.run(download(1)) == ["a"] and service.open_downloads == 0
+
+    async def lingering():  # (collabopt's counted download: open after its last message until the downloader closes)
+        stream = service._serve("caller", 3600)
+        received = [await stream.__anext__(), await stream.__anext__()]
+        waits = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        counted = service.open_downloads
+        waits.cancel()  # (the downloader closed: hivemind cancels the handler)
+        with pytest.raises(asyncio.CancelledError):
+            await waits
+        return received, counted
+
+    assert asyncio.run(lingering()) == (["a", "b"], 1) and service.open_downloads == 0
 
 
 def test_a_renewal_of_the_same_state_declaration_may_wait_for_a_ride_and_a_change_leaves_at_once(monkeypatch):
