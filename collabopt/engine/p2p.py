@@ -22,6 +22,7 @@ from hivemind.utils import logging as hivemind_logging
 
 from collabopt.engine.compat import Multiaddr
 from collabopt.engine.dialback import DIALBACK_PROTOCOL, serve_dialback
+from collabopt.engine.relay_daemon import RelayDaemon, split_options
 from collabopt.lifeline import children_follow_parent
 from collabopt.membership import swarm_key_of
 
@@ -80,11 +81,21 @@ def p2pd_environment() -> Iterator[None]:
 
 
 def start_dht(**kwargs: Any) -> Any:
-    """Start a ``hivemind.DHT``; unless it is a client, it also serves collabopt's dial-back check."""
-    relays_only = _static_relays() if kwargs.get("trusted_relays") else contextlib.nullcontext()
-    # the DHT process and its p2pd end with this process, even on SIGKILL
-    with children_follow_parent(), relays_only, p2pd_environment():
-        dht = hivemind.DHT(start=True, **kwargs)
+    """Start a ``hivemind.DHT``; unless it is a client, it also serves collabopt's dial-back check. With
+    ``trusted_relays`` its libp2p daemon is collabopt's (:class:`~collabopt.engine.relay_daemon.RelayDaemon`)."""
+    daemon = None
+    if kwargs.get("trusted_relays"):
+        daemon, kwargs = _start_relay_daemon(kwargs)
+    try:
+        # the DHT process (and its p2pd, where it starts one) end with this process, even on SIGKILL
+        with children_follow_parent(), p2pd_environment():
+            dht = hivemind.DHT(start=True, p2p=daemon, **kwargs)
+    except BaseException:
+        if daemon is not None:
+            daemon.stop()
+        raise
+    if daemon is not None:
+        daemon.release()  # (the DHT's process is connected to it now)
     if not kwargs.get("client_mode"):
         try:
             dht.run_coroutine(functools.partial(_add_dialback_handler, swarm_key_of(dht)))
@@ -93,39 +104,30 @@ def start_dht(**kwargs: Any) -> Any:
     return dht
 
 
-@contextlib.contextmanager
-def _static_relays() -> Iterator[None]:
-    """While a DHT starts (its process forks inside), p2pd daemons given ``trusted_relays`` use those relays only.
-
-    They run with ``-relayDiscovery=0`` (static relays: a relay reservation within seconds, where hivemind's
-    relay discovery waits for autorelay's candidates) and without p2pd's bootstrap, which can exit when the relay is
-    an initial peer; they connect to the initial peers once started. See docs/decisions.md, "Static relays".
-    """
-    original_args, original_create = P2P.__dict__["_make_process_args"], P2P.__dict__["create"]
-
-    def make_process_args(*args: Any, **kwargs: Any) -> list[str]:
-        if kwargs.get("trustedRelays"):
-            kwargs.setdefault("relayDiscovery", False)
-            kwargs.pop("bootstrapPeers", None)
-            kwargs["b"] = False
-        return original_args.__func__(*args, **kwargs)
-
-    async def create(cls: type, **kwargs: Any) -> Any:
-        p2p = await original_create.__func__(cls, **kwargs)
-        if kwargs.get("trusted_relays") and kwargs.get("initial_peers"):
-            await _connect_initial_peers(p2p, kwargs["initial_peers"], timeout=kwargs.get("startup_timeout", 15.0))
-        return p2p
-
-    P2P._make_process_args, P2P.create = staticmethod(make_process_args), classmethod(create)
+def _start_relay_daemon(kwargs: dict[str, Any]) -> tuple[RelayDaemon, dict[str, Any]]:
+    """A started daemon for a DHT given ``trusted_relays`` (static relays, no p2pd bootstrap), connected to the
+    initial peers, and the DHT's own arguments. See docs/decisions.md, "Static relays"."""
+    options, dht_kwargs = split_options(kwargs)
+    environment = {name: value for name, value in P2PD_ENVIRONMENT.items() if name not in os.environ}
+    daemon = RelayDaemon(options, bool(kwargs.get("client_mode")), environment)
+    peers, timeout = kwargs.get("initial_peers") or (), float(options.get("startup_timeout", 15.0))
     try:
-        yield
-    finally:
-        P2P._make_process_args, P2P.create = original_args, original_create
+        daemon.hold(functools.partial(_connect_initial_peers, initial_peers=peers, timeout=timeout) if peers
+                    else _connected)
+    except BaseException:
+        daemon.stop()
+        raise
+    return daemon, dht_kwargs
+
+
+async def _connected(_p2p: Any) -> None:
+    """(no initial peers: nothing to connect to)"""
 
 
 async def _connect_initial_peers(p2p: Any, initial_peers: Sequence[Any], timeout: float) -> None:
     """Connect a started ``p2p`` to ``initial_peers`` (full multiaddrs): return once one answers (the others go on
-    connecting); shut ``p2p`` down and raise as p2pd's bootstrap does if none answers within ``timeout`` seconds."""
+    connecting); shut ``p2p`` down and raise as p2pd's bootstrap does if none answers within ``timeout`` seconds
+    (``p2p`` a replica: its connection to the daemon)."""
     loop = asyncio.get_running_loop()
     deadline, errors = loop.time() + timeout, []
     pending = {asyncio.ensure_future(connect(p2p, str(maddr))) for maddr in initial_peers}

@@ -23,32 +23,78 @@ def test_relay_options_reserve_on_the_relay_and_announce_the_circuit_address():
     assert options["announce_maddrs"] == ["/ip4/198.51.100.7/tcp/4000", f"{RELAY}/p2p-circuit"]
 
 
-def test_start_dht_passes_relay_options_and_p2pd_gets_static_relays(monkeypatch):
-    started = {}
+def hivemind_flags(monkeypatch, **options) -> list[str]:
+    """The flags hivemind's ``P2P.create`` starts p2pd with for ``options`` (captured; nothing starts)."""
+    captured = []
 
-    class FakeDHT:
-        def __init__(self, start: bool, **kwargs):
-            started.update(kwargs)
-            # what P2P.create builds for these arguments, while the DHT process would fork
-            started["args"] = P2P._make_process_args("p2pd", autoRelay=True, trustedRelays=RELAY, relay=True,
-                                                     b=True, bootstrapPeers=RELAY)
-            started["args_without_relays"] = P2P._make_process_args("p2pd", autoRelay=True, relay=True, b=True,
-                                                                    bootstrapPeers=RELAY)
-            started["create"] = P2P.create
+    async def capture(*args, **kwargs):
+        captured.extend(args)
+        raise FileNotFoundError
 
-    monkeypatch.setattr(hivemind, "DHT", FakeDHT)
-    swarm.start_dht(swarm.SwarmOptions(initial_peers=[RELAY], relay_peers=RELAY))
-    assert started["trusted_relays"] == [RELAY] and started["announce_maddrs"] == [f"{RELAY}/p2p-circuit"]
-    assert "-relayDiscovery=0" in started["args"]  # else autorelay waits for 4 candidates or 3 minutes
-    assert not any(a.startswith("-relayDiscovery") for a in started["args_without_relays"])
-    # p2pd's bootstrap would not count the relay it already reached: collabopt connects to the initial peers itself
-    assert "-b=0" in started["args"] and not any(a.startswith("-bootstrapPeers") for a in started["args"])
-    assert "-b=1" in started["args_without_relays"] and started["create"] != P2P.create
-    # only while the DHT starts: hivemind's P2P is as it was afterwards
-    assert not any(a.startswith("-relayDiscovery") for a in
-                   P2P._make_process_args("p2pd", trustedRelays=RELAY))
+    monkeypatch.setattr(asyncio.subprocess, "create_subprocess_exec", capture)
+    with pytest.raises(P2PDaemonError):
+        asyncio.run(P2P.create(**options))
+    monkeypatch.undo()
+    return captured[1:]
 
 
+def test_the_relay_daemon_has_hivemind_flags_with_static_relays_and_no_bootstrap(monkeypatch):
+    """A peer given relay_peers runs collabopt's own p2pd (docs/decisions.md, "Static relays"): the flags hivemind
+    gives the same arguments, but -relayDiscovery=0 (else autorelay waits for 4 candidates or 3 minutes) and no
+    p2pd bootstrap (it would not count the relay it already reached: collabopt connects to the initial peers)."""
+    from collabopt.engine.relay_daemon import daemon_flags, split_options
+
+    kwargs = dict(initial_peers=[RELAY], host_maddrs=["/ip4/0.0.0.0/tcp/0"], client_mode=True, wait_timeout=3.0,
+                  identity_path=None, **swarm.relay_options([RELAY]))
+    options, dht_kwargs = split_options(kwargs)
+    assert set(dht_kwargs) == {"initial_peers", "client_mode", "wait_timeout"}  # (the DHT node's)
+    ours = daemon_flags("/unix/tmp/x.sock", options, client_mode=True)
+    theirs = hivemind_flags(monkeypatch, **options, initial_peers=[RELAY], dht_mode="client")
+
+    def same(flags, *left_out):
+        return sorted(f for f in flags if not f.startswith(("-listen=", *left_out)))
+
+    assert same(ours, "-relayDiscovery=", "-b=") == same(theirs, "-b=", "-bootstrapPeers=")
+    assert "-relayDiscovery=0" in ours and "-b=0" in ours and "-b=1" in theirs
+    assert f"-trustedRelays={RELAY}" in ours and "-dhtClient=1" in ours and "-listen=/unix/tmp/x.sock" in ours
+
+
+def test_a_relay_peers_dht_runs_on_its_own_daemon_which_ends_after_the_dht(tmp_path):
+    """Two DHTs on loopback, the second reaching the first as its relay: it stores a record the first reads, its
+    daemon runs with static relays, and that daemon ends once the DHT shut down (idle_timeout 1 s here). An initial
+    peer that does not answer fails the start as p2pd's bootstrap does, and leaves no daemon."""
+    import time
+
+    from hivemind.utils import get_dht_time
+
+    from collabopt.engine import relay_daemon
+
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    relay = str(first.get_visible_maddrs()[0])
+    try:
+        second = swarm.start_dht(swarm.SwarmOptions(initial_peers=[relay], relay_peers=relay,
+                                                    host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                                    extra=dict(idle_timeout=1)))
+        daemon = relay_daemon._started[-1]
+        try:
+            assert "-relayDiscovery=0" in daemon.args and f"-trustedRelays={relay}" in daemon.args
+            assert second.store("relayed", 7, get_dht_time() + 30)
+            assert first.get("relayed", latest=True).value == 7
+        finally:
+            second.shutdown()
+        deadline = time.monotonic() + 10
+        while daemon.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert daemon.poll() is not None, "the relay peer's daemon outlived its DHT"
+
+        silent = relay.replace(relay.split("/")[4], "1")  # (no one listens on port 1)
+        started = len(relay_daemon._started)
+        with pytest.raises(swarm.SwarmConnectionError, match="none of the initial peers answered"):
+            swarm.start_dht(swarm.SwarmOptions(initial_peers=[silent], relay_peers=silent,
+                                               host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=2.0))
+        assert len(relay_daemon._started) == started + 1 and relay_daemon._started[-1].poll() is not None
+    finally:
+        first.shutdown()
 @pytest.mark.parametrize("relay_peers", [RELAY, [RELAY], f"{RELAY},{RELAY}"])
 def test_relay_peers_accepts_a_list_or_a_string(relay_peers):
     swarm.SwarmOptions(relay_peers=relay_peers).validate()
