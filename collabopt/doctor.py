@@ -339,6 +339,12 @@ def _connect_fix(error: str) -> str:
             "fixed port)")
 
 
+def _maddr_of(address: str) -> str:
+    """The multiaddr of ``ip:port`` / ``[ip6]:port``."""
+    host, port = host_of(address), address.rsplit(":", 1)[1]
+    return f"/ip6/{host}/tcp/{port}" if ":" in host else f"/ip4/{host}/tcp/{port}"
+
+
 def _incoming_check(results: list[_PeerResult], listening: list[str], options: DoctorOptions) -> Check:
     name = "incoming connections"
     answers = [(r, r.dialback) for r in results if r.dialback is not None]
@@ -357,15 +363,24 @@ def _incoming_check(results: list[_PeerResult], listening: list[str], options: D
         for target in answer.get("results", []):
             (reached if target.get("reachable") else refused).append((result.maddr, target))
     seen = f"seen as {', '.join(sorted(seen_as))}" if seen_as else "seen through a relay"
+    local_ips = {ip for ip in (ip_of(m) for m in listening) if ip}
     if reached and not refused:
         where = ", ".join(sorted({t["address"] for _, t in reached}))
+        unlisted = sorted({t["address"] for _, t in reached if local_ips and host_of(t["address"]) not in local_ips})
+        if unlisted and not options.announce_maddrs:  # (a 1:1 NAT, port forwarding: libp2p does not learn it)
+            announce = " ".join(_maddr_of(address) for address in unlisted)
+            return Check(name, WARN, f"{seen}; initial peers connected back to {where}, an address this machine "
+                                     "does not listen on (a 1:1 NAT or port forwarding): other peers learn it only if "
+                                     "the peer announces it",
+                         f"start the peer with --announce-maddrs {announce} (announce_maddrs="
+                         f"{[_maddr_of(address) for address in unlisted]!r} in your own script), then run collabopt "
+                         f"doctor again with --announce-maddrs {announce}")
         return Check(name, PASS, f"{seen}; initial peers connected back to {where}: this machine can be a full peer")
     if not reached and not refused:
         notes = "; ".join(filter(None, (a.get("note", "") for _, a in answers)))
         return Check(name, UNKNOWN, f"{seen}; nothing to dial back{': ' + notes if notes else ''}",
                      RELAY_OR_CLIENT_FIX)
     failures = ", ".join(f"{t['address']} ({t.get('error') or 'refused'})" for _, t in refused)
-    local_ips = {ip for ip in (ip_of(m) for m in listening) if ip}
     nat = bool(local_ips) and any(host_of(s) not in local_ips for s in seen_as) and not options.announce_maddrs
     behind = "behind NAT (seen at another address than it listens on)" if nat else "behind a firewall or NAT"
     if reached:

@@ -118,8 +118,21 @@ LISTENING = ["/ip4/192.168.1.4/tcp/4001"]
 
 
 def test_verdict_reachable():
-    check = _incoming_check([answered(("203.0.113.7:4001", True))], LISTENING, DoctorOptions())
+    check = _incoming_check([answered(("203.0.113.7:4001", True))], ["/ip4/203.0.113.7/tcp/4001"], DoctorOptions())
     assert check.status == "PASS" and "full peer" in check.detail
+
+
+def test_verdict_reachable_at_an_address_it_does_not_listen_on_says_to_announce_it():
+    """A 1:1 NAT or a forwarded port: the initial peers reach 203.0.113.7:4001 while the machine listens on
+    192.168.1.4:4001. libp2p dials from ephemeral ports, so it does not learn that address from its own connections:
+    the peer announces it, else other peers find only its private address."""
+    reached = [answered(("203.0.113.7:4001", True))]
+    check = _incoming_check(reached, LISTENING, DoctorOptions())
+    assert check.status == "WARN" and "does not listen on" in check.detail
+    assert "--announce-maddrs /ip4/203.0.113.7/tcp/4001" in check.fix
+    assert "announce_maddrs=['/ip4/203.0.113.7/tcp/4001']" in check.fix
+    announced = _incoming_check(reached, LISTENING, DoctorOptions(announce_maddrs=["/ip4/203.0.113.7/tcp/4001"]))
+    assert announced.status == "PASS" and "full peer" in announced.detail
 
 
 def test_verdict_behind_nat_names_client_mode_and_relay():
