@@ -96,6 +96,7 @@ def start_dht(**kwargs: Any) -> Any:
         raise
     if daemon is not None:
         daemon.release()  # (the DHT's process is connected to it now)
+        daemon.follow(dht)
     if not kwargs.get("client_mode"):
         try:
             dht.run_coroutine(functools.partial(_add_dialback_handler, swarm_key_of(dht)))
@@ -109,11 +110,11 @@ def _start_relay_daemon(kwargs: dict[str, Any]) -> tuple[RelayDaemon, dict[str, 
     initial peers, and the DHT's own arguments. See docs/decisions.md, "Static relays"."""
     options, dht_kwargs = split_options(kwargs)
     environment = {name: value for name, value in P2PD_ENVIRONMENT.items() if name not in os.environ}
-    daemon = RelayDaemon(options, bool(kwargs.get("client_mode")), environment)
-    peers, timeout = kwargs.get("initial_peers") or (), float(options.get("startup_timeout", 15.0))
+    peers = kwargs.get("initial_peers") or ()
+    daemon = RelayDaemon(options, bool(kwargs.get("client_mode")), environment, peers)
     try:
-        daemon.hold(functools.partial(_connect_initial_peers, initial_peers=peers, timeout=timeout) if peers
-                    else _connected)
+        daemon.hold(functools.partial(_connect_initial_peers, initial_peers=peers, timeout=daemon.timeout) if peers
+                    else _connected, timeout=2 * daemon.timeout)
     except BaseException:
         daemon.stop()
         raise
@@ -126,8 +127,8 @@ async def _connected(_p2p: Any) -> None:
 
 async def _connect_initial_peers(p2p: Any, initial_peers: Sequence[Any], timeout: float) -> None:
     """Connect a started ``p2p`` to ``initial_peers`` (full multiaddrs): return once one answers (the others go on
-    connecting); shut ``p2p`` down and raise as p2pd's bootstrap does if none answers within ``timeout`` seconds
-    (``p2p`` a replica: its connection to the daemon)."""
+    connecting while ``p2p``'s loop runs; the DHT's bootstrap pings them all anyway); shut ``p2p`` down and raise as
+    p2pd's bootstrap does if none answers within ``timeout`` seconds."""
     loop = asyncio.get_running_loop()
     deadline, errors = loop.time() + timeout, []
     pending = {asyncio.ensure_future(connect(p2p, str(maddr))) for maddr in initial_peers}

@@ -8,10 +8,11 @@ Rules, and why (docs/decisions.md, "Static relays"):
   peer, connected first). collabopt connects it to the initial peers once it runs. hivemind's ``P2P`` has no
   parameter for either, so the DHT attaches to this daemon (``hivemind.DHT(p2p=...)``, which reads only its
   ``daemon_listen_maddr``) rather than starting one.
-* It ends by itself: p2pd's ``-idleTimeout`` ends it at the first check (every ``idle_timeout`` seconds) that finds no
-  client connected, once the DHT's process and the services' replicas left; it also ends with this process (a
-  parent-death signal where this is the main thread, else at exit). Its output is read and logged as hivemind logs its
-  own daemons'.
+* It ends with the DHT's process, as hivemind's DHT ends the daemon it starts (:meth:`RelayDaemon.follow`), and with
+  this process: a parent-death signal where this is the main thread, else at exit; p2pd's own ``-idleTimeout`` ends
+  it at a check (every ``idle_timeout`` seconds) that finds no client connected. Its output is read and logged as
+  hivemind logs its own daemons'.
+* Like hivemind's, it refuses to start with an identity (``identity_path``) another peer of the swarm already uses.
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ import atexit
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import importlib.resources
 import inspect
 import json
 import logging
+import multiprocessing.connection
 import os
 import secrets
 import signal
 import subprocess
 import threading
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from hivemind.p2p import P2P
@@ -39,6 +41,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.logging import golog_level_to_python, loglevel, python_level_to_golog
 
 from collabopt.engine.compat import Multiaddr
+from collabopt.errors import DROP, ConfigurationError
 
 logger = logging.getLogger(__name__)
 
@@ -66,16 +69,19 @@ def daemon_flags(listen: str, options: dict[str, Any], client_mode: bool) -> lis
     ``P2P.create`` makes them, with static relays and without p2pd's bootstrap."""
     o = {**P2P_DEFAULTS, **options}
     if o["use_ipfs"]:
-        raise ValueError("use_ipfs cannot be combined with relay_peers: pass initial_peers, or drop relay_peers")
-    for maddr in o["announce_maddrs"] or ():
-        if "tcp" in Multiaddr(str(maddr)) and Multiaddr(str(maddr))["tcp"] == "0":
+        raise ConfigurationError("use_ipfs", "cannot be combined with relay_peers: relays serve the swarm's own peers",
+                                 "drop use_ipfs=True, or drop relay_peers",
+                                 fixes=[{"use_ipfs": DROP}, {"relay_peers": DROP}])
+    for maddr in map(Multiaddr, map(str, o["announce_maddrs"] or ())):
+        if any(protocol in maddr and maddr[protocol] == "0" for protocol in ("tcp", "udp")):
             raise ValueError("Please specify an explicit port in announce_maddrs: port 0 is not supported")
+    mode = o["dht_mode"] if "dht_mode" in options else "client" if client_mode else "server"  # (as hivemind's node)
     flags: dict[str, Any] = {
         "autoRelay": o["use_auto_relay"], "autonat": o["auto_nat"], "b": False, "connManager": o["conn_manager"],
         "idleTimeout": f"{o['idle_timeout']}s", "listen": listen, "natPortMap": o["nat_port_map"],
         "relay": o["use_relay"], "relayHopLimit": o["relay_hop_limit"], "tls": o["tls"],
         "persistentConnMaxMsgSize": o["persistent_conn_max_msg_size"], "relayDiscovery": False,
-        _DHT_MODES["client" if client_mode else o["dht_mode"]]: True,
+        _DHT_MODES[mode]: True,
     }
     if o["force_reachability"] in _REACHABILITY:
         flags[_REACHABILITY[o["force_reachability"]]] = True
@@ -95,46 +101,55 @@ def daemon_flags(listen: str, options: dict[str, Any], client_mode: bool) -> lis
 class RelayDaemon:
     """A started p2pd (see the module); ``daemon_listen_maddr`` is what ``hivemind.DHT(p2p=...)`` reads."""
 
-    def __init__(self, options: dict[str, Any], client_mode: bool, environment: dict[str, str]):
+    def __init__(self, options: dict[str, Any], client_mode: bool, environment: dict[str, str],
+                 initial_peers: Sequence[Any] = ()):
         socket = f"/tmp/hivemind-p2pd-{secrets.token_urlsafe(8)}.sock"
         self.daemon_listen_maddr = Multiaddr(f"/unix{socket}")
         self._socket, self._last_line = socket, ""
-        self._announced, self._released = threading.Event(), threading.Event()
+        self._peer_id_seen, self._output_ended, self._released = (threading.Event() for _ in range(3))
+        self.timeout = float(options.get("startup_timeout", P2P_DEFAULTS["startup_timeout"]))
+        flags = daemon_flags(str(self.daemon_listen_maddr), options, client_mode)
+        _refuse_a_taken_identity(options, initial_peers)
         binary = str(importlib.resources.files("hivemind.hivemind_cli") / "p2pd")
         env = {**os.environ, **environment, "GOLOG_LOG_FMT": "json"}
         env.setdefault("GOLOG_LOG_LEVEL", python_level_to_golog(loglevel))
         from_main = threading.current_thread() is threading.main_thread()  # (the signal follows the forking thread)
-        self.process = subprocess.Popen([binary, *daemon_flags(str(self.daemon_listen_maddr), options, client_mode)],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                        preexec_fn=_end_with_parent if from_main else None)
+        self.process = subprocess.Popen([binary, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                        preexec_fn=functools.partial(_end_with_parent, os.getpid()) if from_main
+                                        else None)
         _started.append(self.process)
         threading.Thread(target=self._read_output, name="collabopt-p2pd-output", daemon=True).start()
-        timeout = float(options.get("startup_timeout", P2P_DEFAULTS["startup_timeout"]))
-        if not self._announced.wait(timeout) or self.process.poll() is not None:
+        if not (self._peer_id_seen.wait(self.timeout) and self.process.poll() is None):
             self.stop()
-            raise P2PDaemonError(f"Daemon failed to start in {timeout:.1f} seconds: {self._last_line}")
+            self._output_ended.wait(1.0)
+            raise P2PDaemonError(f"Daemon failed to start in {self.timeout:.1f} seconds: {self._last_line}")
 
     def _read_output(self) -> None:
         """Log the daemon's lines as hivemind does (its INFO and WARNING at DEBUG: Go's loggers are verbose); note
-        when it is ready; remove its socket once it ended."""
-        for raw in self.process.stdout:
-            self._last_line = line = raw.decode(errors="ignore").rstrip()
-            if line.startswith("Peer ID:"):
-                self._announced.set()
-            _log_daemon_line(line)
-        self._announced.set()
+        when it is ready; once it ended, remove its socket and forget it."""
+        with self.process.stdout:
+            for raw in self.process.stdout:
+                self._last_line = line = raw.decode(errors="ignore").rstrip()
+                if line.startswith("Peer ID:"):
+                    self._peer_id_seen.set()
+                _log_daemon_line(line)
+        self._output_ended.set()
+        self.process.wait()
+        with contextlib.suppress(ValueError):
+            _started.remove(self.process)
         with contextlib.suppress(FileNotFoundError):
             os.remove(self._socket)
 
-    def hold(self, use: Callable[[Any], Awaitable[Any]]) -> Any:
+    def hold(self, use: Callable[[Any], Awaitable[Any]], timeout: float) -> Any:
         """``use(replica)``'s result, ``replica`` a connection of its own to the daemon (``P2P.replicate``) on a loop
-        of its own in a thread of its own (the caller may be inside a running loop). The connection stays open until
-        :meth:`release`: until the DHT's process connected, an idle check would find no client and end the daemon."""
+        of its own in a thread of its own (the caller may be inside a running loop); it raises ``TimeoutError`` after
+        ``timeout`` seconds. The connection stays open until :meth:`release`: until the DHT's process connected, an
+        idle check would find no client and end the daemon."""
         outcome: concurrent.futures.Future = concurrent.futures.Future()
 
         async def held() -> None:
             try:
-                replica = await P2P.replicate(self.daemon_listen_maddr)
+                replica = await asyncio.wait_for(P2P.replicate(self.daemon_listen_maddr), timeout)
             except BaseException as e:
                 outcome.set_exception(e)
                 return
@@ -150,19 +165,54 @@ class RelayDaemon:
                     await replica.shutdown()  # (the connection only: the daemon stays)
 
         threading.Thread(target=asyncio.run, args=(held(),), name="collabopt-p2pd-hold", daemon=True).start()
-        return outcome.result()
+        try:
+            return outcome.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the libp2p daemon did not answer within {timeout:.1f} s") from None
 
     def release(self) -> None:
         """Close the connection :meth:`hold` opened."""
         self._released.set()
 
+    def follow(self, process: Any) -> None:
+        """End the daemon once ``process`` (the DHT's ``multiprocessing.Process``) ended, as hivemind's DHT ends its own
+        daemon (its sentinel is watched: nobody else's wait for that process is disturbed)."""
+        def watch() -> None:
+            multiprocessing.connection.wait([process.sentinel])
+            self.stop()
+
+        threading.Thread(target=watch, name="collabopt-p2pd-follow", daemon=True).start()
+
     def stop(self) -> None:
-        """End the daemon now (a start that failed)."""
+        """End the daemon now."""
         self.release()
-        if self.process.poll() is None:
-            self.process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(5)
+        _end(self.process, 5.0)
+
+
+def _refuse_a_taken_identity(options: dict[str, Any], initial_peers: Sequence[Any]) -> None:
+    """As hivemind's ``P2P.create``: an identity file another peer of the swarm already uses is refused."""
+    o = {**P2P_DEFAULTS, **options}
+    path = o["identity_path"]
+    if path is None or not os.path.isfile(path) or not o["check_if_identity_free"] or not initial_peers:
+        return
+    logger.info(f"Checking that identity from `{path}` is not used by other peers")
+    with concurrent.futures.ThreadPoolExecutor(1) as apart:  # (the caller may be inside a running loop)
+        taken = apart.submit(asyncio.run, P2P.is_identity_taken(
+            path, initial_peers=initial_peers, tls=o["tls"], use_auto_relay=o["use_auto_relay"], use_ipfs=False,
+            use_relay=o["use_relay"])).result()
+    if taken:
+        raise P2PDaemonError(f"Identity from `{path}` is already taken by another peer")
+
+
+def _end(process: subprocess.Popen, timeout: float) -> None:
+    """Terminate ``process``; kill it if it is still there after ``timeout`` seconds."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def _log_daemon_line(line: str) -> None:
@@ -177,22 +227,19 @@ def _log_daemon_line(line: str) -> None:
     logger.log(level, "p2pd: %s", message)
 
 
-def _end_with_parent() -> None:
-    """(the daemon's process, between fork and exec: nothing but a call resolved before) End with the process that
-    started it."""
+def _end_with_parent(parent: int) -> None:
+    """(the daemon's process, between fork and exec: nothing but calls resolved before) End with the process that
+    started it, also where it ended before the signal was set."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 @atexit.register
 def _end_started_daemons() -> None:
-    for process in _started:
-        if process.poll() is None:
-            process.terminate()
-    deadline = time.monotonic() + 3.0
-    for process in _started:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(max(0.0, deadline - time.monotonic()))
+    for process in list(_started):
+        _end(process, 3.0)
 
 
 __all__ = ["P2P_DEFAULTS", "RelayDaemon", "daemon_flags", "split_options"]

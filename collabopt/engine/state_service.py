@@ -253,8 +253,11 @@ class StateService(ServiceThread):
             return
         if infos is None:
             infos = [CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(tensors)]
-        if isinstance(metadata, dict):  # (how many tensors follow: a stream that ends early is told from a refusal)
-            metadata = dict(metadata, tensor_count=len(tensors))
+        if not isinstance(metadata, dict):  # (served_state's is one: say how many tensors follow, below)
+            logger.warning(f"collabopt: this peer's state metadata is a {type(metadata).__name__}: not served")
+            return
+        # how many tensors follow: a stream that ends early is told from a refusal, and the downloader closes first
+        metadata = dict(metadata, tensor_count=len(tensors))
         serialized: bytes | None = MSGPackSerializer.dumps(metadata)
         compression = self.averager.state_compression
         for tensor, info in zip(tensors, infos, strict=True):
@@ -331,7 +334,7 @@ class StateService(ServiceThread):
             return await open_in_time(stub.rpc_download_counted_state(averaging_pb2.DownloadRequest()),
                                       self.chunk_timeout, what)
         except P2PDaemonError as error:
-            if "protocols not supported" not in str(error):
+            if "not supported" not in str(error):  # (go-multistream: "protocol(s) not supported")
                 raise
         return await open_in_time(stub.rpc_download_state(averaging_pb2.DownloadRequest()), self.chunk_timeout, what)
 

@@ -1,4 +1,5 @@
-"""relay_peers: the arguments a peer behind NAT hands to hivemind, and the p2pd flags they become (no network)."""
+"""relay_peers: the arguments a peer behind NAT hands to hivemind, the p2pd flags they become, and the daemon collabopt
+starts for them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from collabopt import swarm
 from collabopt.engine import compat
 from collabopt.engine import p2p as engine_p2p
+from collabopt.errors import ConfigurationError
 
 RELAY = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWJ7CitovXMdKJp8FY7EcxfuMcxBHcQotgYjYMNxQAiAkX"
 
@@ -57,12 +59,15 @@ def test_the_relay_daemon_has_hivemind_flags_with_static_relays_and_no_bootstrap
     assert same(ours, "-relayDiscovery=", "-b=") == same(theirs, "-b=", "-bootstrapPeers=")
     assert "-relayDiscovery=0" in ours and "-b=0" in ours and "-b=1" in theirs
     assert f"-trustedRelays={RELAY}" in ours and "-dhtClient=1" in ours and "-listen=/unix/tmp/x.sock" in ours
+    with pytest.raises(ConfigurationError, match="use_ipfs"):  # (before any daemon starts)
+        daemon_flags("/unix/tmp/x.sock", dict(options, use_ipfs=True), client_mode=False)
 
 
 def test_a_relay_peers_dht_runs_on_its_own_daemon_which_ends_after_the_dht(tmp_path):
-    """Two DHTs on loopback, the second reaching the first as its relay: it stores a record the first reads, its
-    daemon runs with static relays, and that daemon ends once the DHT shut down (idle_timeout 1 s here). An initial
-    peer that does not answer fails the start as p2pd's bootstrap does, and leaves no daemon."""
+    """Two DHTs on loopback, the second reaching the first as its relay: its DHT runs on collabopt's daemon (with
+    static relays) and stores a record the first reads; the daemon ends with the DHT (at once: p2pd's own idle check
+    would take up to 30 s). An initial peer that does not answer fails the start as p2pd's bootstrap does, and leaves
+    no daemon."""
     import time
 
     from hivemind.utils import get_dht_time
@@ -73,26 +78,27 @@ def test_a_relay_peers_dht_runs_on_its_own_daemon_which_ends_after_the_dht(tmp_p
     relay = str(first.get_visible_maddrs()[0])
     try:
         second = swarm.start_dht(swarm.SwarmOptions(initial_peers=[relay], relay_peers=relay,
-                                                    host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                                    extra=dict(idle_timeout=1)))
+                                                    host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
         daemon = relay_daemon._started[-1]
         try:
             assert "-relayDiscovery=0" in daemon.args and f"-trustedRelays={relay}" in daemon.args
+            listen = next(a.split("=", 1)[1] for a in daemon.args if a.startswith("-listen="))
+            assert str(second.run_coroutine(engine_p2p._daemon_listen_maddr)) == listen, "the DHT has another daemon"
             assert second.store("relayed", 7, get_dht_time() + 30)
             assert first.get("relayed", latest=True).value == 7
+            assert daemon.poll() is None
         finally:
             second.shutdown()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 5
         while daemon.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert daemon.poll() is not None, "the relay peer's daemon outlived its DHT"
 
         silent = relay.replace(relay.split("/")[4], "1")  # (no one listens on port 1)
-        started = len(relay_daemon._started)
         with pytest.raises(swarm.SwarmConnectionError, match="none of the initial peers answered"):
             swarm.start_dht(swarm.SwarmOptions(initial_peers=[silent], relay_peers=silent,
                                                host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=2.0))
-        assert len(relay_daemon._started) == started + 1 and relay_daemon._started[-1].poll() is not None
+        assert not [process for process in relay_daemon._started if process.poll() is None]
     finally:
         first.shutdown()
 @pytest.mark.parametrize("relay_peers", [RELAY, [RELAY], f"{RELAY},{RELAY}"])
