@@ -108,8 +108,8 @@ class RelayDaemon:
         self._socket, self._last_line = socket, ""
         self._peer_id_seen, self._output_ended, self._released = (threading.Event() for _ in range(3))
         self.timeout = float(options.get("startup_timeout", P2P_DEFAULTS["startup_timeout"]))
+        _refuse_a_taken_identity(options, initial_peers)  # (before daemon_flags writes a new identity's file)
         flags = daemon_flags(str(self.daemon_listen_maddr), options, client_mode)
-        _refuse_a_taken_identity(options, initial_peers)
         binary = str(importlib.resources.files("hivemind.hivemind_cli") / "p2pd")
         env = {**os.environ, **environment, "GOLOG_LOG_FMT": "json"}
         env.setdefault("GOLOG_LOG_LEVEL", python_level_to_golog(loglevel))
