@@ -368,12 +368,13 @@ def _incoming_check(results: list[_PeerResult], listening: list[str], options: D
         where = ", ".join(sorted({t["address"] for _, t in reached}))
         unlisted = sorted({t["address"] for _, t in reached if local_ips and host_of(t["address"]) not in local_ips})
         if unlisted and not options.announce_maddrs:  # (a 1:1 NAT, port forwarding: libp2p does not learn it)
-            announce = " ".join(_maddr_of(address) for address in unlisted)
+            maddrs = [_maddr_of(address) for address in unlisted]
+            announce = " ".join(maddrs)
             return Check(name, WARN, f"{seen}; initial peers connected back to {where}, an address this machine "
                                      "does not listen on (a 1:1 NAT or port forwarding): other peers learn it only if "
                                      "the peer announces it",
                          f"start the peer with --announce-maddrs {announce} (announce_maddrs="
-                         f"{[_maddr_of(address) for address in unlisted]!r} in your own script), then run collabopt "
+                         f"{maddrs!r} in your own script), then run collabopt "
                          f"doctor again with --announce-maddrs {announce}")
         return Check(name, PASS, f"{seen}; initial peers connected back to {where}: this machine can be a full peer")
     if not reached and not refused:

@@ -20,6 +20,10 @@ import threading
 from collections.abc import Iterator
 
 _PR_SET_PDEATHSIG = 1
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # (Linux; resolved here: a child between fork and exec calls it)
+except (OSError, AttributeError):
+    _prctl = None
 _active = 0
 _hooked = False
 _fork_parent: int | None = None  # set before a fork from the main thread inside children_follow_parent()
@@ -48,16 +52,18 @@ def _before_fork() -> None:
 
 def _after_fork_in_child() -> None:
     parent = _fork_parent
-    if parent is None:
-        return
-    try:
-        if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-            return
-    except (OSError, AttributeError):
+    if parent is None or not sigterm_when_parent_dies():
         return
     signal.signal(signal.SIGTERM, _end_with_children)
     if os.getppid() != parent:  # the parent died before prctl took effect
         _end_with_children(signal.SIGTERM, None)
+
+
+def sigterm_when_parent_dies() -> bool:
+    """Ask Linux to send this process SIGTERM when the thread that forked it ends (``PR_SET_PDEATHSIG``); False
+    where it cannot (not Linux). The caller checks ``os.getppid()`` afterwards: a parent that ended before sends
+    nothing. Safe between fork and exec (no lookup, no allocation beyond the call)."""
+    return _prctl is not None and _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
 
 
 def _end_with_children(signum: int, frame: object) -> None:

@@ -2,7 +2,7 @@
 """Set up a virtual environment in .venv (first run only) and run the demo or the tests.
 
     python3 scripts/dev.py demo      # a local swarm of 3 peers trains a digits classifier
-    python3 scripts/dev.py test      # the whole test suite
+    python3 scripts/dev.py test      # the whole test suite (unit tests on 2 workers, then the swarms one at a time)
     python3 scripts/dev.py bench     # the benchmarks (writes benchmarks/results/)
     python3 scripts/dev.py docs      # serve the documentation site on http://127.0.0.1:8000 (mkdocs serve)
     python3 scripts/dev.py gpu-check   # the prepared GPU check (benchmarks/gpu_check.py); CPU smoke without CUDA
@@ -79,6 +79,25 @@ def ensure_env(extra: str) -> None:
         stamp.touch()
 
 
+def run_tests(rest: list[str]) -> int:
+    """The whole suite in two stages: the tests without a swarm on two workers (pytest-xdist), then the swarm and
+    network tests one at a time (two swarms side by side would share the cores and their timings). Arguments that
+    select tests (-m, -k, a path) run one plain pytest with them. The exit status is the first stage's failure, else
+    the second's; both stages run."""
+    pytest = [str(PYTHON), "-m", "pytest"]
+    if any(arg in ("-m", "-k") or arg.startswith(("-m=", "-k=")) or (ROOT / arg.split("::")[0]).exists()
+           for arg in rest):
+        stages = [[*pytest, *rest]]
+    else:
+        stages = [[*pytest, "tests", "-m", "not swarm and not net", "-n", "2", *rest],
+                  [*pytest, "tests", "-m", "swarm or net", *rest]]
+    codes = []
+    for cmd in stages:
+        print("+", " ".join(cmd), flush=True)
+        codes.append(subprocess.run(cmd, cwd=ROOT).returncode)
+    return next((code for code in codes if code), 0)
+
+
 GPU_COMMANDS = {"gpu-check": "benchmarks.gpu_check", "gpu-wheels": "benchmarks.gpu_wheels"}
 
 
@@ -97,7 +116,7 @@ def main() -> int:
     if command == "demo":
         cmd = [str(PYTHON), "-m", "collabopt", "demo", *rest]
     elif command == "test":
-        cmd = [str(PYTHON), "-m", "pytest", "tests", *rest]
+        return run_tests(rest)
     elif command == "docs":  # extra arguments go to mkdocs serve, e.g. --dev-addr 0.0.0.0:8000
         cmd = [str(PYTHON), "-m", "mkdocs", "serve", "--config-file", str(ROOT / "mkdocs.yml"), *rest]
         os.environ["NO_MKDOCS_2_WARNING"] = "1"  # mkdocs-material's banner about its successor

@@ -21,7 +21,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import ctypes
 import functools
 import importlib.resources
 import inspect
@@ -30,7 +29,6 @@ import logging
 import multiprocessing.connection
 import os
 import secrets
-import signal
 import subprocess
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -42,6 +40,7 @@ from hivemind.utils.logging import golog_level_to_python, loglevel, python_level
 
 from collabopt.engine.compat import Multiaddr
 from collabopt.errors import DROP, ConfigurationError
+from collabopt.lifeline import sigterm_when_parent_dies
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +49,6 @@ P2P_DEFAULTS = {name: parameter.default for name, parameter in inspect.signature
                 if parameter.default is not inspect.Parameter.empty}
 _DHT_MODES = {"auto": "dht", "server": "dhtServer", "client": "dhtClient"}
 _REACHABILITY = {"public": "forceReachabilityPublic", "private": "forceReachabilityPrivate"}
-_PR_SET_PDEATHSIG = 1
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # (Linux)
-except (OSError, AttributeError):
-    _prctl = None
 _started: list[subprocess.Popen] = []  # (ended at exit where still running)
 
 
@@ -230,8 +224,7 @@ def _log_daemon_line(line: str) -> None:
 def _end_with_parent(parent: int) -> None:
     """(the daemon's process, between fork and exec: nothing but calls resolved before) End with the process that
     started it, also where it ended before the signal was set."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    sigterm_when_parent_dies()
     if os.getppid() != parent:
         os._exit(1)
 

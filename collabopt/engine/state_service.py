@@ -317,8 +317,7 @@ class StateService(ServiceThread):
         if not metadata:
             return None
         loaded = await asyncio.get_running_loop().run_in_executor(None, _decode, metadata, groups)
-        count = loaded[0].get("tensor_count") if isinstance(loaded[0], dict) else None
-        if type(count) is int and len(loaded[1]) < count:  # (the daemon's close race: the peer is not at fault)
+        if count is not None and len(loaded[1]) < count:  # (the daemon's close race: the peer is not at fault)
             raise ConnectionError(f"the stream ended after {len(loaded[1])} of the {count} tensors {peer} sent")
         problem = state_problem(*loaded)
         if problem is not None:

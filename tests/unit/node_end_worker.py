@@ -60,9 +60,19 @@ def end_run(rank: int, workdir: str) -> None:
     finish(rank, workdir, record)
 
 
+def sigterm_both_when_ready(ready: list[Path]) -> None:
+    """SIGTERM to both ranks, rank 1 first (as torchrun sends it to every process), once both are in their final
+    wait. Each rank timing its own signal raced: where rank 0's Terminated ended rank 1's wait first, rank 1's own
+    SIGTERM came after its handler was restored and killed it."""
+    while not all(path.exists() for path in ready):
+        time.sleep(0.05)
+    for path in reversed(ready):
+        os.kill(int(path.read_text()), signal.SIGTERM)
+
+
 def sigterm_in_lightning_wait(rank: int, workdir: str) -> None:
     """Lightning's SIGTERM handler is set on both ranks (as Trainer.fit sets it); rank 0 serves (its fake core
-    waits 60 s), rank 1 waits for it in the wait group; SIGTERM reaches both after 1 s."""
+    waits 60 s), rank 1 waits for it in the wait group; SIGTERM reaches both once both wait."""
     from collabopt.integrations._lightning_signals import sigterm_ends_final_wait  # Lightning's import: here only
     from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
@@ -75,10 +85,14 @@ def sigterm_in_lightning_wait(rank: int, workdir: str) -> None:
     previous = signal.signal(signal.SIGTERM, connector._sigterm_notifier_fn)
     if run.collaborative_optimizer is not None:
         run.collaborative_optimizer._peer.serve_final_state = lambda bound=None: time.sleep(60) or "bound"
-    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    ready = [Path(workdir, f"ready{r}") for r in (0, 1)]
+    if rank == 0:
+        threading.Thread(target=sigterm_both_when_ready, args=(ready,), daemon=True).start()
 
     def wait() -> str:
         with sigterm_ends_final_wait(trainer, several_processes=True, global_rank=rank):
+            ready[rank].with_suffix(".tmp").write_text(str(os.getpid()))
+            ready[rank].with_suffix(".tmp").rename(ready[rank])  # whole, for the other rank's reader
             return run.serve_final_state()
 
     record = {"wait": outcome(wait), "received_sigterm": connector.received_sigterm,
