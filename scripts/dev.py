@@ -28,6 +28,8 @@ benchmarks/gpu_wheels.py gives the exact device command.
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 import venv
@@ -79,21 +81,38 @@ def ensure_env(extra: str) -> None:
         stamp.touch()
 
 
+# Arguments that only change what a run reports: with nothing else, `test` runs its two stages with them
+REPORTING = re.compile(r"-q+|-v+|-r\w*|--tb=\w+|--color=\w+|--durations=\d+|--durations-min=[\d.]+|-p(?=.)\S+")
+TAKES_A_VALUE = {"--durations", "--durations-min", "-p", "--tb", "--color"}
+
+
+def stages_apply(rest: list[str]) -> bool:
+    """Whether ``rest`` holds reporting options only (see REPORTING): any other argument (a test selection, -x, --lf,
+    --pdb, a report file, ...) means one plain pytest run, as the user wrote it."""
+    args = iter(rest)
+    for arg in args:
+        if arg in TAKES_A_VALUE:
+            if next(args, None) is None:
+                return False
+        elif not REPORTING.fullmatch(arg):
+            return False
+    return True
+
+
 def run_tests(rest: list[str]) -> int:
     """The whole suite in two stages: the tests without a swarm on two workers (pytest-xdist), then the swarm and
-    network tests one at a time (two swarms side by side would share the cores and their timings). Arguments that
-    select tests (-m, -k, a path) run one plain pytest with them. The exit status is the first stage's failure, else
-    the second's; both stages run."""
+    network tests one at a time (two swarms side by side would share the cores and their timings). Any argument but
+    a reporting one (:func:`stages_apply`) runs one plain pytest with the arguments instead. The exit status is the
+    first stage's failure, else the second's; both stages run."""
     pytest = [str(PYTHON), "-m", "pytest"]
-    if any(arg in ("-m", "-k") or arg.startswith(("-m=", "-k=")) or (ROOT / arg.split("::")[0]).exists()
-           for arg in rest):
-        stages = [[*pytest, *rest]]
-    else:
+    if stages_apply(rest):
         stages = [[*pytest, "tests", "-m", "not swarm and not net", "-n", "2", *rest],
                   [*pytest, "tests", "-m", "swarm or net", *rest]]
+    else:
+        stages = [[*pytest, *rest]]
     codes = []
     for cmd in stages:
-        print("+", " ".join(cmd), flush=True)
+        print("+", shlex.join(cmd), flush=True)
         codes.append(subprocess.run(cmd, cwd=ROOT).returncode)
     return next((code for code in codes if code), 0)
 

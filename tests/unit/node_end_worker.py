@@ -83,16 +83,21 @@ def sigterm_in_lightning_wait(rank: int, workdir: str) -> None:
     connector = _SignalConnector(trainer)
     trainer._signal_connector = connector
     previous = signal.signal(signal.SIGTERM, connector._sigterm_notifier_fn)
-    if run.collaborative_optimizer is not None:
-        run.collaborative_optimizer._peer.serve_final_state = lambda bound=None: time.sleep(60) or "bound"
     ready = [Path(workdir, f"ready{r}") for r in (0, 1)]
+
+    def say_ready() -> None:
+        ready[rank].with_suffix(".tmp").write_text(str(os.getpid()))
+        ready[rank].with_suffix(".tmp").rename(ready[rank])  # whole, for the other rank's reader
+
+    if run.collaborative_optimizer is not None:  # rank 0: ready once inside the core's wait (within the node's try)
+        run.collaborative_optimizer._peer.serve_final_state = lambda _=None: say_ready() or time.sleep(60) or "bound"
     if rank == 0:
         threading.Thread(target=sigterm_both_when_ready, args=(ready,), daemon=True).start()
 
     def wait() -> str:
         with sigterm_ends_final_wait(trainer, several_processes=True, global_rank=rank):
-            ready[rank].with_suffix(".tmp").write_text(str(os.getpid()))
-            ready[rank].with_suffix(".tmp").rename(ready[rank])  # whole, for the other rank's reader
+            if rank != 0:  # (its handler only records: ready anywhere in the block)
+                say_ready()
             return run.serve_final_state()
 
     record = {"wait": outcome(wait), "received_sigterm": connector.received_sigterm,

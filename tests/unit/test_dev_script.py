@@ -27,15 +27,23 @@ def dev(monkeypatch):
     return module
 
 
-def test_the_whole_suite_runs_the_unit_tests_on_two_workers_then_the_swarms_alone(dev):
-    assert dev.run_tests(["-q", "--durations=40"]) == 0
-    assert dev.calls == [["tests", "-m", "not swarm and not net", "-n", "2", "-q", "--durations=40"],
-                         ["tests", "-m", "swarm or net", "-q", "--durations=40"]]
+@pytest.mark.parametrize("rest", [[], ["-q", "--durations=40"], ["-q", "--durations", "40", "-p", "no:cacheprovider"],
+                                  ["-vv", "-ra", "--tb=short", "-pno:cacheprovider", "--color=no"]])
+def test_the_whole_suite_runs_the_unit_tests_on_two_workers_then_the_swarms_alone(dev, rest):
+    assert dev.run_tests(rest) == 0
+    assert dev.calls == [["tests", "-m", "not swarm and not net", "-n", "2", *rest],
+                         ["tests", "-m", "swarm or net", *rest]]
 
 
-@pytest.mark.parametrize("rest", [["-m", "not swarm"], ["-k", "churn"], ["tests/unit/test_cli.py"],
-                                  ["tests/swarm/test_churn.py::test_churn_killed_peers_restart_in_sync_and_the_swarm_goes_on"]])
-def test_arguments_that_select_tests_run_one_plain_pytest(dev, rest):
+@pytest.mark.parametrize("rest", [
+    ["-m", "not swarm"], ["-mswarm"], ["-qm", "swarm"], ["-k", "churn"], ["-kchurn"], ["tests/unit/test_cli.py"],
+    ["tests/swarm/test_churn.py::test_churn_killed_peers_restart_in_sync_and_the_swarm_goes_on"],
+    ["--ignore", "tests/swarm"], ["-x"], ["--maxfail=1"], ["--lf"], ["--pdb"], ["--junitxml", "out.xml"], ["-s"],
+    ["--durations"],  # (its value missing: pytest says so)
+])
+def test_any_other_argument_runs_one_plain_pytest_as_written(dev, rest):
+    """A selection, -x, --lf, --pdb or a report file means one run: two stages would run a -k that matches nothing
+    in one of them (exit 5), go on after -x, rerun everything after --lf, or write one report over the other."""
     assert dev.run_tests(["-q", *rest]) == 0
     assert dev.calls == [["-q", *rest]]
 
