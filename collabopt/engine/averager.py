@@ -48,6 +48,7 @@ from collabopt.engine.group_search import (
     PeerHints,
     RoundMatchmaking,
     SearchDHT,
+    answered_in_time,
     declared_expiration,
     verdict_patience,
 )
@@ -334,15 +335,15 @@ class ScheduledRound(ScheduledWork):
 
 class _MemberGate:
     """The matchmaking of one tensor schema, behind the swarm key and the search's own rule: a join request without
-    a valid member token of the caller is refused before hivemind's matchmaking reads it (``PROTOCOL_VIOLATION``),
-    and so is one the search this peer leads does not admit (``BAD_GROUP_KEY``; :meth:`AveragingService.schedule`)."""
+    the caller's valid member token is refused before hivemind's matchmaking reads it (``PROTOCOL_VIOLATION``), so is
+    one this peer's search does not admit (``BAD_GROUP_KEY``), and a late acceptance is withdrawn (answered_in_time)."""
 
     def __init__(self, matchmaking: Matchmaking, key: SwarmKey | None, scope: str):
         self.matchmaking, self.key, self.scope = matchmaking, key, scope
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
                              context: P2PContext) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
-        entry = _loads(request.gather)
+        arrived, entry = time.monotonic(), _loads(request.gather)
         if self.key is not None:
             refusal = _token_refusal(entry, self.key, self.scope, context.remote_id.to_bytes())
             if refusal is not None:
@@ -355,7 +356,7 @@ class _MemberGate:
             logger.debug("collabopt: this search does not admit %s (%r)", context.remote_id, entry[1])
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
             return
-        async for message in self.matchmaking.rpc_join_group(request, context):
+        async for message in answered_in_time(self.matchmaking, request, context, arrived):
             yield message
 
 
@@ -364,9 +365,8 @@ def declaration_for(request: averaging_pb2.JoinRequest, context: P2PContext, mat
     """A service's declaration for a member that asks (:class:`~collabopt.engine.group_search.SearchDHT`), given its
     ``matchmaking`` for the request's tensors (None: tensors it never matched, and the caller is no hint); with a
     swarm ``key``, only for a caller whose member token proves it a member."""
-    if key is not None and _token_refusal(_loads(request.gather), key, prefix, context.remote_id.to_bytes()):
-        return None
-    if matchmaking is None:
+    if matchmaking is None or (key is not None and _token_refusal(_loads(request.gather), key, prefix,
+                                                                  context.remote_id.to_bytes())):
         return None
     hints.add_caller(context.remote_id)
     return declared_expiration(matchmaking, request.group_key)

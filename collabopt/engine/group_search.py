@@ -45,20 +45,31 @@ Rules, and why:
   search went on and joined the next epoch's group: it had missed a round and downloaded the swarm's state. Its
   patience is the pause after which a round leaves a member out anyway, at most a search and a request long
   (:func:`verdict_patience`). Both the averaging service's rounds and the all-gather exchange match this way.
+* A leader accepts a join request only within half the request timeout of its coming (:func:`answered_in_time`).
+  The follower waits ``request_timeout`` for that first answer, and a leader answers none while it asks a leader
+  itself (hivemind holds the lock for up to that same timeout): two peers that asked each other both gave up, and
+  the one whose lock came free first then accepted the other's request, counting a follower already gone. Its group
+  assembled with it (4 peers, 2 rounds of about 150 on B3's bed), waited ``sender_timeout`` for its parts, and
+  averaged without them, while the follower searched on and missed the round. A late acceptance is withdrawn
+  before any group can count it, and the follower, if still there, hears ``BAD_EXPIRATION_TIME`` and asks the next
+  leader.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils import ValueWithExpiration, get_dht_time
+
+logger = logging.getLogger(__name__)
 
 LOOKUP_WAIT = 1.0  # seconds a search waits for the DHT's declarations and the direct answers
 PACE = 0.1  # seconds between two searches (hivemind searches again at once after finding nobody)
@@ -292,6 +303,27 @@ class SearchDHT:
                 or not math.isfinite(answer.expiration):
             return None
         return min(float(answer.expiration), get_dht_time() + self.matchmaking_time + CLOCK_ALLOWANCE)
+
+
+async def answered_in_time(matchmaking: Any, request: averaging_pb2.JoinRequest, context: P2PContext,
+                           arrived: float) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+    """``matchmaking``'s answers to a join request that came at ``arrived`` (``time.monotonic()``), as hivemind's
+    ``rpc_join_group`` gives them; an acceptance later than half of ``matchmaking.request_timeout`` after it is
+    withdrawn (see the module's rules). hivemind's handler yields its acceptance right after counting the follower,
+    under its lock: closing it there lets the follower go before anything else runs."""
+    answers = matchmaking.rpc_join_group(request, context)
+    try:
+        async for message in answers:
+            if message.code == averaging_pb2.ACCEPTED and \
+                    time.monotonic() - arrived > matchmaking.request_timeout / 2:
+                await answers.aclose()
+                logger.debug("collabopt: withdrew the acceptance of %s's join request after %.2f s", context.remote_id,
+                             time.monotonic() - arrived)
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_EXPIRATION_TIME)
+                return
+            yield message
+    finally:
+        await answers.aclose()
 
 
 def verdict_patience(member_wait: float, matchmaking_time: float, request_timeout: float) -> float:

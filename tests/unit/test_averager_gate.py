@@ -27,6 +27,8 @@ def entry(peer, key=KEY, scope=SCOPE, epoch=3):
 
 
 class Matchmaking:
+    request_timeout = 3.0
+
     def __init__(self, step_control=None):
         self.requests, self.step_control = [], step_control
 

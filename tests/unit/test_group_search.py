@@ -16,7 +16,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from collabopt.engine import group_search
-from collabopt.engine.averager import AveragingService
+from collabopt.engine.averager import AveragingService, _Search
 from collabopt.engine.gather_exchange import ExchangeService
 from collabopt.engine.group_search import PeerHints, RoundMatchmaking, SearchDHT, declared_expiration
 
@@ -379,3 +379,55 @@ def test_both_services_match_with_round_matchmaking():
     for source in (inspect.getsource(averager.AveragingService._matchmaker),
                    inspect.getsource(gather_exchange.ExchangeService._start)):
         assert "RoundMatchmaking(" in source and "verdict_patience(" in source
+
+
+class QuietDHT:
+    """A DHT whose stores succeed at once and whose lookups find nobody: a leader alone in its search."""
+
+    def __init__(self, peer_id):
+        self.peer_id = peer_id
+
+    async def store(self, **kwargs):
+        return True
+
+    async def get(self, *args, **kwargs):
+        return None
+
+
+def join_a_busy_leader(busy: float, gate: bool = True):
+    """What BOB's join request gets from a leader (ALICE, hivemind's matchmaking in collabopt's gate, groups of 2,
+    request timeout 0.4 s, a search of 1 s) whose lock is held ``busy`` seconds as it comes (as while the leader asks
+    a leader itself), and the group ALICE's search returned (None: none)."""
+    async def go():
+        node = QuietDHT(ALICE)
+        matchmaking = RoundMatchmaking(
+            node, b"schema", node, servicer_type=LateLeader, prefix="run", target_group_size=2, min_group_size=2,
+            min_matchmaking_time=1.0, request_timeout=0.4, client_mode=False, patience=0.0)
+        search = asyncio.ensure_future(matchmaking.look_for_group(
+            _Search(scheduled_time=get_dht_time() + 1.0, deadline=get_dht_time() + 1.0, data_for_gather=b"")))
+        while matchmaking.potential_leaders.declared_group_key is None:
+            await asyncio.sleep(0.01)
+        request = averaging_pb2.JoinRequest(schema_hash=b"schema", expiration=get_dht_time() + 10.0, gather=b"",
+                                            group_key=matchmaking.group_key_manager.current_key)
+        context = SimpleNamespace(remote_id=BOB)
+        answers = AveragingService._matchmaking_for(
+            SimpleNamespace(_matchmakings={b"schema": matchmaking}, _key=None, prefix="run"), b"schema"
+        ).rpc_join_group(request, context) if gate else matchmaking.rpc_join_group(request, context)
+        async with matchmaking.lock_request_join_group:
+            first = asyncio.ensure_future(answers.__anext__())
+            await asyncio.sleep(busy)
+        codes = [(await first).code] + [message.code async for message in answers]
+        return codes, await search
+
+    return run(go())
+
+
+def test_a_leader_withdraws_an_acceptance_that_comes_after_half_the_request_timeout():
+    """Two peers that ask each other both wait for their lock; the follower gives up after ``request_timeout``:
+    hivemind's leader, its lock free, then counted a follower already gone, and assembled its group with it."""
+    codes, group = join_a_busy_leader(0.3, gate=False)  # (hivemind's matchmaking alone: BOB is counted)
+    assert codes == [averaging_pb2.ACCEPTED, averaging_pb2.BEGIN_ALLREDUCE] and BOB in group.peer_ids
+    codes, group = join_a_busy_leader(0.3)
+    assert codes == [averaging_pb2.BAD_EXPIRATION_TIME] and group is None
+    codes, group = join_a_busy_leader(0.05)  # (within half the request timeout: accepted as before)
+    assert codes == [averaging_pb2.ACCEPTED, averaging_pb2.BEGIN_ALLREDUCE] and set(group.peer_ids) == {ALICE, BOB}
