@@ -45,14 +45,14 @@ Rules, and why:
   search went on and joined the next epoch's group: it had missed a round and downloaded the swarm's state. Its
   patience is the pause after which a round leaves a member out anyway, at most a search and a request long
   (:func:`verdict_patience`). Both the averaging service's rounds and the all-gather exchange match this way.
-* A leader accepts a join request only within half the request timeout of its coming (:func:`answered_in_time`).
-  The follower waits ``request_timeout`` for that first answer, and a leader answers none while it asks a leader
-  itself (hivemind holds the lock for up to that same timeout): two peers that asked each other both gave up, and
-  the one whose lock came free first then accepted the other's request, counting a follower already gone. Its group
-  assembled with it (4 peers, 2 rounds of about 150 on B3's bed), waited ``sender_timeout`` for its parts, and
-  averaged without them, while the follower searched on and missed the round. A late acceptance is withdrawn
-  before any group can count it, and the follower, if still there, hears ``BAD_EXPIRATION_TIME`` and asks the next
-  leader.
+* A leader accepts a join request only within half the request timeout of its coming (:func:`answered_in_time`). The
+  follower waits ``request_timeout`` for that first answer, and a leader answers none while it asks a leader itself
+  (hivemind holds the lock while its request's stream opens and for up to that same timeout): two peers that asked
+  each other both gave up, and the one whose lock came free first then accepted the other's request, counting a
+  follower already gone. Its group assembled with it (4 peers, 3 rounds of about 200 on B3's bed), waited
+  ``sender_timeout`` for its parts, and averaged without them, while the follower searched on and missed the round. A
+  late acceptance is withdrawn before any group can count it, and the follower, if still there, hears
+  ``BAD_EXPIRATION_TIME`` and asks the next leader.
 """
 
 from __future__ import annotations
