@@ -62,7 +62,7 @@ def _after_fork_in_child() -> None:
 def sigterm_when_parent_dies() -> bool:
     """Ask Linux to send this process SIGTERM when the thread that forked it ends (``PR_SET_PDEATHSIG``); False
     where it cannot (not Linux). The caller checks ``os.getppid()`` afterwards: a parent that ended before sends
-    nothing. Safe between fork and exec (no lookup, no allocation beyond the call)."""
+    nothing. Fit for between fork and exec: libc's ``prctl`` is resolved at import, so the child loads nothing."""
     return _prctl is not None and _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
 
 
