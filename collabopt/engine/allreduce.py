@@ -42,8 +42,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, aiter_with_timeout, anext, as_aiter
 from hivemind.utils.serializer import MSGPackSerializer
 
+from collabopt.engine import streams
 from collabopt.engine.part_reducer import Aggregate, MeanPart, PartReducer, ReducerClosed, SenderDropped
-from collabopt.engine.streams import VERDICT_LINGER, serve_until_the_caller_closes, serve_until_the_sender_closes
 
 # How long a member's parts for a group it has not registered yet wait for the registration (a follower may send
 # its first parts before the member learned of the group), then are answered BAD_GROUP_ID.
@@ -378,8 +378,8 @@ class AllReduceService(ServicerBase):
         if matchmaking is None:  # (no round of these tensors here now)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             return
-        async for message in serve_until_the_caller_closes(matchmaking.rpc_join_group(request, context),
-                                                            VERDICT_LINGER):
+        async for message in streams.serve_until_the_caller_closes(matchmaking.rpc_join_group(request, context),
+                                                                    streams.VERDICT_LINGER):
             yield message
 
     async def rpc_aggregate_part(self, stream: typing.AsyncIterator[averaging_pb2.AveragingData],
@@ -391,9 +391,10 @@ class AllReduceService(ServicerBase):
         round_ = self.rounds.get(first.group_id)
         if round_ is None:
             yield _answer(averaging_pb2.BAD_GROUP_ID)
+            await streams.read_to_the_end(stream, self.linger)  # (the parts it sent meanwhile: see streams.py)
             return
         serve = functools.partial(round_.serve, sender_id=context.remote_id)
         with round_.stream_open(context.remote_id):
-            async for answer in serve_until_the_sender_closes(serve, achain(as_aiter(first), stream),
-                                                              context.remote_id.to_bytes(), self.linger):
+            async for answer in streams.serve_until_the_sender_closes(serve, achain(as_aiter(first), stream),
+                                                                      context.remote_id.to_bytes(), self.linger):
                 yield answer

@@ -166,3 +166,17 @@ async def serve_until_the_sender_closes(serve: Callable[[AsyncIterator[Any]], As
         answered += 1
     if named and ended and answered == parts:
         await asyncio.sleep(linger)
+
+
+async def read_to_the_end(stream: AsyncIterator[Any], within: float) -> None:
+    """Read and drop what is left of a caller's ``stream`` until it ends, at most ``within`` seconds.
+
+    A reducer that answers a sender's parts ``BAD_GROUP_ID`` (a group it never registered) calls this: hivemind's
+    stream handler stops reading its caller's messages while 5 wait unread, blocked putting the next in its queue,
+    and so never saw the handler end. Its task and the stream stayed until garbage collection ("Task was destroyed
+    but it is pending!", then "cannot reuse already awaited coroutine"), on a member its group's leader counted while
+    it had left matchmaking."""
+    deadline = asyncio.get_running_loop().time() + within
+    async for _ in stream:
+        if asyncio.get_running_loop().time() > deadline:
+            return

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 from hivemind.proto import averaging_pb2
+from hivemind.utils.serializer import MSGPackSerializer
 
 from collabopt.engine import streams
 
@@ -330,3 +331,54 @@ def test_both_services_end_a_join_stream_when_the_follower_closes_it_over_real_d
     assert still_open == []  # the leader's end did not close after its verdict
     assert after_close == ["cancelled"]  # it closed as the follower closed
 
+
+
+def test_a_reducer_that_answers_bad_group_id_reads_the_senders_parts_to_the_end_over_real_daemons(monkeypatch):
+    """Over two p2p daemons: parts for a group the reducer never registered are answered BAD_GROUP_ID, and once the
+    sender closes its stream no handler task of hivemind's is left. hivemind's handler stops reading a caller's
+    messages while 5 wait unread; one whose handler ended unread waited forever (then "Task was destroyed but it is
+    pending!" at garbage collection)."""
+    import gc
+
+    import torch
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.p2p import P2P
+
+    from collabopt.engine import allreduce
+
+    monkeypatch.setattr(allreduce, "REGISTRATION_WAIT", 0.3)
+
+    async def parts():
+        for _ in range(20):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"no such group",
+                                              tensor_part=serialize_torch_tensor(torch.zeros(1000)), weight=1.0)
+
+    def handlers_left():
+        return [task for task in asyncio.all_tasks()
+                if getattr(task.get_coro(), "__qualname__", "") == "ControlClient._handler"]
+
+    async def run():
+        reducer = await P2P.create()
+        sender = await P2P.create(initial_peers=await reducer.get_visible_maddrs())
+        try:
+            await allreduce.AllReduceService(lambda schema_hash: None).add_p2p_handlers(reducer, namespace="t")
+            stub = allreduce.AllReduceService.get_stub(sender, reducer.peer_id, namespace="t")
+            answers = await stub.rpc_aggregate_part(parts())
+            code = MSGPackSerializer.loads((await answers.__anext__()).metadata)[0]
+            await answers.aclose()
+            for _ in range(100):
+                if not handlers_left():
+                    break
+                await asyncio.sleep(0.02)
+            return code, len(handlers_left())
+        finally:
+            await sender.shutdown()
+            await reducer.shutdown()
+
+    gc.disable()  # (a handler task left waiting must not be collected before it is counted)
+    try:
+        code, left = asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        gc.enable()
+    assert code == averaging_pb2.BAD_GROUP_ID
+    assert left == 0
