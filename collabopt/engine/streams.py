@@ -12,6 +12,8 @@ with no fault".
   leaves empty).
 * :func:`serve_until_the_sender_closes`: a reducer whose sender said so keeps its end open until the sender closes
   it (hivemind's senders and older collabopt's are answered as hivemind does).
+* :func:`read_to_the_end`: a reducer that answers a sender before it read every part reads the rest, so that
+  hivemind's handler sees the stream end.
 * :func:`serve_until_the_caller_closes`: a leader's answers to a join request, whose caller reads a known number of
   messages and then closes: the leader's end stays open after its verdict until the caller closed. A verdict written
   just before the leader's end closed was lost in that race: the follower read the end of the stream instead of the
@@ -169,14 +171,20 @@ async def serve_until_the_sender_closes(serve: Callable[[AsyncIterator[Any]], As
 
 
 async def read_to_the_end(stream: AsyncIterator[Any], within: float) -> None:
-    """Read and drop what is left of a caller's ``stream`` until it ends, at most ``within`` seconds.
+    """Read and drop what is left of a caller's ``stream`` until it ends or the caller closes it, at most ``within``
+    seconds (a sender still sending after that holds hivemind's handler as before; one that closes ends it at once).
 
     A reducer that answers a sender's parts ``BAD_GROUP_ID`` (a group it never registered) calls this: hivemind's
     stream handler stops reading its caller's messages while 5 wait unread, blocked putting the next in its queue,
     and so never saw the handler end. Its task and the stream stayed until garbage collection ("Task was destroyed
     but it is pending!", then "cannot reuse already awaited coroutine"), on a member its group's leader counted while
     it had left matchmaking."""
-    deadline = asyncio.get_running_loop().time() + within
-    async for _ in stream:
-        if asyncio.get_running_loop().time() > deadline:
-            return
+    async def drain() -> None:
+        async for _ in stream:
+            pass
+
+    task = asyncio.ensure_future(drain())
+    try:
+        await asyncio.wait({task}, timeout=within)
+    finally:
+        task.cancel()
