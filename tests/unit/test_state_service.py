@@ -151,14 +151,22 @@ def test_a_counted_download_between_two_daemons_gets_every_part_and_ends_the_ser
             assert serving.open_downloads == 0, "the server's end still waits after the downloader closed"
 
             # a peer serving under hivemind's name only: asked there (its end stays open until the downloader
-            # closed: plain hivemind's closes first, and a download from it can fail as the stream breaks)
+            # closed: plain hivemind's closes first, and a download from it can fail as the stream breaks). Asked by
+            # a peer that never learned collabopt's name from it, as from a plain hivemind peer: libp2p opens a
+            # stream under a name the peer's identify listed without asking the peer, and `client`'s list kept the
+            # removed name until identify's push came (2 of 65 such downloads broke as the stream was refused)
             await StateServicer(serving._serve).remove_p2p_handlers(server, namespace="run")
             await server.add_protobuf_handler(
                 "run::TrainingStateAverager.rpc_download_state",
                 lambda request, context: serve_until_the_caller_closes(served(context.remote_id), 10.0),
                 averaging_pb2.DownloadRequest, stream_output=True)
-            _, loaded = await asyncio.wait_for(downloading._fetch(server.peer_id, 10**7), 5.0)
-            assert all(torch.equal(a, b) for a, b in zip(loaded, tensors, strict=True))
+            downloading.p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                               initial_peers=[str(m) for m in await server.get_visible_maddrs()])
+            try:
+                _, loaded = await asyncio.wait_for(downloading._fetch(server.peer_id, 10**7), 5.0)
+                assert all(torch.equal(a, b) for a, b in zip(loaded, tensors, strict=True))
+            finally:
+                await downloading.p2p.shutdown()
         finally:
             await client.shutdown()
             await server.shutdown()
