@@ -30,12 +30,7 @@ from typing import Any
 
 import torch
 from hivemind.averaging.partition import TensorPartContainer
-from hivemind.compression import (
-    CompressionBase,
-    NoCompression,
-    deserialize_torch_tensor,
-    serialize_torch_tensor,
-)
+from hivemind.compression import CompressionBase, NoCompression, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
@@ -388,13 +383,16 @@ class AllReduceService(ServicerBase):
         deadline = time.monotonic() + REGISTRATION_WAIT
         while first.group_id not in self.rounds and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        round_ = self.rounds.get(first.group_id)
-        if round_ is None:
-            yield _answer(averaging_pb2.BAD_GROUP_ID)
-            await streams.read_to_the_end(stream, self.linger)  # (the parts it sent meanwhile: see streams.py)
-            return
-        serve = functools.partial(round_.serve, sender_id=context.remote_id)
-        with round_.stream_open(context.remote_id):
-            async for answer in streams.serve_until_the_sender_closes(serve, achain(as_aiter(first), stream),
-                                                                      context.remote_id.to_bytes(), self.linger):
-                yield answer
+        round_, reads = self.rounds.get(first.group_id), streams.ShieldedReads(stream)
+        try:
+            if round_ is None:
+                yield _answer(averaging_pb2.BAD_GROUP_ID)
+            else:
+                serve = functools.partial(round_.serve, sender_id=context.remote_id)
+                with round_.stream_open(context.remote_id):
+                    async for answer in streams.serve_until_the_sender_closes(
+                            serve, achain(as_aiter(first), reads), context.remote_id.to_bytes(), self.linger):
+                        yield answer
+            await streams.read_to_the_end(reads, self.linger)  # (parts left unread by an early answer: streams.py)
+        finally:
+            reads.cancel()

@@ -13,7 +13,8 @@ with no fault".
 * :func:`serve_until_the_sender_closes`: a reducer whose sender said so keeps its end open until the sender closes
   it (hivemind's senders and older collabopt's are answered as hivemind does).
 * :func:`read_to_the_end`: a reducer that answers a sender before it read every part reads the rest, so that
-  hivemind's handler sees the stream end.
+  hivemind's handler sees the stream end; :class:`ShieldedReads` keeps a cancelled read from closing the stream
+  before that.
 * :func:`serve_until_the_caller_closes`: a leader's answers to a join request, whose caller reads a known number of
   messages and then closes: the leader's end stays open after its verdict until the caller closed. A verdict written
   just before the leader's end closed was lost in that race: the follower read the end of the stream instead of the
@@ -170,15 +171,46 @@ async def serve_until_the_sender_closes(serve: Callable[[AsyncIterator[Any]], As
         await asyncio.sleep(linger)
 
 
+class ShieldedReads:
+    """A caller's ``stream`` (hivemind's), read one message at a time by whoever reads it now: a reader cancelled
+    while it waits for the next message (a timeout, a slice that ended) leaves that read pending for the next reader,
+    where the cancel would have closed hivemind's generator and no later reader could empty its queue
+    (:func:`read_to_the_end`)."""
+
+    def __init__(self, stream: AsyncIterator[Any]):
+        self._stream, self._pending = stream, None
+
+    def __aiter__(self) -> ShieldedReads:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._next())
+        pending = self._pending
+        try:
+            return await asyncio.shield(pending)
+        finally:
+            if pending.done():
+                self._pending = None
+
+    async def _next(self) -> Any:
+        return await self._stream.__anext__()
+
+    def cancel(self) -> None:
+        """Cancel the pending read, if any (the handler's end)."""
+        if self._pending is not None:
+            self._pending.cancel()
+
+
 async def read_to_the_end(stream: AsyncIterator[Any], within: float) -> None:
     """Read and drop what is left of a caller's ``stream`` until it ends or the caller closes it, at most ``within``
     seconds (a sender still sending after that holds hivemind's handler as before; one that closes ends it at once).
 
-    A reducer that answers a sender's parts ``BAD_GROUP_ID`` (a group it never registered) calls this: hivemind's
-    stream handler stops reading its caller's messages while 5 wait unread, blocked putting the next in its queue,
-    and so never saw the handler end. Its task and the stream stayed until garbage collection ("Task was destroyed
-    but it is pending!", then "cannot reuse already awaited coroutine"), on a member its group's leader counted while
-    it had left matchmaking."""
+    A reducer that answers a sender before it read every part calls this (a group it never registered, a sender left
+    out of the round or not in its group, a protocol violation): hivemind's stream handler stops reading its caller's
+    messages while 5 wait unread, blocked putting the next in its queue, and so never saw the handler end. Its task
+    and the stream stayed until garbage collection ("Task was destroyed but it is pending!", then "cannot reuse
+    already awaited coroutine"), on a member its group's leader counted while it had left matchmaking."""
     async def drain() -> None:
         async for _ in stream:
             pass

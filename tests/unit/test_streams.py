@@ -384,3 +384,110 @@ def test_a_reducer_that_answers_bad_group_id_reads_the_senders_parts_to_the_end_
             gc.enable()
         assert code == averaging_pb2.BAD_GROUP_ID
         assert left == 0, f"{left} of hivemind's handler tasks left (the stream {'ended' if end else 'was closed'})"
+
+
+def test_a_cancelled_read_leaves_the_message_to_the_next_reader_and_the_stream_open():
+    """A reader cancelled while it waits (a sender's timeout, a slice that ended) neither loses the next message nor
+    closes the caller's stream: the next reader gets it, and the stream is read to its end (hivemind's handler,
+    whose queue would otherwise stay full, sees the end)."""
+    async def run():
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def hivemind_stream():  # (hivemind's _read_stream: its handler's queue, None at the end)
+            while (message := await queue.get()) is not None:
+                yield message
+
+        reads = streams.ShieldedReads(hivemind_stream())
+        first = asyncio.ensure_future(reads.__anext__())
+        await asyncio.sleep(0.01)
+        first.cancel()
+        await asyncio.sleep(0.01)
+        for message in ("a", "b", None):
+            queue.put_nowait(message)
+        return first.cancelled(), [message async for message in reads]
+
+    cancelled, rest = asyncio.run(run())
+    assert cancelled
+    assert rest == ["a", "b"]
+
+
+@pytest.mark.parametrize("cancel_reads", [False, True])
+def test_reading_to_the_end_after_a_cancelled_read_needs_shielded_reads(cancel_reads):
+    """Without the shield, the cancel closes the generator and reading to the end reads nothing (the control)."""
+    async def run():
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def hivemind_stream():
+            while (message := await queue.get()) is not None:
+                yield message
+
+        stream = hivemind_stream()
+        source = stream if cancel_reads else streams.ShieldedReads(stream)
+        reader = asyncio.ensure_future(source.__anext__())
+        await asyncio.sleep(0.01)
+        reader.cancel()
+        await asyncio.sleep(0.01)
+        for message in ("a", "b", None):
+            queue.put_nowait(message)
+        await streams.read_to_the_end(source, within=2.0)
+        return queue.qsize()
+
+    assert asyncio.run(run()) == (3 if cancel_reads else 0)
+
+
+def test_a_reducer_that_answers_a_sender_not_in_its_group_reads_the_senders_parts_to_the_end_over_real_daemons(
+        monkeypatch):
+    """Over two p2p daemons: a sender that is not a member of the registered group is answered PROTOCOL_VIOLATION
+    before its parts are read; they had filled hivemind's queue while the group registered, and once the sender
+    closes its stream no handler task of hivemind's is left (before, one waited forever)."""
+    import gc
+
+    import torch
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.p2p import P2P, PeerID
+
+    from collabopt.engine import allreduce
+
+    monkeypatch.setattr(allreduce, "REGISTRATION_WAIT", 5.0)
+
+    async def parts():
+        for _ in range(20):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"group",
+                                              tensor_part=serialize_torch_tensor(torch.zeros(1000)), weight=1.0)
+
+    def handlers_left():
+        return [task for task in asyncio.all_tasks()
+                if getattr(task.get_coro(), "__qualname__", "") == "ControlClient._handler"]
+
+    async def run():
+        reducer = await P2P.create()
+        sender = await P2P.create(initial_peers=await reducer.get_visible_maddrs())
+        try:
+            service = allreduce.AllReduceService(lambda schema_hash: None)
+            await service.add_p2p_handlers(reducer, namespace="t")
+            stub = allreduce.AllReduceService.get_stub(sender, reducer.peer_id, namespace="t")
+            answers = await stub.rpc_aggregate_part(parts())
+            await asyncio.sleep(0.5)  # (every part sent; hivemind's handler holds 5 and waits to queue the next)
+            other = PeerID(b"another member")
+            round_ = allreduce.AllReduceRound(group_id=b"group", members=[reducer.peer_id, other], me=0,
+                                              tensors=[torch.zeros(20_000)], weight=1.0, stub_for=lambda peer: None,
+                                              fractions=[1.0, 0.0], part_size_bytes=4000)
+            with service.registered(round_):
+                code = MSGPackSerializer.loads((await answers.__anext__()).metadata)[0]
+                await answers.aclose()
+                for _ in range(500):
+                    if not handlers_left():
+                        break
+                    await asyncio.sleep(0.02)
+            return code, len(handlers_left())
+        finally:
+            await sender.shutdown()
+            await reducer.shutdown()
+
+    gc.disable()  # (a handler task left waiting must not be collected before it is counted)
+    try:
+        code, left = asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        gc.enable()
+    assert code == averaging_pb2.PROTOCOL_VIOLATION
+    assert left == 0, f"{left} of hivemind's handler tasks left"
