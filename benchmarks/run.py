@@ -25,6 +25,7 @@ from benchmarks.common import ROOT, machine_info, run_module
 RESULTS = ROOT / "benchmarks" / "results"
 GOALS = {"b1": 0.99, "b2": 1.02, "b3_bound": 0.9, "b3_util": 0.95, "b5_idle": 0.05}
 BENCHMARKS = ("b1", "b2", "b3", "b4", "b5")
+B3_PEERS_RUN = {"tcp": "plain TCP, the same traffic"}  # benchmarks.tcp_allreduce_peer: the bed's ceiling
 
 MLP = dict(width=1024, in_dim=256)
 FULL: dict[str, Any] = {
@@ -204,8 +205,9 @@ def markdown(results: dict[str, Any]) -> str:
                     lines.append(f"| {row['peers']} | {row['mbit']} | {row.get('impl', 'collabopt')} | "
                                  f"{row['variant']} | failed: {row['error']} | | | | | |")
                     continue
+                peers_run = B3_PEERS_RUN.get(row.get("impl"), row.get("impl", "collabopt"))
                 lines.append(
-                    f"| {row['peers']} | {row['mbit']} | {row.get('impl', 'collabopt')} | {row['variant']} | "
+                    f"| {row['peers']} | {row['mbit']} | {peers_run} | {row['variant']} | "
                     f"{row['grad_mb']:.1f} | "
                     f"{_fmt(row['allreduce_s'], 2)} | {row['allreduce_range']} | {row['bound_s']:.2f} | "
                     f"{_fmt(row['bound_over_allreduce'])} | {row['utilization']:.3f} |")

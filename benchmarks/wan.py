@@ -79,12 +79,12 @@ def run(cfg: dict[str, Any], workdir: Path, log: Any = print) -> dict[str, Any]:
     for case in cfg["cases"]:
         impl = case.get("impl", "collabopt")
         name = f"{case['peers']}p_{case['mbit']}mbit_{case['variant'].replace(' ', '').replace('+', '_')}"
-        name += f"_{impl}" if impl in ("hivemind", "engine") else ""
+        name += f"_{impl}" if impl in ("hivemind", "engine", "tcp") else ""
         log(f"B3 {name} ...")
         try:
-            if impl == "engine":  # collabopt's own all-reduce runner, the all-reduce alone (benchmarks.wan_allreduce)
+            if impl in ("engine", "tcp"):  # the all-reduce alone: collabopt's runner, or plain TCP's same traffic
                 row = wan_allreduce.run_case(workdir, name, case["peers"], case["mbit"], case["params"],
-                                             dict(cfg, **case.get("overrides", {})), bound_seconds)
+                                             dict(cfg, **case.get("overrides", {})), bound_seconds, impl=impl)
             else:
                 row = run_case(workdir, name, case["peers"], case["mbit"], case["params"], case["variant"],
                                dict(cfg, **case.get("overrides", {})), impl=impl)

@@ -4,8 +4,9 @@ bytes, and only the all-reduce: each peer averages its gradients ``rounds`` time
 (:mod:`benchmarks.allreduce_peer`). The figure: the all-reduce time (from the last peer's group assembled to the last
 peer done, :func:`benchmarks.swarmrun.allreduce_seconds`) against the link bound ``2 (N-1)/N * S / B``.
 
-``python -m benchmarks.wan_allreduce`` (root) runs B3's cases of 4 peers at 100 Mbit/s with raw hivemind's optimizer
-and with this runner, one after the other in one sitting, and writes ``benchmarks/results/b3_allreduce.{json,md}``.
+``python -m benchmarks.wan_allreduce`` (root) runs B3's cases of 4 peers at 100 Mbit/s with raw hivemind's optimizer,
+with this runner, and the same traffic over plain TCP (:mod:`benchmarks.tcp_allreduce_peer`, the bed's ceiling), one
+after the other in one sitting, and writes ``benchmarks/results/b3_allreduce.{json,md}``.
 Other beds, each written to its own files (``b3_allreduce_fair``, ``_cubic``, ``_fair_cubic``): ``--fair`` shares
 each link evenly among the other peers (:class:`~harness.testnet.TestNet`'s ``fair``; by default tbf keeps
 one FIFO queue), ``--congestion cubic`` sets the peers' TCP congestion control (by default the host's).
@@ -28,15 +29,22 @@ from collabopt.processes import Process
 from harness.testnet import TestNet
 
 ROUNDS = 6
+TCP_PORT = 29517  # the plain-TCP peers' port, one per namespace
 
 
 def run_case(workdir: Path, name: str, n: int, rate_mbit: float, params: int, cfg: dict[str, Any],
-             bound_seconds: Any) -> dict[str, Any]:
-    """One swarm of ``n`` peers at ``rate_mbit`` per link; returns the row of this case (``impl`` "engine")."""
-    row: dict[str, Any] = dict(case=name, peers=n, mbit=rate_mbit, variant="no overlap", impl="engine")
-    run_id = f"bench_b3_engine_{uuid.uuid4().hex[:8]}"
+             bound_seconds: Any, impl: str = "engine") -> dict[str, Any]:
+    """One swarm of ``n`` peers at ``rate_mbit`` per link; returns the row of this case: ``impl`` "engine" runs
+    collabopt's averaging service (:mod:`benchmarks.allreduce_peer`), "tcp" the same traffic over plain TCP
+    (:mod:`benchmarks.tcp_allreduce_peer`, the bed's ceiling)."""
+    row: dict[str, Any] = dict(case=name, peers=n, mbit=rate_mbit, variant="no overlap", impl=impl)
+    run_id = f"bench_b3_{impl}_{uuid.uuid4().hex[:8]}"
+    module = {"engine": "benchmarks.allreduce_peer", "tcp": "benchmarks.tcp_allreduce_peer"}[impl]
     with TestNet(n, rate_mbit, fair=cfg.get("fair", False), congestion=cfg.get("congestion")) as net:
-        bootstrap, initial_peers = start_bootstrap(workdir, host=net.bootstrap_addr, netns=net.bootstrap)
+        if impl == "tcp":
+            bootstrap, initial_peers = None, ""
+        else:
+            bootstrap, initial_peers = start_bootstrap(workdir, host=net.bootstrap_addr, netns=net.bootstrap)
         procs, outs = [], []
         go = workdir / f"b3_{name}.go"
         go.unlink(missing_ok=True)
@@ -51,8 +59,9 @@ def run_case(workdir: Path, name: str, n: int, rate_mbit: float, params: int, cf
                                         rounds=cfg.get("rounds", ROUNDS), matchmaking_time=cfg["matchmaking_time"],
                                         averaging_timeout=cfg["averaging_timeout"], out=str(out),
                                         part_size_bytes=cfg.get("part_size_bytes", 2**19),
-                                        ready_file=str(ready), go_file=str(go)))
-                procs.append(Process([sys.executable, "-m", "benchmarks.allreduce_peer", str(config)],
+                                        ready_file=str(ready), go_file=str(go), index=i, addrs=net.addr,
+                                        port=TCP_PORT))
+                procs.append(Process([sys.executable, "-m", module, str(config)],
                                      workdir / f"b3_{name}_{i}.log", env=child_env(), cwd=ROOT, netns=net.peers[i]))
                 outs.append((out, ready))
             deadline = time.monotonic() + cfg["max_seconds"] + 90
@@ -66,7 +75,8 @@ def run_case(workdir: Path, name: str, n: int, rate_mbit: float, params: int, cf
         finally:
             for proc in procs:
                 proc.kill_tree()
-            bootstrap.kill_tree()
+            if bootstrap is not None:
+                bootstrap.kill_tree()
     records = []
     for i, (out, _) in enumerate(outs):
         if not out.exists():
@@ -93,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = dict(run.FULL["b3"], fair=args.fair, congestion=args.congestion,
                cases=[case for case in run.FULL["b3"]["cases"]
-                      if (case["peers"], case["mbit"], case.get("impl")) in ((4, 100, "hivemind"), (4, 100, "engine"))])
+                      if (case["peers"], case["mbit"], case.get("impl")) in ((4, 100, "hivemind"), (4, 100, "engine"))]
+               + [dict(peers=4, mbit=100, params=5_000_000, variant="no overlap", impl="tcp")])
     host_congestion = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     bed = dict(queue="fair" if args.fair else "fifo", congestion=args.congestion or f"{host_congestion} (host default)")
     name = "_".join(["b3_allreduce"] + (["fair"] if args.fair else []) + ([args.congestion] if args.congestion else []))
@@ -105,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
     queue = ("under each tbf, one queue per other peer, served a packet at a time (HTB classes, u32 filters), as "
              "fq_codel / fq share among flows" if args.fair else "tbf's one FIFO queue (100 ms)")
-    title = "# B3's all-reduce: raw hivemind and collabopt's own all-reduce runner, one sitting"
+    title = "# B3's all-reduce: raw hivemind, collabopt's own all-reduce runner and plain TCP, one sitting"
     report = run.markdown(results).replace(
         "# collabopt benchmarks", f"{title}\n\nBed: links {queue}; TCP congestion control {bed['congestion']}.", 1)
     (args.out / f"{name}.md").write_text(report)

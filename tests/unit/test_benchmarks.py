@@ -275,3 +275,37 @@ def test_allreduce_timing_reads_collabopt_rounds_and_hivemind_controls():
     records = [{"averaging": [dict(trigger=t, done=t + d, ok=True) for t, d in ((0, 1), (10.0, 2.5))]},
                {"averaging": [dict(trigger=t + 0.5, done=t + 0.5 + d, ok=True) for t, d in ((0, 1), (10.0, 2.0))]}]
     assert allreduce_seconds(records) == [2.0]
+
+
+def test_plain_tcp_allreduce_peers_send_a_butterfly_all_reduces_bytes(tmp_path):
+    """B3's plain-TCP reference (benchmarks.tcp_allreduce_peer), 3 peers on loopback: every round of every peer is
+    read by allreduce_seconds, and each peer writes 2 (N-1)/N of the gradient bytes: its part for each other peer,
+    and its own part's results to each of them."""
+    import socket
+    import sys
+
+    from benchmarks.common import ROOT, child_env
+    from benchmarks.swarmrun import allreduce_seconds
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    addrs = [f"127.0.0.{21 + i}" for i in range(3)]
+    procs = []
+    for i in range(3):
+        config = tmp_path / f"{i}.json"
+        config.write_text(json.dumps(dict(index=i, addrs=addrs, port=port, grad_bytes=80_011, rounds=3,
+                                          idle_seconds=0.05, part_size_bytes=4096,
+                                          ready_file=str(tmp_path / f"{i}.ready"), go_file=str(tmp_path / "go"),
+                                          out=str(tmp_path / f"{i}.out.json"))))
+        procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.tcp_allreduce_peer", str(config)],
+                                      env=child_env(), cwd=ROOT))
+    (tmp_path / "go").touch()
+    assert [proc.wait(timeout=60) for proc in procs] == [0, 0, 0]
+    records = [json.loads((tmp_path / f"{i}.out.json").read_text()) for i in range(3)]
+    grad_bytes = records[0]["grad_bytes"]
+    sizes = [grad_bytes // 3 + (1 if j < grad_bytes % 3 else 0) for j in range(3)]
+    for i, record in enumerate(records):
+        others, own_results = grad_bytes - sizes[i], (3 - 1) * sizes[i]
+        assert [event["written"] for event in record["averaging"]] == [others + own_results] * 3
+    assert len(allreduce_seconds(records)) == 2  # (the first round is left out, as for every B3 row)
