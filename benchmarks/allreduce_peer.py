@@ -1,7 +1,8 @@
 """One B3 peer of collabopt's own averaging service (:mod:`collabopt.engine.averager`): it averages the gradients of the
-benchmark MLP (random values, the same bytes as benchmarks.peer's) with its group, ``rounds`` times in a row, and
-records when each round's group was assembled (the trigger) and when its result came (wall-clock, comparable across
-processes of one machine), in the record format :func:`benchmarks.swarmrun.allreduce_seconds` reads.
+benchmark MLP (random values, the same bytes as benchmarks.peer's) with its group, ``rounds`` times in a row, each after
+``idle_seconds`` of idle links (:data:`benchmarks.wan_allreduce.IDLE_SECONDS`), and records when each round's group was
+assembled (the trigger) and when its result came (wall-clock, comparable across processes of one machine), in the record
+format :func:`benchmarks.swarmrun.allreduce_seconds` reads.
 
 Usage: ``python -m benchmarks.allreduce_peer config.json``; writes ``config['out']`` (JSON).
 """
@@ -40,6 +41,7 @@ def main(config_path: str) -> None:
         time.sleep(0.05)
     events = []
     for _ in range(cfg["rounds"]):
+        time.sleep(cfg.get("idle_seconds", 0.0))
         called = time.time()
         result = service.average(tensors, weight=1.0, timeout=cfg["averaging_timeout"])
         done = time.time()

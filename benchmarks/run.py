@@ -25,7 +25,8 @@ from benchmarks.common import ROOT, machine_info, run_module
 RESULTS = ROOT / "benchmarks" / "results"
 GOALS = {"b1": 0.99, "b2": 1.02, "b3_bound": 0.9, "b3_util": 0.95, "b5_idle": 0.05}
 BENCHMARKS = ("b1", "b2", "b3", "b4", "b5")
-B3_PEERS_RUN = {"tcp": "plain TCP, the same traffic"}  # benchmarks.tcp_allreduce_peer: the bed's ceiling
+# the same traffic with nothing but sockets (the bed's ceiling) and on p2pd's byte streams (the transport's)
+B3_PEERS_RUN = {"tcp": "plain TCP, the same traffic", "p2p": "p2pd streams, the same traffic"}
 
 MLP = dict(width=1024, in_dim=256)
 FULL: dict[str, Any] = {

@@ -7,9 +7,9 @@ it, in chunks, its part for the other and its own part's results for the other, 
 as each sender's copy of it has arrived. So parts and results flow at the same time, both ways on every connection,
 as in hivemind's ``rpc_aggregate_part`` streams.
 
-Rounds run back to back, each after 1 s of idle links (the matchmaking between real rounds) and a barrier: every
-peer writes one byte to every other and reads one from each. A round's trigger is the barrier's end; it is done when
-the peer has every result and has answered every chunk. Records use the format that
+Rounds run one after the other, each after ``idle_seconds`` of idle links (the compute between real rounds) and a
+barrier: every peer writes one byte to every other and reads one from each. A round's trigger is the barrier's end; it
+is done when the peer has every result and has answered every chunk. Records use the format that
 :func:`benchmarks.swarmrun.allreduce_seconds` reads, and each round's event counts the bytes this peer wrote.
 
 Usage: ``python -m benchmarks.tcp_allreduce_peer config.json``; writes ``config['out']`` (JSON).

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -29,19 +30,27 @@ from collabopt.processes import Process
 from harness.testnet import TestNet
 
 ROUNDS = 6
+# between rounds, every peer's links idle (the compute between real rounds): TCP starts each round afresh, as there
+IDLE_SECONDS = 1.0
 TCP_PORT = 29517  # the plain-TCP peers' port, one per namespace
+PEER_MODULES = {"engine": "benchmarks.allreduce_peer", "tcp": "benchmarks.tcp_allreduce_peer",
+                "p2p": "benchmarks.p2p_allreduce_peer"}
 
 
 def run_case(workdir: Path, name: str, n: int, rate_mbit: float, params: int, cfg: dict[str, Any],
              bound_seconds: Any, impl: str = "engine") -> dict[str, Any]:
     """One swarm of ``n`` peers at ``rate_mbit`` per link; returns the row of this case: ``impl`` "engine" runs
     collabopt's averaging service (:mod:`benchmarks.allreduce_peer`), "tcp" the same traffic over plain TCP
-    (:mod:`benchmarks.tcp_allreduce_peer`, the bed's ceiling)."""
+    (:mod:`benchmarks.tcp_allreduce_peer`, the bed's ceiling), "p2p" over p2pd's byte streams
+    (:mod:`benchmarks.p2p_allreduce_peer`, the transport's)."""
     row: dict[str, Any] = dict(case=name, peers=n, mbit=rate_mbit, variant="no overlap", impl=impl)
     run_id = f"bench_b3_{impl}_{uuid.uuid4().hex[:8]}"
-    module = {"engine": "benchmarks.allreduce_peer", "tcp": "benchmarks.tcp_allreduce_peer"}[impl]
+    module = PEER_MODULES[impl]
     with TestNet(n, rate_mbit, fair=cfg.get("fair", False), congestion=cfg.get("congestion")) as net:
-        if impl == "tcp":
+        exchange = workdir / f"b3_{name}_exchange"  # (the tcp / p2p peers' addresses)
+        shutil.rmtree(exchange, ignore_errors=True)
+        exchange.mkdir()
+        if impl in ("tcp", "p2p"):
             bootstrap, initial_peers = None, ""
         else:
             bootstrap, initial_peers = start_bootstrap(workdir, host=net.bootstrap_addr, netns=net.bootstrap)
@@ -60,7 +69,8 @@ def run_case(workdir: Path, name: str, n: int, rate_mbit: float, params: int, cf
                                         averaging_timeout=cfg["averaging_timeout"], out=str(out),
                                         part_size_bytes=cfg.get("part_size_bytes", 2**19),
                                         ready_file=str(ready), go_file=str(go), index=i, addrs=net.addr,
-                                        port=TCP_PORT))
+                                        port=TCP_PORT, exchange_dir=str(exchange),
+                                        idle_seconds=cfg.get("idle_seconds", IDLE_SECONDS)))
                 procs.append(Process([sys.executable, "-m", module, str(config)],
                                      workdir / f"b3_{name}_{i}.log", env=child_env(), cwd=ROOT, netns=net.peers[i]))
                 outs.append((out, ready))
@@ -104,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(run.FULL["b3"], fair=args.fair, congestion=args.congestion,
                cases=[case for case in run.FULL["b3"]["cases"]
                       if (case["peers"], case["mbit"], case.get("impl")) in ((4, 100, "hivemind"), (4, 100, "engine"))]
-               + [dict(peers=4, mbit=100, params=5_000_000, variant="no overlap", impl="tcp")])
+               + [dict(peers=4, mbit=100, params=5_000_000, variant="no overlap", impl=impl)
+                  for impl in ("p2p", "tcp")])
     host_congestion = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     bed = dict(queue="fair" if args.fair else "fifo", congestion=args.congestion or f"{host_congestion} (host default)")
     name = "_".join(["b3_allreduce"] + (["fair"] if args.fair else []) + ([args.congestion] if args.congestion else []))

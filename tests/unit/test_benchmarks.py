@@ -277,10 +277,11 @@ def test_allreduce_timing_reads_collabopt_rounds_and_hivemind_controls():
     assert allreduce_seconds(records) == [2.0]
 
 
-def test_plain_tcp_allreduce_peers_send_a_butterfly_all_reduces_bytes(tmp_path):
-    """B3's plain-TCP reference (benchmarks.tcp_allreduce_peer), 3 peers on loopback: every round of every peer is
-    read by allreduce_seconds, and each peer writes 2 (N-1)/N of the gradient bytes: its part for each other peer,
-    and its own part's results to each of them."""
+@pytest.mark.parametrize("transport", ["tcp", "p2p"])
+def test_b3_reference_peers_send_a_butterfly_all_reduces_bytes(tmp_path, transport):
+    """B3's references, plain TCP and p2pd's byte streams (benchmarks.{tcp,p2p}_allreduce_peer), 3 peers on
+    loopback: every round of every peer is read by allreduce_seconds, and each peer writes 2 (N-1)/N of the gradient
+    bytes: its part for each other peer, and its own part's results to each of them."""
     import socket
     import sys
 
@@ -295,10 +296,10 @@ def test_plain_tcp_allreduce_peers_send_a_butterfly_all_reduces_bytes(tmp_path):
     for i in range(3):
         config = tmp_path / f"{i}.json"
         config.write_text(json.dumps(dict(index=i, addrs=addrs, port=port, grad_bytes=80_011, rounds=3,
-                                          idle_seconds=0.05, part_size_bytes=4096,
+                                          idle_seconds=0.05, part_size_bytes=4096, exchange_dir=str(tmp_path),
                                           ready_file=str(tmp_path / f"{i}.ready"), go_file=str(tmp_path / "go"),
                                           out=str(tmp_path / f"{i}.out.json"))))
-        procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.tcp_allreduce_peer", str(config)],
+        procs.append(subprocess.Popen([sys.executable, "-m", f"benchmarks.{transport}_allreduce_peer", str(config)],
                                       env=child_env(), cwd=ROOT))
     (tmp_path / "go").touch()
     assert [proc.wait(timeout=60) for proc in procs] == [0, 0, 0]

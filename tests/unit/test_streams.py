@@ -5,6 +5,7 @@ with no fault"); here, the protocol on each side."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 from hivemind.proto import averaging_pb2
@@ -332,12 +333,39 @@ def test_both_services_end_a_join_stream_when_the_follower_closes_it_over_real_d
     assert after_close == ["cancelled"]  # it closed as the follower closed
 
 
+def _hivemind_handlers_left() -> list:
+    """hivemind's stream handler tasks still running on this event loop."""
+    return [task for task in asyncio.all_tasks()
+            if getattr(task.get_coro(), "__qualname__", "") == "ControlClient._handler"]
+
+
+async def _first_answer_then_close(answers) -> tuple[int, int]:
+    """Read a reducer's first answer and close the stream; then wait up to 10 s for hivemind's handler tasks to end.
+    Returns the answer's code and the number of handler tasks left."""
+    code = MSGPackSerializer.loads((await answers.__anext__()).metadata)[0]
+    await answers.aclose()
+    for _ in range(500):
+        if not _hivemind_handlers_left():
+            break
+        await asyncio.sleep(0.02)
+    return code, len(_hivemind_handlers_left())
+
+
+def _run_counting_handlers(coroutine):
+    """``asyncio.run`` with the garbage collector off: a handler task left waiting must not be collected before it is
+    counted."""
+    gc.disable()
+    try:
+        return asyncio.run(asyncio.wait_for(coroutine, 30))
+    finally:
+        gc.enable()
+
+
 def test_a_reducer_that_answers_bad_group_id_reads_the_senders_parts_to_the_end_over_real_daemons(monkeypatch):
     """Over two p2p daemons: parts for a group the reducer never registered are answered BAD_GROUP_ID, and once the
     sender closes its stream no handler task of hivemind's is left. hivemind's handler stops reading a caller's
     messages while 5 wait unread; one whose handler ended unread waited forever (then "Task was destroyed but it is
     pending!" at garbage collection)."""
-    import gc
 
     import torch
     from hivemind.compression import serialize_torch_tensor
@@ -354,42 +382,29 @@ def test_a_reducer_that_answers_bad_group_id_reads_the_senders_parts_to_the_end_
         if not end:  # (the sender closes its stream mid-way, once it read its answer)
             await asyncio.sleep(3600)
 
-    def handlers_left():
-        return [task for task in asyncio.all_tasks()
-                if getattr(task.get_coro(), "__qualname__", "") == "ControlClient._handler"]
-
     async def run(end: bool):
         reducer = await P2P.create()
         sender = await P2P.create(initial_peers=await reducer.get_visible_maddrs())
         try:
             await allreduce.AllReduceService(lambda schema_hash: None).add_p2p_handlers(reducer, namespace="t")
             stub = allreduce.AllReduceService.get_stub(sender, reducer.peer_id, namespace="t")
-            answers = await stub.rpc_aggregate_part(parts(end))
-            code = MSGPackSerializer.loads((await answers.__anext__()).metadata)[0]
-            await answers.aclose()
-            for _ in range(500):
-                if not handlers_left():
-                    break
-                await asyncio.sleep(0.02)
-            return code, len(handlers_left())
+            return await _first_answer_then_close(await stub.rpc_aggregate_part(parts(end)))
         finally:
             await sender.shutdown()
             await reducer.shutdown()
 
     for end in (True, False):
-        gc.disable()  # (a handler task left waiting must not be collected before it is counted)
-        try:
-            code, left = asyncio.run(asyncio.wait_for(run(end), 30))
-        finally:
-            gc.enable()
+        code, left = _run_counting_handlers(run(end))
         assert code == averaging_pb2.BAD_GROUP_ID
         assert left == 0, f"{left} of hivemind's handler tasks left (the stream {'ended' if end else 'was closed'})"
 
 
-def test_a_cancelled_read_leaves_the_message_to_the_next_reader_and_the_stream_open():
+@pytest.mark.parametrize("shielded", [True, False])
+def test_a_read_cancelled_while_it_waits_leaves_the_stream_to_the_next_reader_when_shielded(shielded):
     """A reader cancelled while it waits (a sender's timeout, a slice that ended) neither loses the next message nor
-    closes the caller's stream: the next reader gets it, and the stream is read to its end (hivemind's handler,
-    whose queue would otherwise stay full, sees the end)."""
+    closes the caller's stream: the next reader reads it to its end, so hivemind's handler, whose queue would
+    otherwise stay full, sees the end. Unshielded (the control), the cancel closes hivemind's generator: nothing more
+    is read and its queue stays full."""
     async def run():
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -397,42 +412,18 @@ def test_a_cancelled_read_leaves_the_message_to_the_next_reader_and_the_stream_o
             while (message := await queue.get()) is not None:
                 yield message
 
-        reads = streams.ShieldedReads(hivemind_stream())
-        first = asyncio.ensure_future(reads.__anext__())
-        await asyncio.sleep(0.01)
-        first.cancel()
-        await asyncio.sleep(0.01)
-        for message in ("a", "b", None):
-            queue.put_nowait(message)
-        return first.cancelled(), [message async for message in reads]
-
-    cancelled, rest = asyncio.run(run())
-    assert cancelled
-    assert rest == ["a", "b"]
-
-
-@pytest.mark.parametrize("cancel_reads", [False, True])
-def test_reading_to_the_end_after_a_cancelled_read_needs_shielded_reads(cancel_reads):
-    """Without the shield, the cancel closes the generator and reading to the end reads nothing (the control)."""
-    async def run():
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def hivemind_stream():
-            while (message := await queue.get()) is not None:
-                yield message
-
-        stream = hivemind_stream()
-        source = stream if cancel_reads else streams.ShieldedReads(stream)
+        source = streams.ShieldedReads(hivemind_stream()) if shielded else hivemind_stream()
         reader = asyncio.ensure_future(source.__anext__())
         await asyncio.sleep(0.01)
         reader.cancel()
         await asyncio.sleep(0.01)
         for message in ("a", "b", None):
             queue.put_nowait(message)
-        await streams.read_to_the_end(source, within=2.0)
-        return queue.qsize()
+        return reader.cancelled(), [message async for message in source], queue.qsize()
 
-    assert asyncio.run(run()) == (3 if cancel_reads else 0)
+    cancelled, rest, unread = asyncio.run(run())
+    assert cancelled
+    assert (rest, unread) == ((["a", "b"], 0) if shielded else ([], 3))
 
 
 def test_a_reducer_that_answers_a_sender_not_in_its_group_reads_the_senders_parts_to_the_end_over_real_daemons(
@@ -440,7 +431,6 @@ def test_a_reducer_that_answers_a_sender_not_in_its_group_reads_the_senders_part
     """Over two p2p daemons: a sender that is not a member of the registered group is answered PROTOCOL_VIOLATION
     before its parts are read; they had filled hivemind's queue while the group registered, and once the sender
     closes its stream no handler task of hivemind's is left (before, one waited forever)."""
-    import gc
 
     import torch
     from hivemind.compression import serialize_torch_tensor
@@ -454,10 +444,6 @@ def test_a_reducer_that_answers_a_sender_not_in_its_group_reads_the_senders_part
         for _ in range(20):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"group",
                                               tensor_part=serialize_torch_tensor(torch.zeros(1000)), weight=1.0)
-
-    def handlers_left():
-        return [task for task in asyncio.all_tasks()
-                if getattr(task.get_coro(), "__qualname__", "") == "ControlClient._handler"]
 
     async def run():
         reducer = await P2P.create()
@@ -473,21 +459,11 @@ def test_a_reducer_that_answers_a_sender_not_in_its_group_reads_the_senders_part
                                               tensors=[torch.zeros(20_000)], weight=1.0, stub_for=lambda peer: None,
                                               fractions=[1.0, 0.0], part_size_bytes=4000)
             with service.registered(round_):
-                code = MSGPackSerializer.loads((await answers.__anext__()).metadata)[0]
-                await answers.aclose()
-                for _ in range(500):
-                    if not handlers_left():
-                        break
-                    await asyncio.sleep(0.02)
-            return code, len(handlers_left())
+                return await _first_answer_then_close(answers)
         finally:
             await sender.shutdown()
             await reducer.shutdown()
 
-    gc.disable()  # (a handler task left waiting must not be collected before it is counted)
-    try:
-        code, left = asyncio.run(asyncio.wait_for(run(), 30))
-    finally:
-        gc.enable()
+    code, left = _run_counting_handlers(run())
     assert code == averaging_pb2.PROTOCOL_VIOLATION
     assert left == 0, f"{left} of hivemind's handler tasks left"
