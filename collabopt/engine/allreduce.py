@@ -393,6 +393,7 @@ class AllReduceService(ServicerBase):
                     async for answer in streams.serve_until_the_sender_closes(
                             serve, achain(as_aiter(first), reads), context.remote_id.to_bytes(), self.linger):
                         yield answer
+            round_ = serve = first = None  # (the rest is read holding no round: up to the linger)
             await streams.read_to_the_end(reads, self.linger)  # (parts left unread by an early answer: streams.py)
         finally:
             reads.cancel()

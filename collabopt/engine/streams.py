@@ -175,7 +175,7 @@ class ShieldedReads:
     """A caller's ``stream`` (hivemind's), read one message at a time by whoever reads it now: a reader cancelled
     while it waits for the next message (a timeout, a slice that ended) leaves that read pending for the next reader,
     where the cancel would have closed hivemind's generator and no later reader could empty its queue
-    (:func:`read_to_the_end`)."""
+    (:func:`read_to_the_end`). One reader at a time: two at once would both get the same message."""
 
     def __init__(self, stream: AsyncIterator[Any]):
         self._stream, self._pending = stream, None
@@ -188,10 +188,16 @@ class ShieldedReads:
             self._pending = asyncio.ensure_future(self._next())
         pending = self._pending
         try:
-            return await asyncio.shield(pending)
-        finally:
-            if pending.done():
+            message = await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            if pending.cancelled():  # (the read itself: else it stays, done or not, for the next reader)
                 self._pending = None
+            raise
+        except BaseException:
+            self._pending = None
+            raise
+        self._pending = None
+        return message
 
     async def _next(self) -> Any:
         return await self._stream.__anext__()
