@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hivemind.p2p import P2P, PeerID
 
-from benchmarks.tcp_allreduce_peer import IDLE_SECONDS, chunk_sizes, mlp_bytes
+from benchmarks.tcp_allreduce_peer import chunk_sizes, mlp_bytes, part_sizes, write_record
 
 STREAM = "b3_allreduce"
 
@@ -68,7 +68,7 @@ async def one_round(sizes: list[int], own: list[int], chunk: int, outgoing: dict
 async def run(cfg: dict) -> None:
     index, n, work = cfg["index"], len(cfg["addrs"]), Path(cfg["exchange_dir"])
     grad_bytes = cfg.get("grad_bytes") or mlp_bytes(cfg)
-    sizes = [grad_bytes // n + (1 if j < grad_bytes % n else 0) for j in range(n)]
+    sizes = part_sizes(grad_bytes, n)
     chunk = cfg.get("part_size_bytes", 2**19)
     lower: list[str] = []
     for j in range(index):
@@ -103,7 +103,7 @@ async def run(cfg: dict) -> None:
         await until_exists(Path(cfg["go_file"]))
         events = []
         for _ in range(cfg["rounds"]):
-            await asyncio.sleep(cfg.get("idle_seconds", IDLE_SECONDS))
+            await asyncio.sleep(cfg.get("idle_seconds", 0.0))
             called = time.time()
             for _, writer in outgoing.values():  # the barrier: one byte to every other peer, one from each
                 writer.write(b"\x01")
@@ -114,9 +114,7 @@ async def run(cfg: dict) -> None:
             written = await one_round(sizes, chunk_sizes(sizes[index], chunk), chunk, outgoing, incoming)
             events.append(dict(called=called, trigger=trigger, done=time.time(), ok=True, error=None, received=1.0,
                                written=written))
-        out = Path(cfg["out"])
-        out.with_suffix(".tmp").write_text(json.dumps(dict(averaging=events, grad_bytes=grad_bytes)))
-        out.with_suffix(".tmp").replace(out)
+        write_record(Path(cfg["out"]), events, grad_bytes)
         (work / f"{index}.done").touch()  # (a daemon that shuts down resets its streams: leave together)
         await until_exists(*(work / f"{j}.done" for j in range(n)))
     finally:

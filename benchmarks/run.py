@@ -202,11 +202,11 @@ def markdown(results: dict[str, Any]) -> str:
                 "|---|---|---|---|---|---|---|---|---|---|",
             ]
             for row in r["rows"]:
+                peers_run = B3_PEERS_RUN.get(row.get("impl"), row.get("impl", "collabopt"))
                 if "error" in row:
-                    lines.append(f"| {row['peers']} | {row['mbit']} | {row.get('impl', 'collabopt')} | "
+                    lines.append(f"| {row['peers']} | {row['mbit']} | {peers_run} | "
                                  f"{row['variant']} | failed: {row['error']} | | | | | |")
                     continue
-                peers_run = B3_PEERS_RUN.get(row.get("impl"), row.get("impl", "collabopt"))
                 lines.append(
                     f"| {row['peers']} | {row['mbit']} | {peers_run} | {row['variant']} | "
                     f"{row['grad_mb']:.1f} | "

@@ -24,7 +24,6 @@ import threading
 import time
 from pathlib import Path
 
-IDLE_SECONDS = 1.0
 PART, RESULT = b"p", b"r"  # each chunk's first byte: what follows
 
 
@@ -65,6 +64,17 @@ def connect(addrs: list[str], index: int, port: int) -> dict[int, socket.socket]
 
 def chunk_sizes(size: int, chunk: int) -> list[int]:
     return [min(chunk, size - start) for start in range(0, size, chunk)]
+
+
+def part_sizes(grad_bytes: int, n: int) -> list[int]:
+    """The bytes of each peer's part: ``grad_bytes`` split into ``n`` parts as equal as bytes allow."""
+    return [grad_bytes // n + (1 if j < grad_bytes % n else 0) for j in range(n)]
+
+
+def write_record(out: Path, events: list[dict], grad_bytes: int) -> None:
+    """The peer's record, written whole (a runner polls for the file). No benchmarks.common here: it imports torch."""
+    out.with_suffix(".tmp").write_text(json.dumps(dict(averaging=events, grad_bytes=grad_bytes)))
+    out.with_suffix(".tmp").replace(out)
 
 
 def one_round(index: int, sizes: list[int], chunk: int, conns: dict[int, socket.socket]) -> int:
@@ -151,7 +161,7 @@ def main(config_path: str) -> None:
     index, addrs = cfg["index"], cfg["addrs"]
     grad_bytes = cfg.get("grad_bytes") or mlp_bytes(cfg)
     n = len(addrs)
-    sizes = [grad_bytes // n + (1 if j < grad_bytes % n else 0) for j in range(n)]
+    sizes = part_sizes(grad_bytes, n)
     conns = connect(addrs, index, cfg["port"])
     Path(cfg["ready_file"]).touch()
     wait_until = time.monotonic() + 120
@@ -159,16 +169,14 @@ def main(config_path: str) -> None:
         time.sleep(0.05)
     events = []
     for _ in range(cfg["rounds"]):
-        time.sleep(cfg.get("idle_seconds", IDLE_SECONDS))
+        time.sleep(cfg.get("idle_seconds", 0.0))
         called = time.time()
         barrier(conns)
         trigger = time.time()
         written = one_round(index, sizes, cfg.get("part_size_bytes", 2**19), conns)
         events.append(dict(called=called, trigger=trigger, done=time.time(), ok=True, error=None, received=1.0,
                            written=written))
-    out = Path(cfg["out"])
-    out.with_suffix(".tmp").write_text(json.dumps(dict(averaging=events, grad_bytes=grad_bytes)))
-    out.with_suffix(".tmp").replace(out)
+    write_record(Path(cfg["out"]), events, grad_bytes)
     for sock in conns.values():
         sock.close()
 

@@ -79,10 +79,10 @@ def run(cfg: dict[str, Any], workdir: Path, log: Any = print) -> dict[str, Any]:
     for case in cfg["cases"]:
         impl = case.get("impl", "collabopt")
         name = f"{case['peers']}p_{case['mbit']}mbit_{case['variant'].replace(' ', '').replace('+', '_')}"
-        name += f"_{impl}" if impl in ("hivemind", "engine", "tcp", "p2p") else ""
+        name += f"_{impl}" if impl == "hivemind" or impl in wan_allreduce.PEER_MODULES else ""
         log(f"B3 {name} ...")
         try:
-            if impl in ("engine", "tcp", "p2p"):  # the all-reduce alone: collabopt's runner, or its traffic alone
+            if impl in wan_allreduce.PEER_MODULES:  # the all-reduce alone: collabopt's runner, or its traffic alone
                 row = wan_allreduce.run_case(workdir, name, case["peers"], case["mbit"], case["params"],
                                              dict(cfg, **case.get("overrides", {})), bound_seconds, impl=impl)
             else:

@@ -5,8 +5,9 @@ bytes, and only the all-reduce: each peer averages its gradients ``rounds`` time
 peer done, :func:`benchmarks.swarmrun.allreduce_seconds`) against the link bound ``2 (N-1)/N * S / B``.
 
 ``python -m benchmarks.wan_allreduce`` (root) runs B3's cases of 4 peers at 100 Mbit/s with raw hivemind's optimizer,
-with this runner, and the same traffic over plain TCP (:mod:`benchmarks.tcp_allreduce_peer`, the bed's ceiling), one
-after the other in one sitting, and writes ``benchmarks/results/b3_allreduce.{json,md}``.
+with this runner, and the same traffic on p2pd's byte streams (:mod:`benchmarks.p2p_allreduce_peer`, the transport's
+ceiling) and over plain TCP (:mod:`benchmarks.tcp_allreduce_peer`, the bed's), one after the other in one sitting, and
+writes ``benchmarks/results/b3_allreduce.{json,md}``.
 Other beds, each written to its own files (``b3_allreduce_fair``, ``_cubic``, ``_fair_cubic``): ``--fair`` shares
 each link evenly among the other peers (:class:`~harness.testnet.TestNet`'s ``fair``; by default tbf keeps
 one FIFO queue), ``--congestion cubic`` sets the peers' TCP congestion control (by default the host's).
@@ -48,9 +49,9 @@ def run_case(workdir: Path, name: str, n: int, rate_mbit: float, params: int, cf
     module = PEER_MODULES[impl]
     with TestNet(n, rate_mbit, fair=cfg.get("fair", False), congestion=cfg.get("congestion")) as net:
         exchange = workdir / f"b3_{name}_exchange"  # (the tcp / p2p peers' addresses)
-        shutil.rmtree(exchange, ignore_errors=True)
-        exchange.mkdir()
         if impl in ("tcp", "p2p"):
+            shutil.rmtree(exchange, ignore_errors=True)
+            exchange.mkdir()
             bootstrap, initial_peers = None, ""
         else:
             bootstrap, initial_peers = start_bootstrap(workdir, host=net.bootstrap_addr, netns=net.bootstrap)
@@ -127,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
     queue = ("under each tbf, one queue per other peer, served a packet at a time (HTB classes, u32 filters), as "
              "fq_codel / fq share among flows" if args.fair else "tbf's one FIFO queue (100 ms)")
-    title = "# B3's all-reduce: raw hivemind, collabopt's own all-reduce runner and plain TCP, one sitting"
+    title = ("# B3's all-reduce: raw hivemind, collabopt's own all-reduce runner, p2pd streams and plain TCP, "
+             "one sitting")
     report = run.markdown(results).replace(
         "# collabopt benchmarks", f"{title}\n\nBed: links {queue}; TCP congestion control {bed['congestion']}.", 1)
     (args.out / f"{name}.md").write_text(report)

@@ -287,6 +287,7 @@ def test_b3_reference_peers_send_a_butterfly_all_reduces_bytes(tmp_path, transpo
 
     from benchmarks.common import ROOT, child_env
     from benchmarks.swarmrun import allreduce_seconds
+    from benchmarks.tcp_allreduce_peer import part_sizes
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -305,7 +306,8 @@ def test_b3_reference_peers_send_a_butterfly_all_reduces_bytes(tmp_path, transpo
     assert [proc.wait(timeout=60) for proc in procs] == [0, 0, 0]
     records = [json.loads((tmp_path / f"{i}.out.json").read_text()) for i in range(3)]
     grad_bytes = records[0]["grad_bytes"]
-    sizes = [grad_bytes // 3 + (1 if j < grad_bytes % 3 else 0) for j in range(3)]
+    sizes = part_sizes(grad_bytes, 3)
+    assert sum(sizes) == grad_bytes and max(sizes) - min(sizes) <= 1
     for i, record in enumerate(records):
         others, own_results = grad_bytes - sizes[i], (3 - 1) * sizes[i]
         assert [event["written"] for event in record["averaging"]] == [others + own_results] * 3
