@@ -312,3 +312,25 @@ def test_b3_reference_peers_send_a_butterfly_all_reduces_bytes(tmp_path, transpo
         others, own_results = grad_bytes - sizes[i], (3 - 1) * sizes[i]
         assert [event["written"] for event in record["averaging"]] == [others + own_results] * 3
     assert len(allreduce_seconds(records)) == 2  # (the first round is left out, as for every B3 row)
+
+
+def test_b3_rows_are_the_median_of_their_sittings():
+    """wan_allreduce's sittings: a row's time is the median of its sittings' (its range theirs, its sittings' figures
+    listed); a sitting whose row failed is left out of it, a row that failed in every sitting keeps its error, and a
+    skipped bed stays skipped."""
+    from benchmarks.wan_allreduce import combine_sittings
+
+    def row(seconds, **extra):
+        return dict(case="4p", peers=4, mbit=100, impl="engine", bound_s=2.0, allreduce_s=seconds, rounds=5,
+                    allreduce_range="-", bound_over_allreduce=2.0 / seconds, **extra)
+
+    failed = dict(case="4p", peers=4, mbit=100, impl="tcp", error="peer wrote no record")
+    sittings = [dict(rows=[row(2.5), row(2.2), failed]), dict(rows=[row(2.2), dict(row(9.0), error="x"), failed]),
+                dict(rows=[row(2.4), row(2.3), failed])]
+    rows = combine_sittings(sittings)["rows"]
+    assert rows[0]["allreduce_s"] == 2.4 and rows[0]["bound_over_allreduce"] == 2.0 / 2.4
+    assert rows[0]["sittings"] == [0.8, 0.909, 0.833] and rows[0]["rounds"] == 15
+    assert rows[0]["allreduce_range"] == "2.200..2.500 (3 sittings)"
+    assert rows[1]["allreduce_s"] == 2.25 and rows[1]["allreduce_range"] == "2.200..2.300 (2 sittings)"
+    assert rows[2] == failed
+    assert combine_sittings([dict(skipped="not root", rows=[])] * 2) == dict(skipped="not root", rows=[])
