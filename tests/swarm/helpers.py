@@ -154,14 +154,25 @@ def wait_all(procs: dict[str, processes.Process], timeout: float) -> dict[str, i
 
 
 def finish(procs: dict[str, processes.Process], timeout: float) -> None:
-    """Wait for every process, kill what is left of them (with their children), and fail unless all exited 0."""
+    """Wait for every process, kill what is left of them (with their children), and fail unless all exited 0.
+
+    One still running at ``timeout`` first gets SIGUSR1: a peer worker writes every thread's stack to its log (where
+    the failure's message shows it: what it waited for); another kind of worker ends on it."""
+    codes: dict[str, int | None] = {}
     try:
         codes = wait_all(procs, timeout)
+        running = [procs[name] for name, code in codes.items() if code is None]
+        for proc in running:
+            proc.signal(signal.SIGUSR1)
+        if running:
+            time.sleep(1.0)  # (faulthandler writes the stacks at once)
     finally:
         for proc in procs.values():
             proc.kill_tree()
     failed = {name: code for name, code in codes.items() if code != 0}
-    logs = (f"{name} exited with {code}:\n{procs[name].log()[-5000:]}" for name, code in failed.items())
+    ended = {name: f"still ran after {timeout:.0f} s" if code is None else f"exited with {code}"
+             for name, code in failed.items()}
+    logs = (f"{name} {ended[name]}:\n{procs[name].log()[-8000:]}" for name in failed)
     assert not failed, "\n".join(logs)
 
 
