@@ -107,21 +107,27 @@ def run_case(workdir: Path, name: str, n: int, rate_mbit: float, params: int, cf
 
 
 def combine_sittings(sittings: list[dict[str, Any]]) -> dict[str, Any]:
-    """One B3 result from several sittings of the same cases: each row's all-reduce time is the median of its
-    sittings' medians (the range: theirs), ``sittings`` lists each sitting's figure; a row that failed in every
-    sitting keeps its first error."""
-    if not sittings or any(not sitting.get("rows") for sitting in sittings):
-        return next((sitting for sitting in sittings if not sitting.get("rows")), dict(rows=[]))
+    """One B3 result from several sittings of the same cases, rows paired by case: a row's all-reduce time and compute
+    utilization are the medians of its measured sittings' (the range: their times), ``sittings`` lists each one's
+    figure and ``failed_sittings`` the errors of the others (a failed sitting, or one with no round timed, is left
+    out); a row measured in no sitting keeps its first sitting's row. Sittings without rows (a bed skipped) count only
+    where every sitting has none."""
+    ran = [sitting for sitting in sittings if sitting.get("rows")]
+    if not ran:
+        return sittings[0] if sittings else dict(rows=[])
     rows = []
-    for same in zip(*(sitting["rows"] for sitting in sittings), strict=True):
-        measured = [row for row in same if "error" not in row]
+    for case in [row["case"] for row in ran[0]["rows"]]:
+        same = [row for sitting in ran for row in sitting["rows"] if row["case"] == case]
+        measured = [row for row in same if "error" not in row and row["allreduce_s"] == row["allreduce_s"]]
         if not measured:
             rows.append(same[0])
             continue
         seconds = [row["allreduce_s"] for row in measured]
         row = dict(measured[0], allreduce_s=median(seconds), rounds=sum(row["rounds"] for row in measured),
-                   allreduce_range=f"{spread(seconds)} ({len(measured)} sittings)",
-                   sittings=[round(row["bound_over_allreduce"], 3) for row in measured])
+                   allreduce_range=f"{spread(seconds)} ({len(measured)} sitting{'s' * (len(measured) > 1)})",
+                   utilization=median([row["utilization"] for row in measured]),
+                   sittings=[round(row["bound_over_allreduce"], 3) for row in measured],
+                   failed_sittings=[row.get("error", "no round timed") for row in same if row not in measured])
         row["bound_over_allreduce"] = row["bound_s"] / row["allreduce_s"]
         rows.append(row)
     return dict(rows=rows)
@@ -137,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sittings", type=int, default=3, help="run every row this many times, one after the other "
                         "(default 3); a row's figure is the median of its sittings'")
     args = parser.parse_args(argv)
+    if args.sittings < 1:
+        parser.error(f"--sittings must be at least 1, not {args.sittings}")
     cfg = dict(run.FULL["b3"], fair=args.fair, congestion=args.congestion,
                cases=[case for case in run.FULL["b3"]["cases"]
                       if (case["peers"], case["mbit"], case.get("impl")) in ((4, 100, "hivemind"), (4, 100, "engine"))]
@@ -144,20 +152,21 @@ def main(argv: list[str] | None = None) -> int:
                   for impl in ("p2p", "tcp")])
     host_congestion = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     bed = dict(queue="fair" if args.fair else "fifo", congestion=args.congestion or f"{host_congestion} (host default)",
-               sittings=max(1, args.sittings))
+               sittings=args.sittings)
     name = "_".join(["b3_allreduce"] + (["fair"] if args.fair else []) + ([args.congestion] if args.congestion else []))
     results: dict[str, Any] = {"machine": machine_info(), "quick": False, "config": {"b3": cfg}, "bed": bed}
     with tempfile.TemporaryDirectory(prefix="collabopt-b3-") as tmp:
-        results["b3"] = combine_sittings([wan.run(cfg, Path(tmp)) for _ in range(max(1, args.sittings))])
+        results["b3"] = combine_sittings([wan.run(cfg, Path(tmp)) for _ in range(args.sittings)])
     results["machine"]["load_avg_1m_at_end"] = round(__import__("os").getloadavg()[0], 2)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
     queue = ("under each tbf, one queue per other peer, served a packet at a time (HTB classes, u32 filters), as "
              "fq_codel / fq share among flows" if args.fair else "tbf's one FIFO queue (100 ms)")
     title = ("# B3's all-reduce: raw hivemind, collabopt's own all-reduce runner, p2pd streams and plain TCP, "
-             f"the median of {max(1, args.sittings)} sittings")
+             f"the median of {args.sittings} sittings")
     report = run.markdown(results).replace(
-        "# collabopt benchmarks", f"{title}\n\nBed: links {queue}; TCP congestion control {bed['congestion']}.", 1)
+        "# collabopt benchmarks", f"{title}\n\nBed: links {queue}; TCP congestion control {bed['congestion']}.", 1
+    ).replace("ranges are min..max over rounds", "a row's range: the min..max of its sittings' all-reduce times", 1)
     (args.out / f"{name}.md").write_text(report)
     print(report)
     return 1 if not results["b3"].get("rows") or any("error" in row for row in results["b3"]["rows"]) else 0

@@ -315,22 +315,26 @@ def test_b3_reference_peers_send_a_butterfly_all_reduces_bytes(tmp_path, transpo
 
 
 def test_b3_rows_are_the_median_of_their_sittings():
-    """wan_allreduce's sittings: a row's time is the median of its sittings' (its range theirs, its sittings' figures
-    listed); a sitting whose row failed is left out of it, a row that failed in every sitting keeps its error, and a
-    skipped bed stays skipped."""
+    """wan_allreduce's sittings, rows paired by case: a row's time and utilization are the medians of its measured
+    sittings' (its range their times, their figures listed); a sitting whose row failed or timed no round is left out
+    of it and its error kept; a row measured in no sitting keeps its first row; a skipped bed stays skipped."""
     from benchmarks.wan_allreduce import combine_sittings
 
-    def row(seconds, **extra):
-        return dict(case="4p", peers=4, mbit=100, impl="engine", bound_s=2.0, allreduce_s=seconds, rounds=5,
-                    allreduce_range="-", bound_over_allreduce=2.0 / seconds, **extra)
+    def row(case, seconds, utilization=float("nan"), **extra):
+        return dict(case=case, peers=4, mbit=100, bound_s=2.0, allreduce_s=seconds, rounds=5, allreduce_range="-",
+                    bound_over_allreduce=2.0 / seconds, utilization=utilization, **extra)
 
-    failed = dict(case="4p", peers=4, mbit=100, impl="tcp", error="peer wrote no record")
-    sittings = [dict(rows=[row(2.5), row(2.2), failed]), dict(rows=[row(2.2), dict(row(9.0), error="x"), failed]),
-                dict(rows=[row(2.4), row(2.3), failed])]
+    failed = dict(case="tcp", peers=4, mbit=100, error="peer wrote no record")
+    sittings = [dict(rows=[row("hivemind", 2.5, 0.6), row("engine", 2.2), failed]),
+                dict(rows=[row("engine", 9.0, error="x"), row("hivemind", 2.2, 0.7), failed]),
+                dict(rows=[row("hivemind", 2.4, 0.65), dict(row("engine", float("nan")), rounds=0), failed]),
+                dict(skipped="not root", rows=[])]
     rows = combine_sittings(sittings)["rows"]
+    assert [r["case"] for r in rows] == ["hivemind", "engine", "tcp"]
     assert rows[0]["allreduce_s"] == 2.4 and rows[0]["bound_over_allreduce"] == 2.0 / 2.4
-    assert rows[0]["sittings"] == [0.8, 0.909, 0.833] and rows[0]["rounds"] == 15
-    assert rows[0]["allreduce_range"] == "2.200..2.500 (3 sittings)"
-    assert rows[1]["allreduce_s"] == 2.25 and rows[1]["allreduce_range"] == "2.200..2.300 (2 sittings)"
+    assert rows[0]["sittings"] == [0.8, 0.909, 0.833] and rows[0]["rounds"] == 15 and rows[0]["utilization"] == 0.65
+    assert rows[0]["allreduce_range"] == "2.200..2.500 (3 sittings)" and rows[0]["failed_sittings"] == []
+    assert rows[1]["allreduce_s"] == 2.2 and rows[1]["allreduce_range"] == "2.200..2.200 (1 sitting)"
+    assert rows[1]["failed_sittings"] == ["x", "no round timed"]
     assert rows[2] == failed
     assert combine_sittings([dict(skipped="not root", rows=[])] * 2) == dict(skipped="not root", rows=[])
