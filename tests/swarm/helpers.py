@@ -158,7 +158,6 @@ def finish(procs: dict[str, processes.Process], timeout: float) -> None:
 
     One still running at ``timeout`` first gets SIGUSR1: a peer worker writes every thread's stack to its log (where
     the failure's message shows it: what it waited for); another kind of worker ends on it."""
-    codes: dict[str, int | None] = {}
     try:
         codes = wait_all(procs, timeout)
         running = [procs[name] for name, code in codes.items() if code is None]
