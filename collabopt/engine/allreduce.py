@@ -2,9 +2,9 @@
 
 Rules, and why:
 
-* hivemind's ``TensorPartContainer`` splits the tensors into slices, one a member (by the group's fractions), and the
-  slices into parts; its compression serializes them. Each member reduces its slice with collabopt's
-  :class:`~collabopt.engine.part_reducer.PartReducer`.
+* The tensors are cut into slices, one a member (by the group's fractions), and the slices into parts
+  (:mod:`collabopt.engine.slices`, on hivemind's ``TensorPartContainer``); its compression serializes them. Each
+  member reduces its slice with collabopt's :class:`~collabopt.engine.part_reducer.PartReducer`.
 * A reducer serializes each part's result once, in its own compression of the part, and answers every sender with the
   same bytes; it keeps for itself the same bytes, read back. A sender's part in another compression, or beyond the
   slice's parts, is that sender's protocol violation (it is left out; the others go on). Every member thus holds
@@ -29,9 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression import CompressionBase, NoCompression, deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.compression.adaptive import AdaptiveCompressionBase
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, aiter_with_timeout, anext, as_aiter
@@ -39,6 +37,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from collabopt.engine import streams
 from collabopt.engine.part_reducer import Aggregate, MeanPart, PartReducer, ReducerClosed, SenderDropped
+from collabopt.engine.slices import Slices
 
 # How long a member's parts for a group it has not registered yet wait for the registration (a follower may send
 # its first parts before the member learned of the group), then are answered BAD_GROUP_ID.
@@ -55,21 +54,6 @@ CLOSE_POLL = 0.005
 class ProtocolViolation(Exception):
     """A sender sent what no member of the round sends: more parts than its reducer's slice, or a part in another
     compression than the reducer's."""
-
-
-def _layout(container: TensorPartContainer, compression: CompressionBase) -> list[tuple[int, int]]:
-    """Every part of the group's tensors, in order, as hivemind's container cuts and compresses them: its compression
-    type (an adaptive compression chooses by the part's info only) and its number of elements."""
-    layout = []
-    for tensor, info, count in zip(container.local_tensors, container.tensor_infos, container.num_parts_by_tensor,
-                                   strict=True):
-        size = int(container.part_size_bytes / (tensor.element_size() * compression.estimate_compression_ratio(info)))
-        for i in range(count):
-            chosen = compression
-            while isinstance(chosen, AdaptiveCompressionBase):
-                chosen = chosen.choose_compression(info.get_part(i, size))
-            layout.append((int(chosen.compression_type), min(size, tensor.numel() - i * size)))
-    return layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,11 +115,11 @@ class AllReduceRound:
         self.group_id, self.members, self.me = group_id, tuple(members), me
         self.weight, self.stub_for, self.compression = float(weight), stub_for, compression
         self.sender_timeout, self.reducer_timeout = sender_timeout, reducer_timeout
-        self.container = TensorPartContainer(tensors, fractions, compression=compression,
-                                             part_size_bytes=part_size_bytes, return_deltas=False, prefetch=PREFETCH)
+        self.slices = Slices(tensors, fractions, compression, part_size_bytes, PREFETCH)
+        self.container = self.slices.container
         self.expected = self.container.num_parts_by_peer
         self.local_parts = self.container.get_raw_input_parts(me)
-        layout, first = _layout(self.container, compression), sum(self.expected[:me])
+        layout, first = self.slices.layout(compression), sum(self.expected[:me])
         self.sizes = [[size for _, size in layout[sum(self.expected[:k]):sum(self.expected[:k + 1])]]
                       for k in range(len(self.expected))]  # per reducer: its parts' numbers of elements
         # each part of this member's slice in one compression type, the one every member sends it in
@@ -320,7 +304,7 @@ class AllReduceRound:
                 for task in pending:
                     task.cancel()
                 await asyncio.gather(*slices, return_exceptions=True)
-            outputs = [tensor async for tensor in self.container.iterate_output_tensors()]
+            outputs = self.slices.whole([piece async for piece in self.container.iterate_output_tensors()])
             # the senders close their streams once their last results came: a member that ended its round (and
             # maybe its process) with a stream still open lost results on their way (p2pd drops them)
             while self._streams_to_close() and time.monotonic() < deadline:

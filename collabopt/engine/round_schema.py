@@ -3,9 +3,10 @@
 Rules, and why:
 
 * The key hashes the tensors' shapes and dtypes (hivemind's ``compute_schema_hash``) together with the compression
-  (its class and settings, nested compressions included), the part size and the aggregation. Members that differ in
-  any of these would cut, serialize or reduce the same part differently and silently end apart; under different keys
-  they never form a group.
+  (its class and settings, nested compressions included), the part size, the aggregation and the way a round cuts
+  its tensors into slices (:data:`collabopt.engine.slices.LAYOUT`). Members that differ in any of these would cut,
+  serialize or reduce the same part differently and silently end apart; under different keys they never form a
+  group.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 from hivemind.averaging.averager import compute_schema_hash
 from hivemind.compression import CompressionBase
 from hivemind.dht.routing import DHTID
+
+from collabopt.engine.slices import LAYOUT
 
 
 def describe(value: Any) -> Any:
@@ -37,4 +40,4 @@ def round_schema(shapes: Sequence[tuple[torch.Size, torch.dtype]], compression: 
                  part_size_bytes: int, aggregation: str) -> bytes:
     """The matchmaking key of a round of tensors of ``shapes`` (shape, dtype) with these settings."""
     tensors = compute_schema_hash([torch.empty(shape, dtype=dtype) for shape, dtype in shapes])
-    return DHTID.generate(source=[tensors, describe(compression), int(part_size_bytes), aggregation]).to_bytes()
+    return DHTID.generate(source=[tensors, describe(compression), int(part_size_bytes), aggregation, LAYOUT]).to_bytes()

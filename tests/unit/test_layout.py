@@ -15,7 +15,7 @@ STILL_OVER: dict[str, int] = {}
 # the engine's layers, lowest first: a module imports only modules of its own layer or below
 ENGINE_LAYERS = [
     {"compat", "dialback", "relay_daemon", "streams", "protocol", "protocol_diloco", "protocol_download", "clipping",
-     "part_reducer", "service_thread", "gather_protocol", "group_search", "record_signing"},
+     "part_reducer", "slices", "service_thread", "gather_protocol", "group_search", "record_signing"},
     {"p2p", "peer_addresses", "records", "replicas", "progress", "averaging", "robust_averaging", "state",
      "member_checks", "download_votes", "download_challenge", "progress_records", "allreduce", "averager",
      "round_schema", "state_service", "downloads", "gather_round", "gather_exchange",
