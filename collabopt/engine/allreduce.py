@@ -3,7 +3,7 @@
 Rules, and why:
 
 * The tensors are cut into slices, one a member (by the group's fractions), and the slices into parts
-  (:mod:`collabopt.engine.slices`, on hivemind's ``TensorPartContainer``); its compression serializes them. Each
+  (:mod:`collabopt.engine.slices`, on hivemind's ``TensorPartContainer``); the round's compression serializes them. Each
   member reduces its slice with collabopt's :class:`~collabopt.engine.part_reducer.PartReducer`.
 * A reducer serializes each part's result once, in its own compression of the part, and answers every sender with the
   same bytes; it keeps for itself the same bytes, read back. A sender's part in another compression, or beyond the
@@ -119,7 +119,7 @@ class AllReduceRound:
         self.container = self.slices.container
         self.expected = self.container.num_parts_by_peer
         self.local_parts = self.container.get_raw_input_parts(me)
-        layout, first = self.slices.layout(compression), sum(self.expected[:me])
+        layout, first = self.slices.layout(), sum(self.expected[:me])
         self.sizes = [[size for _, size in layout[sum(self.expected[:k]):sum(self.expected[:k + 1])]]
                       for k in range(len(self.expected))]  # per reducer: its parts' numbers of elements
         # each part of this member's slice in one compression type, the one every member sends it in

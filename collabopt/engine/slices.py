@@ -2,11 +2,10 @@
 
 Rules, and why:
 
-* hivemind's ``TensorPartContainer`` does the cutting (and serializes the parts in the round's compression). It cuts
-  each tensor into parts first and gives a slice whole parts, so a slice's size was off its fraction by up to a part:
-  4 members of an 18 MB model held 4.2 to 4.7 MB (0.5 MB parts), and the member with the largest slice, which sends
-  and receives the most, finished the round last. A tensor that a slice ends inside is therefore cut there before the
-  container gets it (:func:`cut_at_slice_ends`): each slice then holds its fraction's elements.
+* hivemind's ``TensorPartContainer`` does the cutting (and serializes the parts in the round's compression). It gives
+  a slice whole parts, which misses the slice's fraction by up to a part, and a member's traffic grows with its slice:
+  so a tensor that a slice ends inside is cut there first (:func:`cut_at_slice_ends`), and each slice holds its
+  fraction of the elements, to one element (docs/decisions.md, "Slices of exactly their fraction").
 * Each piece keeps its tensor's compression info (its key and its whole shape), so an adaptive compression chooses for
   a piece's parts as it does for its tensor's.
 * Every member cuts alike (the same arithmetic on the same fractions and shapes); the round's matchmaking key names
@@ -69,10 +68,10 @@ class Slices:
         return [parts[0] if len(parts) == 1 else torch.cat(parts).view(shape)
                 for parts, shape in zip(by_tensor, self.shapes, strict=True)]
 
-    def layout(self, compression: CompressionBase) -> list[tuple[int, int]]:
+    def layout(self) -> list[tuple[int, int]]:
         """Every part, in order, as the container cuts and compresses it: its compression type (an adaptive
         compression chooses by the part's info only) and its number of elements."""
-        container, layout = self.container, []
+        container, compression, layout = self.container, self.container.compression, []
         for tensor, info, count in zip(container.local_tensors, container.tensor_infos, container.num_parts_by_tensor,
                                        strict=True):
             ratio = compression.estimate_compression_ratio(info)
