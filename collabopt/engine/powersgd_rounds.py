@@ -122,12 +122,13 @@ class PowerSGDState:
     def phase_q(self, residuals: Sequence[torch.Tensor], averaged_ps: Sequence[torch.Tensor],
                 grads: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The group's P matrices orthogonalized, and this peer's phase-Q tensors (residual.T @ P, then the tensors
-        averaged whole)."""
+        averaged whole, contiguous: the round cuts them as flat views, and a parameter's gradient buffer keeps the
+        parameter's strides)."""
         ps = [p.clone() for p in averaged_ps]
         for p in ps:
             orthogonalize_(p)
         qs = [m.reshape(-1, q.shape[0]).to(p.dtype).t() @ p for m, q, p in zip(residuals, self.qs, ps, strict=True)]
-        return ps, qs + [grads[i].to("cpu", copy=True) for i in self.whole]
+        return ps, qs + [grads[i].to("cpu", copy=True, memory_format=torch.contiguous_format) for i in self.whole]
 
     @torch.no_grad()
     def finish(self, residuals: Sequence[torch.Tensor], ps: Sequence[torch.Tensor],

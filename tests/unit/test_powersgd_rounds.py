@@ -19,9 +19,10 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
+from hivemind.p2p import PeerID
 from hivemind.utils.serializer import MSGPackSerializer
 
-from collabopt.engine.allreduce import RoundEvidence
+from collabopt.engine.allreduce import AllReduceRound, RoundEvidence
 from collabopt.engine.averager import AveragingResult
 from collabopt.engine.averaging import gradient_averager_factory
 from collabopt.engine.gradient_rounds import GradientRounds, RoundFailed
@@ -129,6 +130,23 @@ def test_a_round_is_hivemind_powersgd_on_the_same_inputs():
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert all(torch.equal(a, b) for a, b in zip(*installed, strict=True))  # the members' gradients: the same
         assert any(m.abs().sum() > 0 for m in ours[0].ms)  # (rank 2 leaves a residual to feed back)
+
+
+def test_phase_q_hands_the_round_contiguous_copies_of_a_transposed_parameters_gradient():
+    # a parameter made as another tensor's transpose keeps those strides, and so does its gradient buffer
+    # (zeros_like); the all-reduce cuts its tensors as flat views, which a non-contiguous tensor cannot give
+    grads = grads_of(1)
+    grads[3] = grads[3].t()  # (3, 3), averaged whole
+    assert not grads[3].is_contiguous()
+    ours = state()
+    residuals, ps = ours.phase_p(grads)
+    _, tensors = ours.phase_q(residuals, ps, grads)
+    assert all(t.is_contiguous() for t in tensors)
+    whole = tensors[len(ours.qs):]
+    assert all(torch.equal(t, grads[i]) and t.data_ptr() != grads[i].data_ptr()
+               for t, i in zip(whole, ours.whole, strict=True))
+    AllReduceRound(group_id=b"g", members=[PeerID(b"a")], me=0, tensors=tensors, weight=1.0, stub_for=None,
+                   fractions=[1.0])  # (cuts them: no error)
 
 
 def test_error_feedback_keeps_every_gradients_mass():
