@@ -27,8 +27,9 @@ LAYOUT = "slices end inside tensors"  # (in the matchmaking key: the layout ever
 
 def cut_at_slice_ends(tensors: Sequence[torch.Tensor], fractions: Sequence[float]
                       ) -> tuple[list[torch.Tensor], list[int]]:
-    """The tensors, each one that a slice ends inside cut there into flat views (the others as they are); and, per
-    piece, the index of its tensor. The slices' ends are the container's own: the same arithmetic on the fractions."""
+    """The tensors, each one that a slice ends inside cut there into flat views (the others as they are, and those
+    with no element left out: the container would give their empty part to a member, a client's too); and, per piece,
+    the index of its tensor. The slices' ends are the container's own: the same arithmetic on the fractions."""
     total = sum(tensor.numel() for tensor in tensors)
     ends = (np.cumsum(fractions) / np.sum(fractions) * total).astype(np.int64)
     ends[-1] = total
@@ -37,6 +38,8 @@ def cut_at_slice_ends(tensors: Sequence[torch.Tensor], fractions: Sequence[float
     start = 0
     for index, tensor in enumerate(tensors):
         size = tensor.numel()
+        if size == 0:
+            continue
         cuts = sorted({int(end) - start for end in ends if start < end < start + size})
         if cuts:
             flat = tensor.detach().view(-1)
@@ -56,17 +59,20 @@ class Slices:
                  part_size_bytes: int, prefetch: int):
         pieces, self.owners = cut_at_slice_ends(tensors, fractions)
         self.shapes = [tensor.shape for tensor in tensors]
+        self.dtypes = [tensor.dtype for tensor in tensors]
         infos = [CompressionInfo.from_tensor(tensors[owner], key=owner) for owner in self.owners]
         self.container = TensorPartContainer(pieces, fractions, compression=compression, tensor_infos=infos,
                                              part_size_bytes=part_size_bytes, return_deltas=False, prefetch=prefetch)
 
     def whole(self, pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The tensors from the container's outputs (one per piece, in order)."""
+        """The tensors from the container's outputs (one per piece, in order; an empty tensor for one with no
+        element)."""
         by_tensor: list[list[torch.Tensor]] = [[] for _ in self.shapes]
         for owner, piece in zip(self.owners, pieces, strict=True):
             by_tensor[owner].append(piece)
-        return [parts[0] if len(parts) == 1 else torch.cat(parts).view(shape)
-                for parts, shape in zip(by_tensor, self.shapes, strict=True)]
+        return [torch.empty(shape, dtype=dtype) if not parts else parts[0] if len(parts) == 1 else
+                torch.cat(parts).view(shape) for parts, shape, dtype in zip(by_tensor, self.shapes, self.dtypes,
+                                                                             strict=True)]
 
     def layout(self) -> list[tuple[int, int]]:
         """Every part, in order, as the container cuts and compresses it: its compression type (an adaptive

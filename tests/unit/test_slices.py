@@ -64,3 +64,17 @@ def test_members_that_cut_otherwise_never_share_a_matchmaking_key(monkeypatch):
     assert key == round_schema(shapes, NoCompression(), 2**19, "mean")
     monkeypatch.setattr(round_schema_module, "LAYOUT", "whole parts")
     assert round_schema(shapes, NoCompression(), 2**19, "mean") != key
+
+
+def test_a_tensor_with_no_element_is_no_part_of_any_slice():
+    # hivemind's container gives its empty part to the first member, a client's (fraction 0) too: every sender would
+    # then wait for that client's answer, and a client takes no streams
+    tensors = [torch.zeros(0), torch.ones(10), torch.zeros(2, 0, dtype=torch.float16)]
+    assert TensorPartContainer(tensors, [0.0, 1.0]).num_parts_by_peer == (1, 2)
+    slices = Slices(tensors, [0.0, 1.0], NoCompression(), 2**19, prefetch=1)
+    assert slices.container.num_parts_by_peer == (0, 1)
+    back = slices.whole([piece.clone() for piece in slices.container.local_tensors])
+    assert [(b.shape, b.dtype) for b in back] == [(t.shape, t.dtype) for t in tensors]
+    assert torch.equal(back[1], tensors[1])
+    nothing = Slices([torch.zeros(0)], [1.0, 1.0], NoCompression(), 2**19, prefetch=1)
+    assert nothing.container.num_parts_by_peer == (0, 0) and nothing.whole([])[0].shape == (0,)
