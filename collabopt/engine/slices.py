@@ -6,6 +6,8 @@ Rules, and why:
   a slice whole parts, which misses the slice's fraction by up to a part, and a member's traffic grows with its slice:
   so a tensor that a slice ends inside is cut there first (:func:`cut_at_slice_ends`), and each slice holds its
   fraction of the elements, to one element (docs/decisions.md, "Slices of exactly their fraction").
+* A tensor with no element is in no slice: the container would give its empty part to whichever member it had
+  reached, a client (fraction 0) too, and every sender would then try to reach that member.
 * Each piece keeps its tensor's compression info (its key and its whole shape), so an adaptive compression chooses for
   a piece's parts as it does for its tensor's.
 * Every member cuts alike (the same arithmetic on the same fractions and shapes); the round's matchmaking key names
@@ -22,7 +24,8 @@ from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.compression.adaptive import AdaptiveCompressionBase
 
-LAYOUT = "slices end inside tensors"  # (in the matchmaking key: the layout every member of a round shares)
+# in the matchmaking key: the layout every member of a round shares
+LAYOUT = "slices end inside tensors; a tensor with no element is in no slice"
 
 
 def cut_at_slice_ends(tensors: Sequence[torch.Tensor], fractions: Sequence[float]

@@ -67,8 +67,8 @@ def test_members_that_cut_otherwise_never_share_a_matchmaking_key(monkeypatch):
 
 
 def test_a_tensor_with_no_element_is_no_part_of_any_slice():
-    # hivemind's container gives its empty part to the first member, a client's (fraction 0) too: every sender would
-    # then wait for that client's answer, and a client takes no streams
+    # hivemind's container gives an empty tensor's part to the member it has reached: before the first non-empty
+    # tensor, the first member, a client (fraction 0) too, which takes no streams
     tensors = [torch.zeros(0), torch.ones(10), torch.zeros(2, 0, dtype=torch.float16)]
     assert TensorPartContainer(tensors, [0.0, 1.0]).num_parts_by_peer == (1, 2)
     slices = Slices(tensors, [0.0, 1.0], NoCompression(), 2**19, prefetch=1)
