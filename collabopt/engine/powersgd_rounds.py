@@ -77,8 +77,9 @@ def orthogonalize_(matrix: torch.Tensor, eps: float = 1e-8) -> None:
 
 def compresses(shape: torch.Size, rank: int, min_compression_ratio: float) -> bool:
     """hivemind's rule: a tensor of 2 or more dimensions whose rank-``rank`` factors save at least
-    ``min_compression_ratio`` of its elements."""
-    if len(shape) <= 1:
+    ``min_compression_ratio`` of its elements. A tensor with no element has nothing to save: it is averaged whole
+    (hivemind's rule divides by its 0 elements)."""
+    if len(shape) <= 1 or torch.Size(shape).numel() == 0:
         return False
     rows, cols = matrix_dims(shape)
     return 1 - rank * (rows + cols) / (rows * cols) >= min_compression_ratio

@@ -149,6 +149,20 @@ def test_phase_q_hands_the_round_contiguous_copies_of_a_transposed_parameters_gr
                    fractions=[1.0])  # (cuts them: no error)
 
 
+def test_a_parameter_with_a_zero_dimension_is_averaged_whole():
+    # (0, 5) has no element: no factors to save anything; hivemind's rule divided by its 0 elements
+    shapes = [(0, 5), (32, 16), (4, 0, 3)]
+    ours = PowerSGDState([(torch.Size(s), torch.float32) for s in shapes], RANK, seed=1)
+    assert ours.compressed == (1,) and ours.whole == (0, 2)
+    grads = [torch.randn(s) for s in shapes]
+    (installed,) = collabopt_round([ours], [grads], [1.0])
+    assert [t.shape for t in installed] == [torch.Size(s) for s in shapes]
+    residuals, ps = ours.phase_p(grads)
+    _, tensors = ours.phase_q(residuals, ps, grads)
+    AllReduceRound(group_id=b"g", members=[PeerID(b"a")], me=0, tensors=tensors, weight=1.0, stub_for=None,
+                   fractions=[1.0])  # (cuts them: no error)
+
+
 def test_error_feedback_keeps_every_gradients_mass():
     """A peer alone (the average is its own): over several rounds, what was installed plus the residual left is
     the sum of its gradients, while each round installed only a rank-2 approximation of the compressed ones."""
