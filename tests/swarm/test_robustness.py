@@ -1,6 +1,7 @@
 """A hostile member among 4 peers (issue 35, "Robustness"): with aggregation="centered_clip" the honest peers' held-out
 loss ends within 10% of a 4-peer run with no attacker on the same seeds and samples; with "mean" the same attack
-hurts (2x the clean loss, or divergence), so each test can fail.
+hurts (2x the clean loss, or divergence), so each test can fail. In every swarm the honest peers hold equal
+parameters at every epoch (the clean run's, each aggregation's under attack).
 
 The attacks, one per test (tests/swarm/peer_worker.py, ``attack``): its gradients times -20 at every step; Gaussian
 noise at 100x its gradient's norm; a claim of 1,000x its real samples, its gradients computed on wrong labels (a claim
@@ -18,7 +19,16 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import finish, finish_line, read_result, start_bootstrap, start_peer, unique_run_id
+from helpers import (
+    SWARM_ROUNDING,
+    finish,
+    finish_line,
+    read_epoch_params,
+    read_result,
+    start_bootstrap,
+    start_peer,
+    unique_run_id,
+)
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -30,7 +40,7 @@ EPOCHS = 6
 # 128 samples per peer and epoch: the clip's bias is a share of the honest gradients' spread, which shrinks with
 # the batch (times -20 at 32 samples per peer: 1.12-1.14x the clean loss; at 128: 1.06-1.07x)
 BASE = dict(target_batch_size=512, epochs=EPOCHS, batch_sizes=[64], optimizer="Adam", lr=0.05, held_out=1024,
-            step_sleep=0.02, max_seconds=90, wait_peers=4, model_seed=0, data_seed=0,
+            step_sleep=0.02, max_seconds=90, wait_peers=4, model_seed=0, data_seed=0, save_epoch_params=True,
             options=dict(matchmaking_time=1.0, averaging_timeout=10.0, verbose=False))
 ATTACKS = {
     "times_minus_20": dict(scale=-20.0),
@@ -63,8 +73,33 @@ def honest_loss(tmp_path: Path, procs: dict) -> float:
     finally:
         for proc in procs.values():
             proc.kill_tree()
-    losses = [read_result(tmp_path, name)["held_out_loss"] for name in HONEST]
+    results = {name: read_result(tmp_path, name) for name in HONEST}
+    assert_honest_peers_equal(tmp_path, results)
+    losses = [results[name]["held_out_loss"] for name in HONEST]
     return statistics.mean(loss if math.isfinite(loss) else math.inf for loss in losses)
+
+
+def apart(a: dict, b: dict) -> float:
+    """The largest parameter difference; a NaN or inf equals itself there (the mean's swarm under attack can
+    diverge, and its honest peers still hold one value)."""
+    worst = 0.0
+    for key in a:
+        x, y = a[key].double(), b[key].double()
+        same = (x == y) | (x.isnan() & y.isnan())
+        worst = max(worst, float((x - y).abs().masked_fill(same, 0.0).max()))
+    return worst
+
+
+def assert_honest_peers_equal(tmp_path: Path, results: dict) -> None:
+    """The honest peers hold the same parameters at every epoch they all reached by a round: every member of a
+    round, the hostile one too, receives the reducers' values."""
+    params = {name: read_epoch_params(tmp_path, name) for name in HONEST}
+    downloaded = set().union(*(results[name]["downloaded_epochs"] for name in HONEST))
+    common = sorted(set.intersection(*(set(p) for p in params.values())) - downloaded - {0})
+    assert common, {name: sorted(p) for name, p in params.items()}
+    for epoch in common:
+        diffs = {name: apart(params[HONEST[0]][epoch], params[name][epoch]) for name in HONEST[1:]}
+        assert max(diffs.values()) <= SWARM_ROUNDING, (epoch, diffs)
 
 
 @pytest.fixture(scope="module")
