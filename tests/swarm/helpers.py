@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -256,14 +257,15 @@ def read_epoch_params(tmp_path: Path, name: str) -> dict[int, dict]:
 
 
 def diffs_at_common_epochs(tmp_path: Path, names: list[str] | tuple[str, ...], since: int = 0,
-                           results: dict[str, dict] | None = None) -> dict[int, float]:
+                           results: dict[str, dict] | None = None,
+                           diff: Callable[[dict, dict], float] = max_param_diff) -> dict[int, float]:
     """At every epoch ``>= since`` that every peer of ``names`` recorded (``save_epoch_params``), the largest
-    parameter difference between any of them and the first. With ``results`` (the peers' ``<name>.json``), an epoch
-    a peer reached by a state download (``downloaded_epochs``) is left out: the state served with delayed updates is
-    one update ahead of the servers' own parameters (see test_swarm_schedules)."""
+    parameter difference (``diff``) between any of them and the first. With ``results`` (the peers' ``<name>.json``),
+    an epoch a peer reached by a state download (``downloaded_epochs``) is left out: the state served with delayed
+    updates is one update ahead of the servers' own parameters (see test_swarm_schedules)."""
     params = {name: read_epoch_params(tmp_path, name) for name in names}
     skip = set().union(*(results[name].get("downloaded_epochs", ()) for name in names)) if results else set()
     common = sorted(set.intersection(*(set(p) for p in params.values())) - skip)
     first = params[names[0]]
-    return {epoch: max(max_param_diff(first[epoch], params[name][epoch]) for name in names[1:])
+    return {epoch: max(diff(first[epoch], params[name][epoch]) for name in names[1:])
             for epoch in common if epoch >= since}

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from helpers import (
     SWARM_ROUNDING,
+    diffs_at_common_epochs,
     finish,
     finish_line,
-    read_epoch_params,
     read_result,
     start_bootstrap,
     start_peer,
@@ -81,25 +81,22 @@ def honest_loss(tmp_path: Path, procs: dict) -> float:
 
 def apart(a: dict, b: dict) -> float:
     """The largest parameter difference; a NaN or inf equals itself there (the mean's swarm under attack can
-    diverge, and its honest peers still hold one value)."""
+    diverge, and its honest peers still hold one value), and a NaN against a number is inf apart (a NaN would pass
+    every comparison through ``max``)."""
     worst = 0.0
     for key in a:
         x, y = a[key].double(), b[key].double()
         same = (x == y) | (x.isnan() & y.isnan())
-        worst = max(worst, float((x - y).abs().masked_fill(same, 0.0).max()))
+        worst = max(worst, float((x - y).abs().masked_fill(same, 0.0).nan_to_num(nan=math.inf, posinf=math.inf).max()))
     return worst
 
 
 def assert_honest_peers_equal(tmp_path: Path, results: dict) -> None:
     """The honest peers hold the same parameters at every epoch they all reached by a round: every member of a
     round, the hostile one too, receives the reducers' values."""
-    params = {name: read_epoch_params(tmp_path, name) for name in HONEST}
-    downloaded = set().union(*(results[name]["downloaded_epochs"] for name in HONEST))
-    common = sorted(set.intersection(*(set(p) for p in params.values())) - downloaded - {0})
-    assert common, {name: sorted(p) for name, p in params.items()}
-    for epoch in common:
-        diffs = {name: apart(params[HONEST[0]][epoch], params[name][epoch]) for name in HONEST[1:]}
-        assert max(diffs.values()) <= SWARM_ROUNDING, (epoch, diffs)
+    diffs = diffs_at_common_epochs(tmp_path, HONEST, since=1, results=results, diff=apart)
+    assert diffs, {name: results[name]["epochs_seen"] for name in HONEST}
+    assert max(diffs.values()) <= SWARM_ROUNDING, diffs
 
 
 @pytest.fixture(scope="module")
