@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import median, spread
-from benchmarks.swarmrun import run_peers, start_bootstrap
+from benchmarks.swarmrun import compare_snapshots, param_summary, run_peers, start_bootstrap
 
 OVERLAP = {"offload_optimizer": True, "delay_optimizer_step": True, "delay_grad_averaging": True,
            "delay_state_averaging": True}
@@ -130,7 +130,9 @@ def run_case(workdir: Path, bootstrap_peers: str, n: int, variant: str, factor: 
                 experiments=experiments,
                 warmup_epochs=cfg["warmup_epochs"], measure_seconds=cfg["measure_epochs"] * epoch_seconds,
                 max_seconds=cfg["max_seconds"], linger_seconds=min(epoch_seconds, 10.0))
-    records = run_peers(workdir, name, [dict(peer, seed=i) for i in range(n)], timeout=cfg["max_seconds"] + 60)
+    configs = [dict(peer, seed=i, snapshots=str(workdir / f"{name}_{i}")) for i in range(n)]
+    records = run_peers(workdir, name, configs, timeout=cfg["max_seconds"] + 60)
+    apart = param_summary(compare_snapshots(workdir, [f"{name}_{i}" for i in range(n)]))
     idles = [peer_idle(r, cfg["warmup_epochs"]) for r in records]
     splits = [boundary_split(r, *r["window"]) for r in records]
     start = max(r["window"][0] for r in records)
@@ -156,6 +158,7 @@ def run_case(workdir: Path, bootstrap_peers: str, n: int, variant: str, factor: 
         wait_grads_s=median(pooled("wait_grads")), step_state_s=median(pooled("step_state")),
         boundary_s=median(pooled("boundary")), arrival_skew_s=median(skews), arrival_skew_range=spread(skews),
         out_of_sync=sum(1 for r in records for _, m in r.get("status", []) if m.startswith("Peer is out of sync")),
+        **apart,
     )
 
 

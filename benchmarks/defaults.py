@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, child_env, machine_info, make_mlp, median, num_params, write_json
-from benchmarks.swarmrun import let_exit, start_bootstrap, wait_for_files
+from benchmarks.swarmrun import compare_snapshots, let_exit, save_snapshot, start_bootstrap, wait_for_files, worst
 from collabopt.processes import Process
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -109,8 +109,7 @@ def peer_main(config_path: str) -> None:
             if epoch == before:
                 continue
             epochs.append((now, epoch))
-            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            torch.save(flat, f"{cfg['snapshots']}_e{epoch}.pt")
+            save_snapshot(cfg["snapshots"], epoch, list(model.parameters()))
             if not window and epoch >= cfg["warmup_epochs"]:
                 window.append(now)
                 start_epoch = epoch
@@ -142,26 +141,14 @@ def epoch_seconds(record: dict[str, Any]) -> float:
     return median([b - a for a, b in zip(times[:-1], times[1:], strict=True)])
 
 
-def parameter_differences(paths: list[dict[int, Path]]) -> dict[int, float]:
-    """{epoch: max |difference| between the peers' saved parameters} at every epoch all peers saved."""
-    import torch
-
-    common = sorted(set.intersection(*(set(p) for p in paths)))
-    diffs = {}
-    for epoch in common:
-        tensors = [torch.load(p[epoch]) for p in paths]
-        diffs[epoch] = max(float((t - tensors[0]).abs().max()) for t in tensors[1:])
-    return diffs
-
-
 def summarize(sessions: list[dict[str, Any]]) -> dict[str, Any]:
     ratios = [s["ratio"] for s in sessions]
-    worst = max((s["collabopt"]["max_param_diff"] for s in sessions), default=float("nan"))
+    largest = worst(s["collabopt"]["max_param_diff"] for s in sessions)
     compared = sum(s["collabopt"]["epochs_compared"] for s in sessions)
     return dict(ratio_median=median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
-                collabopt_max_param_diff=worst, collabopt_epochs_compared=compared,
+                collabopt_max_param_diff=largest, collabopt_epochs_compared=compared,
                 ratio_met=median(ratios) >= GOAL and min(ratios) >= GOAL,
-                params_met=compared > 0 and worst <= SWARM_ROUNDING)
+                params_met=compared > 0 and largest <= SWARM_ROUNDING)
 
 
 # ---------------------------------------------------------------- the runner
@@ -221,14 +208,11 @@ def run_session(cfg: dict[str, Any], workdir: Path, initial_peers: str, session:
     peers = cfg["peers"]
     for k, impl in enumerate(IMPLS):
         own, tags = records[k * peers:(k + 1) * peers], snaps[k * peers:(k + 1) * peers]
-        paths = [{int(p.stem.rsplit("_e", 1)[1]): p for p in workdir.glob(f"{tag}_e*.pt")} for tag in tags]
-        diffs = parameter_differences(paths)
-        for p in workdir.glob(f"{name}_{impl}_*_e*.pt"):
-            p.unlink()
+        diffs = compare_snapshots(workdir, tags)
         result[impl] = dict(samples_per_s=sum(window_rate(r) for r in own),
                             epoch_seconds=median([epoch_seconds(r) for r in own]),
                             windows=[r["window_epochs"] for r in own], epochs_compared=len(diffs),
-                            max_param_diff=max(diffs.values(), default=float("nan")),
+                            max_param_diff=worst(diffs.values()),
                             epochs_apart=[e for e, d in diffs.items() if d > SWARM_ROUNDING],
                             param_diffs={str(e): d for e, d in diffs.items()})
     result["ratio"] = result["collabopt"]["samples_per_s"] / result["hivemind"]["samples_per_s"]

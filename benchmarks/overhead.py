@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import median, spread
-from benchmarks.swarmrun import run_peers, start_bootstrap
+from benchmarks.swarmrun import compare_snapshots, param_summary, run_peers, start_bootstrap
 
 
 def epoch_rates(record: dict[str, Any], batch: int, first_epoch: int) -> dict[int, float]:
@@ -67,6 +67,7 @@ def run(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
     cpu_ratios: list[float] = []
     rates: dict[str, list[float]] = {"hivemind": [], "collabopt": []}
     cpu: dict[str, list[float]] = {"hivemind": [], "collabopt": []}
+    apart: dict[str, dict[str, float]] = {"hivemind": {}, "collabopt": {}}  # {session.epoch: max difference}
     try:
         for session in range(cfg["sessions"]):
             configs = []
@@ -81,7 +82,8 @@ def run(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
                             max_seconds=cfg["max_seconds"],
                             # the same config on both sides, spelled out: hivemind's default background averaging
                             options=dict(delay_state_averaging=True))
-                configs += [dict(peer, seed=s) for s in range(peers)]
+                configs += [dict(peer, seed=s, snapshots=str(workdir / f"b1_{session}_{impl}_{s}"))
+                            for s in range(peers)]
             records = run_peers(workdir, f"b1_{session}", configs, timeout=cfg["max_seconds"] + 60)
             by_impl = {"hivemind": records[:peers], "collabopt": records[peers:]}
             per_epoch = {impl: swarm_rates(rs, batch, cfg["warmup_epochs"]) for impl, rs in by_impl.items()}
@@ -89,6 +91,9 @@ def run(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
             for impl in per_epoch:
                 rates[impl] += per_epoch[impl][:n]
                 cpu[impl].append(cpu_per_sample(by_impl[impl], batch))
+            for impl in apart:
+                diffs = compare_snapshots(workdir, [f"b1_{session}_{impl}_{s}" for s in range(peers)])
+                apart[impl].update({f"{session}.{epoch}": d for epoch, d in diffs.items()})
             ratios += [c / h for c, h in zip(per_epoch["collabopt"][:n], per_epoch["hivemind"][:n], strict=True)]
             cpu_ratios.append(cpu["collabopt"][-1] / cpu["hivemind"][-1])
     finally:
@@ -100,4 +105,5 @@ def run(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
                 collabopt_samples_per_s=median(rates["collabopt"]),
                 cpu_ratio=median(cpu_ratios), cpu_ratio_range=spread(cpu_ratios),
                 hivemind_cpu_ms_per_sample=1000 * median(cpu["hivemind"]),
-                collabopt_cpu_ms_per_sample=1000 * median(cpu["collabopt"]))
+                collabopt_cpu_ms_per_sample=1000 * median(cpu["collabopt"]),
+                **{f"{impl}_{key}": value for impl in apart for key, value in param_summary(apart[impl]).items()})

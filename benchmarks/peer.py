@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import make_mlp, write_json
+from benchmarks.swarmrun import save_snapshot
 
 
 def compression_options(name: str | None, rank: int = 32) -> dict[str, Any]:
@@ -356,6 +357,8 @@ def main(config_path: str) -> None:
                                        group_size=outcome.group_size, num_peers=outcome.num_peers))
             if hm.local_epoch != epoch_before:
                 epochs.append((t1, hm.local_epoch))
+                if cfg.get("snapshots"):  # its parameters at each epoch it reached, compared across peers
+                    save_snapshot(cfg["snapshots"], hm.local_epoch, params)
                 if not window and hm.local_epoch >= warmup_epochs:
                     window.append(t1)
                     window_epoch.append(hm.local_epoch)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, machine_info, run_module
+from benchmarks.results_plot import plot
 
 RESULTS = ROOT / "benchmarks" / "results"
 GOALS = {"b1": 0.99, "b2": 1.02, "b3_bound": 0.9, "b3_util": 0.95, "b5_idle": 0.05}
@@ -118,6 +119,12 @@ def _fmt_share(value: float | None) -> str:
     return "" if value is None else f"{value:.2%}"
 
 
+def _apart(r: dict[str, Any], prefix: str = "") -> str:
+    """A swarm's largest parameter difference between peers and over how many common epochs (see swarmrun)."""
+    diff = r.get(prefix + "max_param_diff", float("nan"))
+    return f"{'-' if diff != diff else f'{diff:.3g}'} ({r.get(prefix + 'epochs_compared', 0)})"
+
+
 def _verdict(ok: bool | None) -> str:
     return "" if ok is None else ("met" if ok else "**missed**")
 
@@ -157,6 +164,8 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{r['ratio']:.3f} | {r['ratio_range']} | ≥ {GOALS['b1']} {_verdict(r['ratio'] >= GOALS['b1'])} |",
                 f"| CPU ms / sample | {_fmt(r['hivemind_cpu_ms_per_sample'], 3)} | "
                 f"{_fmt(r['collabopt_cpu_ms_per_sample'], 3)} | {_fmt(r['cpu_ratio'])} | {r['cpu_ratio_range']} | |",
+                f"| max parameter difference between peers at a common epoch | {_apart(r, 'hivemind_')} | "
+                f"{_apart(r, 'collabopt_')} | | | collabopt ≤ 1e-06 |",
                 "",
             ]
     if "b2" in results:
@@ -251,12 +260,12 @@ def b5_markdown(r: dict[str, Any], c: dict[str, Any]) -> list[str]:
         "after its search began). Skew: spread of the peers' arrival at the boundary.",
         "",
         "| peers | mode | epoch s | idle s / epoch | range | idle share | lead s | wait for grads s | "
-        "step + state s | skew s | goal |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "step + state s | skew s | peers apart (epochs) | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r.get("rows", []):
         if "error" in row:
-            lines.append(f"| {row['peers']} | {row['variant']} | failed: {row['error']} | | | | | | | | |")
+            lines.append(f"| {row['peers']} | {row['variant']} | failed: {row['error']} | | | | | | | | | |")
             continue
         goal = ""
         if row["variant"] == "default":
@@ -266,85 +275,8 @@ def b5_markdown(r: dict[str, Any], c: dict[str, Any]) -> list[str]:
             f"| {row['peers']} | {mode} | {row['epoch_s']:.1f} | {row['idle_per_epoch_s']:.2f} | "
             f"{row['idle_per_epoch_range']} | {row['idle_share']:.1%} | {_fmt(row['lead_s'], 2)} | "
             f"{_fmt(row['wait_grads_s'], 2)} | {_fmt(row['step_state_s'], 2)} | {_fmt(row['arrival_skew_s'], 2)} | "
-            f"{goal} |")
+            f"{_apart(row)} | {goal} |")
     return lines + [""]
-
-
-def plot(results: dict[str, Any], path: Path) -> bool:
-    """Bar charts of the four benchmarks into ``path``; returns False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, axes = plt.subplots(2, 3, figsize=(18, 9))
-    (ax1, ax2, ax5), (ax3, ax4, ax6) = axes
-    ax6.set_axis_off()
-
-    def bars(ax: Any, labels: list[str], values: list[float], title: str, goal: float | None = None,
-             ylabel: str = "") -> None:
-        ax.bar(range(len(values)), values, color="#4c72b0")
-        ax.set_xticks(range(len(values)), labels, rotation=30, ha="right", fontsize=8)
-        ax.set_title(title, fontsize=10)
-        ax.set_ylabel(ylabel, fontsize=9)
-        if goal is not None:
-            ax.axhline(goal, color="#c44e52", linestyle="--", linewidth=1, label=f"goal {goal}")
-            ax.legend(fontsize=8)
-
-    def empty(ax: Any, title: str, text: str) -> None:
-        ax.set_title(title, fontsize=10)
-        ax.text(0.5, 0.5, text[:80], ha="center", va="center", fontsize=9, wrap=True)
-        ax.set_axis_off()
-
-    b1 = results.get("b1")
-    if b1 and "ratio" in b1:
-        bars(ax1, ["hivemind", "collabopt"], [1.0, b1["ratio"]], "B1 swarm samples/s (relative to hivemind)",
-             GOALS["b1"])
-    else:
-        empty(ax1, "B1", (b1 or {}).get("error", "not run"))
-    b2 = results.get("b2")
-    if b2 and "rows" in b2:
-        bars(ax2, [r["variant"] for r in b2["rows"]], [r["ratio"] for r in b2["rows"]],
-             "B2 local step time / plain torch", GOALS["b2"])
-    else:
-        empty(ax2, "B2", (b2 or {}).get("error", "not run"))
-    b3 = results.get("b3")
-    rows = [r for r in (b3 or {}).get("rows", []) if "error" not in r]
-    if rows:
-        labels = [f"{r['peers']}p {r['mbit']}M {r['variant']}" + (" (hivemind)" if r.get("impl") == "hivemind" else "")
-                  for r in rows]
-        x = range(len(rows))
-        ax3.bar([i - 0.2 for i in x], [r["utilization"] for r in rows], width=0.4, label="compute utilization")
-        ax3.bar([i + 0.2 for i in x], [r["bound_over_allreduce"] for r in rows], width=0.4,
-                label="bound / all-reduce time")
-        ax3.set_xticks(list(x), labels, rotation=35, ha="right", fontsize=7)
-        ax3.axhline(GOALS["b3_util"], color="#c44e52", linestyle="--", linewidth=1)
-        ax3.set_title("B3 WAN (tc tbf links)", fontsize=10)
-        ax3.legend(fontsize=8)
-    else:
-        empty(ax3, "B3", (b3 or {}).get("skipped") or (b3 or {}).get("error", "not run"))
-    b4 = results.get("b4")
-    if b4 and "rows" in b4:
-        bars(ax4, [r["mode"] for r in b4["rows"]], [r["extra_over_params"] for r in b4["rows"]],
-             "B4 extra tensor bytes / parameter bytes", ylabel="× parameter bytes")
-    else:
-        empty(ax4, "B4", (b4 or {}).get("error", "not run"))
-    b5 = results.get("b5")
-    rows5 = [r for r in (b5 or {}).get("rows", []) if "error" not in r]
-    if rows5:
-        bars(ax5, [f"{r['peers']}p {r['epoch_factor']:g}x {r['variant']}" for r in rows5],
-             [r["idle_share"] for r in rows5], "B5 idle share of wall time at epoch boundaries", GOALS["b5_idle"])
-    else:
-        empty(ax5, "B5", (b5 or {}).get("error", "not run"))
-    m = results["machine"]
-    fig.suptitle(f"collabopt {m['collabopt']} vs hivemind {m['hivemind']} / torch {m['torch']} — {m['date_utc']}, "
-                 f"{m['cpus']} CPUs" + (" (quick run)" if results["quick"] else ""), fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
 
 
 def write_report(results: dict[str, Any], out: Path) -> list[Path]:
@@ -353,7 +285,7 @@ def write_report(results: dict[str, Any], out: Path) -> list[Path]:
     paths = [out / "results.json", out / "results.md"]
     paths[0].write_text(json.dumps(results, indent=1))
     paths[1].write_text(markdown(results))
-    if plot(results, out / "results.png"):
+    if plot(results, out / "results.png", GOALS):
         paths.append(out / "results.png")
     return paths
 

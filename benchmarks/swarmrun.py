@@ -77,6 +77,54 @@ def let_exit(procs: list[Process], seconds: float) -> None:
         time.sleep(0.5)
 
 
+def save_snapshot(prefix: str, epoch: int, params: list[Any]) -> None:
+    """Write a peer's parameters (flattened, in order) as ``<prefix>_e<epoch>.pt``: the runner compares the peers'
+    files at every epoch they all saved (:func:`parameter_differences`)."""
+    import torch
+
+    torch.save(torch.cat([p.detach().reshape(-1) for p in params]), f"{prefix}_e{epoch}.pt")
+
+
+def snapshot_paths(workdir: Path, prefix: str) -> dict[int, Path]:
+    """{epoch: file} of the snapshots :func:`save_snapshot` wrote under ``workdir`` for ``prefix`` (a file name)."""
+    return {int(p.stem.rsplit("_e", 1)[1]): p for p in workdir.glob(f"{prefix}_e*.pt")}
+
+
+def parameter_differences(paths: list[dict[int, Path]]) -> dict[int, float]:
+    """{epoch: max |difference| between the peers' saved parameters} at every epoch all peers saved; NaN where a
+    peer's parameters hold a NaN (:func:`worst`)."""
+    import torch
+
+    common = sorted(set.intersection(*(set(p) for p in paths)))
+    diffs = {}
+    for epoch in common:
+        tensors = [torch.load(p[epoch]) for p in paths]
+        diffs[epoch] = worst(float((t - tensors[0]).abs().max()) for t in tensors[1:]) if len(tensors) > 1 else 0.0
+    return diffs
+
+
+def compare_snapshots(workdir: Path, prefixes: list[str]) -> dict[Any, float]:
+    """:func:`parameter_differences` of the peers that saved snapshots as ``prefixes``; their files are removed."""
+    files = [snapshot_paths(workdir, prefix) for prefix in prefixes]
+    diffs = parameter_differences(files)
+    for path in (path for paths in files for path in paths.values()):
+        path.unlink()
+    return diffs
+
+
+def worst(values: Any) -> float:
+    """The largest of ``values``; NaN if one is NaN (Python's max() keeps the running value against it) or if there
+    is none."""
+    values = list(values)
+    return float("nan") if not values or any(v != v for v in values) else max(values)
+
+
+def param_summary(diffs: dict[Any, float]) -> dict[str, Any]:
+    """The largest parameter difference between a swarm's peers over the epochs they all reached (:func:`worst`)
+    and how many epochs were compared."""
+    return dict(max_param_diff=worst(diffs.values()), epochs_compared=len(diffs))
+
+
 def measured_window(record: dict[str, Any], warmup_epochs: int) -> tuple[float, float]:
     """(start, end) wall times of a peer's measured window: from its first epoch >= warmup to its last step."""
     if len(record["window"]) != 2:

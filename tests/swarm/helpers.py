@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -176,8 +177,15 @@ def finish(procs: dict[str, processes.Process], timeout: float) -> None:
     assert not failed, "\n".join(logs)
 
 
+def largest(values: Iterable[float]) -> float:
+    """max() that a NaN cannot hide: Python's max() keeps its running value against a NaN met later."""
+    values = list(values)
+    return math.nan if any(v != v for v in values) else max(values)
+
+
 def max_param_diff(a: dict, b: dict) -> float:
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    """The largest difference between two peers' parameters; NaN if either holds a NaN (no tolerance passes it)."""
+    return largest(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
 def rounds_log(tmp_path: Path, name: str, lines: int = 30) -> str:
@@ -267,5 +275,5 @@ def diffs_at_common_epochs(tmp_path: Path, names: list[str] | tuple[str, ...], s
     skip = set().union(*(results[name].get("downloaded_epochs", ()) for name in names)) if results else set()
     common = sorted(set.intersection(*(set(p) for p in params.values())) - skip)
     first = params[names[0]]
-    return {epoch: max(diff(first[epoch], params[name][epoch]) for name in names[1:])
+    return {epoch: largest(diff(first[epoch], params[name][epoch]) for name in names[1:])
             for epoch in common if epoch >= since}

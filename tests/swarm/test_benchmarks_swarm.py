@@ -7,14 +7,15 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, SWARM_ROUNDING
 
 
 @pytest.mark.swarm
 def test_quick_run_writes_every_table(tmp_path, monkeypatch):
     """B1 (two swarms side by side), B2, B4 and B5 (boundary idle time, default and overlap) at tiny sizes through
     the real runner, in one run (the quick run runs them at once): every row is measured from the peers' records and
-    hivemind's status lines (no timing asserted). B3 and B6 need network namespaces; their tables are checked in
+    hivemind's status lines (no timing asserted), and collabopt's peers hold the same parameters at every epoch they
+    all reached. B3 and B6 need network namespaces; their tables are checked in
     tests/unit."""
     out = tmp_path / "results"
     monkeypatch.setenv("COLLABOPT_BENCHMARK_FORK", "1")  # its processes forked from a launcher
@@ -27,6 +28,9 @@ def test_quick_run_writes_every_table(tmp_path, monkeypatch):
     results = json.loads((out / "results.json").read_text())
     b1 = results["b1"]
     assert b1["rounds"] >= 1 and len(b1["round_ratios"]) == b1["rounds"]
+    # collabopt's peers (background parameter averaging) hold the same parameters at every epoch both reached
+    assert b1["collabopt_epochs_compared"] >= 1 and b1["collabopt_max_param_diff"] <= SWARM_ROUNDING, b1
+    assert b1["hivemind_epochs_compared"] >= 1, b1  # (raw hivemind's: reported, not asserted)
     assert b1["hivemind_cpu_ms_per_sample"] > 0 and b1["collabopt_cpu_ms_per_sample"] > 0
     assert [row["variant"] for row in results["b2"]["rows"]][0] == "plain torch"
     assert all(row["local_steps"] > 0 for row in results["b2"]["rows"])
@@ -36,7 +40,8 @@ def test_quick_run_writes_every_table(tmp_path, monkeypatch):
     for row in rows.values():
         assert "error" not in row and row["epochs"] >= 1 and 0 <= row["idle_share"] < 1
         assert row["lead_s"] == row["lead_s"]  # the status lines were captured: a pre-scheduled gradient round
+        assert row["epochs_compared"] >= 1 and row["max_param_diff"] <= SWARM_ROUNDING, row
     assert rows["default"]["boundary_s"] > 0  # foreground averaging inside the boundary step
     text = (out / "results.md").read_text()
-    for table in ("## B1", "## B2", "## B4", "## B5", "CPU ms / sample", "torch"):
+    for table in ("## B1", "## B2", "## B4", "## B5", "CPU ms / sample", "torch", "at a common epoch", "peers apart"):
         assert table in text, table

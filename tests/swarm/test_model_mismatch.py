@@ -17,6 +17,7 @@ from helpers import (
     diffs_at_common_epochs,
     finish,
     finish_line,
+    largest,
     max_param_diff,
     read_params,
     read_result,
@@ -63,7 +64,7 @@ def test_a_peer_of_another_model_stops_before_its_first_contribution_and_the_swa
     for name, proc in procs.items():
         assert "Traceback" not in proc.log(), f"{name}:\n{proc.log()[-4000:]}"
     diffs = diffs_at_common_epochs(tmp_path, ["a", "b"], results=results)
-    assert diffs and max(diffs.values()) <= SWARM_ROUNDING, diffs
+    assert diffs and largest(diffs.values()) <= SWARM_ROUNDING, diffs
     params = {name: read_params(tmp_path, name) for name in "ab"}
     assert all(tuple(params[name]["0.weight"].shape) == (64, 16) for name in "ab")
 
@@ -111,4 +112,4 @@ def test_peers_that_start_together_with_another_model_than_most_stop_before_thei
                  for epoch in sorted(set(after["a"]) & set(after["b"]))}
     else:
         diffs = diffs_at_common_epochs(tmp_path, ["a", "b"], results=results)
-    assert diffs and max(diffs.values()) <= SWARM_ROUNDING, diffs
+    assert diffs and largest(diffs.values()) <= SWARM_ROUNDING, diffs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks import defaults
+from benchmarks import defaults, swarmrun
 
 
 def test_window_rate_counts_the_steps_inside_whole_epochs():
@@ -23,7 +23,21 @@ def test_parameter_differences_compare_every_common_epoch(tmp_path):
         b[epoch] = tmp_path / f"b_{epoch}.pt"
         torch.save(torch.ones(4) + torch.tensor([0.0, -delta, 0.0, 0.0]), b[epoch])
     a[4] = a[3]  # reached by one peer only: not compared
-    assert defaults.parameter_differences([a, b]) == {1: 0.0, 2: 0.5, 3: 0.0}
+    assert swarmrun.parameter_differences([a, b]) == {1: 0.0, 2: 0.5, 3: 0.0}
+
+
+def test_a_peer_holding_nan_is_apart_whatever_the_order(tmp_path):
+    # the snapshots a peer writes, read back by epoch; among 3 peers, a NaN on either of the others is NaN apart
+    # (Python's max() over [0.5, nan] keeps 0.5)
+    values = {"a": [1.0, 1.0], "b": [1.0, 1.5], "c": [1.0, float("nan")]}
+    for name, row in values.items():
+        swarmrun.save_snapshot(str(tmp_path / name), 7, [torch.tensor(row[:1]), torch.tensor(row[1:])])
+    paths = {name: swarmrun.snapshot_paths(tmp_path, name) for name in values}
+    assert paths["a"] == {7: tmp_path / "a_e7.pt"}
+    for order in (["a", "b", "c"], ["a", "c", "b"], ["c", "a", "b"]):
+        diffs = swarmrun.parameter_differences([paths[n] for n in order])
+        assert list(diffs) == [7] and diffs[7] != diffs[7], order
+    assert swarmrun.parameter_differences([paths["a"], paths["b"]]) == {7: 0.5}
 
 
 def test_summary_needs_every_session_at_or_above_the_goal_and_peers_equal():

@@ -20,7 +20,7 @@ def canned_results() -> dict:
                   epoch_compute_s=5.0)
     b5_row = dict(case="e", peers=3, variant="default", experiments=[], epoch_factor=4, epoch_s=6.1,
                   idle_per_epoch_s=1.8, idle_per_epoch_range="1.8..1.9", idle_share=0.3, lead_s=1.2,
-                  wait_grads_s=0.3, step_state_s=1.1, arrival_skew_s=0.25)
+                  wait_grads_s=0.3, step_state_s=1.1, arrival_skew_s=0.25, max_param_diff=2.5e-07, epochs_compared=2)
     return dict(
         machine=machine, quick=False,
         config=dict(b1=dict(params=1, batch=2, compute_seconds=0.05, epoch_seconds=3, sessions=1),
@@ -29,7 +29,8 @@ def canned_results() -> dict:
                             warmup_epochs=1)),
         b1=dict(ratio=1.0, ratio_range="1.0..1.0", target_batch_size=64, rounds=2, hivemind_samples_per_s=10.0,
                 collabopt_samples_per_s=10.0, cpu_ratio=1.01, cpu_ratio_range="1.0..1.02",
-                hivemind_cpu_ms_per_sample=0.5, collabopt_cpu_ms_per_sample=0.505),
+                hivemind_cpu_ms_per_sample=0.5, collabopt_cpu_ms_per_sample=0.505, hivemind_max_param_diff=0.5,
+                hivemind_epochs_compared=3, collabopt_max_param_diff=0.0, collabopt_epochs_compared=3),
         b2=dict(params=10, batch=2, steps_per_epoch=4, steps_per_round=8, rounds=2,
                 rows=[dict(variant="plain torch", ratio=1.0, ratio_range="1..1", cpu_ratio=1.0, ms_per_step=1.0),
                       dict(variant="collabopt", ratio=1.1, ratio_range="1..1.2", cpu_ratio=1.05, ms_per_step=1.1)]),
@@ -44,7 +45,9 @@ def test_report_has_every_section_and_a_plot(tmp_path):
     paths = run.write_report(canned_results(), tmp_path)
     text = (tmp_path / "results.md").read_text()
     for heading in ("## B1", "## B2", "## B3", "## B4", "## B5", "hivemind 1.1.12", "failed: boom", "failed: bang",
-                    "| 3 | default | 6.1 | 1.80 |", "overlap + prescheduled_state", "**missed**", "CPU ms / sample"):
+                    "| 3 | default | 6.1 | 1.80 |", "overlap + prescheduled_state", "**missed**", "CPU ms / sample",
+                    # the peers' largest parameter difference (over how many common epochs), per swarm
+                    "at a common epoch | 0.5 (3) | 0 (3) |", "| 0.25 | 2.5e-07 (2) |"):
         assert heading in text
     assert json.loads((tmp_path / "results.json").read_text())["b1"]["ratio"] == 1.0
     pytest.importorskip("matplotlib")
