@@ -33,7 +33,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks.common import ROOT, spawner, write_json
+from benchmarks.common import ROOT, spawner, worst, write_json
 from collabopt import processes
 
 WORKER = ROOT / "tests" / "swarm" / "peer_worker.py"
@@ -73,7 +73,7 @@ def _alive(pids: set[int]) -> list[int]:
 
 
 def _max_diff(a: dict, b: dict) -> float:
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    return worst(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
 def _diff_at_common_epoch(final_a: dict, epochs_a: dict, final_b: dict, epochs_b: dict, target: int) -> float:
@@ -213,8 +213,8 @@ def run_churn(workdir: Path, *, peers: int = 5, seconds: float = 60.0, kills: in
         peers=peers, seconds=seconds, kills=len(killed), killed=[name for name, _ in killed], restarts=restarts,
         epochs_reached=epochs_reached, target_epoch=target,
         final_epochs={names[s]: r["final_epoch"] for s, r in results.items()},
-        final_diff=max(_diff_at_common_epoch(finals["a"], history.get(names["a"], {}), finals[slot],
-                                             history.get(names[slot], {}), target) for slot in slots),
+        final_diff=worst(_diff_at_common_epoch(finals["a"], history.get(names["a"], {}), finals[slot],
+                                               history.get(names[slot], {}), target) for slot in slots),
         finite=all(math.isfinite(r["final_loss"]) for r in results.values()),
         final_loss=results["a"]["final_loss"], orphans=orphans,
     )

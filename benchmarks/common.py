@@ -12,7 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,13 @@ def spread(values: Sequence[float]) -> str:
     """``min..max`` of a sample, for the table."""
     values = [v for v in values if v == v]
     return f"{min(values):.3f}..{max(values):.3f}" if values else "-"
+
+
+def worst(values: Iterable[float]) -> float:
+    """The largest of ``values``; NaN if one is NaN (Python's max() keeps its running value against a NaN met after
+    it: a peer holding NaN would pass a tolerance) or if there is none."""
+    values = list(values)
+    return float("nan") if not values or any(v != v for v in values) else max(values)
 
 
 def make_mlp(params_target: int, width: int = 1024, in_dim: int = 256, out_dim: int = 16):

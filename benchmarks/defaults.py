@@ -41,14 +41,20 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, child_env, machine_info, make_mlp, median, num_params, write_json
-from benchmarks.swarmrun import compare_snapshots, let_exit, save_snapshot, start_bootstrap, wait_for_files, worst
+from benchmarks.common import ROOT, child_env, machine_info, make_mlp, median, num_params, worst, write_json
+from benchmarks.swarmrun import (
+    SWARM_ROUNDING,
+    compare_snapshots,
+    let_exit,
+    remove_snapshots,
+    save_snapshot,
+    start_bootstrap,
+    wait_for_files,
+)
 from collabopt.processes import Process
 
 RESULTS = ROOT / "benchmarks" / "results"
 IMPLS = ("hivemind", "collabopt")
-# tests/swarm/helpers.py: peers of a swarm agree to float rounding (hivemind's all-reduce adds `averaged - local`)
-SWARM_ROUNDING = 1e-6
 GOAL = 1.0  # collabopt's samples/s over hivemind's
 
 # target_batch_size: a collabopt epoch of about 8 s here (twice its matchmaking_time) and about 8 s of compute per
@@ -181,6 +187,7 @@ def run_session(cfg: dict[str, Any], workdir: Path, initial_peers: str, session:
                             impl=impl, run_id=run_id, seed=seed, initial_peers=initial_peers,
                             out=str(workdir / f"{tag}.json"), ready_file=str(workdir / f"{tag}.ready"),
                             go_file=str(go), stop_file=str(stop), snapshots=str(workdir / tag))
+                remove_snapshots(peer["snapshots"])  # (none of an earlier run in this folder)
                 write_json(workdir / f"{tag}.config.json", peer)
                 pin = ["taskset", "-c", ",".join(map(str, pinned[impl]))] if pinned[impl] else []
                 procs.append(Process([*pin, sys.executable, "-m", "benchmarks.defaults", "--peer",

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks import gpu_memory, gpu_step
-from benchmarks.common import ROOT, child_env, machine_info, spawner, write_json
+from benchmarks.common import ROOT, child_env, machine_info, spawner, worst, write_json
 from benchmarks.gpu_swarm import CASES, slug
 from collabopt import processes
 
@@ -127,8 +127,8 @@ def check_case(workdir: Path, case: str, results: list[dict[str, Any]], settings
         diff = float("nan")
     else:
         last = max(common)
-        diff = max(float((e[last][k].double() - epochs[0][last][k].double()).abs().max())
-                   for e in epochs[1:] for k in epochs[0][last])
+        diff = worst(float((e[last][k].double() - epochs[0][last][k].double()).abs().max())
+                     for e in epochs[1:] for k in epochs[0][last])
         row["compared_at_epoch"] = last
         if not diff <= SYNC_TOLERANCE:
             problems.append(f"peers apart by {diff:.3g} at epoch {last}")

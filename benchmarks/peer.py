@@ -357,7 +357,7 @@ def main(config_path: str) -> None:
                                        group_size=outcome.group_size, num_peers=outcome.num_peers))
             if hm.local_epoch != epoch_before:
                 epochs.append((t1, hm.local_epoch))
-                if cfg.get("snapshots"):  # its parameters at each epoch it reached, compared across peers
+                if cfg.get("snapshots") and linger_until is None:  # its parameters at each epoch, compared
                     save_snapshot(cfg["snapshots"], hm.local_epoch, params)
                 if not window and hm.local_epoch >= warmup_epochs:
                     window.append(t1)

@@ -22,6 +22,7 @@ from typing import Any
 
 from benchmarks.common import ROOT, machine_info, run_module
 from benchmarks.results_plot import plot
+from benchmarks.swarmrun import SWARM_ROUNDING
 
 RESULTS = ROOT / "benchmarks" / "results"
 GOALS = {"b1": 0.99, "b2": 1.02, "b3_bound": 0.9, "b3_util": 0.95, "b5_idle": 0.05}
@@ -121,8 +122,8 @@ def _fmt_share(value: float | None) -> str:
 
 def _apart(r: dict[str, Any], prefix: str = "") -> str:
     """A swarm's largest parameter difference between peers and over how many common epochs (see swarmrun)."""
-    diff = r.get(prefix + "max_param_diff", float("nan"))
-    return f"{'-' if diff != diff else f'{diff:.3g}'} ({r.get(prefix + 'epochs_compared', 0)})"
+    diff, compared = r.get(prefix + "max_param_diff", float("nan")), r.get(prefix + "epochs_compared", 0)
+    return f"{'-' if not compared else f'{diff:.3g}'} ({compared})"
 
 
 def _verdict(ok: bool | None) -> str:
@@ -165,7 +166,7 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| CPU ms / sample | {_fmt(r['hivemind_cpu_ms_per_sample'], 3)} | "
                 f"{_fmt(r['collabopt_cpu_ms_per_sample'], 3)} | {_fmt(r['cpu_ratio'])} | {r['cpu_ratio_range']} | |",
                 f"| max parameter difference between peers at a common epoch | {_apart(r, 'hivemind_')} | "
-                f"{_apart(r, 'collabopt_')} | | | collabopt ≤ 1e-06 |",
+                f"{_apart(r, 'collabopt_')} | | | collabopt ≤ {SWARM_ROUNDING:g} |",
                 "",
             ]
     if "b2" in results:

@@ -45,7 +45,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, machine_info, spawner, write_json
+from benchmarks.common import ROOT, machine_info, spawner, worst, write_json
 from collabopt import processes
 from collabopt.processes import Process
 
@@ -132,8 +132,8 @@ def measure(records: dict[str, dict], params: dict[str, dict], target: int) -> d
         raise RuntimeError(f"the honest peers reached no common epoch: {[r['rounds'] for r in records.values()]}")
     losses = {peer: r["held_out_losses"][str(epoch)] for peer, r in records.items()}
     names = sorted(params)
-    diff = max(float((params[a][epoch][k].double() - params[b][epoch][k].double()).abs().max())
-               for a in names for b in names if a < b for k in params[a][epoch])
+    diff = worst(float((params[a][epoch][k].double() - params[b][epoch][k].double()).abs().max())
+                 for a in names for b in names if a < b for k in params[a][epoch])
     rounds = {peer: [x for x in r["rounds"] if x["epoch"] <= epoch and x["applied"]] for peer, r in records.items()}
     return dict(epoch=epoch, held_out_losses=losses,
                 loss=statistics.mean(v if math.isfinite(v) else math.inf for v in losses.values()),
@@ -253,7 +253,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     repeat = [r["loss"] / clean for r in runs if r["name"] == "clean_repeat"]
     return dict(clean_loss=clean, clean_repeat_ratio=repeat[0] if repeat else None, rows=rows,
                 all_met=bool(rows) and all(row["met"] for row in rows),
-                max_param_diff=max(r["max_param_diff"] for r in runs))
+                max_param_diff=worst(r["max_param_diff"] for r in runs))
 
 
 def attack_name(attack: dict) -> str:

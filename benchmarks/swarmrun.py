@@ -4,12 +4,13 @@ records into figures."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, child_env, median, spawner, write_json
+from benchmarks.common import ROOT, child_env, median, spawner, worst, write_json
 from collabopt import processes
 from collabopt.processes import Process
 
@@ -31,6 +32,8 @@ def run_peers(workdir: Path, name: str, configs: list[dict[str, Any]], timeout: 
     go.unlink(missing_ok=True)
     try:
         for i, cfg in enumerate(configs):
+            if cfg.get("snapshots"):
+                remove_snapshots(cfg["snapshots"])
             out = workdir / f"{name}_{i}.json"
             out.unlink(missing_ok=True)
             ready.append(workdir / f"{name}_{i}.ready")
@@ -77,12 +80,18 @@ def let_exit(procs: list[Process], seconds: float) -> None:
         time.sleep(0.5)
 
 
+# Peers of a swarm agree to float rounding (tests/swarm/helpers.py; hivemind's all-reduce adds `averaged - local`)
+SWARM_ROUNDING = 1e-6
+
+
 def save_snapshot(prefix: str, epoch: int, params: list[Any]) -> None:
     """Write a peer's parameters (flattened, in order) as ``<prefix>_e<epoch>.pt``: the runner compares the peers'
-    files at every epoch they all saved (:func:`parameter_differences`)."""
+    files at every epoch they all saved (:func:`parameter_differences`). Written whole or not at all (the runner
+    kills the peers once their records are in, maybe during a write)."""
     import torch
 
-    torch.save(torch.cat([p.detach().reshape(-1) for p in params]), f"{prefix}_e{epoch}.pt")
+    torch.save(torch.cat([p.detach().reshape(-1) for p in params]), f"{prefix}_e{epoch}.pt.tmp")
+    os.replace(f"{prefix}_e{epoch}.pt.tmp", f"{prefix}_e{epoch}.pt")
 
 
 def snapshot_paths(workdir: Path, prefix: str) -> dict[int, Path]:
@@ -103,20 +112,20 @@ def parameter_differences(paths: list[dict[int, Path]]) -> dict[int, float]:
     return diffs
 
 
-def compare_snapshots(workdir: Path, prefixes: list[str]) -> dict[Any, float]:
+def remove_snapshots(prefix: str) -> None:
+    """Remove the snapshots (and any half-written one) :func:`save_snapshot` wrote as ``prefix`` (a path): before a
+    run (:func:`run_peers`), so that none of an earlier run in the same folder is compared, and after it."""
+    for path in Path(prefix).parent.glob(f"{Path(prefix).name}_e*.pt*"):
+        path.unlink(missing_ok=True)
+
+
+def compare_snapshots(workdir: Path, prefixes: list[str]) -> dict[int, float]:
     """:func:`parameter_differences` of the peers that saved snapshots as ``prefixes``; their files are removed."""
-    files = [snapshot_paths(workdir, prefix) for prefix in prefixes]
-    diffs = parameter_differences(files)
-    for path in (path for paths in files for path in paths.values()):
-        path.unlink()
-    return diffs
-
-
-def worst(values: Any) -> float:
-    """The largest of ``values``; NaN if one is NaN (Python's max() keeps the running value against it) or if there
-    is none."""
-    values = list(values)
-    return float("nan") if not values or any(v != v for v in values) else max(values)
+    try:
+        return parameter_differences([snapshot_paths(workdir, prefix) for prefix in prefixes])
+    finally:
+        for prefix in prefixes:
+            remove_snapshots(str(workdir / prefix))
 
 
 def param_summary(diffs: dict[Any, float]) -> dict[str, Any]:

@@ -38,6 +38,17 @@ def test_a_peer_holding_nan_is_apart_whatever_the_order(tmp_path):
         diffs = swarmrun.parameter_differences([paths[n] for n in order])
         assert list(diffs) == [7] and diffs[7] != diffs[7], order
     assert swarmrun.parameter_differences([paths["a"], paths["b"]]) == {7: 0.5}
+    assert not list(tmp_path.glob("*.tmp"))  # (written whole, then renamed)
+
+
+def test_snapshots_of_a_peer_are_removed_before_a_run_and_after_the_comparison(tmp_path):
+    for name in ("p_e1.pt", "p_e2.pt.tmp", "p_1_e1.pt", "q_e1.pt"):  # (a half-written one; another peer's)
+        torch.save(torch.ones(2), tmp_path / name)
+    swarmrun.remove_snapshots(str(tmp_path / "p"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p_1_e1.pt", "q_e1.pt"]
+    swarmrun.save_snapshot(str(tmp_path / "p"), 1, [torch.ones(2)])
+    assert swarmrun.compare_snapshots(tmp_path, ["p", "q"]) == {1: 0.0}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p_1_e1.pt"]
 
 
 def test_summary_needs_every_session_at_or_above_the_goal_and_peers_equal():

@@ -29,7 +29,7 @@ def canned_results() -> dict:
                             warmup_epochs=1)),
         b1=dict(ratio=1.0, ratio_range="1.0..1.0", target_batch_size=64, rounds=2, hivemind_samples_per_s=10.0,
                 collabopt_samples_per_s=10.0, cpu_ratio=1.01, cpu_ratio_range="1.0..1.02",
-                hivemind_cpu_ms_per_sample=0.5, collabopt_cpu_ms_per_sample=0.505, hivemind_max_param_diff=0.5,
+                hivemind_cpu_ms_per_sample=0.5, collabopt_cpu_ms_per_sample=0.505, hivemind_max_param_diff=float("nan"),
                 hivemind_epochs_compared=3, collabopt_max_param_diff=0.0, collabopt_epochs_compared=3),
         b2=dict(params=10, batch=2, steps_per_epoch=4, steps_per_round=8, rounds=2,
                 rows=[dict(variant="plain torch", ratio=1.0, ratio_range="1..1", cpu_ratio=1.0, ms_per_step=1.0),
@@ -47,9 +47,11 @@ def test_report_has_every_section_and_a_plot(tmp_path):
     for heading in ("## B1", "## B2", "## B3", "## B4", "## B5", "hivemind 1.1.12", "failed: boom", "failed: bang",
                     "| 3 | default | 6.1 | 1.80 |", "overlap + prescheduled_state", "**missed**", "CPU ms / sample",
                     # the peers' largest parameter difference (over how many common epochs), per swarm
-                    "at a common epoch | 0.5 (3) | 0 (3) |", "| 0.25 | 2.5e-07 (2) |"):
+                    "at a common epoch | nan (3) | 0 (3) |", "| 0.25 | 2.5e-07 (2) |"):
         assert heading in text
     assert json.loads((tmp_path / "results.json").read_text())["b1"]["ratio"] == 1.0
+    assert "| - (0) |" in run.markdown(dict(canned_results(), b5=dict(rows=[dict(canned_results()["b5"]["rows"][0],
+                                                                               epochs_compared=0)])))
     pytest.importorskip("matplotlib")
     assert tmp_path / "results.png" in paths and (tmp_path / "results.png").stat().st_size > 1000
 
