@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import median, spread
-from benchmarks.swarmrun import compare_snapshots, param_summary, run_peers, start_bootstrap
+from benchmarks.swarmrun import compare_snapshots, param_summary, rounds_not_averaged, run_peers, start_bootstrap
 
 OVERLAP = {"offload_optimizer": True, "delay_optimizer_step": True, "delay_grad_averaging": True,
            "delay_state_averaging": True}
@@ -132,7 +132,8 @@ def run_case(workdir: Path, bootstrap_peers: str, n: int, variant: str, factor: 
                 max_seconds=cfg["max_seconds"], linger_seconds=min(epoch_seconds, 10.0))
     configs = [dict(peer, seed=i, snapshots=str(workdir / f"{name}_{i}")) for i in range(n)]
     records = run_peers(workdir, name, configs, timeout=cfg["max_seconds"] + 60)
-    apart = param_summary(compare_snapshots(workdir, [f"{name}_{i}" for i in range(n)]))
+    apart = dict(param_summary(compare_snapshots(workdir, [f"{name}_{i}" for i in range(n)])),
+                 rounds_not_averaged=rounds_not_averaged(records))
     idles = [peer_idle(r, cfg["warmup_epochs"]) for r in records]
     splits = [boundary_split(r, *r["window"]) for r in records]
     start = max(r["window"][0] for r in records)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import median, spread
-from benchmarks.swarmrun import compare_snapshots, param_summary, run_peers, start_bootstrap
+from benchmarks.swarmrun import compare_snapshots, param_summary, rounds_not_averaged, run_peers, start_bootstrap
 
 
 def epoch_rates(record: dict[str, Any], batch: int, first_epoch: int) -> dict[int, float]:
@@ -68,6 +68,7 @@ def run(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
     rates: dict[str, list[float]] = {"hivemind": [], "collabopt": []}
     cpu: dict[str, list[float]] = {"hivemind": [], "collabopt": []}
     apart: dict[str, dict[str, float]] = {"hivemind": {}, "collabopt": {}}  # {session.epoch: max difference}
+    not_averaged = 0  # collabopt's rounds whose update was not the swarm's average (its peers step apart)
     try:
         for session in range(cfg["sessions"]):
             configs = []
@@ -94,6 +95,7 @@ def run(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
             for impl in apart:
                 diffs = compare_snapshots(workdir, [f"b1_{session}_{impl}_{s}" for s in range(peers)])
                 apart[impl].update({f"{session}.{epoch}": d for epoch, d in diffs.items()})
+            not_averaged += rounds_not_averaged(by_impl["collabopt"])
             ratios += [c / h for c, h in zip(per_epoch["collabopt"][:n], per_epoch["hivemind"][:n], strict=True)]
             cpu_ratios.append(cpu["collabopt"][-1] / cpu["hivemind"][-1])
     finally:
@@ -106,4 +108,5 @@ def run(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
                 cpu_ratio=median(cpu_ratios), cpu_ratio_range=spread(cpu_ratios),
                 hivemind_cpu_ms_per_sample=1000 * median(cpu["hivemind"]),
                 collabopt_cpu_ms_per_sample=1000 * median(cpu["collabopt"]),
+                collabopt_rounds_not_averaged=not_averaged,
                 **{f"{impl}_{key}": value for impl in apart for key, value in param_summary(apart[impl]).items()})

@@ -134,6 +134,13 @@ def param_summary(diffs: dict[Any, float]) -> dict[str, Any]:
     return dict(max_param_diff=worst(diffs.values()), epochs_compared=len(diffs))
 
 
+def rounds_not_averaged(records: list[dict[str, Any]]) -> int:
+    """The gradient rounds of collabopt peers (their records' ``rounds``) whose update was not the whole swarm's
+    average ("no group", "alone", "partial", ...): after one, the peers step apart and are not expected equal."""
+    return sum(1 for record in records for outcome in record.get("rounds", ())
+               if outcome["reason"] != "averaged" or outcome["group_size"] < len(records))
+
+
 def measured_window(record: dict[str, Any], warmup_epochs: int) -> tuple[float, float]:
     """(start, end) wall times of a peer's measured window: from its first epoch >= warmup to its last step."""
     if len(record["window"]) != 2:

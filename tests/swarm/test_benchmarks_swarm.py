@@ -28,8 +28,11 @@ def test_quick_run_writes_every_table(tmp_path, monkeypatch):
     results = json.loads((out / "results.json").read_text())
     b1 = results["b1"]
     assert b1["rounds"] >= 1 and len(b1["round_ratios"]) == b1["rounds"]
-    # collabopt's peers (background parameter averaging) hold the same parameters at every epoch both reached
-    assert b1["collabopt_epochs_compared"] >= 1 and b1["collabopt_max_param_diff"] <= SWARM_ROUNDING, b1
+    # collabopt's peers (background parameter averaging) hold the same parameters at every epoch both reached, unless
+    # a round's update was not the swarm's average (a round that found no group on a loaded machine: each peer
+    # stepped with its own gradients)
+    assert b1["collabopt_epochs_compared"] >= 1, b1
+    assert b1["collabopt_rounds_not_averaged"] or b1["collabopt_max_param_diff"] <= SWARM_ROUNDING, b1
     assert b1["hivemind_epochs_compared"] >= 1, b1  # (raw hivemind's: reported, not asserted)
     assert b1["hivemind_cpu_ms_per_sample"] > 0 and b1["collabopt_cpu_ms_per_sample"] > 0
     assert [row["variant"] for row in results["b2"]["rows"]][0] == "plain torch"
@@ -40,7 +43,8 @@ def test_quick_run_writes_every_table(tmp_path, monkeypatch):
     for row in rows.values():
         assert "error" not in row and row["epochs"] >= 1 and 0 <= row["idle_share"] < 1
         assert row["lead_s"] == row["lead_s"]  # the status lines were captured: a pre-scheduled gradient round
-        assert row["epochs_compared"] >= 1 and row["max_param_diff"] <= SWARM_ROUNDING, row
+        assert row["epochs_compared"] >= 1, row
+        assert row["rounds_not_averaged"] or row["max_param_diff"] <= SWARM_ROUNDING, row
     assert rows["default"]["boundary_s"] > 0  # foreground averaging inside the boundary step
     text = (out / "results.md").read_text()
     for table in ("## B1", "## B2", "## B4", "## B5", "CPU ms / sample", "torch", "at a common epoch", "peers apart"):

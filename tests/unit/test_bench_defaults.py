@@ -74,3 +74,12 @@ def test_report_names_host_load_commit_and_settings():
     assert "`h`" in text and "load 2.5" in text and "`abc1234` plus uncommitted changes to collabopt/x.py" in text
     assert "| 1 | 1000 | 1100 | 1.100 |" in text and "Median ratio **1.100**" in text
     assert f"target_batch_size` = {defaults.QUICK['target_batch_size']:,}" in text
+
+
+def test_rounds_not_averaged_counts_what_was_not_the_whole_swarm_s_average():
+    full = dict(reason="averaged", group_size=2)
+    alone = dict(reason="no group", group_size=1)
+    records = [dict(rounds=[full, alone]), dict(rounds=[full, dict(full, group_size=1)])]
+    assert swarmrun.rounds_not_averaged(records) == 2
+    assert swarmrun.rounds_not_averaged([dict(rounds=[full]), dict(rounds=[full]), dict()]) == 2  # (groups of 2 of 3)
+    assert swarmrun.rounds_not_averaged([dict(rounds=[full]), dict(rounds=[full])]) == 0
