@@ -201,7 +201,7 @@ def _hivemind_options(v: Mapping[str, Any]) -> Broken | None:
         if name in v and not compat.check_compression(v[name]):
             return Broken(name, f"expected a hivemind compression instance, got {type(v[name]).__name__}",
                           [{name: Float16Compression()}], example=True,
-                          note="or another one, e.g. hivemind.Uniform8BitQuantization()")
+                          note="or another one, e.g. hivemind.compression.Uniform8BitQuantization()")
     averager_opts = v.get("averager_opts")
     if averager_opts is not None and not isinstance(averager_opts, dict):
         return Broken("averager_opts", f"expected a dict, got {type(averager_opts).__name__}",
