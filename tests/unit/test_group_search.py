@@ -394,17 +394,25 @@ class QuietDHT:
         return None
 
 
+# join_a_busy_leader's leader: its request timeout and the length of its search. Seconds, not tenths: an acceptance
+# within half the request timeout must stay within it when the test process stalls (a loaded 2-core machine stalled
+# one past 0.2 s, where the lock was held 0.05 s)
+BUSY_LEADER_REQUEST_TIMEOUT, BUSY_LEADER_SEARCH = 2.0, 2.5
+
+
 def join_a_busy_leader(busy: float, gate: bool = True):
     """What BOB's join request gets from a leader (ALICE, hivemind's matchmaking in collabopt's gate, groups of 2,
-    request timeout 0.4 s, a search of 1 s) whose lock is held ``busy`` seconds as it comes (as while the leader asks
-    a leader itself), and the group ALICE's search returned (None: none)."""
+    request timeout and search above) whose lock is held ``busy`` seconds as it comes (as while the leader asks a
+    leader itself), and the group ALICE's search returned (None: none)."""
     async def go():
         node = QuietDHT(ALICE)
         matchmaking = RoundMatchmaking(
             node, b"schema", node, servicer_type=LateLeader, prefix="run", target_group_size=2, min_group_size=2,
-            min_matchmaking_time=1.0, request_timeout=0.4, client_mode=False, patience=0.0)
+            min_matchmaking_time=BUSY_LEADER_SEARCH, request_timeout=BUSY_LEADER_REQUEST_TIMEOUT, client_mode=False,
+            patience=0.0)
+        end = get_dht_time() + BUSY_LEADER_SEARCH
         search = asyncio.ensure_future(matchmaking.look_for_group(
-            _Search(scheduled_time=get_dht_time() + 1.0, deadline=get_dht_time() + 1.0, data_for_gather=b"")))
+            _Search(scheduled_time=end, deadline=end, data_for_gather=b"")))
         while matchmaking.potential_leaders.declared_group_key is None:
             await asyncio.sleep(0.01)
         request = averaging_pb2.JoinRequest(schema_hash=b"schema", expiration=get_dht_time() + 10.0, gather=b"",
@@ -425,9 +433,10 @@ def join_a_busy_leader(busy: float, gate: bool = True):
 def test_a_leader_withdraws_an_acceptance_that_comes_after_half_the_request_timeout():
     """Two peers that ask each other both wait for their lock; the follower gives up after ``request_timeout``:
     hivemind's leader, its lock free, then counted a follower already gone, and assembled its group with it."""
-    codes, group = join_a_busy_leader(0.3, gate=False)  # (hivemind's matchmaking alone: BOB is counted)
+    late = 0.6 * BUSY_LEADER_REQUEST_TIMEOUT  # (after half the request timeout, well within the search)
+    codes, group = join_a_busy_leader(late, gate=False)  # (hivemind's matchmaking alone: BOB is counted)
     assert codes == [averaging_pb2.ACCEPTED, averaging_pb2.BEGIN_ALLREDUCE] and BOB in group.peer_ids
-    codes, group = join_a_busy_leader(0.3)
+    codes, group = join_a_busy_leader(late)
     assert codes == [averaging_pb2.BAD_EXPIRATION_TIME] and group is None
     codes, group = join_a_busy_leader(0.05)  # (within half the request timeout: accepted as before)
     assert codes == [averaging_pb2.ACCEPTED, averaging_pb2.BEGIN_ALLREDUCE] and set(group.peer_ids) == {ALICE, BOB}
