@@ -132,7 +132,7 @@ def run_case(workdir: Path, bootstrap_peers: str, n: int, variant: str, factor: 
                 max_seconds=cfg["max_seconds"], linger_seconds=min(epoch_seconds, 10.0))
     configs = [dict(peer, seed=i, snapshots=str(workdir / f"{name}_{i}")) for i in range(n)]
     records = run_peers(workdir, name, configs, timeout=cfg["max_seconds"] + 60)
-    apart = dict(param_summary(compare_snapshots(workdir, [f"{name}_{i}" for i in range(n)])),
+    apart = dict(param_summary(compare_snapshots([c["snapshots"] for c in configs])),
                  rounds_not_averaged=rounds_not_averaged(records))
     idles = [peer_idle(r, cfg["warmup_epochs"]) for r in records]
     splits = [boundary_split(r, *r["window"]) for r in records]

@@ -195,7 +195,7 @@ def run_session(cfg: dict[str, Any], workdir: Path, initial_peers: str, session:
                                      env=child_env(), cwd=ROOT))
                 outs.append(Path(peer["out"]))
                 ready.append(Path(peer["ready_file"]))
-                snaps.append(tag)
+                snaps.append(peer["snapshots"])
         deadline = time.monotonic() + cfg["max_seconds"] + 60
         wait_for_files(procs, ready, deadline, poll=0.1)
         go.touch()  # both swarms start training together
@@ -214,8 +214,8 @@ def run_session(cfg: dict[str, Any], workdir: Path, initial_peers: str, session:
     result: dict[str, Any] = {}
     peers = cfg["peers"]
     for k, impl in enumerate(IMPLS):
-        own, tags = records[k * peers:(k + 1) * peers], snaps[k * peers:(k + 1) * peers]
-        diffs = compare_snapshots(workdir, tags)
+        own, prefixes = records[k * peers:(k + 1) * peers], snaps[k * peers:(k + 1) * peers]
+        diffs = compare_snapshots(prefixes)
         result[impl] = dict(samples_per_s=sum(window_rate(r) for r in own),
                             epoch_seconds=median([epoch_seconds(r) for r in own]),
                             windows=[r["window_epochs"] for r in own], epochs_compared=len(diffs),

@@ -93,7 +93,7 @@ def run(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
                 rates[impl] += per_epoch[impl][:n]
                 cpu[impl].append(cpu_per_sample(by_impl[impl], batch))
             for impl in apart:
-                diffs = compare_snapshots(workdir, [f"b1_{session}_{impl}_{s}" for s in range(peers)])
+                diffs = compare_snapshots([c["snapshots"] for c in configs if c["impl"] == impl])
                 apart[impl].update({f"{session}.{epoch}": d for epoch, d in diffs.items()})
             not_averaged += rounds_not_averaged(by_impl["collabopt"])
             ratios += [c / h for c, h in zip(per_epoch["collabopt"][:n], per_epoch["hivemind"][:n], strict=True)]

@@ -80,7 +80,11 @@ def let_exit(procs: list[Process], seconds: float) -> None:
         time.sleep(0.5)
 
 
-# Peers of a swarm agree to float rounding (tests/swarm/helpers.py; hivemind's all-reduce adds `averaged - local`)
+# Peers of a swarm agree to float rounding: collabopt's all-reduce sends every member the same bytes of each averaged
+# part (peers that apply the same rounds in the default mode end bit-identical), but where a round's result is added
+# to a peer's local progress (the delta rule: use_local_updates with delay_state_averaging) peers can end ulps apart.
+# One tolerance for every mode. Ranks of one node (parameters broadcast) and single-process equivalences are compared
+# exactly.
 SWARM_ROUNDING = 1e-6
 
 
@@ -94,9 +98,9 @@ def save_snapshot(prefix: str, epoch: int, params: list[Any]) -> None:
     os.replace(f"{prefix}_e{epoch}.pt.tmp", f"{prefix}_e{epoch}.pt")
 
 
-def snapshot_paths(workdir: Path, prefix: str) -> dict[int, Path]:
-    """{epoch: file} of the snapshots :func:`save_snapshot` wrote under ``workdir`` for ``prefix`` (a file name)."""
-    return {int(p.stem.rsplit("_e", 1)[1]): p for p in workdir.glob(f"{prefix}_e*.pt")}
+def snapshot_paths(prefix: str) -> dict[int, Path]:
+    """{epoch: file} of the snapshots :func:`save_snapshot` wrote as ``prefix`` (a path)."""
+    return {int(p.stem.rsplit("_e", 1)[1]): p for p in Path(prefix).parent.glob(f"{Path(prefix).name}_e*.pt")}
 
 
 def parameter_differences(paths: list[dict[int, Path]]) -> dict[int, float]:
@@ -119,13 +123,14 @@ def remove_snapshots(prefix: str) -> None:
         path.unlink(missing_ok=True)
 
 
-def compare_snapshots(workdir: Path, prefixes: list[str]) -> dict[int, float]:
-    """:func:`parameter_differences` of the peers that saved snapshots as ``prefixes``; their files are removed."""
+def compare_snapshots(prefixes: list[str]) -> dict[int, float]:
+    """:func:`parameter_differences` of the peers that saved snapshots as ``prefixes`` (their configs'
+    ``snapshots``); their files are removed."""
     try:
-        return parameter_differences([snapshot_paths(workdir, prefix) for prefix in prefixes])
+        return parameter_differences([snapshot_paths(prefix) for prefix in prefixes])
     finally:
         for prefix in prefixes:
-            remove_snapshots(str(workdir / prefix))
+            remove_snapshots(prefix)
 
 
 def param_summary(diffs: dict[Any, float]) -> dict[str, Any]:

@@ -12,18 +12,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import os
 import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from benchmarks.common import worst
+from benchmarks.swarmrun import SWARM_ROUNDING
 from collabopt import processes
 from harness import launcher
 
@@ -33,12 +34,6 @@ WORKER = HERE / "peer_worker.py"
 IN_NETNS = ROOT / "tests" / "net" / "in_netns.py"
 
 
-# Peers of a swarm agree to float rounding: collabopt's all-reduce sends every member the same bytes of each averaged
-# part (peers that apply the same rounds in the default mode end bit-identical), but where a round's result is added
-# to a peer's local progress (the delta rule: use_local_updates with delay_state_averaging) peers can end ulps apart.
-# One tolerance for every mode. Ranks of one node (parameters broadcast) and single-process equivalences are compared
-# exactly.
-SWARM_ROUNDING = 1e-6
 
 
 def finish_line(tmp_path: Path, *names: str) -> list[str]:
@@ -177,15 +172,9 @@ def finish(procs: dict[str, processes.Process], timeout: float) -> None:
     assert not failed, "\n".join(logs)
 
 
-def largest(values: Iterable[float]) -> float:
-    """max() that a NaN cannot hide: Python's max() keeps its running value against a NaN met later."""
-    values = list(values)
-    return math.nan if any(v != v for v in values) else max(values)
-
-
 def max_param_diff(a: dict, b: dict) -> float:
     """The largest difference between two peers' parameters; NaN if either holds a NaN (no tolerance passes it)."""
-    return largest(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    return worst(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
 def rounds_log(tmp_path: Path, name: str, lines: int = 30) -> str:
@@ -275,5 +264,5 @@ def diffs_at_common_epochs(tmp_path: Path, names: list[str] | tuple[str, ...], s
     skip = set().union(*(results[name].get("downloaded_epochs", ()) for name in names)) if results else set()
     common = sorted(set.intersection(*(set(p) for p in params.values())) - skip)
     first = params[names[0]]
-    return {epoch: largest(diff(first[epoch], params[name][epoch]) for name in names[1:])
+    return {epoch: worst(diff(first[epoch], params[name][epoch]) for name in names[1:])
             for epoch in common if epoch >= since}

@@ -17,13 +17,13 @@ from helpers import (
     diffs_at_common_epochs,
     finish,
     finish_line,
-    largest,
     max_param_diff,
     read_params,
     read_result,
     start_peer,
     unique_run_id,
     wait_all,
+    worst,
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
@@ -64,7 +64,7 @@ def test_a_peer_of_another_model_stops_before_its_first_contribution_and_the_swa
     for name, proc in procs.items():
         assert "Traceback" not in proc.log(), f"{name}:\n{proc.log()[-4000:]}"
     diffs = diffs_at_common_epochs(tmp_path, ["a", "b"], results=results)
-    assert diffs and largest(diffs.values()) <= SWARM_ROUNDING, diffs
+    assert diffs and worst(diffs.values()) <= SWARM_ROUNDING, diffs
     params = {name: read_params(tmp_path, name) for name in "ab"}
     assert all(tuple(params[name]["0.weight"].shape) == (64, 16) for name in "ab")
 
@@ -112,4 +112,4 @@ def test_peers_that_start_together_with_another_model_than_most_stop_before_thei
                  for epoch in sorted(set(after["a"]) & set(after["b"]))}
     else:
         diffs = diffs_at_common_epochs(tmp_path, ["a", "b"], results=results)
-    assert diffs and largest(diffs.values()) <= SWARM_ROUNDING, diffs
+    assert diffs and worst(diffs.values()) <= SWARM_ROUNDING, diffs

@@ -24,11 +24,11 @@ from helpers import (
     diffs_at_common_epochs,
     finish,
     finish_line,
-    largest,
     read_result,
     start_bootstrap,
     start_peer,
     unique_run_id,
+    worst,
 )
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
@@ -97,7 +97,7 @@ def assert_honest_peers_equal(tmp_path: Path, results: dict) -> None:
     round, the hostile one too, receives the reducers' values."""
     diffs = diffs_at_common_epochs(tmp_path, HONEST, since=1, results=results, diff=apart)
     assert diffs, {name: results[name]["epochs_seen"] for name in HONEST}
-    assert largest(diffs.values()) <= SWARM_ROUNDING, diffs
+    assert worst(diffs.values()) <= SWARM_ROUNDING, diffs
 
 
 @pytest.fixture(scope="module")

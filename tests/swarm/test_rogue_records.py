@@ -20,10 +20,10 @@ from helpers import (
     SWARM_ROUNDING,
     Process,
     child_env,
-    largest,
     progress_epoch,
     start_bootstrap,
     unique_run_id,
+    worst,
 )
 from monitor_helpers import prometheus, start_monitor, start_worker, trace, wait_files, wait_state
 
@@ -103,6 +103,6 @@ def test_rogue_records_are_ignored_and_counted(tmp_path):
         assert after and after[-1] - after[0] >= 2, (name, after[:3], after[-3:])
     results = [json.loads((tmp_path / f"{name}.json").read_text()) for name in PEERS]
     assert results[0]["final_epoch"] == results[1]["final_epoch"]
-    diff = largest(abs(x - y) for p, q in zip(results[0]["params"], results[1]["params"], strict=True)
+    diff = worst(abs(x - y) for p, q in zip(results[0]["params"], results[1]["params"], strict=True)
                for x, y in zip(p, q, strict=True))
     assert diff <= SWARM_ROUNDING, diff

@@ -32,7 +32,7 @@ def test_a_peer_holding_nan_is_apart_whatever_the_order(tmp_path):
     values = {"a": [1.0, 1.0], "b": [1.0, 1.5], "c": [1.0, float("nan")]}
     for name, row in values.items():
         swarmrun.save_snapshot(str(tmp_path / name), 7, [torch.tensor(row[:1]), torch.tensor(row[1:])])
-    paths = {name: swarmrun.snapshot_paths(tmp_path, name) for name in values}
+    paths = {name: swarmrun.snapshot_paths(str(tmp_path / name)) for name in values}
     assert paths["a"] == {7: tmp_path / "a_e7.pt"}
     for order in (["a", "b", "c"], ["a", "c", "b"], ["c", "a", "b"]):
         diffs = swarmrun.parameter_differences([paths[n] for n in order])
@@ -47,7 +47,7 @@ def test_snapshots_of_a_peer_are_removed_before_a_run_and_after_the_comparison(t
     swarmrun.remove_snapshots(str(tmp_path / "p"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p_1_e1.pt", "q_e1.pt"]
     swarmrun.save_snapshot(str(tmp_path / "p"), 1, [torch.ones(2)])
-    assert swarmrun.compare_snapshots(tmp_path, ["p", "q"]) == {1: 0.0}
+    assert swarmrun.compare_snapshots([str(tmp_path / "p"), str(tmp_path / "q")]) == {1: 0.0}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p_1_e1.pt"]
 
 
