@@ -29,7 +29,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from hivemind.compression import CompressionBase, NoCompression, deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import (
+    CompressionBase,
+    CompressionInfo,
+    NoCompression,
+    deserialize_torch_tensor,
+    serialize_torch_tensor,
+)
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, aiter_with_timeout, anext, as_aiter
@@ -102,20 +108,22 @@ class AllReduceRound:
     :class:`~collabopt.engine.streams.MemberStub`). ``fractions``: each member's share of the vector to reduce (0 for
     a client-mode member). A sender that sends nothing within ``sender_timeout`` (or pauses that long), and a reducer
     that answers nothing within ``reducer_timeout``, is left out; ``reducer_timeout`` must exceed ``sender_timeout``
-    (a reducer waits for its slowest sender before it answers)."""
+    (a reducer waits for its slowest sender before it answers). ``tensor_infos``: each tensor's compression info
+    (:class:`~collabopt.engine.slices.Slices`; default: its index as key, no role)."""
 
     def __init__(self, *, group_id: bytes, members: Sequence[PeerID], me: int, tensors: Sequence[torch.Tensor],
                  weight: float, stub_for: Callable[[PeerID], Any], fractions: Sequence[float],
                  aggregate: Callable[[torch.Size], Aggregate] = MeanPart,
                  compression: CompressionBase = NoCompression(), part_size_bytes: int = 2**19,
-                 sender_timeout: float = 5.0, reducer_timeout: float = 10.0):
+                 sender_timeout: float = 5.0, reducer_timeout: float = 10.0,
+                 tensor_infos: Sequence[CompressionInfo] | None = None):
         if not reducer_timeout > sender_timeout:
             raise ValueError(f"reducer_timeout ({reducer_timeout}) must exceed sender_timeout ({sender_timeout}): a "
                              "reducer answers once its slowest sender's part came")
         self.group_id, self.members, self.me = group_id, tuple(members), me
         self.weight, self.stub_for, self.compression = float(weight), stub_for, compression
         self.sender_timeout, self.reducer_timeout = sender_timeout, reducer_timeout
-        self.slices = Slices(tensors, fractions, compression, part_size_bytes, PREFETCH)
+        self.slices = Slices(tensors, fractions, compression, part_size_bytes, PREFETCH, tensor_infos)
         self.container = self.slices.container
         self.expected = self.container.num_parts_by_peer
         self.local_parts = self.container.get_raw_input_parts(me)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from hivemind.averaging.matchmaking import Matchmaking
-from hivemind.compression import CompressionBase, NoCompression
+from hivemind.compression import CompressionBase, CompressionInfo, NoCompression
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
@@ -52,13 +52,14 @@ from collabopt.engine.group_search import (
     declared_expiration,
     verdict_patience,
 )
+from collabopt.engine.member_checks import entry_token_refusal
 from collabopt.engine.p2p import own_replica
 from collabopt.engine.part_reducer import AGGREGATES
 from collabopt.engine.replicas import ReplicaRecords
 from collabopt.engine.round_schema import round_schema
 from collabopt.engine.service_thread import ScheduledWork, ServiceThread
 from collabopt.engine.streams import MemberStub
-from collabopt.membership import MemberToken, SwarmKey, member_token_refusal, swarm_key_of
+from collabopt.membership import MemberToken, SwarmKey, swarm_key_of
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,8 @@ class AveragingService(ServiceThread):
 
     def schedule(self, template: Sequence[torch.Tensor], timeout: float = 30.0, gather: Any = None,
                  scheduled_time: float | None = None, contributes: Callable[[dict[PeerID, Any]], bool] | None = None,
-                 target_group_size: Any = ..., admits: Callable[[Any], bool] | None = None) -> ScheduledRound:
+                 target_group_size: Any = ..., admits: Callable[[Any], bool] | None = None,
+                 infos: Sequence[CompressionInfo] | None = None) -> ScheduledRound:
         """Begin a round now whose tensors come later (:meth:`ScheduledRound.run`): matchmaking assembles a group
         for tensors shaped like ``template`` until ``scheduled_time`` (DHT time; default: ``matchmaking_time`` from
         now) and gives up ``timeout`` seconds from now; the all-reduce begins once the group is assembled and the
@@ -168,18 +170,18 @@ class AveragingService(ServiceThread):
         part with weight 0 and zeros (its values must not count in this group, e.g. they belong to another epoch).
         ``admits(theirs)``: asked, while this peer leads, of each peer that asks to join (what it gathers); False
         refuses it (it looks for another leader; a client-mode peer, which can lead none, is never refused so).
-        ``target_group_size``: this round's (default: the service's)."""
+        ``target_group_size``: this round's (default: the service's); ``infos``: the tensors' compression infos."""
         if self._closed:
             raise RuntimeError("this AveragingService is closed")
         _check_tensors(template)
         if not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         shapes = [(t.shape, t.dtype) for t in template]
-        schema = round_schema(shapes, self.compression, self.part_size_bytes, self.aggregation)
+        schema = round_schema(shapes, self.compression, self.part_size_bytes, self.aggregation, infos)
         now = get_dht_time()
         search = _Search(scheduled_time=now + self.matchmaking_time if scheduled_time is None else scheduled_time,
                          deadline=now + timeout, data_for_gather=b"", admits=admits)
-        scheduled = ScheduledRound(self, shapes, float(timeout))
+        scheduled = ScheduledRound(self, shapes, float(timeout), infos)
         scheduled._trigger = self._event_loop.create_future()  # (set and read in the service's thread only)
         scheduled._future = asyncio.run_coroutine_threadsafe(
             self._scheduled(scheduled, schema, search, gather, contributes,
@@ -266,7 +268,7 @@ class AveragingService(ServiceThread):
                 tensors=tensors, weight=weight, stub_for=self._stub_for, fractions=fractions,
                 aggregate=AGGREGATES[self.aggregation], compression=self.compression,
                 part_size_bytes=self.part_size_bytes, sender_timeout=self.sender_timeout,
-                reducer_timeout=self.reducer_timeout)
+                reducer_timeout=self.reducer_timeout, tensor_infos=scheduled.infos)
             scheduled.began_allreduce = True
             with self.servicer.registered(round_):
                 deadline = max(start + scheduled.timeout, time.monotonic() + self.reducer_timeout)
@@ -284,7 +286,7 @@ class AveragingService(ServiceThread):
         if self._key is None:
             return None
         for peer, entry in zip(members, entries, strict=True):
-            refusal = _token_refusal(entry, self._key, self.prefix, peer.to_bytes())
+            refusal = entry_token_refusal(entry, self._key, self.prefix, peer.to_bytes())
             if refusal is not None:
                 return f"{peer} of this group is no member of the swarm ({refusal})"
         return None
@@ -293,11 +295,13 @@ class AveragingService(ServiceThread):
 class ScheduledRound(ScheduledWork):
     """A round of :meth:`AveragingService.schedule`: matchmaking runs, the all-reduce waits for :meth:`run`.
 
-    ``group``: the members, once assembled (None before). ``triggered``: :meth:`run` was called.
+    ``group``: the members, once assembled (None before). ``triggered``: :meth:`run` was called. ``infos``: the
+    tensors' compression infos (None: the default, :class:`~collabopt.engine.slices.Slices`).
     ``began_allreduce``: the all-reduce began (this member's tensors are in the round)."""
 
-    def __init__(self, service: AveragingService, shapes: list[tuple[torch.Size, torch.dtype]], timeout: float):
-        self.service, self.shapes, self.timeout = service, shapes, timeout
+    def __init__(self, service: AveragingService, shapes: list[tuple[torch.Size, torch.dtype]], timeout: float,
+                 infos: Sequence[CompressionInfo] | None = None):
+        self.service, self.shapes, self.timeout, self.infos = service, shapes, timeout, infos
         self.group: tuple[PeerID, ...] | None = None
         self.triggered = self.began_allreduce = False
         self._future: Any = None
@@ -345,7 +349,7 @@ class _MemberGate:
                              context: P2PContext) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
         arrived, entry = time.monotonic(), _loads(request.gather)
         if self.key is not None:
-            refusal = _token_refusal(entry, self.key, self.scope, context.remote_id.to_bytes())
+            refusal = entry_token_refusal(entry, self.key, self.scope, context.remote_id.to_bytes())
             if refusal is not None:
                 logger.warning("collabopt: refused %s in matchmaking: %s", context.remote_id, refusal)
                 yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
@@ -365,8 +369,8 @@ def declaration_for(request: averaging_pb2.JoinRequest, context: P2PContext, mat
     """A service's declaration for a member that asks (:class:`~collabopt.engine.group_search.SearchDHT`), given its
     ``matchmaking`` for the request's tensors (None: tensors it never matched, and the caller is no hint); with a
     swarm ``key``, only for a caller whose member token proves it a member."""
-    if matchmaking is None or (key is not None and _token_refusal(_loads(request.gather), key, prefix,
-                                                                  context.remote_id.to_bytes())):
+    if matchmaking is None or (key is not None and entry_token_refusal(_loads(request.gather), key, prefix,
+                                                                       context.remote_id.to_bytes())):
         return None
     hints.add_caller(context.remote_id)
     return declared_expiration(matchmaking, request.group_key)
@@ -377,17 +381,6 @@ def _loads(data: bytes) -> Any:
         return MSGPackSerializer.loads(data)
     except Exception:
         return None
-
-
-def _token_refusal(entry: Any, key: SwarmKey, scope: str, peer_id: bytes) -> str | None:
-    """Why a member's gathered ``entry`` (``[reduces, gather, token]``) does not prove it a member; None if it does."""
-    if not isinstance(entry, (list, tuple)) or len(entry) != 3 or entry[2] is None:
-        return "it sent no member token (no swarm key, or a peer without collabopt's membership checks)"
-    try:
-        token = MemberToken.from_bytes(entry[2])
-    except Exception:
-        return "its member token cannot be read"
-    return member_token_refusal(key, scope, token, peer_id)
 
 
 def _check_tensors(tensors: Sequence[torch.Tensor]) -> None:

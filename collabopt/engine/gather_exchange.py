@@ -36,9 +36,10 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
-from collabopt.engine.averager import _MemberGate, _Search, _token_refusal, declaration_for
+from collabopt.engine.averager import _MemberGate, _Search, declaration_for
 from collabopt.engine.gather_round import MAX_PAYLOAD_LIMIT, ExchangeRound, ExchangeServicer, _is_weight
 from collabopt.engine.group_search import DeclarationService, PeerHints, RoundMatchmaking, SearchDHT, verdict_patience
+from collabopt.engine.member_checks import entry_token_refusal
 from collabopt.engine.p2p import own_replica
 from collabopt.engine.replicas import ReplicaRecords
 from collabopt.engine.service_thread import ScheduledWork, ServiceThread
@@ -210,8 +211,8 @@ class ExchangeService(ServiceThread):
                 logger.warning("collabopt: %s is absent from this exchange round: %s", peer, absent)
                 keys.append(None)
                 continue
-            if self._key is not None and (refusal := _token_refusal(entry, self._key, self.prefix,
-                                                                    peer.to_bytes())) is not None:
+            if self._key is not None and (refusal := entry_token_refusal(entry, self._key, self.prefix,
+                                                                         peer.to_bytes())) is not None:
                 return f"{peer} of this group is no member of the swarm ({refusal})"
             gathered[peer] = gather
             keys.append(key)

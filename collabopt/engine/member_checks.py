@@ -6,7 +6,7 @@ check matches with the caller's authenticated peer id. hivemind's ``DownloadRequ
 downloader stores its token in the DHT record ``<prefix>.members`` (which only key holders can read or write) before
 it downloads (:func:`store_member_token`), and the serving member refuses a caller whose token it does not find
 there (:func:`download_refusal`; the download challenge too). The averaging rounds check the tokens in a group's
-gathered data themselves (:mod:`collabopt.engine.averager`).
+gathered data themselves (:func:`entry_token_refusal`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,18 @@ async def download_refusal(dht: Any, prefix: str, key: SwarmKey, caller: bytes) 
     return member_token_refusal(key, prefix, token, caller)
 
 
+def entry_token_refusal(entry: Any, key: SwarmKey, scope: str, peer_id: bytes) -> str | None:
+    """Why a member's gathered ``entry`` in a round's group (``[reduces, gather, token]``) does not prove it a member;
+    None if it does."""
+    if not isinstance(entry, (list, tuple)) or len(entry) != 3 or entry[2] is None:
+        return "it sent no member token (no swarm key, or a peer without collabopt's membership checks)"
+    try:
+        token = MemberToken.from_bytes(entry[2])
+    except Exception:
+        return "its member token cannot be read"
+    return member_token_refusal(key, scope, token, peer_id)
+
+
 def store_member_token(dht: Any, prefix: str) -> None:
     """(before a download, where the swarm has a key) Store this peer's member token in ``<prefix>.members``: the
     members it downloads from find it there. A failed store is logged: the download is tried all the same."""
@@ -55,4 +67,4 @@ def store_member_token(dht: Any, prefix: str) -> None:
         logger.warning("collabopt: this peer's member token was not stored: members may refuse its download")
 
 
-__all__ = ["MEMBERS_RECORD", "download_refusal", "store_member_token"]
+__all__ = ["MEMBERS_RECORD", "download_refusal", "entry_token_refusal", "store_member_token"]

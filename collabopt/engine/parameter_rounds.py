@@ -16,6 +16,9 @@ Rules, and why:
   a peer it expected is not coming (it downloads, or its lineage check sent it apart), and waiting the whole
   ``timeout`` would only keep this peer's state from the peers that download it. See docs/decisions.md, "Group size
   hint".
+* Each tensor goes to its round with hivemind's state averager's compression info (:func:`round_infos`: the
+  parameters' role and index, the statistics' role and (index, name), the extras' index): a compression that chooses
+  by role or key (``state_averaging_compression=RoleAdaptiveCompression(...)``) compresses each as hivemind would.
 * An auxiliary peer helps reduce and takes no average (weight 0): its parameters come from downloads.
 * The averaged tensors' lock is held from the group's assembly to the install, as hivemind holds it, not during
   matchmaking (the state served meanwhile is not the round's yet). A round whose all-reduce outlives the step's wait
@@ -36,13 +39,25 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from hivemind.compression import CompressionBase, NoCompression
+from hivemind.compression import CompressionBase, CompressionInfo, NoCompression, TensorRole
 
 from collabopt.engine import protocol
 from collabopt.engine.averager import AveragingResult, AveragingService, ScheduledRound
 from collabopt.engine.clipping import MIN_CLIPPED_GROUP
 
 logger = logging.getLogger(__name__)
+
+
+def round_infos(tensors: Sequence[torch.Tensor], parameters: int, statistics: Sequence[str],
+                extras: int) -> list[CompressionInfo]:
+    """The compression infos of a parameter round's ``tensors`` (``parameters`` parameters, then each statistic of
+    ``statistics`` for every parameter, then ``extras`` extra tensors), as hivemind's ``TrainingStateAverager`` gives
+    them; a count that does not add up to the tensors raises ValueError."""
+    keys = [*range(parameters), *((i, name) for name in statistics for i in range(parameters)), *range(extras)]
+    roles = [TensorRole.PARAMETER] * parameters + [TensorRole.OPTIMIZER] * parameters * len(statistics) + \
+        [TensorRole.UNSPECIFIED] * extras
+    return [CompressionInfo.from_tensor(tensor, key=key, role=role)
+            for tensor, key, role in zip(tensors, keys, roles, strict=True)]
 
 
 class RoundFailed(Exception):
@@ -125,16 +140,17 @@ class ParameterRounds:
             size = self.target_group_size if size is None else min(size, self.target_group_size)
         return None if size is None else max(size, self.min_group_size)
 
-    def schedule(self, template: Sequence[torch.Tensor], epoch: int, timeout: float | None = None) -> ParameterRound:
-        """Begin matchmaking now for a round of tensors shaped like ``template``, whose parameters will be of
-        ``epoch`` (gathered: only members at their group's epoch contribute)."""
+    def schedule(self, template: Sequence[torch.Tensor], epoch: int, timeout: float | None = None,
+                 infos: Sequence[CompressionInfo] | None = None) -> ParameterRound:
+        """Begin matchmaking now for a round of tensors shaped like ``template`` (``infos``: :func:`round_infos`),
+        whose parameters will be of ``epoch`` (gathered: only members at their group's epoch contribute)."""
         gather = {"epoch": int(epoch)}
         hint = self.group_size_hint
         hinted = hint is not None and hint[0] == epoch - 1  # (the boundary's epoch)
         scheduled = self.service.schedule(template, timeout=timeout or self.timeout, gather=gather,
                                           contributes=functools.partial(protocol.sync_contributes, gather),
                                           admits=functools.partial(protocol.sync_admits, gather),
-                                          target_group_size=self.group_size(epoch - 1))
+                                          target_group_size=self.group_size(epoch - 1), infos=infos)
         scheduled.on_done(self._assembled)
         return ParameterRound(scheduled, epoch, hinted)
 
@@ -223,4 +239,4 @@ class NoRounds:
     def shutdown(self) -> None:
         self.closed = True
 
-__all__ = ["NoRounds", "ParameterRound", "ParameterRounds", "RoundFailed"]
+__all__ = ["NoRounds", "ParameterRound", "ParameterRounds", "RoundFailed", "round_infos"]

@@ -8,8 +8,10 @@ Rules, and why:
   fraction of the elements, to one element (docs/decisions.md, "Slices of exactly their fraction").
 * A tensor with no element is in no slice: the container would give its empty part to whichever member it had
   reached, a client (fraction 0) too, and every sender would then try to reach that member.
-* Each piece keeps its tensor's compression info (its key and its whole shape), so an adaptive compression chooses for
-  a piece's parts as it does for its tensor's.
+* Each piece keeps its tensor's compression info (its key, its role and its whole shape), so an adaptive compression
+  chooses for a piece's parts as it does for its tensor's. A round's infos default to hivemind's averager's (the
+  tensor's index as key, no role); a parameter round passes hivemind's state averager's (roles: parameter,
+  optimizer statistic), so that a ``RoleAdaptiveCompression`` compresses each as hivemind would.
 * Every member cuts alike (the same arithmetic on the same fractions and shapes); the round's matchmaking key names
   this layout (:mod:`collabopt.engine.round_schema`), so members that cut otherwise never meet.
 """
@@ -59,12 +61,16 @@ class Slices:
     :func:`cut_at_slice_ends`; :meth:`whole` puts the container's outputs back into the tensors' shapes."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], fractions: Sequence[float], compression: CompressionBase,
-                 part_size_bytes: int, prefetch: int):
+                 part_size_bytes: int, prefetch: int, infos: Sequence[CompressionInfo] | None = None):
+        if infos is None:
+            infos = [CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(tensors)]
+        if len(infos) != len(tensors):
+            raise ValueError(f"{len(infos)} compression infos for {len(tensors)} tensors: give one per tensor")
         pieces, self.owners = cut_at_slice_ends(tensors, fractions)
         self.shapes = [tensor.shape for tensor in tensors]
         self.dtypes = [tensor.dtype for tensor in tensors]
-        infos = [CompressionInfo.from_tensor(tensors[owner], key=owner) for owner in self.owners]
-        self.container = TensorPartContainer(pieces, fractions, compression=compression, tensor_infos=infos,
+        self.container = TensorPartContainer(pieces, fractions, compression=compression,
+                                             tensor_infos=[infos[owner] for owner in self.owners],
                                              part_size_bytes=part_size_bytes, return_deltas=False, prefetch=prefetch)
 
     def whole(self, pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:

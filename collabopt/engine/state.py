@@ -165,7 +165,8 @@ class ConsistentStateAverager(TrainingState):
     def schedule_parameter_round(self, timeout: float) -> ParameterRound:
         """Begin matchmaking for the parameter round of the boundary about to be stepped (pass it to :meth:`step` as
         ``averaging_control``), sized by :attr:`group_size_hint`. The caller holds the round: it sees it fail."""
-        return self.rounds.schedule(self._averaged_tensors, self.local_epoch + 1, timeout)  # (the step's epoch)
+        return self.rounds.schedule(self._averaged_tensors, self.local_epoch + 1, timeout,  # (the step's epoch)
+                                    self._averaged_infos)
 
     @contextlib.contextmanager
     def closed_for_downloads(self) -> Iterator[None]:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from collabopt.engine.parameter_rounds import ParameterRound, RoundFailed
+from collabopt.engine.parameter_rounds import ParameterRound, RoundFailed, round_infos
 from collabopt.engine.training_components import build_components, param_groups
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,8 @@ class TrainingState:
         local = tuple(self._local_tensors())
         self._averaged_tensors = (*(t.detach() for t in self._averaged_parameters),
                                   *map(self._host_tensor, local[len(self.main_parameters):]))
+        self._averaged_infos = round_infos(self._averaged_tensors, len(self.main_parameters),
+                                           self.opt_keys_for_averaging, len(self.extra_tensors))
         self._old_tensors: tuple[torch.Tensor, ...] | None = None  # (delta rule: the tensors a round was handed)
         self._average_ready = False  # the averaged tensors hold a round's average not applied yet (not reused)
         self._label_lock = threading.Lock()
@@ -238,7 +240,7 @@ class TrainingState:
         began = stepped = False
         try:
             if averaging_round and control is None:
-                control = self.rounds.schedule(self._averaged_tensors, self.local_epoch, timeout)
+                control = self.rounds.schedule(self._averaged_tensors, self.local_epoch, timeout, self._averaged_infos)
             if wait_for_trigger is not None:
                 wait_for_trigger()
             began = True

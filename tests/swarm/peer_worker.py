@@ -258,6 +258,11 @@ def main(config_path: str) -> None:
 
         options["grad_compression"] = {"fp16": Float16Compression, "8bit": Uniform8BitQuantization}[
             cfg["grad_compression"]]()
+    if cfg.get("state_compression") == "parameters_fp16":  # parameter rounds: parameters in fp16, the rest whole
+        from hivemind.compression import Float16Compression, NoCompression, RoleAdaptiveCompression
+
+        options["state_averaging_compression"] = RoleAdaptiveCompression(parameter=Float16Compression(),
+                                                                         default=NoCompression())
     if cfg.get("powersgd_rank"):  # PowerSGD as users write it (collabopt runs its own PowerSGD round for it)
         from functools import partial
 

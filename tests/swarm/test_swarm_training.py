@@ -10,6 +10,7 @@ from helpers import (
     finish,
     finish_line,
     max_param_diff,
+    read_epoch_params,
     read_params,
     read_result,
     start_peer,
@@ -29,7 +30,10 @@ def run_swarm(tmp_path, initial_peers, configs: dict[str, dict], timeout: float 
 def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
     """Three peers of varying batch sizes (random, cycled, accumulated) count every sample, train, and are equal at
     every epoch; their gradient rounds compressed to fp16 (grad_compression: see
-    test_in_overlap_mode_a_peer_that_first_sees_the_swarm_an_epoch_ahead_joins_its_round, whose rounds are 8-bit)."""
+    test_in_overlap_mode_a_peer_that_first_sees_the_swarm_an_epoch_ahead_joins_its_round, whose rounds are 8-bit),
+    and their parameter rounds' parameters too, by role (``state_averaging_compression=RoleAdaptiveCompression(
+    parameter=Float16Compression())``: hivemind's state averager gives its tensors roles, and so do collabopt's
+    parameter rounds)."""
     run_id = unique_run_id("three")
     # matchmaking_time 1 s, not the harness's 2 s: the swarm fills an epoch in under a second, and every epoch waited
     # out the rest of the 2 s for its gradient round's group (what is checked does not depend on it).
@@ -37,7 +41,8 @@ def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
     # machine would be left out of a round's part (a fault this test does not inject)
     base = dict(run_id=run_id, target_batch_size=768, epochs=5, model_seed=0, lr=0.8, step_sleep=0.05,
                 finish_with=finish_line(tmp_path, "a", "b", "c"), wait_peers=3, save_epoch_params=True,
-                grad_compression="fp16", options=dict(matchmaking_time=1.0, next_chunk_timeout=5.0))
+                grad_compression="fp16", state_compression="parameters_fp16",
+                options=dict(matchmaking_time=1.0, next_chunk_timeout=5.0))
     configs = {
         "a": dict(base, seed=1, batch_sizes={"random": [8, 24]}),
         "b": dict(base, seed=2, batch_sizes=[5, 17, 32], count="batch"),
@@ -60,6 +65,13 @@ def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
     assert max_param_diff(params["a"], params["c"]) <= SWARM_ROUNDING
     apart = diffs_at_common_epochs(tmp_path, ["a", "b", "c"])  # and at every epoch they all reached
     assert len(apart) >= 5 and worst(apart.values()) <= SWARM_ROUNDING, apart
+    # a parameter round's average is what a peer holds right after its epoch change: fp16 values where it was
+    # installed (a round without roles sends the parameters whole: never all of them fp16 values). Every epoch of
+    # every peer in 3 runs; at least 3 asked, as of the gradient rounds above
+    for name in configs:
+        in_fp16 = [epoch for epoch, values in read_epoch_params(tmp_path, name).items() if epoch >= 1 and all(
+            torch.equal(value, value.half().float()) for value in values.values())]
+        assert len(in_fp16) >= 3, (name, in_fp16, "epochs whose parameters are a parameter round's fp16 values")
     # the peers really trained: parameters moved away from the common initialization
     start = torch.load(tmp_path / "a.start.pt")
     assert max_param_diff(params["a"], start) > 1e-3

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from hivemind.compression import CompressionInfo, Float16Compression, NoCompression, RoleAdaptiveCompression, TensorRole
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
@@ -140,7 +141,7 @@ class LocalStub:
         return answers()
 
 
-def run_rounds(inputs, weights, dead_reducer=None, dead_sender=None, cut_after=1):
+def run_rounds(inputs, weights, dead_reducer=None, dead_sender=None, cut_after=1, **options):
     peers = [PeerID(f"peer-{i}".encode()) for i in range(len(inputs))]
     rounds = {}
 
@@ -155,7 +156,8 @@ def run_rounds(inputs, weights, dead_reducer=None, dead_sender=None, cut_after=1
         for i, peer in enumerate(peers):
             rounds[peer] = AllReduceRound(group_id=b"g", members=peers, me=i, tensors=inputs[i], weight=weights[i],
                                           stub_for=stub_for(peer), fractions=[1.0] * len(peers),
-                                          part_size_bytes=4 * 100, sender_timeout=0.5, reducer_timeout=1.0)
+                                          part_size_bytes=4 * 100, sender_timeout=0.5, reducer_timeout=1.0,
+                                          **options)
         done = await asyncio.gather(*(rounds[peer].run(time.monotonic() + 5) for peer in peers))
         return {i: done[i] for i in range(len(peers)) if i not in (dead_reducer, dead_sender)}  # (the survivors)
 
@@ -175,6 +177,23 @@ def test_a_round_gives_every_member_the_same_bits_of_the_weighted_mean():
         assert all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True))
         assert evidence.complete and evidence.missing == () and evidence.received == 1.0 and not evidence.errors
         assert all(got == expected for got, expected in evidence.results_from.values())
+
+
+def test_a_round_compresses_each_tensor_as_its_role_says():
+    """A parameter round's tensors carry hivemind's roles (collabopt.engine.parameter_rounds.round_infos): with
+    ``RoleAdaptiveCompression(parameter=fp16)`` the parameter travels in fp16 and the optimizer statistic whole."""
+    inputs, weights = make_inputs(3), [1.0, 2.0, 4.0]
+    infos = [CompressionInfo.from_tensor(inputs[0][0], key=0, role=TensorRole.PARAMETER),
+             CompressionInfo.from_tensor(inputs[0][1], key=(0, "exp_avg"), role=TensorRole.OPTIMIZER)]
+    compression = RoleAdaptiveCompression(parameter=Float16Compression(), default=NoCompression())
+    results = run_rounds(inputs, weights, compression=compression, tensor_infos=infos)
+    exact = [weighted_mean([inputs[i][k] for i in range(3)], weights) for k in range(2)]
+    first = results[0][0]
+    for outputs, evidence in results.values():
+        assert evidence.complete and all(torch.equal(a, b) for a, b in zip(outputs, first, strict=True))
+    assert torch.equal(first[0], first[0].half().float()) and not torch.equal(first[0], exact[0])  # (in fp16)
+    assert torch.allclose(first[0], exact[0], atol=1e-2)
+    assert torch.equal(first[1], exact[1])  # (the statistic: whole)
 
 
 def test_a_sender_whose_answers_wait_holds_back_no_result_of_the_others():

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hivemind.compression import TensorRole
 
 from collabopt.engine import parameter_rounds
 from collabopt.engine.averager import AveragingResult
@@ -69,8 +70,9 @@ class Service:
         self.on_group, self.p2p, self.closed, self.rounds = on_group, SimpleNamespace(peer_id="me"), False, []
         self.assemble, self.averages = True, []
 
-    def schedule(self, template, *, timeout, gather, contributes, target_group_size, admits):
+    def schedule(self, template, *, timeout, gather, contributes, target_group_size, admits, infos=None):
         scheduled = Round(self, gather, self.averages.pop(0) if self.averages else None)
+        scheduled.infos = infos
         self.rounds.append(scheduled)
         if self.assemble:
             scheduled.group = ("me", "other")
@@ -176,6 +178,16 @@ def rounds(monkeypatch):
     monkeypatch.setattr(parameter_rounds, "AveragingService", Service)
     return ParameterRounds(None, prefix="test_state_averager", matchmaking_time=1.0, timeout=30.0,
                            sender_timeout=1.0, request_timeout=1.0)
+
+
+def test_a_rounds_compression_infos_reach_its_service(rounds):
+    infos = parameter_rounds.round_infos([torch.zeros(2), torch.zeros(2), torch.zeros(1)], 1, ["exp_avg"], 1)
+    assert [(info.key, info.role) for info in infos] == [
+        (0, TensorRole.PARAMETER), ((0, "exp_avg"), TensorRole.OPTIMIZER), (0, TensorRole.UNSPECIFIED)]
+    with pytest.raises(ValueError):  # (counts that do not add up to the tensors)
+        parameter_rounds.round_infos([torch.zeros(2), torch.zeros(2), torch.zeros(1)], 1, ["exp_avg"], 0)
+    rounds.schedule([torch.zeros(2), torch.zeros(2), torch.zeros(1)], epoch=1, infos=infos)
+    assert rounds.service.rounds[0].infos is infos
 
 
 def test_the_tensors_lock_is_free_during_matchmaking_and_held_from_the_group_to_the_install(rounds):

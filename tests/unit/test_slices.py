@@ -3,9 +3,17 @@ put back give the tensors, and an adaptive compression chooses for a cut tensor'
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hivemind.averaging.partition import TensorPartContainer
-from hivemind.compression import Float16Compression, NoCompression, SizeAdaptiveCompression
+from hivemind.compression import (
+    CompressionInfo,
+    Float16Compression,
+    NoCompression,
+    RoleAdaptiveCompression,
+    SizeAdaptiveCompression,
+    TensorRole,
+)
 
 import collabopt.engine.round_schema as round_schema_module
 from collabopt.engine.round_schema import round_schema
@@ -58,10 +66,34 @@ def test_an_adaptive_compression_chooses_for_a_cut_tensors_parts_as_for_the_whol
     assert set(kinds[first:]) == {NoCompression.compression_type}
 
 
+def test_a_role_adaptive_compression_chooses_by_the_roles_a_round_gives():
+    """hivemind's state averager gives its tensors roles; a round without them would compress every part alike."""
+    compression = RoleAdaptiveCompression(parameter=Float16Compression(), default=NoCompression())
+    tensors = [torch.zeros(1000), torch.zeros(300)]
+    infos = [CompressionInfo.from_tensor(tensors[0], key=0, role=TensorRole.PARAMETER),
+             CompressionInfo.from_tensor(tensors[1], key=(0, "exp_avg"), role=TensorRole.OPTIMIZER)]
+    slices = Slices(tensors, [1.0] * 4, compression, 400, prefetch=1, infos=infos)
+    kinds = [kind for kind, _ in slices.layout()]
+    first = sum(slices.container.num_parts_by_tensor[:len([o for o in slices.owners if o == 0])])
+    assert set(kinds[:first]) == {Float16Compression.compression_type}
+    assert set(kinds[first:]) == {NoCompression.compression_type}
+    without = Slices(tensors, [1.0] * 4, compression, 400, prefetch=1)
+    assert {kind for kind, _ in without.layout()} == {NoCompression.compression_type}
+    with pytest.raises(ValueError, match="2 compression infos for 3 tensors"):
+        Slices([*tensors, torch.zeros(3)], [1.0] * 4, compression, 400, prefetch=1, infos=infos)
+
+
 def test_members_that_cut_otherwise_never_share_a_matchmaking_key(monkeypatch):
     shapes = [(torch.Size([10]), torch.float32)]
     key = round_schema(shapes, NoCompression(), 2**19, "mean")
     assert key == round_schema(shapes, NoCompression(), 2**19, "mean")
+    roles = [CompressionInfo.from_tensor(torch.zeros(10), key=0, role=TensorRole.PARAMETER)]
+    assert round_schema(shapes, NoCompression(), 2**19, "mean", roles) != key  # (an adaptive one chooses by them)
+    others = [CompressionInfo.from_tensor(torch.zeros(10), key=0, role=TensorRole.OPTIMIZER)]
+    assert round_schema(shapes, NoCompression(), 2**19, "mean", others) != round_schema(
+        shapes, NoCompression(), 2**19, "mean", roles)
+    with pytest.raises(ValueError, match="1 compression infos for 2 tensors"):
+        round_schema(shapes * 2, NoCompression(), 2**19, "mean", roles)
     monkeypatch.setattr(round_schema_module, "LAYOUT", "whole parts")
     assert round_schema(shapes, NoCompression(), 2**19, "mean") != key
 

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 import torch
-from hivemind.optim.state_averager import initialize_optimizer_state_, load_optimizer_state
+from hivemind.compression import TensorRole
+from hivemind.optim.state_averager import TrainingStateAverager, initialize_optimizer_state_, load_optimizer_state
 
 from collabopt.engine import protocol
 from collabopt.engine.parameter_rounds import ParameterRound, RoundFailed
@@ -31,11 +32,12 @@ class Rounds:
     """Stand-in parameter rounds: each round's average is ``average(tensors)`` (None: it fails)."""
 
     def __init__(self, average=lambda tensors: [t + 1 for t in tensors]):
-        self.average, self.scheduled, self.handed = average, [], []
+        self.average, self.scheduled, self.handed, self.infos = average, [], [], []
         self.group_size_hint = None
 
-    def schedule(self, template, epoch, timeout=None):
+    def schedule(self, template, epoch, timeout=None, infos=None):
         self.scheduled.append(epoch)
+        self.infos.append(infos)
         return ParameterRound(Scheduled(), epoch)
 
     def finish(self, control, tensors, lock, timeout, may_write, late):
@@ -98,6 +100,36 @@ def test_a_boundary_steps_then_averages_and_the_model_holds_the_average(options)
     assert all(torch.allclose(h, s) for h, s in zip(state.rounds.handed[0], stepped, strict=True))  # step, then round
     assert all(torch.allclose(p, s + 1) for p, s in zip(model.parameters(), stepped, strict=True))
     assert not state.pending_updates and not state.averaging_in_progress
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_parameter_round_gives_its_tensors_hiveminds_compression_keys_and_roles(offload):
+    """As hivemind's state averager gives them (its own function read on this state), so that a
+    ``state_averaging_compression`` that chooses by role or key chooses as it does in hivemind."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    optimizer = (lambda groups: torch.optim.Adam(groups, lr=0.1)) if offload else \
+        torch.optim.Adam(model.parameters(), lr=0.1)
+    state = TrainingState(optimizer=optimizer, rounds=Rounds(), params=list(model.parameters()),
+                          offload_optimizer=offload, average_opt_statistics=("exp_avg", "exp_avg_sq"),
+                          extra_tensors=[torch.zeros(3)], initialize_optimizer=True)
+    model(torch.ones(4, 3)).sum().backward()
+    state.step(increment_epoch=True, optimizer_step=True, averaging_round=True, delay_averaging=False)
+    hiveminds = TrainingStateAverager._init_tensor_infos(state)
+    given = state.rounds.infos[0]
+    assert len(given) == len(hiveminds) == 4 + 2 * 4 + 1
+    assert [(i.key, i.role) for i in given] == [(i.key, i.role) for i in hiveminds]
+    assert [i.descriptor.shape for i in given] == [i.descriptor.shape for i in hiveminds]
+
+
+def test_the_synchronous_modes_scheduled_parameter_round_gets_the_infos_too():
+    averager = object.__new__(ConsistentStateAverager)
+    optimizer = torch.optim.Adam(torch.nn.Linear(3, 2).parameters(), lr=0.1)
+    TrainingState.__init__(averager, optimizer=optimizer, rounds=Rounds(), average_opt_statistics=["exp_avg"],
+                           initialize_optimizer=True)
+    averager.schedule_parameter_round(5.0)
+    assert averager.rounds.infos == [averager._averaged_infos]
+    assert [i.role for i in averager._averaged_infos] == [TensorRole.PARAMETER] * 2 + [TensorRole.OPTIMIZER] * 2
 
 
 @pytest.mark.parametrize("reuse", [True, False])
