@@ -34,8 +34,6 @@ WORKER = HERE / "peer_worker.py"
 IN_NETNS = ROOT / "tests" / "net" / "in_netns.py"
 
 
-
-
 def finish_line(tmp_path: Path, *names: str) -> list[str]:
     """``finish_with`` for a worker config: it trains on until every named peer reached the last epoch too (see
     ``peer_worker.at_finish_line``: hivemind may count a round one epoch later on one peer)."""

@@ -67,7 +67,7 @@ def test_three_peers_varying_batches_converge_in_sync(tmp_path, bootstrap):
     assert len(apart) >= 5 and worst(apart.values()) <= SWARM_ROUNDING, apart
     # a parameter round's average is what a peer holds right after its epoch change: fp16 values where it was
     # installed (a round without roles sends the parameters whole: never all of them fp16 values). Every epoch of
-    # every peer in 3 runs; at least 3 asked, as of the gradient rounds above
+    # every peer in 5 runs; at least 3 asked, as of the gradient rounds above
     for name in configs:
         in_fp16 = [epoch for epoch, values in read_epoch_params(tmp_path, name).items() if epoch >= 1 and all(
             torch.equal(value, value.half().float()) for value in values.values())]

@@ -9,13 +9,14 @@ import time
 
 import pytest
 import torch
-from hivemind.compression import CompressionInfo, Float16Compression, NoCompression, RoleAdaptiveCompression, TensorRole
+from hivemind.compression import Float16Compression, NoCompression, RoleAdaptiveCompression
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from collabopt.engine.allreduce import AllReduceRound
 from collabopt.engine.clipping import ClippedPart
+from collabopt.engine.parameter_rounds import round_infos
 from collabopt.engine.part_reducer import (
     ClipPart,
     MeanPart,
@@ -183,8 +184,7 @@ def test_a_round_compresses_each_tensor_as_its_role_says():
     """A parameter round's tensors carry hivemind's roles (collabopt.engine.parameter_rounds.round_infos): with
     ``RoleAdaptiveCompression(parameter=fp16)`` the parameter travels in fp16 and the optimizer statistic whole."""
     inputs, weights = make_inputs(3), [1.0, 2.0, 4.0]
-    infos = [CompressionInfo.from_tensor(inputs[0][0], key=0, role=TensorRole.PARAMETER),
-             CompressionInfo.from_tensor(inputs[0][1], key=(0, "exp_avg"), role=TensorRole.OPTIMIZER)]
+    infos = round_infos(inputs[0], 1, ["exp_avg"], 0)  # (a parameter and its statistic)
     compression = RoleAdaptiveCompression(parameter=Float16Compression(), default=NoCompression())
     results = run_rounds(inputs, weights, compression=compression, tensor_infos=infos)
     exact = [weighted_mean([inputs[i][k] for i in range(3)], weights) for k in range(2)]

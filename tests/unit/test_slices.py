@@ -16,6 +16,7 @@ from hivemind.compression import (
 )
 
 import collabopt.engine.round_schema as round_schema_module
+from collabopt.engine.parameter_rounds import round_infos
 from collabopt.engine.round_schema import round_schema
 from collabopt.engine.slices import Slices, cut_at_slice_ends
 
@@ -70,8 +71,7 @@ def test_a_role_adaptive_compression_chooses_by_the_roles_a_round_gives():
     """hivemind's state averager gives its tensors roles; a round without them would compress every part alike."""
     compression = RoleAdaptiveCompression(parameter=Float16Compression(), default=NoCompression())
     tensors = [torch.zeros(1000), torch.zeros(300)]
-    infos = [CompressionInfo.from_tensor(tensors[0], key=0, role=TensorRole.PARAMETER),
-             CompressionInfo.from_tensor(tensors[1], key=(0, "exp_avg"), role=TensorRole.OPTIMIZER)]
+    infos = round_infos(tensors, 1, ["exp_avg"], 0)  # (a parameter and its statistic, as a parameter round's)
     slices = Slices(tensors, [1.0] * 4, compression, 400, prefetch=1, infos=infos)
     kinds = [kind for kind, _ in slices.layout()]
     first = sum(slices.container.num_parts_by_tensor[:len([o for o in slices.owners if o == 0])])
